@@ -1,0 +1,151 @@
+"""Horovod backend: ``horovod.torch`` collectives under ``horovodrun``.
+
+Install with ``make horovod`` (scripts/build_horovod.sh): Horovod 0.28.1 must be built from source
+with C++17 to compile against current PyTorch (DESIGN.md "Horovod on current PyTorch"). Launch with
+``horovodrun --gloo -np N python script.py``.
+
+Design notes (why it looks like this):
+
+* **Names.** Horovod matches collectives across ranks by *name*, not by order, and refuses two
+  outstanding ops with one name. Each op gets ``adacomp.<op>.<n>`` from a per-backend counter; since
+  every rank issues the same collectives in the same order (DESIGN.md), ``n`` agrees across ranks.
+  The cost: a never-repeating name misses Horovod's response cache, so each op is negotiated by
+  the coordinator (a few microseconds with the Gloo controller).
+* **Sum / average.** Floating tensors use ``hvd.Sum`` / ``hvd.Average`` in place. Integer averages
+  are summed and floor-divided here, as in the torch backend, because Horovod's average scales
+  integers with a float factor.
+* **bfloat16.** Horovod 0.28.1 has no bfloat16 type. Allreduce upcasts a copy to float32 and
+  rounds back on ``wait()``; allgather / broadcast move the bits through an ``int16`` view (exact).
+* **Differing first dims** are native to ``hvd.allgather``; ``sizes`` is only checked, never needed.
+* **Timeout.** Horovod has no per-operation timeout; ``timeout_s`` is honoured for tensor
+  collectives by polling ``hvd.poll`` and raising :class:`~adacomp.errors.CommunicationError` at
+  the deadline (the op is abandoned; exit the process). Object collectives and ``barrier`` block in
+  Horovod without a deadline. ``timeout_s <= 0`` always uses the blocking ``hvd.synchronize``.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from adacomp.backends.base import Backend, Handle
+from adacomp.errors import CommunicationError
+
+_BITS_VIEW = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+
+
+def _import_horovod() -> Any:
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise RuntimeError(
+            f"backend 'horovod' needs horovod.torch, which is not importable ({exc}); build and "
+            "install it with `make horovod` (Horovod 0.28.1 patched for C++17, Gloo controller); "
+            "if torch was upgraded since, rebuild with `HOROVOD_FORCE=1 make horovod`") from exc
+    return hvd
+
+
+class HorovodBackend(Backend):
+    """horovod.torch transport; calls ``hvd.init()`` unless Horovod is already initialised."""
+
+    name = "horovod"
+
+    def __init__(self, timeout_s: float = 60.0):
+        self._hvd = _import_horovod()
+        self._timeout_s = float(timeout_s)
+        self._owns_init = False
+        if not self._hvd.is_initialized():
+            self._hvd.init()
+            self._owns_init = True
+        self._counter = itertools.count()
+        self._rank, self._size = self._hvd.rank(), self._hvd.size()
+
+    def _name(self, op: str) -> str:
+        return f"adacomp.{op}.{next(self._counter)}"
+
+    # ----------------------------------------------------------------------------- identity
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def local_rank(self) -> int:
+        return self._hvd.local_rank()
+
+    # ------------------------------------------------------------------------------ helpers
+    def _sync(self, handle: Any, what: str) -> Tensor:
+        """``hvd.synchronize`` bounded by ``timeout_s`` (see module docstring, "Timeout")."""
+        hvd = self._hvd
+        if self._timeout_s > 0 and not hvd.poll(handle):
+            start = time.monotonic()
+            while not hvd.poll(handle):
+                waited = time.monotonic() - start
+                if waited > self._timeout_s:
+                    raise CommunicationError(
+                        f"Horovod {what} on rank {self.rank()} did not complete within {self._timeout_s:g}s; "
+                        "expected every rank to issue the same collectives in the same order. A peer "
+                        "is stuck, dead or issued a different collective; raise timeout_s if it is slow")
+                # Horovod's background thread does the work; back off so polling stays cheap.
+                time.sleep(min(1e-3, max(1e-5, waited / 20)))
+        return hvd.synchronize(handle)
+
+    def _handle(self, handle: Any, what: str, finish: Callable[[Tensor], Tensor]) -> Handle:
+        return Handle(lambda: finish(self._sync(handle, what)))
+
+    # -------------------------------------------------------------------------- collectives
+    def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
+        hvd = self._hvd
+        upcast = tensor.dtype == torch.bfloat16
+        work = tensor.detach().float() if upcast else tensor.detach()
+        floating = work.is_floating_point()
+        op = hvd.Average if average and floating else hvd.Sum
+        handle = hvd.allreduce_async_(work, name=self._name("allreduce"), op=op)
+        size = self.size()
+
+        def finish(out: Tensor) -> Tensor:
+            if average and not floating and size > 1:
+                out.floor_divide_(size)
+            if upcast:
+                tensor.copy_(out)
+            return tensor
+        return self._handle(handle, "allreduce", finish)
+
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
+        if sizes is not None and (len(sizes) != self.size() or sizes[self.rank()] != tensor.shape[0]):
+            raise ValueError(f"sizes={sizes} does not match a world of {self.size()} with "
+                             f"{tensor.shape[0]} rows on rank {self.rank()}; pass the true first dims or None")
+        bits = _BITS_VIEW.get(tensor.dtype)
+        send = tensor.detach().contiguous()
+        handle = self._hvd.allgather_async(send.view(bits) if bits else send, name=self._name("allgather"))
+        return self._handle(handle, "allgather", lambda out: out.view(tensor.dtype) if bits else out)
+
+    def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
+        if not 0 <= root < self.size():
+            raise ValueError(f"root must be a rank in [0, {self.size()}), got {root}")
+        bits = _BITS_VIEW.get(tensor.dtype)
+        work = tensor.detach()
+        handle = self._hvd.broadcast_async_(work.view(bits) if bits else work, root_rank=root,
+                                            name=self._name("broadcast"))
+        return self._handle(handle, "broadcast", lambda _out: tensor)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
+
+    def barrier(self) -> None:
+        if hasattr(self._hvd, "barrier"):
+            self._hvd.barrier()
+        else:  # older Horovod: a one-element allreduce has the same synchronising effect
+            self.allreduce(torch.zeros(1))
+
+    def shutdown(self) -> None:
+        """Shut Horovod down only if this backend started it; safe to call twice."""
+        if self._owns_init and self._hvd.is_initialized():
+            self._hvd.shutdown()
+        self._owns_init = False

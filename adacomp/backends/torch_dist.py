@@ -1,0 +1,117 @@
+"""torch.distributed backend: gloo for CPU tensors, NCCL for CUDA tensors, env:// rendezvous.
+
+Started by torchrun or ``adacomp run`` (both set MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE /
+LOCAL_RANK). ``timeout_s`` bounds every collective, so a dead peer surfaces as an error instead
+of a hang.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from adacomp.backends.base import Backend, Handle
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = torch.zeros((rows - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])
+
+
+class TorchBackend(Backend):
+    """torch.distributed with the default process group (created here unless one exists)."""
+
+    name = "torch"
+
+    def __init__(self, timeout_s: float = 60.0):
+        self._owns_group = False
+        if not dist.is_initialized():
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+            if missing:
+                raise RuntimeError(
+                    f"backend 'torch' needs the env:// rendezvous variables {missing}; launch with "
+                    "`torchrun --nproc_per_node N script.py` or `adacomp run -np N -- python script.py`")
+            pg_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout_s))
+            self._owns_group = True
+        self._rank = dist.get_rank()
+        self._size = dist.get_world_size()
+        self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        size = self._size
+
+        def wait() -> Tensor:
+            work.wait()
+            if average and size > 1:
+                if tensor.is_floating_point():
+                    tensor.div_(size)
+                else:
+                    tensor.floor_divide_(size)
+            return tensor
+        return Handle(wait)
+
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
+        if sizes is None:
+            sizes = self.allgather_sizes(int(tensor.shape[0]))
+        if len(sizes) != self._size:
+            raise ValueError(f"sizes has {len(sizes)} entries for a world of {self._size}")
+        rows = max(sizes)
+        padded = _pad_rows(tensor.contiguous(), rows)
+        outs = [torch.empty_like(padded) for _ in range(self._size)]
+        work = dist.all_gather(outs, padded, async_op=True)
+
+        def wait() -> Tensor:
+            work.wait()
+            if all(s == rows for s in sizes):
+                return torch.cat(outs)
+            return torch.cat([o[:s] for o, s in zip(outs, sizes)])
+        return Handle(wait)
+
+    def allgather_sizes(self, n: int) -> list[int]:
+        t = torch.tensor([n], dtype=torch.int64)
+        outs = [torch.empty_like(t) for _ in range(self._size)]
+        dist.all_gather(outs, t)
+        return [int(o.item()) for o in outs]
+
+    def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
+        work = dist.broadcast(tensor, src=root, async_op=True)
+
+        def wait() -> Tensor:
+            work.wait()
+            return tensor
+        return Handle(wait)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        box = [obj if self._rank == root else None]
+        dist.broadcast_object_list(box, src=root)
+        return box[0]
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self._size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

@@ -1,0 +1,241 @@
+"""Allgather and AllgatherFast communicators (ADTopk paper §5, "communication and aggregation module").
+
+Both move the payloads of a whole bucket as ONE byte buffer (every payload tensor reinterpreted as
+``uint8`` and packed at 8-byte aligned offsets), so a bucket costs one data collective whatever
+its number of tensors. After the gather every rank holds every rank's payloads and aggregates:
+
+* sparse payloads ``[values, indices]``: the values of all ranks are added at their indices into
+  one zero buffer per entry (one ``index_add_``; memory traffic O(numel + world * k) instead of
+  decompressing ``world`` dense tensors), then divided by the world size;
+* other payloads (quantizers such as qsgd / efsignsgd that cannot be summed): ``decompress`` of
+  each rank's payload with this rank's ctx, summed, divided by the world size.
+
+``allgather`` lets ranks send different sizes (threshold sparsifiers): the per-tensor element
+counts of the bucket are exchanged first in one small allgather, which ``start`` waits for (a
+latency, not a bandwidth cost) before launching the data gather. ``allgather_fast`` (the paper's
+AllgatherFast) serves fixed-size compressors only: every rank's buffer has this rank's layout, so
+there is no size exchange, and the gathered buffer is read as a (world, bytes) matrix whose column
+ranges are the per-tensor payloads of all ranks at once (no per-rank split step).
+
+Deviation from the authors' code: their allgather sends each payload tensor in its own collective
+and their AllgatherFast also gathers dense tensors; here dense tensors belong on ``allreduce``
+(the optimizer routes them by ``min_numel`` / ``layers``), and one collective serves a bucket.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from adacomp.backends.base import Handle
+from adacomp.communicators.base import CommEnv, Communicator, Entry, register
+from adacomp.compressors.base import Compressor
+
+ALIGN = 8  # bytes; every segment starts at a multiple of the largest element size
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where one payload tensor sits in a packed byte buffer."""
+
+    offset: int
+    numel: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # this rank's shape; other ranks may differ in dim 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def shape_for(self, numel: int) -> tuple[int, ...]:
+        if len(self.shape) == 0:
+            return ()
+        if len(self.shape) == 1:
+            return (numel,)
+        return (-1, *self.shape[1:])
+
+
+def layout(tensors: list[Tensor], numels: list[int] | None = None) -> tuple[list[Segment], int]:
+    """Segments for ``tensors`` (or for another rank's ``numels`` of the same dtypes) and the
+    total padded size in bytes."""
+    segs, off = [], 0
+    for i, t in enumerate(tensors):
+        n = t.numel() if numels is None else int(numels[i])
+        seg = Segment(off, n, t.dtype, tuple(t.shape))
+        segs.append(seg)
+        off += _padded(seg.nbytes)
+    return segs, off
+
+
+def pack(tensors: list[Tensor], segs: list[Segment], total: int, device: torch.device) -> Tensor:
+    buf = torch.zeros(total, dtype=torch.uint8, device=device)
+    for t, s in zip(tensors, segs):
+        if s.numel:
+            buf[s.offset:s.offset + s.nbytes] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return buf
+
+
+def unpack(buf: Tensor, segs: list[Segment]) -> list[Tensor]:
+    return [buf[s.offset:s.offset + s.nbytes].view(s.dtype).reshape(s.shape_for(s.numel)) for s in segs]
+
+
+def _mean_sparse(e: Entry, vals: Tensor, idx: Tensor, world: int) -> Tensor:
+    """All ranks' values added at their indices into one zero buffer, divided by the world size."""
+    acc = torch.zeros(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device)
+    acc.index_add_(0, idx.reshape(-1).to(torch.int64), vals.reshape(-1).to(e.tensor.dtype))
+    return acc.div_(world).view(e.tensor.shape)
+
+
+def _mean_decompressed(e: Entry, payloads: list[list[Tensor]]) -> Tensor:
+    """Payloads that cannot be summed: decompress each rank's with this rank's ctx, then average."""
+    acc = sum(e.compressor.decompress(p, e.ctx).reshape(-1) for p in payloads)
+    return (acc / len(payloads)).view(e.tensor.shape)
+
+
+def aggregate(entries: list[Entry], per_rank: list[list[list[Tensor]]]) -> list[Tensor]:
+    """Mean over ranks per entry; ``per_rank[r][i]`` is rank r's payload of entry i."""
+    world = len(per_rank)
+    out = []
+    for i, e in enumerate(entries):
+        if e.compressor.sparse:
+            out.append(_mean_sparse(e, torch.cat([p[i][0].reshape(-1) for p in per_rank]),
+                                    torch.cat([p[i][1].reshape(-1) for p in per_rank]), world))
+        else:
+            out.append(_mean_decompressed(e, [p[i] for p in per_rank]))
+    return out
+
+
+def _split_counts(flat: list[Tensor], counts: list[int]) -> list[list[Tensor]]:
+    res, off = [], 0
+    for c in counts:
+        res.append(flat[off:off + c])
+        off += c
+    return res
+
+
+def why_not(communicator: str, compressor: Compressor) -> str | None:
+    """Why ``communicator`` (``allgather`` / ``allgather_fast``) cannot carry ``compressor``."""
+    if compressor.rounds != 1:
+        return f"it needs {compressor.rounds} communication rounds of summed payloads"
+    if communicator == "allgather_fast" and not compressor.fixed_size:
+        return ("its payload size depends on the gradient values, so ranks cannot know each "
+                "other's sizes without an exchange")
+    return None
+
+
+def fits(compressor: Compressor) -> list[str]:
+    """Communicators for ``compressor`` from the capability flags (``additive`` -> allreduce).
+    Computed here rather than with ``communicators.fitting`` because that calls every ``check``,
+    and a check that calls ``fitting`` again never terminates."""
+    out = ["allreduce"] if compressor.additive else []
+    return out + [n for n in ("allgather", "allgather_fast") if why_not(n, compressor) is None]
+
+
+def _check(communicator: str, compressor: Compressor) -> None:
+    reason = why_not(communicator, compressor)
+    if reason is not None:
+        raise Communicator.incompatible(communicator, compressor, reason,
+                                        [n for n in fits(compressor) if n != communicator])
+
+
+@dataclass
+class _Pending:
+    entries: list[Entry]
+    counts: list[int]
+    handle: Handle
+    segs: list[list[Segment]]  # per rank
+    totals: list[int]  # bytes per rank
+
+
+@register("allgather")
+class AllgatherCommunicator(Communicator):
+    """Gather every rank's payloads (sizes may differ per rank), aggregate locally, average.
+
+    Fits every single-round compressor; the one for variable-size sparsifiers (dgc, gaussiank,
+    redsync, sidco, mstopk, adtopk_t). Cost per bucket: one small blocking allgather of element
+    counts, then one allgather of the packed payload bytes.
+    """
+
+    def check(self, compressor: Compressor) -> None:
+        _check("allgather", compressor)
+
+    def start(self, entries: list[Entry], env: CommEnv) -> Any:
+        self.compress_entries(entries, env)
+        tensors = [p for e in entries for p in e.payload]  # type: ignore[union-attr]
+        counts = [len(e.payload) for e in entries]  # type: ignore[arg-type]
+        world = env.backend.size()
+        device = entries[0].tensor.device
+        with env.stats.timing("comm"):
+            mine = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+            numels = env.backend.allgather(mine, sizes=[len(tensors)] * world).view(world, -1).tolist()
+            segs, totals = [], []
+            for r in range(world):
+                s, tot = layout(tensors, numels[r])
+                segs.append(s)
+                totals.append(tot)
+            buf = pack(tensors, segs[env.backend.rank()], totals[env.backend.rank()], device)
+            if max(totals) == 0:
+                handle = Handle.completed(buf)
+            else:
+                handle = env.backend.allgather_async(buf, sizes=totals)
+        return _Pending(entries, counts, handle, segs, totals)
+
+    def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
+        p: _Pending = pending
+        with env.stats.timing("comm"):
+            gathered = p.handle.wait()
+        with env.stats.timing("compress"):
+            per_rank, off = [], 0
+            for segs, tot in zip(p.segs, p.totals):
+                per_rank.append(_split_counts(unpack(gathered[off:off + tot], segs), p.counts))
+                off += tot
+            return aggregate(p.entries, per_rank)
+
+
+@register("allgather_fast")
+class AllgatherFastCommunicator(Communicator):
+    """AllgatherFast (ADTopk §5): fixed-size payloads, one allgather of known size per bucket.
+
+    No size exchange and no per-rank split: the gathered bytes are viewed as a (world, bytes)
+    matrix and each payload tensor of all ranks is one column range of it. Refuses compressors
+    whose payload size depends on the data (threshold sparsifiers): use ``allgather`` for those.
+    """
+
+    def check(self, compressor: Compressor) -> None:
+        _check("allgather_fast", compressor)
+
+    def start(self, entries: list[Entry], env: CommEnv) -> Any:
+        self.compress_entries(entries, env)
+        tensors = [p for e in entries for p in e.payload]  # type: ignore[union-attr]
+        counts = [len(e.payload) for e in entries]  # type: ignore[arg-type]
+        world = env.backend.size()
+        with env.stats.timing("comm"):
+            segs, total = layout(tensors)
+            buf = pack(tensors, segs, total, entries[0].tensor.device)
+            handle = env.backend.allgather_async(buf, sizes=[total] * world) if total else Handle.completed(buf)
+        return _Pending(entries, counts, handle, [segs], [total] * world)
+
+    def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
+        p: _Pending = pending
+        world, total, segs = len(p.totals), p.totals[0], p.segs[0]
+        with env.stats.timing("comm"):
+            gathered = p.handle.wait()
+        with env.stats.timing("compress"):
+            mat = gathered.view(world, total)
+            cols = [mat[:, s.offset:s.offset + s.nbytes].view(s.dtype) for s in segs]  # (world, numel)
+            out, j = [], 0
+            for e, c in zip(p.entries, p.counts):
+                if e.compressor.sparse:
+                    out.append(_mean_sparse(e, cols[j], cols[j + 1], world))
+                else:
+                    out.append(_mean_decompressed(
+                        e, [[cols[j + q][r].reshape(segs[j + q].shape_for(segs[j + q].numel)) for q in range(c)]
+                            for r in range(world)]))
+                j += c
+            return out

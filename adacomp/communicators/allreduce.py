@@ -1,0 +1,81 @@
+"""Allreduce communicator: one fused allreduce (mean) per bucket and per round.
+
+Carries additive payloads only (dense, fp16, randomk with a shared seed, PowerSGD / ACP-SGD
+factors). Multi-round compressors get each round's mean payload through ``next_round``; rounds are
+run in ``finish`` in bucket order so every rank issues the same sequence of collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from adacomp.backends.base import Handle
+from adacomp.communicators.base import CommEnv, Communicator, Entry, register
+from adacomp.communicators.fuse import flatten, unflatten
+from adacomp.compressors.base import Compressor
+
+
+@dataclass
+class _Pending:
+    entries: list[Entry]
+    handle: Handle
+    layout: list
+    counts: list[int]
+    round_index: int = 0
+
+
+@register("allreduce")
+class AllreduceCommunicator(Communicator):
+    """Sum-then-average of additive payloads with a single fused buffer per round."""
+
+    def check(self, compressor: Compressor) -> None:
+        if not compressor.additive:
+            from adacomp.communicators.base import fitting
+            raise self.incompatible("allreduce", compressor,
+                                    "its payloads cannot be summed element-wise across ranks",
+                                    [n for n in fitting(compressor) if n != "allreduce"])
+
+    @staticmethod
+    def _launch(entries: list[Entry], env: CommEnv, round_index: int) -> _Pending:
+        tensors = [p for e in entries for p in e.payload]  # type: ignore[union-attr]
+        counts = [len(e.payload) for e in entries]  # type: ignore[arg-type]
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
+            raise TypeError(f"allreduce payloads of one bucket must share a dtype, got {sorted(map(str, dtypes))}")
+        with env.stats.timing("comm"):
+            buf, layout = flatten(tensors)
+            handle = env.backend.allreduce_async(buf, average=True)
+        return _Pending(entries, handle, layout, counts, round_index)
+
+    def start(self, entries: list[Entry], env: CommEnv) -> Any:
+        self.compress_entries(entries, env)
+        return self._launch(entries, env, 0)
+
+    def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
+        p: _Pending = pending
+        while True:
+            with env.stats.timing("comm"):
+                buf = p.handle.wait()
+            parts = unflatten(buf, p.layout)
+            means, off = [], 0
+            for c in p.counts:
+                means.append(parts[off:off + c])
+                off += c
+            nxt = p.round_index + 1
+            if all(nxt >= e.compressor.rounds for e in p.entries):
+                break
+            with env.stats.timing("compress"):
+                for e, mean in zip(p.entries, means):
+                    e.payload, e.ctx = e.compressor.next_round(nxt, mean, e.ctx)
+            for e in p.entries:
+                env.stats.bytes_sent += sum(t.numel() * t.element_size() for t in e.payload)  # type: ignore[union-attr]
+            p = self._launch(p.entries, env, nxt)
+        out = []
+        with env.stats.timing("compress"):
+            for e, mean in zip(p.entries, means):
+                if e.compressor.rounds > 1:
+                    e.memory.update(e.tensor, e.name, e.compressor, mean, e.ctx)
+                out.append(e.compressor.decompress(mean, e.ctx).view(e.tensor.shape))
+        return out

@@ -1,0 +1,127 @@
+"""Communicator contract: move the payloads of one fusion bucket and return the mean over ranks.
+
+The optimizer hands a communicator a bucket (a list of :class:`Entry`, one per parameter, or one
+entry for a whole bucket when the compressor's granularity is ``"bucket"``). ``start`` compresses
+the entries, updates error-feedback memory and launches the collective(s) without waiting;
+``finish`` waits, runs any further rounds (PowerSGD's Q), decompresses and returns, per entry, the
+**mean over ranks** of what the ranks sent, in the entry's shape.
+
+The optimizer calls ``start`` for buckets in bucket-index order and ``finish`` in the same order on
+every rank; a communicator must launch its collectives in an order that depends only on that
+schedule and on the bucket contents' *shapes*, never on timing (DESIGN.md, ordering rule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from adacomp.backends.base import Backend
+from adacomp.compressors.base import Compressor
+from adacomp.errors import IncompatibleComponentsError
+from adacomp.memories.base import Memory
+from adacomp.metrics import StepStats
+from adacomp.registry import Registry
+
+registry: Registry["Communicator"] = Registry("communicator", "adacomp.communicators")
+register = registry.register
+
+
+@dataclass
+class Entry:
+    """One tensor travelling through a communicator.
+
+    ``tensor`` is the error-compensated gradient in its original shape; ``payload`` / ``ctx`` are
+    filled by :meth:`Communicator.compress_entries`.
+    """
+
+    name: str
+    tensor: Tensor
+    compressor: Compressor
+    memory: Memory
+    payload: list[Tensor] | None = None
+    ctx: Any = None
+
+
+@dataclass
+class CommEnv:
+    """What a communicator may use during one step: the transport, the step counter and the
+    step's statistics."""
+
+    backend: Backend
+    stats: StepStats
+    step: int = 0
+    bucket_index: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Communicator:
+    """Base class. Subclasses implement :meth:`start` and :meth:`finish` and declare in
+    :meth:`check` which compressors they can carry."""
+
+    name: ClassVar[str] = "base"
+
+    def check(self, compressor: Compressor) -> None:
+        """Raise :class:`IncompatibleComponentsError` if ``compressor``'s payload cannot travel here."""
+
+    def start(self, entries: list[Entry], env: CommEnv) -> Any:
+        """Compress ``entries``, update memory, launch the collective(s); return a pending object."""
+        raise NotImplementedError(f"{type(self).__name__} must implement start()")
+
+    def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
+        """Wait for ``pending`` and return the mean over ranks per entry, in each entry's shape."""
+        raise NotImplementedError(f"{type(self).__name__} must implement finish()")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"communicator {self.name!r} is stateless but got keys {sorted(state)}")
+
+    # Shared helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def compress_entries(entries: list[Entry], env: CommEnv) -> None:
+        """Compress every entry; for single-round compressors update memory right away (the
+        residual is what *this* rank did not send). Records compress time and gain."""
+        with env.stats.timing("compress"):
+            for e in entries:
+                e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
+                if e.compressor.rounds == 1:
+                    e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
+        for e in entries:
+            env.stats.bytes_sent += sum(p.numel() * p.element_size() for p in e.payload)
+            env.stats.dense_bytes += e.tensor.numel() * e.tensor.element_size()
+            if e.compressor.sparse:  # gain E||g_c||^2 / E||g_e||^2 (AR-Topk §2-C3), cheap for sparse
+                env.stats.add_gain(float(e.payload[0].float().square().sum()),
+                                   float(e.tensor.float().square().sum()))
+
+    @staticmethod
+    def incompatible(comm: str, compressor: Compressor, why: str, fits: list[str]) -> IncompatibleComponentsError:
+        return IncompatibleComponentsError(
+            "communicator",
+            f"compressor {compressor.name!r} cannot use communicator {comm!r}: {why}. "
+            f"Communicators that fit: {', '.join(fits)}")
+
+
+def get(name: str, **params: Any) -> Communicator:
+    return registry.get(name, **params)
+
+
+def names() -> list[str]:
+    return registry.names()
+
+
+def fitting(compressor: Compressor) -> list[str]:
+    """Names of communicators that accept ``compressor``."""
+    out = []
+    for n in names():
+        try:
+            registry.cls(n)().check(compressor)
+        except IncompatibleComponentsError:
+            continue
+        except TypeError:  # needs constructor arguments; assume it fits
+            pass
+        out.append(n)
+    return out

@@ -1,0 +1,146 @@
+"""Shared pieces of the low-rank compressors ``powersgd`` and ``acpsgd`` (ACP-SGD paper, Alg. 1-2).
+
+Both view a gradient as a matrix ``M`` of shape ``(shape[0], -1)`` (a conv weight
+``[out, in, kh, kw]`` becomes ``out x in*kh*kw``, as in PowerSGD and PyTorch's hook) and approximate
+it by ``P Q^T`` with ``P: n x r`` and ``Q: m x r``. What they share lives here: the bypass rule, the
+orthogonalisation, the seeded initial factors and the step counter.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from adacomp.compressors.base import Compressor
+
+
+def as_matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """``(n, m)`` of the matrix view ``(shape[0], -1)``; ``(numel, 1)`` for scalars and vectors."""
+    shape = torch.Size(shape)
+    if len(shape) < 2:
+        return int(shape.numel()), 1
+    return int(shape[0]), int(shape.numel() // max(shape[0], 1))
+
+
+def orthogonalize(x: Tensor, epsilon: float = 0.0) -> Tensor:
+    """Orthonormal basis of the columns of ``x`` (``n x r``), returned as a new tensor.
+
+    Rank <= 2 uses Gram-Schmidt (cheaper than a QR call; PyTorch's hook makes the same choice) with
+    ``col / (norm + epsilon)``; with ``epsilon == 0`` an all-zero column stays zero instead of
+    becoming NaN (the hook would give NaN there).
+    Larger ranks use reduced QR (``torch.linalg.qr``, §IV-C), which never divides by a norm.
+    Half-precision inputs are orthogonalised in float32 (QR has no half kernels) and cast back.
+    """
+    work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if work.shape[1] <= 2:
+        cols = []
+        for i in range(work.shape[1]):
+            c = work[:, i].clone()
+            for prev in cols:
+                c -= torch.dot(prev, c) * prev
+            norm = torch.linalg.vector_norm(c)
+            # epsilon 0 (the hook's default) still must not turn an all-zero column into NaN
+            c = c / (norm + epsilon) if epsilon > 0 else c / norm.clamp_min(torch.finfo(c.dtype).tiny)
+            cols.append(c)
+        out = torch.stack(cols, dim=1)
+    else:
+        out = torch.linalg.qr(work, mode="reduced").Q
+    return out.to(x.dtype)
+
+
+def name_seed(seed: int, name: str) -> int:
+    """Seed of a tensor's initial factors: depends on the compressor's ``seed`` and the tensor name
+    only (crc32, stable across processes unlike ``hash``), so every rank draws the same factors
+    whatever order tensors are first seen in, and per-parameter compressor instances agree too."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode("utf-8"))) % (2 ** 63 - 1)
+
+
+class LowRankCompressor(Compressor):
+    """Base of ``powersgd`` and ``acpsgd``: parameters, bypass rule, factors, step counter.
+
+    Parameters (names follow the ACP-SGD paper / PyTorch's ``PowerSGDState``):
+
+    * ``rank``: the approximation rank r (paper default 4); clamped to ``min(n, m)`` per tensor.
+    * ``min_compression_rate``: compress an ``n x m`` matrix only if ``(n + m) r * rate < n m``
+      (PyTorch hook, default 2); other tensors, and all 0-/1-D tensors, travel dense.
+    * ``start_iter``: number of initial steps that send every tensor dense (the hook's
+      ``start_powerSGD_iter``; its default 1000 is not ours: neither paper has a dense warm-up,
+      so the default is 0).
+    * ``orthogonalization_epsilon``: guard added to column norms in Gram-Schmidt (rank <= 2).
+    * ``seed``: seeds the compressor's own generator for the initial random factors.
+    """
+
+    additive = True
+    fixed_size = True
+    sparse = False
+
+    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, start_iter: int = 0,
+                 orthogonalization_epsilon: float = 0.0, seed: int = 0):
+        self.rank = self._check_rank(rank)
+        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
+                or min_compression_rate < 0:
+            raise ValueError(f"min_compression_rate must be a number >= 0, got {min_compression_rate!r}; "
+                             "use 2 (PyTorch's default) or 0 to compress every matrix")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"start_iter must be an int >= 0, got {start_iter!r}")
+        if not isinstance(orthogonalization_epsilon, (int, float)) or orthogonalization_epsilon < 0:
+            raise ValueError(f"orthogonalization_epsilon must be >= 0, got {orthogonalization_epsilon!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.min_compression_rate = float(min_compression_rate)
+        self.start_iter = int(start_iter)
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.seed = int(seed)
+        self.step = 0  # completed optimizer steps (on_step)
+        self._gen = torch.Generator(device="cpu")
+
+    @staticmethod
+    def _check_rank(rank: Any) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be an int >= 1, got {rank!r}; PowerSGD / ACP-SGD use 1-4 for "
+                             "CNNs and 32+ for large transformers")
+        return rank
+
+    # Which tensors are compressed ---------------------------------------------------------------
+    def matrix_rank(self, shape: torch.Size) -> int:
+        n, m = as_matrix_shape(shape)
+        return min(self.rank, n, m)
+
+    def compresses(self, shape: torch.Size) -> bool:
+        """True when a tensor of ``shape`` is sent as factors (shape rule only, warm-up aside)."""
+        if len(torch.Size(shape)) < 2:
+            return False
+        n, m = as_matrix_shape(shape)
+        return (n + m) * self.matrix_rank(shape) * self.min_compression_rate < n * m
+
+    def warming_up(self) -> bool:
+        return self.step < self.start_iter
+
+    def set_rank(self, rank: int) -> None:
+        """Change r between steps (per-layer rank policies); factors of the old rank are redrawn."""
+        self.rank = self._check_rank(rank)
+
+    # Factors --------------------------------------------------------------------------------------
+    def initial_factor(self, name: str, which: str, rows: int, r: int, like: Tensor) -> Tensor:
+        """i.i.d. standard normal ``rows x r`` factor (Alg. 2: P_0, Q_0 ~ N(0, 1)), identical on all
+        ranks; drawn on CPU from the compressor's own generator, then moved to ``like``'s device."""
+        self._gen.manual_seed(name_seed(self.seed, f"{name}/{which}"))
+        out = torch.randn(rows, r, generator=self._gen, dtype=torch.float32)
+        return out.to(device=like.device, dtype=like.dtype)
+
+    def on_step(self, step: int) -> None:
+        self.step = int(step)
+
+    def _base_state(self) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "seed": self.seed}
+
+    def _load_base_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
+        self.rank = self._check_rank(int(state.get("rank", self.rank)))
+        self.seed = int(state.get("seed", self.seed))
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, min_compression_rate={self.min_compression_rate}, "
+                f"start_iter={self.start_iter}, seed={self.seed})")

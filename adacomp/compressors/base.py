@@ -1,0 +1,135 @@
+"""Compressor contract and the registry every gradient compressor plugs into.
+
+A compressor turns one tensor into a *payload* (a list of tensors that travels between ranks) and a
+*ctx* (stays local). It never calls a collective: the communicator moves payloads, and for methods
+with several communication rounds (PowerSGD's P then Q) the communicator drives the rounds through
+:meth:`Compressor.next_round`.
+
+Rules every implementation follows:
+
+* ``ctx`` may depend only on the tensor's shape / dtype / device and on state that is identical on
+  every rank, because a communicator may decompress *another* rank's payload with this rank's ctx
+  (allgather).
+* Sparse compressors (``sparse = True``) return ``payload == [values, indices]`` with indices into the
+  flattened tensor; ``decompress`` scatters into zeros.
+* Per-tensor state (thresholds, factors, counters) is keyed by the tensor name and exposed through
+  :meth:`state_dict` / :meth:`load_state_dict` so a resumed run equals an uninterrupted one.
+* Random compressors own a ``torch.Generator``; the global RNG is never touched.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from adacomp.registry import Registry
+
+registry: Registry["Compressor"] = Registry("compressor", "adacomp.compressors")
+register = registry.register
+
+Payload = list[Tensor]
+
+
+class Compressor:
+    """Base class: subclasses set the capability flags and implement compress / decompress.
+
+    Capability flags (class data, checked when the optimizer is built):
+
+    * ``additive``: payloads of all ranks may be summed element-wise (allreduce-compatible).
+    * ``fixed_size``: payload sizes depend only on the tensor shape, never on its values
+      (``allgather_fast`` needs this).
+    * ``sparse``: payload is ``[values, indices]``.
+    * ``rounds``: number of communication rounds (PowerSGD has 2).
+    * ``biased``: E[decompress(compress(g))] != g; ``memory: auto`` then picks ``residual`` error
+      feedback (unbiased ones such as qsgd get no memory by default).
+    * ``granularity``: ``"tensor"`` compresses each parameter's gradient, ``"bucket"`` compresses the
+      flattened gradient of a whole fusion bucket (gtopk, oktopk: one selection over many layers).
+    """
+
+    name: ClassVar[str] = "base"
+    additive: ClassVar[bool] = False
+    fixed_size: ClassVar[bool] = True
+    sparse: ClassVar[bool] = False
+    rounds: ClassVar[int] = 1
+    biased: ClassVar[bool] = True
+    granularity: ClassVar[str] = "tensor"
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement compress()")
+
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement decompress()")
+
+    def next_round(self, round_index: int, mean_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
+        """Multi-round methods: given the mean over ranks of round ``round_index - 1``'s payload,
+        return this rank's payload (and updated ctx) for round ``round_index``. After the last round
+        the communicator calls ``decompress(mean_payload, ctx)``."""
+        raise NotImplementedError(f"{type(self).__name__} has a single communication round")
+
+    def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
+        """Expected bytes this rank sends for a tensor of ``shape`` (dense element size
+        ``itemsize``); sizes fusion buckets by compressed bytes (ACP-SGD §IV-B) and feeds the cost
+        model. Sparse payloads count values and indices."""
+        return int(torch.Size(shape).numel()) * itemsize
+
+    def density(self) -> float | None:
+        """Target fraction of elements sent (sparsifiers); None when not meaningful."""
+        return None
+
+    def set_density(self, density: float) -> None:
+        """Change the target density between steps (policies: moo, lgreco)."""
+        raise ValueError(f"compressor {self.name!r} has no density to set")
+
+    def on_step(self, step: int) -> None:
+        """Called once after every optimizer step with the number of completed steps. Compressors
+        whose behaviour depends on the iteration (interleaving, threshold reuse) override it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"compressor {self.name!r} is stateless but got state keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def get(name: str, **params: Any) -> Compressor:
+    return registry.get(name, **params)
+
+
+def names() -> list[str]:
+    return registry.names()
+
+
+@register("none")
+class NoneCompressor(Compressor):
+    """Identity: the dense baseline. The payload is the tensor itself."""
+
+    additive = True
+    biased = False
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        return [tensor], None
+
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        return payload[0]
+
+
+@register("fp16")
+class FP16Compressor(Compressor):
+    """Cast to half precision for transport (Horovod's ``Compression.fp16``); additive, 2x smaller."""
+
+    additive = True
+    biased = False
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        return [tensor.to(torch.float16)], tensor.dtype
+
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        return payload[0].to(ctx)
+
+    def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
+        return int(torch.Size(shape).numel()) * 2

@@ -1,0 +1,137 @@
+"""DGC: top-k threshold estimated on a random sample, exact top-k only when too many pass.
+
+Lin, Han, Mao, Wang and Dally, "Deep Gradient Compression" (ICLR 2018), as summarised in ADTopk
+§2.2. §3.1 (Algorithm 1) sends the elements of the accumulated gradient above the threshold of the
+top ``density`` fraction; §5 (system performance) estimates that threshold by a top-k on a random
+sample of 0.1%-1% of the elements and, when far more elements than k pass it, computes a precise
+threshold among the already-selected candidates (the "second top-k"). §3.4 warm-up training
+decays the density exponentially over the first epochs (75%, 93.75%, ... sparsity).
+
+Bounds and names follow the first author's public code (synxlin/deep-gradient-compression):
+``compress_upper_bound`` 1.3 (more than 1.3k candidates -> exact top-k among them, so exactly k are
+sent), ``compress_lower_bound`` 0.8 (fewer than 0.8k -> threshold x0.8, at most
+``max_adaptation_iters`` = 10 times), and at least ``ceil(2 / density)`` samples so the sampled
+top-k holds two or more elements.
+
+Deviations: samples are drawn uniformly with replacement from this compressor's own generator
+(the public code uses a strided sample with a random start from Python's global RNG); between k
+and 1.3k candidates all are sent (the public code keeps the first k in index order, which drops
+large elements arbitrarily); warm-up is counted in optimizer steps (``warmup_steps``, split into
+the paper's 4 warm-up epochs) because a compressor does not know the epoch length.
+
+Pair with memory ``dgc`` (momentum correction and momentum-factor masking, DGC §3.2) and an inner
+optimizer *without* momentum, or with ``residual``. Payload ``[values, indices]`` of variable size.
+Communicators: ``allgather``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from adacomp.compressors.base import register
+from adacomp.compressors.sparse import SparseCompressor, k_for
+
+WARMUP_EPOCHS = 4  # DGC §3.4: sparsity 75% -> 99.9% over the first four epochs
+
+
+@register("dgc")
+class DGCCompressor(SparseCompressor):
+    """Sampled threshold with a second exact selection; own ``torch.Generator`` per device.
+
+    ``density``: target fraction sent (DGC reports 99.9% sparsity = 0.001; ADTopk §6 compares at
+    0.01). ``sample_ratio``: fraction of elements sampled (DGC §5: 0.001-0.01). ``warmup_steps``:
+    steps of exponential density warm-up (0 = off). ``seed``: sampling generator seed.
+    """
+
+    def __init__(self, density: float = 0.01, sample_ratio: float = 0.01, compress_upper_bound: float = 1.3,
+                 compress_lower_bound: float = 0.8, max_adaptation_iters: int = 10, warmup_steps: int = 0,
+                 seed: int = 0):
+        super().__init__(density)
+        if not 0.0 < sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be in (0, 1] (DGC samples 0.001-0.01), got {sample_ratio!r}")
+        if compress_upper_bound < 1.0:
+            raise ValueError(f"compress_upper_bound must be >= 1, got {compress_upper_bound!r}")
+        if not 0.0 < compress_lower_bound <= 1.0:
+            raise ValueError(f"compress_lower_bound must be in (0, 1], got {compress_lower_bound!r}")
+        if max_adaptation_iters < 0:
+            raise ValueError(f"max_adaptation_iters must be >= 0, got {max_adaptation_iters!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+        self.sample_ratio = float(sample_ratio)
+        self.compress_upper_bound = float(compress_upper_bound)
+        self.compress_lower_bound = float(compress_lower_bound)
+        self.max_adaptation_iters = int(max_adaptation_iters)
+        self.warmup_steps = int(warmup_steps)
+        self.seed = int(seed)
+        self._step = 0
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending_states: dict[str, Tensor] = {}
+
+    # ----------------------------------------------------------------------------------------
+    def current_density(self) -> float:
+        """Target density of this step: during warm-up density^((p+1)/5) in phase p of 4."""
+        if self._step >= self.warmup_steps:
+            return self._density
+        phase = self._step * WARMUP_EPOCHS // self.warmup_steps
+        return max(self._density, self._density ** ((phase + 1) / (WARMUP_EPOCHS + 1)))
+
+    def on_step(self, step: int) -> None:
+        self._step = int(step)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            if key in self._pending_states:
+                gen.set_state(self._pending_states.pop(key))
+            self._generators[key] = gen
+        return gen
+
+    def threshold(self, a: Tensor, density: float) -> float:
+        """The k_s-th largest magnitude of a uniform sample (k_s = ceil(samples * density))."""
+        n = a.numel()
+        samples = min(n, max(math.ceil(n * self.sample_ratio), math.ceil(2.0 / density)))
+        if samples < n:
+            pick = torch.randint(n, (samples,), generator=self._generator(a.device), device=a.device)
+            sample = a[pick]
+        else:
+            sample = a
+        k_s = min(samples, max(1, math.ceil(samples * density)))
+        return float(torch.topk(sample, k_s, sorted=False).values.min())
+
+    def select(self, flat: Tensor, name: str) -> Tensor:
+        a = flat.float().abs()
+        density = self.current_density()
+        k = k_for(a.numel(), density)
+        if k >= a.numel():
+            return torch.arange(a.numel(), device=a.device)
+        thr = self.threshold(a, density)
+        idx = torch.nonzero(a >= thr).view(-1)
+        for _ in range(self.max_adaptation_iters):
+            if idx.numel() >= self.compress_lower_bound * k:
+                break
+            thr *= self.compress_lower_bound
+            idx = torch.nonzero(a >= thr).view(-1)
+        if idx.numel() > self.compress_upper_bound * k:  # the second, exact top-k among candidates
+            idx = idx[torch.topk(a[idx], k, sorted=False).indices]
+        return idx if idx.numel() else a.argmax().view(1)
+
+    # ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        states = dict(self._pending_states)
+        states.update({k: g.get_state() for k, g in self._generators.items()})
+        return {"step": self._step, "generators": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._step = int(state.get("step", 0))
+        self._generators.clear()
+        self._pending_states = {k: v.clone() for k, v in state.get("generators", {}).items()}
+
+    def __repr__(self) -> str:
+        return (f"DGCCompressor(density={self._density}, sample_ratio={self.sample_ratio}, "
+                f"warmup_steps={self.warmup_steps})")

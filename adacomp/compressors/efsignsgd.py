@@ -1,0 +1,49 @@
+"""EF-SignSGD: scaled sign compression (Karimireddy et al., 2019, Alg. 1), the 1-bit quantiser of
+the ByteComp evaluation (bytecomp.txt §5.1)."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from adacomp.compressors.base import Compressor, Payload, register
+from adacomp.compressors.qsgd import pack_bits, unpack_bits
+
+
+class SignCtx(NamedTuple):
+    shape: torch.Size
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@register("efsignsgd")
+class EFSignSGDCompressor(Compressor):
+    """``C(p) = (||p||_1 / d) * sign(p)``: every element becomes its sign, scaled by the mean
+    absolute value, so the compressed vector has the same l1 norm as the input.
+
+    Biased: the paper's guarantee needs error feedback, so configure ``memory: {name: residual}``
+    (the ``p = g + e`` / ``e = p - C(p)`` of Alg. 1 is exactly adacomp's residual memory).
+    Payload: ``[scale (float32, 1 element), signs (uint8, 8 per byte, 1 = non-negative)]``, about
+    32x smaller than fp32. Not additive (per-rank scales): use the ``allgather`` communicator.
+    """
+
+    additive = False
+    fixed_size = True
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        flat = tensor.reshape(-1)
+        scale = flat.float().abs().mean().reshape(1)
+        signs = pack_bits((flat >= 0).to(torch.uint8), 1)
+        return [scale, signs], SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
+
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        scale, packed = payload
+        c: SignCtx = ctx
+        bits = unpack_bits(packed.to(c.device), 1, c.numel)
+        out = (bits.float() * 2.0 - 1.0) * scale.to(c.device).float()
+        return out.to(c.dtype).view(c.shape)
+
+    def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
+        return 4 + -(-int(torch.Size(shape).numel()) // 8)

@@ -1,0 +1,286 @@
+"""YAML -> validated dataclasses, with errors that name the dotted key path and the valid choices.
+
+Every component's ``__init__`` signature is the single source of its parameter names, types and
+defaults: the validator reads it through the registry, checks types, then builds the component once
+so range checks in constructors surface as :class:`ConfigError` before any collective runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from adacomp.errors import ConfigError, IncompatibleComponentsError
+
+BACKENDS = ("auto", "torch", "mpi", "horovod", "local")
+NONFINITE = ("raise", "skip")
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """A registry name plus constructor parameters, e.g. ``{name: topk, density: 0.01}``."""
+
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **dict(self.params)}
+
+
+@dataclass
+class FusionConfig:
+    """Tensor fusion. ``bucket_mb`` 0 sends every tensor on its own. With ``compressed_buffer`` the
+    bucket limit counts *compressed* bytes (ACP-SGD §IV-B), so 25 MB keeps fusing at any ratio.
+    ``fuse_before_compress`` compresses each bucket's flattened gradient as one tensor."""
+
+    bucket_mb: float = field(default=25.0, metadata={"min": 0.0})
+    compressed_buffer: bool = True
+    fuse_before_compress: bool = False
+
+
+@dataclass
+class LayerOverride:
+    """Per-parameter override; the first entry whose ``match`` (fnmatch) fits a name wins."""
+
+    match: str = ""
+    compressor: ComponentSpec | None = None
+    memory: ComponentSpec | None = None
+    communicator: ComponentSpec | None = None
+
+
+@dataclass
+class TrainConfig:
+    """The built-in job of ``adacomp train`` (a small CNN on scikit-learn's digits by default)."""
+
+    dataset: str = field(default="digits", metadata={"choices": ("digits",)})
+    model: str = field(default="cnn", metadata={"choices": ("cnn", "mlp")})
+    workers: int = field(default=2, metadata={"min": 1})
+    epochs: int = field(default=5, metadata={"min": 1})
+    batch_size: int = field(default=32, metadata={"min": 1})
+    lr: float = field(default=0.05, metadata={"min": 0.0})
+    momentum: float = field(default=0.9, metadata={"min": 0.0})
+    seed: int = 0
+    out_dir: str = "runs/quickstart"
+    log_every: int = field(default=10, metadata={"min": 1})
+
+
+@dataclass
+class Config:
+    """The whole run. See docs/config.md for every key."""
+
+    backend: str = field(default="auto", metadata={"choices": BACKENDS})
+    compressor: ComponentSpec = field(default_factory=lambda: ComponentSpec("none"))
+    memory: ComponentSpec = field(default_factory=lambda: ComponentSpec("auto"))
+    communicator: ComponentSpec = field(default_factory=lambda: ComponentSpec("allreduce"))
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    policy: ComponentSpec = field(default_factory=lambda: ComponentSpec("static"))
+    layers: list[LayerOverride] = field(default_factory=list)
+    min_numel: int = field(default=1024, metadata={"min": 0})
+    nonfinite: str = field(default="raise", metadata={"choices": NONFINITE})
+    timeout_s: float = field(default=60.0, metadata={"min": 0.1})
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def hash(self) -> str:
+        """Stable hash of the resolved config; compared across ranks at init. ``train.out_dir``
+        is excluded because ranks may legitimately log to different places."""
+        d = self.to_dict()
+        d.get("train", {}).pop("out_dir", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, ComponentSpec):
+        return obj.as_dict()
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_scalar(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against a plain annotation (int, float, bool, str, Optional[...])."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return check_scalar(value, a, path)
+            except ConfigError as exc:
+                errors.append(exc.reason)
+        raise ConfigError(path, f"expected one of {[_type_name(a) for a in args]}, got {value!r}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r} ({type(value).__name__})")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r} ({type(value).__name__})")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {value!r} ({type(value).__name__})")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(path, f"expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r} ({type(value).__name__})")
+        return value
+    return value  # un-annotated or complex: the constructor checks it
+
+
+def _registry(kind: str):
+    from adacomp import communicators, compressors, memories, policies
+    return {"compressor": compressors.registry, "memory": memories.registry,
+            "communicator": communicators.registry, "policy": policies.registry}[kind]
+
+
+def parse_component(value: Any, kind: str, path: str) -> ComponentSpec:
+    """Validate ``{name: ..., **params}`` (or a bare name) against the ``kind`` registry."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"expected a mapping like {{name: ...}} or a {kind} name, got {value!r}")
+    if "name" not in value:
+        raise ConfigError(f"{path}.name", f"missing; valid {kind} names: {', '.join(_choices(kind))}")
+    name = value["name"]
+    if not isinstance(name, str):
+        raise ConfigError(f"{path}.name", f"expected a string, got {name!r}")
+    if kind == "memory" and name == "auto":
+        if len(value) > 1:
+            raise ConfigError(path, "memory 'auto' takes no parameters; name a memory to set them")
+        return ComponentSpec("auto")
+    reg = _registry(kind)
+    if name not in reg.names():
+        raise ConfigError(f"{path}.name", f"unknown {kind} {name!r}; valid choices: {', '.join(_choices(kind))}")
+    sig = reg.params(name)
+    params: dict[str, Any] = {}
+    for key, v in value.items():
+        if key == "name":
+            continue
+        if not isinstance(key, str) or key not in sig:
+            valid = ", ".join(sorted(sig)) or "(none)"
+            raise ConfigError(f"{path}.{key}", f"unknown parameter of {kind} {name!r}; valid parameters: {valid}")
+        ann = sig[key].annotation
+        if isinstance(ann, str):  # from __future__ annotations
+            try:
+                ann = typing.get_type_hints(reg.cls(name).__init__)[key]
+            except Exception:  # noqa: BLE001 - unresolvable hint: leave it to the constructor
+                ann = inspect.Parameter.empty
+        params[key] = check_scalar(v, ann, f"{path}.{key}") if ann is not inspect.Parameter.empty else v
+    try:
+        reg.get(name, **params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(path, f"invalid parameters for {kind} {name!r}: {exc}") from None
+    return ComponentSpec(name, params)
+
+
+def _choices(kind: str) -> list[str]:
+    names = _registry(kind).names()
+    return ["auto", *names] if kind == "memory" else names
+
+
+def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise ConfigError(sub, f"unknown key; valid keys: {', '.join(sorted(fields))}")
+        tp = hints[key]
+        meta = fields[key].metadata
+        if tp is ComponentSpec or tp == (ComponentSpec | None):
+            kwargs[key] = None if value is None and tp != ComponentSpec else parse_component(value, key, sub)
+        elif dataclasses.is_dataclass(tp):
+            kwargs[key] = _parse_dataclass(tp, value, sub)
+        elif typing.get_origin(tp) is list:
+            (item_tp,) = typing.get_args(tp)
+            if not isinstance(value, list):
+                raise ConfigError(sub, f"expected a list, got {value!r}")
+            kwargs[key] = [_parse_dataclass(item_tp, v, f"{sub}[{i}]") for i, v in enumerate(value)]
+        else:
+            v = check_scalar(value, tp, sub)
+            if "choices" in meta and v not in meta["choices"]:
+                raise ConfigError(sub, f"expected one of {list(meta['choices'])}, got {v!r}")
+            if "min" in meta and v < meta["min"]:
+                raise ConfigError(sub, f"must be >= {meta['min']}, got {v!r}")
+            kwargs[key] = v
+    return cls(**kwargs)
+
+
+def _check_layers(cfg: Config) -> None:
+    for i, layer in enumerate(cfg.layers):
+        if not layer.match:
+            raise ConfigError(f"layers[{i}].match", "missing; give an fnmatch pattern such as '*.bias'")
+
+
+def check_pair(compressor_spec: ComponentSpec, communicator_spec: ComponentSpec, path: str) -> None:
+    """Refuse a compressor whose payload the communicator cannot carry, naming what fits."""
+    from adacomp import communicators, compressors
+    comp = compressors.get(compressor_spec.name, **compressor_spec.params)
+    comm = communicators.get(communicator_spec.name, **communicator_spec.params)
+    try:
+        comm.check(comp)
+    except IncompatibleComponentsError as exc:
+        raise IncompatibleComponentsError(path, exc.reason) from None
+
+
+def from_dict(data: Any) -> Config:
+    """Validate a parsed YAML document and return the :class:`Config`."""
+    if data is None:
+        data = {}
+    cfg = _parse_dataclass(Config, data, "")
+    _check_layers(cfg)
+    check_pair(cfg.compressor, cfg.communicator, "communicator")
+    for i, layer in enumerate(cfg.layers):
+        check_pair(layer.compressor or cfg.compressor, layer.communicator or cfg.communicator,
+                   f"layers[{i}].communicator")
+    return cfg
+
+
+def load(source: "str | os.PathLike[str] | Mapping[str, Any] | Config | None") -> Config:
+    """Load a config from a YAML path, a dict, an existing :class:`Config` or None (defaults)."""
+    if isinstance(source, Config):
+        return source
+    if source is None or isinstance(source, Mapping):
+        return from_dict(source)
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        raise ConfigError("", f"config file {path!r} does not exist")
+    with open(path, encoding="utf-8") as fh:
+        try:
+            data = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise ConfigError("", f"{path} is not valid YAML: {exc}") from None
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise type(exc)(exc.path, f"{exc.reason} (in {path})") from None

@@ -1,0 +1,50 @@
+"""The process's distributed context: which backend ``adacomp.init()`` started.
+
+Horovod users call ``init()`` once and then ``rank()`` / ``size()`` anywhere, so one context object
+per process is unavoidable; it is created only by ``init()`` and torn down by ``shutdown()``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from adacomp import backends
+from adacomp.backends.base import Backend
+
+_current: Backend | None = None
+
+
+def init(backend: str = "auto", config: Any = None, timeout_s: float | None = None) -> Backend:
+    """Start the transport (idempotent). ``backend='auto'`` follows the launcher (torchrun /
+    ``adacomp run`` -> torch, mpirun -> mpi, horovodrun -> horovod, none -> a single process).
+    ``config`` (path, dict or Config) supplies ``backend`` and ``timeout_s`` when given."""
+    global _current
+    if _current is not None:
+        return _current
+    if config is not None:
+        from adacomp.config import load
+        cfg = load(config)
+        if backend == "auto":
+            backend = cfg.backend
+        if timeout_s is None:
+            timeout_s = cfg.timeout_s
+    name = backends.detect() if backend == "auto" else backend
+    kwargs = {} if name == "local" else {"timeout_s": 60.0 if timeout_s is None else timeout_s}
+    _current = backends.create(name, **kwargs)
+    return _current
+
+
+def current() -> Backend:
+    """The running backend; starts a single-process one if ``init()`` was never called and no
+    launcher environment is present, otherwise asks for ``init()``."""
+    if _current is None:
+        if backends.detect() == "local":
+            return init("local")
+        raise RuntimeError("adacomp.init() has not been called; call it once at the start of the script")
+    return _current
+
+
+def shutdown() -> None:
+    global _current
+    if _current is not None:
+        _current.shutdown()
+        _current = None

@@ -1,0 +1,93 @@
+"""DGC memory: momentum correction, momentum-factor masking and local gradient clipping.
+
+Lin et al., "Deep Gradient Compression" (ICLR 2018), §3.2:
+
+* momentum correction (eq. for u and v in §3.2): accumulate the *velocity* rather than the raw
+  gradient, ``u <- m * u + g`` then ``v <- v + u``; ``v`` is what gets compressed and sent, so a
+  coordinate sent late carries the momentum it would have had without sparsification;
+* momentum-factor masking: after sending, ``u`` and ``v`` are zeroed at the sent coordinates so
+  stale momentum does not keep pushing them;
+* local gradient clipping: clip ``g`` before it is accumulated, with the global threshold scaled by
+  N^(-1/2) (N = number of ranks, read from ``adacomp.size()`` when clipping runs).
+
+Because momentum is applied here, the wrapped optimizer must run *without* momentum
+(``torch.optim.SGD(..., momentum=0)``), as in DGC. The update needs the sent indices: it reads
+``payload[1]`` of the public sparse layout ``[values, indices]``, so it works with every sparse
+compressor (dgc, topk, gaussiank, ...), not only ``dgc``.
+
+Deviations: clipping is per tensor (or per fused bucket) on its L2 norm, because a memory sees one
+tensor at a time, where DGC clips the whole model's norm; the reference codes (GRACE, ADTopk A.6)
+instead clamp elements to an allreduced RMS norm, which needs a collective and is not DGC's rule.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import Tensor
+
+from adacomp.memories.base import Memory, register
+
+
+@register("dgc")
+class DGCMemory(Memory):
+    """``momentum``: DGC's m (0.9). ``clip_norm``: global L2 clipping threshold (0 = no clipping)."""
+
+    def __init__(self, momentum: float = 0.9, clip_norm: float = 0.0):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r} (DGC uses 0.9)")
+        if clip_norm < 0.0:
+            raise ValueError(f"clip_norm must be >= 0 (0 disables clipping), got {clip_norm!r}")
+        self.momentum = float(momentum)
+        self.clip_norm = float(clip_norm)
+        self.velocity: dict[str, Tensor] = {}  # u: momentum-corrected velocity
+        self.accumulated: dict[str, Tensor] = {}  # v: accumulated velocity, what gets sent
+
+    def _clip(self, tensor: Tensor) -> Tensor:
+        from adacomp import size  # resolved at call time: the job's size when clipping runs
+        limit = self.clip_norm / math.sqrt(size())
+        norm = float(tensor.float().norm())
+        return tensor * (limit / norm) if norm > limit else tensor
+
+    def compensate(self, tensor: Tensor, name: str) -> Tensor:
+        if self.clip_norm > 0.0:
+            tensor = self._clip(tensor)
+        u, v = self.velocity.get(name), self.accumulated.get(name)
+        if u is not None and u.shape != tensor.shape:
+            raise ValueError(f"dgc memory for {name!r} has shape {tuple(u.shape)} but the gradient has "
+                             f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
+        u = tensor.clone() if u is None else u.mul_(self.momentum).add_(tensor)
+        v = u.clone() if v is None else v + u  # out of place: the caller may keep the returned tensor
+        self.velocity[name], self.accumulated[name] = u, v
+        return v
+
+    def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
+        if not getattr(compressor, "sparse", False) or len(payload) < 2:
+            raise ValueError(f"memory 'dgc' masks the sent coordinates and needs a sparse compressor "
+                             f"(payload [values, indices]); got compressor {getattr(compressor, 'name', compressor)!r}. "
+                             f"Use memory 'residual' with this compressor")
+        if name not in self.velocity:
+            raise ValueError(f"memory 'dgc' got update({name!r}) without a compensate({name!r}) first")
+        idx = payload[1].to(device=tensor.device).long()
+        u, v = self.velocity[name], self.accumulated[name]
+        self.velocity[name] = u.reshape(-1).index_fill(0, idx, 0).view(u.shape)
+        self.accumulated[name] = v.reshape(-1).index_fill(0, idx, 0).view(v.shape)
+
+    def reset(self, name: str | None = None) -> None:
+        if name is None:
+            self.velocity.clear()
+            self.accumulated.clear()
+        else:
+            self.velocity.pop(name, None)
+            self.accumulated.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocity": {k: v.detach().clone() for k, v in self.velocity.items()},
+                "accumulated": {k: v.detach().clone() for k, v in self.accumulated.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.velocity = {k: v.clone() for k, v in state.get("velocity", {}).items()}
+        self.accumulated = {k: v.clone() for k, v in state.get("accumulated", {}).items()}
+
+    def __repr__(self) -> str:
+        return f"DGCMemory(momentum={self.momentum}, clip_norm={self.clip_norm})"

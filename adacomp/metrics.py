@@ -1,0 +1,71 @@
+"""Per-step measurements: where the time went and how many bytes moved.
+
+Communicators and the optimizer add to one :class:`StepStats` per step; policies and the training
+loop read finished records instead of reaching into component internals.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass
+class StepStats:
+    """Counters of one optimizer step on this rank.
+
+    ``compress_s``: compress + decompress + memory time; ``comm_s``: time inside collectives and
+    waiting on them (what the step could not overlap); ``bytes_sent``: payload bytes this rank
+    contributed; ``dense_bytes``: bytes a dense allreduce of the same gradients would send;
+    ``bucket_sync_s``: wait time per bucket index (policies fit cost models on it);
+    ``gain_num`` / ``gain_den``: sums of ||g_c||^2 and ||g_e||^2 (compression gain, AR-Topk §2-C3).
+    """
+
+    step: int = 0
+    compress_s: float = 0.0
+    comm_s: float = 0.0
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    bucket_sync_s: dict[int, float] = field(default_factory=dict)
+    gain_num: float = 0.0
+    gain_den: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timing(self, what: str) -> Iterator[None]:
+        """``with stats.timing("compress"):`` adds the elapsed time to ``compress_s`` (or ``comm_s``)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            if what == "compress":
+                self.compress_s += dt
+            elif what == "comm":
+                self.comm_s += dt
+            else:
+                self.extra[what] = self.extra.get(what, 0.0) + dt
+
+    def add_gain(self, compressed_sq: float, full_sq: float) -> None:
+        self.gain_num += float(compressed_sq)
+        self.gain_den += float(full_sq)
+
+    @property
+    def gain(self) -> float | None:
+        """E||g_c||^2 / E||g_e||^2 over this step's compressed tensors (None if nothing compressed)."""
+        return self.gain_num / self.gain_den if self.gain_den > 0 else None
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense bytes / bytes sent (1.0 for the dense path)."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        d = {"step": self.step, "compress_s": self.compress_s, "comm_s": self.comm_s,
+             "bytes_sent": self.bytes_sent, "dense_bytes": self.dense_bytes,
+             "compression_ratio": self.compression_ratio}
+        if self.gain is not None:
+            d["gain"] = self.gain
+        d.update(self.extra)
+        return d

@@ -1,0 +1,47 @@
+"""Small models for the built-in job, tests and benchmarks."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DigitsCNN(nn.Module):
+    """Two conv layers and two linear layers for 8x8 digits (~40k parameters)."""
+
+    def __init__(self, channels: int = 16, hidden: int = 64, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.fc1 = nn.Linear(2 * channels * 16, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+class MLP(nn.Module):
+    """A plain MLP; ``width`` and ``depth`` scale it for benchmarks (e.g. ~10M parameters)."""
+
+    def __init__(self, inputs: int = 64, width: int = 256, depth: int = 2, classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        d = inputs
+        for _ in range(depth):
+            layers += [nn.Linear(d, width), nn.ReLU()]
+            d = width
+        layers.append(nn.Linear(d, classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+MODELS = {"cnn": DigitsCNN, "mlp": MLP}
+
+
+def build(name: str, **kwargs: int) -> nn.Module:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
+    return MODELS[name](**kwargs)

