@@ -33,6 +33,12 @@ from adacomp.errors import AdacompError
 DEFAULT_PREFIX = "acn"
 DEFAULT_SUBNET = "10.213.0.0/24"
 TBF_LATENCY_MS = 50  # queue bound: ~50 ms of data may wait, as on a modest switch port
+# One burst for every rate, larger than veth's biggest GSO packet (64 KiB). Why fixed: tbf admits
+# packets up to the burst size at enqueue; if `set` later shrank the burst, packets already queued
+# that are bigger than the new burst could never be sent and the link would stall (seen here with a
+# rate-scaled burst). Why > 64 KiB: with a smaller burst tbf must split GSO packets, and 1gbit then
+# measured ~580 Mbit/s instead of ~945 on this machine. Cost: below ~10mbit a burst is > 50 ms.
+TBF_BURST_BYTES = 70000
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")  # keeps "P-v255" within Linux's 15-char limit
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -154,10 +160,7 @@ def _root_links(prefix: str) -> list[str]:
 
 # ---------------------------------------------------------------- tbf
 def _tbf_args(bps: int) -> list[str]:
-    # burst: 4 ms of tokens (>= 10 full frames) keeps short-term rate close to the cap while
-    # letting veth's GSO bursts through; tbf itself splits GSO packets bigger than the burst.
-    burst = max(bps // 8 // 250, 15140)
-    return ["tbf", "rate", f"{bps}bit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+    return ["tbf", "rate", f"{bps}bit", "burst", str(TBF_BURST_BYTES), "latency", f"{TBF_LATENCY_MS}ms"]
 
 
 def set_bandwidth(bandwidth: str | int, host: int | None = None, prefix: str = DEFAULT_PREFIX) -> list[int]:

@@ -32,10 +32,8 @@ class AllreduceCommunicator(Communicator):
 
     def check(self, compressor: Compressor) -> None:
         if not compressor.additive:
-            from adacomp.communicators.base import fitting
             raise self.incompatible("allreduce", compressor,
-                                    "its payloads cannot be summed element-wise across ranks",
-                                    [n for n in fitting(compressor) if n != "allreduce"])
+                                    "its payloads cannot be summed element-wise across ranks")
 
     @staticmethod
     def _launch(entries: list[Entry], env: CommEnv, round_index: int) -> _Pending:

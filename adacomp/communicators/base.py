@@ -12,6 +12,7 @@ schedule and on the bucket contents' *shapes*, never on timing (DESIGN.md, order
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -98,7 +99,11 @@ class Communicator:
                                    float(e.tensor.float().square().sum()))
 
     @staticmethod
-    def incompatible(comm: str, compressor: Compressor, why: str, fits: list[str]) -> IncompatibleComponentsError:
+    def incompatible(comm: str, compressor: Compressor, why: str,
+                     fits: list[str] | None = None) -> IncompatibleComponentsError:
+        """The error a ``check`` raises; ``fits`` defaults to every other communicator that fits."""
+        if fits is None:
+            fits = [] if _IN_FITTING.get() else [n for n in fitting(compressor) if n != comm]
         return IncompatibleComponentsError(
             "communicator",
             f"compressor {compressor.name!r} cannot use communicator {comm!r}: {why}. "
@@ -113,15 +118,22 @@ def names() -> list[str]:
     return registry.names()
 
 
+_IN_FITTING: ContextVar[bool] = ContextVar("adacomp_in_fitting", default=False)
+
+
 def fitting(compressor: Compressor) -> list[str]:
-    """Names of communicators that accept ``compressor``."""
+    """Names of communicators that accept ``compressor`` (checks called from here do not recurse)."""
     out = []
-    for n in names():
-        try:
-            registry.cls(n)().check(compressor)
-        except IncompatibleComponentsError:
-            continue
-        except TypeError:  # needs constructor arguments; assume it fits
-            pass
-        out.append(n)
+    token = _IN_FITTING.set(True)
+    try:
+        for n in names():
+            try:
+                registry.cls(n)().check(compressor)
+            except IncompatibleComponentsError:
+                continue
+            except TypeError:  # needs constructor arguments; assume it fits
+                pass
+            out.append(n)
+    finally:
+        _IN_FITTING.reset(token)
     return out

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import Compressor
+from adacomp.compressors.sparse import k_for
 from adacomp.metrics import StepStats
 from adacomp.policies.base import Policy, register
 
@@ -156,6 +157,20 @@ def simulate_error(comp: Compressor, kind: str, value: float, grad: Tensor, name
     return err, int(sim.payload_bytes(grad.shape, grad.element_size()))
 
 
+def topk_errors(comp: Compressor, densities: list[float], grad: Tensor) -> tuple[list[float], list[int]]:
+    """Exact Top-k errors for every density from one sort: the error of keeping the k largest
+    magnitudes is the sum of the remaining squares (same numbers as :func:`simulate_error`)."""
+    sq = grad.detach().float().reshape(-1).square().sort(descending=True).values
+    tail = sq.flip(0).cumsum(0).flip(0).tolist() + [0.0]   # tail[k] = sum of squares after the top k
+    sim = copy.deepcopy(comp)
+    errs, sizes = [], []
+    for d in densities:
+        sim.set_density(d)
+        errs.append(float(tail[k_for(sq.numel(), d)]))
+        sizes.append(int(sim.payload_bytes(grad.shape, grad.element_size())))
+    return errs, sizes
+
+
 @register("lgreco")
 class LGreCoPolicy(Policy):
     """Layer-wise adaptive compression (Alg. 1) for topk-like, low-rank and qsgd compressors.
@@ -285,8 +300,11 @@ class LGreCoPolicy(Policy):
                 continue
             comp = optimizer.compressor_for(name)
             vals = candidates(kind, default, self.low, self.high, self.step)
-            iters = self.power_iters if kind == "rank" else 1
-            es, ss = zip(*(simulate_error(comp, kind, v, self._acc[name], name, iters) for v in vals))
+            if comp.name == "topk":
+                es, ss = topk_errors(comp, vals, self._acc[name])
+            else:
+                iters = self.power_iters if kind == "rank" else 1
+                es, ss = zip(*(simulate_error(comp, kind, v, self._acc[name], name, iters) for v in vals))
             rows_err.append(list(es))
             rows_size.append([float(x) for x in ss])
             rows_obj.append([x * cost[name] for x in ss])

@@ -1,0 +1,172 @@
+"""Worker launched by tests/test_backend_mpi.py (mpirun) and tests/test_backend_horovod.py (horovodrun).
+
+* ``backend_worker.py mpi|horovod`` checks every Backend method against values each rank can compute
+  on its own; success prints ``BACKEND_OK rank=<r>`` once per rank.
+* ``backend_worker.py reference mpi|horovod PORT MB[,MB..]``: adacomp vs DDP, prints ``REFERENCE_DIFF``.
+* ``backend_worker.py mpi-timeout``: a skipped collective must raise, printing ``TIMEOUT_OK``.
+
+Any mismatch raises (non-zero exit), so the launcher's exit status carries the verdict.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from adacomp.backends import create
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0) -> None:
+    if got.dtype != want.dtype or got.shape != want.shape or not torch.allclose(
+            got.double(), want.double(), rtol=0, atol=atol):
+        raise AssertionError(f"{what}: expected {want.dtype}{tuple(want.shape)} {want.flatten()[:8].tolist()}, "
+                             f"got {got.dtype}{tuple(got.shape)} {got.flatten()[:8].tolist()}")
+
+
+def check_allreduce(b, r: int, n: int) -> None:
+    ranks_sum = n * (n - 1) / 2
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3) + r
+    want = torch.arange(6, dtype=torch.float32).reshape(2, 3) * n + ranks_sum
+    out = b.allreduce_async(t).wait()
+    _close(out, want, "allreduce sum")
+    _close(t, want, "allreduce result written in place")
+    _close(b.allreduce(torch.full((5,), float(r + 1)), average=True),
+           torch.full((5,), (n + 1) / 2), "allreduce average")
+    _close(b.allreduce(torch.tensor([r, 10], dtype=torch.int64)),
+           torch.tensor([int(ranks_sum), 10 * n], dtype=torch.int64), "allreduce int64")
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        x = torch.full((7,), 0.5 + r, dtype=dt)
+        _close(b.allreduce(x, average=True), torch.full((7,), 0.5 + ranks_sum / n, dtype=dt), f"allreduce {dt}")
+    # A tensor that requires grad (a parameter) is reduced through .detach(): same storage.
+    p = torch.ones(3, requires_grad=True)
+    b.allreduce(p.data)
+    _close(p.detach(), torch.full((3,), float(n)), "allreduce of parameter data")
+
+
+def check_outstanding(b, r: int, n: int) -> None:
+    """Several collectives in flight at once, waited in creation order (the optimizer's pattern)."""
+    ts = [torch.full((1000 * (i + 1),), float(r + i)) for i in range(4)]
+    hs = [b.allreduce_async(t) for t in ts[:2]]
+    hs.append(b.allgather_async(torch.full((r + 1,), float(r))))
+    hs += [b.allreduce_async(t, average=True) for t in ts[2:]]
+    _close(hs[0].wait(), torch.full((1000,), float(n * (n - 1) / 2)), "outstanding allreduce 0")
+    _close(hs[1].wait(), torch.full((2000,), float(n * (n - 1) / 2 + n)), "outstanding allreduce 1")
+    _close(hs[2].wait(), torch.cat([torch.full((k + 1,), float(k)) for k in range(n)]), "outstanding allgather")
+    _close(hs[3].wait(), torch.full((3000,), (n - 1) / 2 + 2), "outstanding allreduce avg 2")
+    _close(hs[4].wait(), torch.full((4000,), (n - 1) / 2 + 3), "outstanding allreduce avg 3")
+
+
+def _rows(k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rank k's contribution: k+1 rows of 3 columns, values that identify rank and row."""
+    return (torch.arange((k + 1) * 3, dtype=torch.float32).reshape(k + 1, 3) + 100 * k).to(dtype)
+
+
+def check_allgather(b, r: int, n: int) -> None:
+    want = torch.cat([_rows(k) for k in range(n)])
+    _close(b.allgather(_rows(r)), want, "allgather varying rows, sizes exchanged")
+    _close(b.allgather(_rows(r), sizes=[k + 1 for k in range(n)]), want, "allgather varying rows, sizes given")
+    _close(b.allgather(torch.full((2, 2), float(r))),
+           torch.cat([torch.full((2, 2), float(k)) for k in range(n)]), "allgather equal rows")
+    idx = torch.arange(r + 2, dtype=torch.int64) * (r + 1)
+    _close(b.allgather(idx), torch.cat([torch.arange(k + 2, dtype=torch.int64) * (k + 1) for k in range(n)]),
+           "allgather int64 1-D")
+    # Rank 0 contributes nothing (a sparsifier that selected no element).
+    empty_ok = torch.full((0 if r == 0 else r, 4), float(r))
+    _close(b.allgather(empty_ok), torch.cat([torch.full((0 if k == 0 else k, 4), float(k)) for k in range(n)]),
+           "allgather with an empty rank")
+    for dt in (torch.float16, torch.bfloat16):
+        _close(b.allgather(_rows(r, dt) / 7), torch.cat([_rows(k, dt) / 7 for k in range(n)]),
+               f"allgather {dt} bit-exact")
+    if b.allgather_sizes(r * 5 + 1) != [k * 5 + 1 for k in range(n)]:
+        raise AssertionError("allgather_sizes")
+
+
+def check_broadcast(b, r: int, n: int) -> None:
+    for root in range(n):
+        t = torch.full((3, 4), float(r * 10 + 1))
+        out = b.broadcast_async(t, root=root).wait()
+        _close(out, torch.full((3, 4), float(root * 10 + 1)), f"broadcast root {root}")
+        _close(t, torch.full((3, 4), float(root * 10 + 1)), f"broadcast root {root} in place")
+    h = torch.tensor([1.0 / 3 + r], dtype=torch.bfloat16)
+    _close(b.broadcast(h, root=n - 1), torch.tensor([1.0 / 3 + n - 1], dtype=torch.bfloat16), "broadcast bf16")
+
+
+def check_objects(b, r: int, n: int) -> None:
+    obj = {"rank": r, "cfg": {"lr": 0.1 * (r + 1)}, "blob": b"x" * (r * 1000)}
+    got = b.broadcast_object(obj if r == 1 else None, root=1)
+    if got != {"rank": 1, "cfg": {"lr": 0.2}, "blob": b"x" * 1000}:
+        raise AssertionError(f"broadcast_object: got {got!r:.80}")
+    everyone = b.allgather_object(obj)
+    if [o["rank"] for o in everyone] != list(range(n)) or [len(o["blob"]) for o in everyone] != [k * 1000 for k in range(n)]:
+        raise AssertionError(f"allgather_object: got ranks {[o['rank'] for o in everyone]}")
+    b.barrier()
+
+
+def check_mpi_timeout() -> int:
+    """Rank 1 skips a collective; rank 0 must raise CommunicationError instead of hanging."""
+    from mpi4py import MPI
+
+    from adacomp.backends.mpi import MPIBackend
+    from adacomp.errors import CommunicationError
+    b = MPIBackend(timeout_s=1.0)
+    world = MPI.COMM_WORLD
+    if b.rank() == 0:
+        try:
+            b.allreduce(torch.ones(4))
+        except CommunicationError as exc:
+            print(f"TIMEOUT_OK {exc}", flush=True)
+        world.send("done", dest=1)
+    else:
+        world.recv(source=0)
+    return 0
+
+
+def reference(backend: str, port: int, bucket_mbs: list[float]) -> int:
+    """Issue 2's reference test in one launch: adacomp (on ``backend``, once per fusion bucket size)
+    and PyTorch DDP (on a gloo group joined over tcp:// with the launcher's rank) train the same CNN
+    on the same shards for 20 steps; final parameters must agree within 1e-6."""
+    import torch.distributed as dist
+
+    import adacomp
+    from tests.reference import max_diff, train_adacomp, train_ddp
+    b = adacomp.init(backend)
+    if b.name != backend:
+        raise AssertionError(f"adacomp.init({backend!r}) started {b.name!r}")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=b.rank(), world_size=b.size())
+    ddp = train_ddp(steps=20)
+    dist.destroy_process_group()
+    for bucket_mb in bucket_mbs:
+        cfg = {"compressor": {"name": "none"}, "communicator": {"name": "allreduce"},
+               "fusion": {"bucket_mb": bucket_mb}}
+        diff = max_diff(train_adacomp(cfg, steps=20), ddp)
+        print(f"REFERENCE_DIFF rank={b.rank()} backend={backend} bucket_mb={bucket_mb} max_abs_diff={diff:.3e}",
+              flush=True)
+        if not diff < 1e-6:
+            raise AssertionError(f"adacomp on {backend} (bucket_mb={bucket_mb}) differs from DDP by "
+                                 f"{diff:.3e}; expected < 1e-6")
+    adacomp.shutdown()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    if argv[0] == "mpi-timeout":
+        return check_mpi_timeout()
+    if argv[0] == "reference":
+        return reference(argv[1], int(argv[2]), [float(x) for x in argv[3].split(",")])
+    b = create(argv[0])
+    r, n = b.rank(), b.size()
+    if n < 2:
+        raise AssertionError(f"expected a multi-process launch, got size {n}")
+    if b.name != argv[0] or not 0 <= b.local_rank() < n:
+        raise AssertionError(f"backend {b.name!r} local_rank {b.local_rank()}")
+    for check in (check_allreduce, check_outstanding, check_allgather, check_broadcast, check_objects):
+        check(b, r, n)
+    b.barrier()
+    b.shutdown()
+    print(f"BACKEND_OK rank={r} size={n} local_rank={b.local_rank()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

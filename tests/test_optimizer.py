@@ -1,0 +1,223 @@
+"""DistributedOptimizer: misuse guards, routing, buckets, state, on one process and on real gloo."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adacomp
+from adacomp.backends.base import LocalBackend
+from adacomp.fusion import Item, plan
+from adacomp.models import DigitsCNN
+from tests._dist import run_workers
+
+
+def _opt(config=None, **kw):
+    torch.manual_seed(0)
+    m = DigitsCNN()
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                       config=config, backend=LocalBackend(), **kw)
+    return m, opt
+
+
+def _loss(m):
+    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    return F.cross_entropy(m(x), torch.arange(8) % 10)
+
+
+def test_zero_grad_between_backward_and_step_is_refused() -> None:
+    m, opt = _opt()
+    _loss(m).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_too_many_backward_passes_is_refused() -> None:
+    m, opt = _opt()
+    _loss(m).backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+        _loss(m).backward()
+
+
+def test_step_before_all_accumulation_passes_is_refused() -> None:
+    m, opt = _opt(backward_passes_per_step=2)
+    _loss(m).backward()
+    with pytest.raises(RuntimeError, match="backward passes"):
+        opt.step()
+
+
+def test_duplicate_and_missing_names() -> None:
+    m = DigitsCNN()
+    named = list(m.named_parameters())
+    with pytest.raises(ValueError, match="unique"):
+        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named + named[:1], backend=LocalBackend())
+    with pytest.raises(ValueError, match="not in it"):
+        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named[1:], backend=LocalBackend())
+
+
+def test_bad_arguments() -> None:
+    m = DigitsCNN()
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), backward_passes_per_step=0,
+                                     backend=LocalBackend())
+    with pytest.raises(ValueError, match="op"):
+        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op="max", backend=LocalBackend())
+
+
+def test_skip_synchronize_after_manual_synchronize_and_clipping() -> None:
+    m, opt = _opt()
+    _loss(m).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+    before = m.fc2.weight.detach().clone()
+    with opt.skip_synchronize():
+        opt.step()
+    assert not torch.equal(before, m.fc2.weight)
+
+
+def test_per_layer_overrides_and_min_numel_routes() -> None:
+    cfg = {"compressor": {"name": "topk", "density": 0.1}, "communicator": {"name": "allgather"},
+           "layers": [{"match": "conv1.*", "compressor": {"name": "fp16"}, "communicator": {"name": "allreduce"}}],
+           "min_numel": 1000}
+    m, opt = _opt(cfg)
+    assert opt.compressor_for("conv1.weight").name == "fp16"
+    assert opt.compressor_for("fc1.weight").name == "topk"
+    assert opt.compressor_for("fc1.bias").name == "none"  # 64 elements < min_numel
+    assert opt.route_of("fc1.weight").memory.name == "residual"  # memory auto for a biased compressor
+    names = {b.communicator.name for b in opt.buckets}
+    assert names == {"allreduce", "allgather"}
+    for b in opt.buckets:  # a bucket never mixes routes
+        assert len({opt.route_of(n).key for n in b.names}) == 1
+    _loss(m).backward()
+    opt.step()
+    assert opt.last_stats.bytes_sent < opt.last_stats.dense_bytes
+
+
+def test_bucket_plan_orders_by_readiness_and_respects_cap() -> None:
+    items = [Item(f"p{i}", "a" if i % 2 else "b", 10) for i in range(6)]
+    buckets = plan(items, cap_bytes=20)
+    assert sorted(n for b in buckets for n in b) == sorted(i.name for i in items)
+    assert buckets[0] == ["p5", "p3"]  # reverse order, route a fills first
+    assert plan(items, 0) == [[f"p{i}"] for i in reversed(range(6))]
+
+
+def test_state_dict_round_trip_with_residuals(tmp_path) -> None:
+    cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"}}
+    m, opt = _opt(cfg)
+    for _ in range(3):
+        opt.zero_grad()
+        _loss(m).backward()
+        opt.step()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, path)
+    ck = torch.load(path, weights_only=True)
+    m2, opt2 = _opt(cfg)
+    m2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    assert opt2.steps == 3
+    r1 = opt.route_of("fc1.weight").memory.residuals["fc1.weight"]
+    r2 = opt2.route_of("fc1.weight").memory.residuals["fc1.weight"]
+    assert torch.equal(r1, r2)
+    for mm, oo in ((m, opt), (m2, opt2)):
+        oo.zero_grad()
+        _loss(mm).backward()
+        oo.step()
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_snapshot_restore_is_bitwise() -> None:
+    cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"}}
+    m, opt = _opt(cfg)
+    opt.zero_grad(); _loss(m).backward(); opt.step()
+    snap = opt.snapshot()
+    ref = {k: v.clone() for k, v in m.state_dict().items()}
+    for _ in range(2):
+        opt.zero_grad(); _loss(m).backward(); opt.step()
+    opt.restore(snap)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, ref[k])
+    assert opt.steps == 1
+
+
+# --- multi-process ---------------------------------------------------------------------------
+def _bpps_equivalence() -> float:
+    """2 passes of 8 samples accumulated == 1 pass of the 16 samples with summed losses."""
+    adacomp.init()
+    torch.manual_seed(0)
+    x = torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(adacomp.rank()))
+    y = torch.arange(16) % 10
+    res = []
+    for passes in (1, 2):
+        torch.manual_seed(0)
+        m = DigitsCNN()
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                           backward_passes_per_step=passes)
+        if passes == 1:
+            (F.cross_entropy(m(x[:8]), y[:8]) + F.cross_entropy(m(x[8:]), y[8:])).backward()
+        else:
+            F.cross_entropy(m(x[:8]), y[:8]).backward()
+            F.cross_entropy(m(x[8:]), y[8:]).backward()
+        opt.step()
+        res.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+        opt.remove_hooks()
+    return float((res[0] - res[1]).abs().max())
+
+
+def test_backward_passes_per_step_equals_summed_loss() -> None:
+    assert max(run_workers(_bpps_equivalence, 2)) < 1e-6
+
+
+def _mismatched_config() -> str:
+    adacomp.init()
+    m = DigitsCNN()
+    cfg = {"fusion": {"bucket_mb": 1.0 + adacomp.rank()}}
+    try:
+        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), config=cfg)
+    except adacomp.CommunicationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatched_config_across_ranks_names_the_ranks() -> None:
+    msgs = run_workers(_mismatched_config, 2)
+    assert all("ranks [1]" in m and "configuration" in m for m in msgs), msgs
+
+
+def _mismatched_model() -> str:
+    adacomp.init()
+    m = DigitsCNN(hidden=64 + adacomp.rank())
+    try:
+        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
+    except adacomp.CommunicationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatched_model_across_ranks_names_the_parameter() -> None:
+    msgs = run_workers(_mismatched_model, 2)
+    assert all("ranks [1]" in m and "fc1.weight" in m for m in msgs), msgs
+
+
+def test_launcher_stops_everyone_and_names_the_failed_rank() -> None:
+    from adacomp.launch import run_local
+    out = io.StringIO()
+    code = run_local(["python", "-c",
+                      "import os, sys, time\n"
+                      "if os.environ['RANK'] == '1': sys.exit(7)\n"
+                      "time.sleep(60)"], np=3, out=out, grace_s=2)
+    assert code == 7
+    assert "rank 1 exited with code 7" in out.getvalue()
+
+
+def test_launcher_prefixes_output_and_sets_rendezvous() -> None:
+    from adacomp.launch import run_local
+    out = io.StringIO()
+    code = run_local(["python", "-c", "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'])"], np=2, out=out)
+    assert code == 0
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == ["[0] 0 2", "[1] 1 2"]

@@ -1,0 +1,299 @@
+"""Threshold sparsifiers (DGC, Gaussian-k, RedSync, SIDCo, Ok-Topk, MSTopk) and the DGC memory.
+
+The defining property of a threshold sparsifier is that it sends about k = density * numel
+elements without sorting: each must land within 0.5x-2x of the target on Gaussian, Laplace and
+Student-t(3) tensors of 1e6 elements after its warm-up, and what it sends must be a threshold cut
+(nothing kept back is larger than anything sent).
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from adacomp import compressors, memories
+
+N = 1_000_000
+DENSITIES = [0.001, 0.01, 0.1]
+KINDS = ["gaussian", "laplace", "student_t3"]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def sample(kind: str, n: int, seed: int) -> torch.Tensor:
+    """Heavy- and light-tailed test tensors from our own generator (the global RNG is not used)."""
+    g = gen(seed)
+    if kind == "gaussian":
+        return torch.randn(n, generator=g)
+    if kind == "laplace":  # difference of two unit exponentials
+        return torch.log1p(-torch.rand(n, generator=g)) - torch.log1p(-torch.rand(n, generator=g))
+    z = torch.randn(n, generator=g)  # Student-t with 3 degrees of freedom: z / sqrt(chi2_3 / 3)
+    return z / (torch.randn(3, n, generator=g).square().sum(0) / 3).sqrt()
+
+
+@pytest.fixture(scope="module")
+def tensors() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per kind: a warm-up tensor and a fresh draw of the same distribution to measure on."""
+    return {k: (sample(k, N, 1 + i), sample(k, N, 11 + i)) for i, k in enumerate(KINDS)}
+
+
+# name -> (registry name, extra parameters, warm-up calls). SIDCo adapts its stage count every
+# `adapt_every` calls; 1 keeps the warm-up short (the default 5 only slows it down).
+SPARSIFIERS = {
+    "dgc": ("dgc", {}, 1),
+    "gaussiank": ("gaussiank", {}, 0),
+    "redsync": ("redsync", {}, 0),
+    "sidco_exponential": ("sidco", {"distribution": "exponential", "adapt_every": 1}, 10),
+    "sidco_gpareto": ("sidco", {"distribution": "gpareto", "adapt_every": 1}, 10),
+    "sidco_gamma": ("sidco", {"distribution": "gamma", "adapt_every": 1}, 10),
+    "oktopk": ("oktopk", {"period": 32}, 1),  # estimated on the warm-up tensor, reused on the next
+    "mstopk": ("mstopk", {}, 0),
+}
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("label", sorted(SPARSIFIERS))
+def test_lands_near_target_density(label, kind, density, tensors):
+    name, params, warmup = SPARSIFIERS[label]
+    if name not in compressors.names():
+        pytest.skip(f"compressor {name!r} is not registered yet")
+    c = compressors.get(name, density=density, **params)
+    warm, x = tensors[kind]
+    for step in range(warmup):
+        c.compress(warm, "w")
+        c.on_step(step + 1)
+    (values, idx), ctx = c.compress(x, "w")
+    ratio = idx.numel() / (density * N)
+    assert 0.5 <= ratio <= 2.0, f"{label} on {kind} at {density}: sent {ratio:.3f}x the target"
+    assert torch.equal(values, x[idx])
+    sent = torch.zeros(N, dtype=torch.bool)
+    sent[idx] = True
+    assert x.abs()[sent].min() >= x.abs()[~sent].max()  # a threshold cut, not an arbitrary subset
+
+
+# ------------------------------------------------------------------------------------------------
+# Ok-Topk: threshold reuse between re-estimations, checkpointed
+# ------------------------------------------------------------------------------------------------
+def test_oktopk_reuses_threshold_between_estimations():
+    x = torch.randn(20_000, generator=gen(3))
+    c = compressors.get("oktopk", density=0.01, period=4)
+    assert c.granularity == "bucket"
+    (_, idx), _ = c.compress(x, "bucket0")
+    assert idx.numel() == 200  # estimation step: the exact top-k
+    thr = c.threshold("bucket0")
+    assert thr == pytest.approx(float(x.abs().topk(200).values.min()))
+    for step in (1, 2, 3):  # reuse: a doubled gradient passes far more than k at the old threshold
+        c.on_step(step)
+        (_, idx), _ = c.compress(2 * x, "bucket0")
+        assert c.threshold("bucket0") == thr
+        assert torch.equal(idx, torch.nonzero((2 * x).abs() >= thr).view(-1))
+        assert idx.numel() > 1000
+    c.on_step(4)  # period elapsed: re-estimated on the new data
+    (_, idx), _ = c.compress(2 * x, "bucket0")
+    assert idx.numel() == 200 and c.threshold("bucket0") == pytest.approx(2 * thr)
+
+
+def test_oktopk_resumes_from_state_dict():
+    xs = [torch.randn(5000, generator=gen(40 + i)) * (1 + i) for i in range(6)]
+    a, b = compressors.get("oktopk", density=0.02, period=3), None
+    out_a, out_b = [], []
+    for step, x in enumerate(xs):
+        if step == 2:
+            buf = io.BytesIO()
+            torch.save(a.state_dict(), buf)
+            buf.seek(0)
+            b = compressors.get("oktopk", density=0.02, period=3)
+            b.load_state_dict(torch.load(buf, weights_only=True))
+        out_a.append(a.compress(x, "b")[0][1])
+        a.on_step(step + 1)
+        if b is not None:
+            out_b.append(b.compress(x, "b")[0][1])
+            b.on_step(step + 1)
+    assert all(torch.equal(p, q) for p, q in zip(out_a[2:], out_b))
+
+
+# ------------------------------------------------------------------------------------------------
+# DGC compressor
+# ------------------------------------------------------------------------------------------------
+def test_dgc_owns_its_generator_and_is_reproducible():
+    x = torch.randn(100_000, generator=gen(5))
+    before = torch.get_rng_state()
+    a, b = compressors.get("dgc", density=0.001, seed=7), compressors.get("dgc", density=0.001, seed=7)
+    assert torch.equal(a.compress(x, "w")[0][1], b.compress(x, "w")[0][1])
+    assert torch.equal(torch.get_rng_state(), before)  # the global RNG is untouched
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    c = compressors.get("dgc", density=0.001, seed=99)
+    c.load_state_dict(torch.load(buf, weights_only=True))
+    for _ in range(3):
+        assert torch.equal(a.compress(x, "w")[0][1], c.compress(x, "w")[0][1])
+
+
+def test_dgc_second_selection_trims_to_exactly_k():
+    x = torch.ones(50_000)  # every sample ties: the sampled threshold passes everything
+    x[:10] = 5.0
+    (values, idx), _ = compressors.get("dgc", density=0.01).compress(x, "w")
+    assert idx.numel() == 500 and set(range(10)) <= set(idx.tolist())
+
+
+def test_dgc_warmup_decays_density_exponentially():
+    c = compressors.get("dgc", density=0.001, warmup_steps=8)
+    seen = []
+    for step in range(10):
+        c.on_step(step)
+        seen.append(c.current_density())
+    expected = [0.001 ** (p / 5) for p in (1, 1, 2, 2, 3, 3, 4, 4)] + [0.001, 0.001]
+    assert seen == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# DGC memory: momentum correction and momentum-factor masking (DGC §3.2)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("compressor", ["dgc", "topk"])
+def test_dgc_memory_corrects_and_masks_momentum(compressor):
+    mem = memories.get("dgc", momentum=0.9)
+    c = compressors.get(compressor, density=0.05)
+    u = torch.zeros(40, 50)
+    v = torch.zeros(40, 50)
+    for step in range(4):
+        g = torch.randn(40, 50, generator=gen(20 + step))
+        u = 0.9 * u + g
+        v = v + u
+        comp = mem.compensate(g, "w")
+        torch.testing.assert_close(comp, v)
+        payload, ctx = c.compress(comp, "w")
+        mem.update(comp, "w", c, payload, ctx)
+        idx = payload[1]
+        assert idx.numel() > 0
+        # what was not sent stays accumulated: sent + remaining == compensated, exactly
+        assert torch.equal(c.decompress(payload, ctx) + mem.accumulated["w"], comp)
+        u.view(-1)[idx] = 0.0
+        v.view(-1)[idx] = 0.0
+        assert not mem.velocity["w"].view(-1)[idx].any() and not mem.accumulated["w"].view(-1)[idx].any()
+        torch.testing.assert_close(mem.velocity["w"], u)
+        torch.testing.assert_close(mem.accumulated["w"], v)
+        c.on_step(step + 1)
+
+
+def test_dgc_memory_clips_locally_and_checkpoints():
+    mem = memories.get("dgc", clip_norm=1.0)
+    out = mem.compensate(100 * torch.randn(1000, generator=gen(1)), "w")
+    assert float(out.norm()) <= 1.0 + 1e-5  # one process: threshold / sqrt(1)
+    buf = io.BytesIO()
+    torch.save(mem.state_dict(), buf)
+    buf.seek(0)
+    other = memories.get("dgc", clip_norm=1.0)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    g = torch.randn(1000, generator=gen(2))
+    assert torch.equal(mem.compensate(g, "w"), other.compensate(g, "w"))
+
+
+def test_dgc_memory_refuses_dense_payloads():
+    mem, c = memories.get("dgc"), compressors.get("none")
+    g = torch.randn(10)
+    comp = mem.compensate(g, "w")
+    payload, ctx = c.compress(comp, "w")
+    with pytest.raises(ValueError, match="sparse compressor"):
+        mem.update(comp, "w", c, payload, ctx)
+
+
+# ------------------------------------------------------------------------------------------------
+# SIDCo fits and stage adaptation
+# ------------------------------------------------------------------------------------------------
+def test_sidco_quantiles_match_scipy():
+    from scipy import stats
+
+    from adacomp.compressors import sidco
+    a = sample("laplace", 200_000, 8).abs()
+    mu, var = float(a.mean()), float(a.var())
+    assert sidco.exponential_quantile(a, 0.01) == pytest.approx(stats.expon.isf(0.01, scale=mu))
+    xi, scale = 0.5 * (1 - mu * mu / var), 0.5 * mu * (mu * mu / var + 1)
+    assert sidco.gpareto_quantile(a, 0.01) == pytest.approx(stats.genpareto.isf(0.01, xi, scale=scale), rel=1e-4)
+    s = math.log(mu) - float(torch.log(a + 1e-12).mean())
+    shape = (3 - s + math.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
+    assert sidco.gamma_quantile(a, 0.01) == pytest.approx(stats.gamma.isf(0.01, shape, scale=mu / shape), rel=1e-4)
+
+
+def test_sidco_exponential_is_exact_on_laplace_in_one_stage():
+    x = sample("laplace", 200_000, 9)
+    c = compressors.get("sidco", density=0.01, stages=1, adaptive=False)
+    (_, idx), _ = c.compress(x, "w")
+    assert 0.9 <= idx.numel() / 2000 <= 1.1
+
+
+def test_sidco_adapts_stages_per_tensor_and_resumes():
+    light, heavy = sample("gaussian", 100_000, 12), sample("student_t3", 100_000, 13)
+    c = compressors.get("sidco", density=0.001, adapt_every=1)
+    for _ in range(8):
+        c.compress(light, "light")
+        c.compress(heavy, "heavy")
+    assert c.stages_for("light") > 1 and c.stages_for("heavy") > 1
+    buf = io.BytesIO()
+    torch.save(c.state_dict(), buf)
+    buf.seek(0)
+    d = compressors.get("sidco", density=0.001, adapt_every=1)
+    d.load_state_dict(torch.load(buf, weights_only=True))
+    assert d.stages_for("light") == c.stages_for("light")
+    assert torch.equal(c.compress(heavy, "heavy")[0][1], d.compress(heavy, "heavy")[0][1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Edge cases shared by all of them, parameter checks, configs
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dgc", "gaussiank", "redsync", "sidco", "oktopk"])
+def test_never_empty_and_dense_at_density_one(name):
+    (values, idx), ctx = compressors.get(name, density=0.01).compress(torch.zeros(3000), "z")
+    assert idx.numel() >= 1
+    x = torch.randn(7, 9, generator=gen(4))
+    payload, ctx = compressors.get(name, density=1.0).compress(x, "w")
+    assert torch.equal(compressors.get(name).decompress(payload, ctx), x)
+
+
+@pytest.mark.parametrize("name,kwargs,param", [
+    ("dgc", {"sample_ratio": 0.0}, "sample_ratio"), ("dgc", {"warmup_steps": -1}, "warmup_steps"),
+    ("gaussiank", {"max_adjust": -1}, "max_adjust"), ("redsync", {"max_steps": 0}, "max_steps"),
+    ("sidco", {"distribution": "cauchy"}, "distribution"), ("sidco", {"stages": 0}, "stages"),
+    ("oktopk", {"period": 0}, "period"), ("oktopk", {"density": 1.5}, "density"),
+])
+def test_bad_parameters_name_themselves(name, kwargs, param):
+    with pytest.raises(ValueError, match=param):
+        compressors.get(name, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,param", [({"momentum": 1.0}, "momentum"), ({"clip_norm": -1.0}, "clip_norm")])
+def test_bad_dgc_memory_parameters_name_themselves(kwargs, param):
+    with pytest.raises(ValueError, match=param):
+        memories.get("dgc", **kwargs)
+
+
+@pytest.mark.parametrize("name", ["dgc", "gaussiank", "redsync", "sidco", "oktopk"])
+def test_config_loads(name):
+    import os
+
+    from adacomp.config import load
+    cfg = load(os.path.join(os.path.dirname(__file__), "..", "configs", f"{name}.yaml"))
+    assert cfg.compressor.name == name
+    assert cfg.communicator.name == "allgather"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("label", sorted(SPARSIFIERS))
+def test_cuda_tensors_stay_on_device(label):
+    name, params, warmup = SPARSIFIERS[label]
+    if name not in compressors.names():
+        pytest.skip(f"compressor {name!r} is not registered yet")
+    x = sample("student_t3", N, 21).cuda()
+    c = compressors.get(name, density=0.01, **params)
+    for step in range(warmup):
+        c.compress(x, "w")
+        c.on_step(step + 1)
+    (values, idx), ctx = c.compress(x, "w")
+    assert idx.is_cuda and values.is_cuda
+    assert 0.5 <= idx.numel() / (0.01 * N) <= 2.0
+    assert c.decompress([values, idx], ctx).is_cuda
