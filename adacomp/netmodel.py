@@ -223,21 +223,24 @@ class NetworkProbe:
 
 def fit_alpha_beta(rows: list[tuple[float, float]], times: list[float]) -> tuple[float, float]:
     """Non-negative least squares of ``t_i = a_i alpha + b_i beta`` in relative error (each row is
-    divided by ``t_i`` so microsecond and millisecond timings weigh the same)."""
+    divided by ``t_i`` so microsecond and millisecond timings weigh the same).
+
+    Plain Python floats on purpose: the 2x2 normal equations give bit-identical results on every
+    rank for identical inputs (a BLAS least-squares call was seen to differ in the last bit)."""
     if all(a == 0 and b == 0 for a, b in rows):  # a world of one: nothing travels
         return 0.0, 0.0
-    A = torch.tensor([[a / max(t, 1e-12), b / max(t, 1e-12)] for (a, b), t in zip(rows, times)],
-                     dtype=torch.float64)
-    y = torch.ones(len(rows), dtype=torch.float64)
-    candidates = []
-    sol = torch.linalg.lstsq(A, y.unsqueeze(1)).solution.squeeze(1)
-    if (sol >= 0).all():
-        candidates.append((float(sol[0]), float(sol[1])))
-    for j in (0, 1):  # one variable at zero: the non-negative fallbacks
-        col = A[:, j]
-        den = float(col @ col)
-        x = max(0.0, float(col @ y) / den) if den > 0 else 0.0
-        candidates.append((x, 0.0) if j == 0 else (0.0, x))
-    def err(cand: tuple[float, float]) -> float:
-        return float(((A @ torch.tensor(cand, dtype=torch.float64)) - y).square().sum())
+    A = [(a / max(t, 1e-12), b / max(t, 1e-12)) for (a, b), t in zip(rows, times)]
+    saa = sum(a * a for a, _ in A)
+    sbb = sum(b * b for _, b in A)
+    sab = sum(a * b for a, b in A)
+    sa, sb = sum(a for a, _ in A), sum(b for _, b in A)  # A^T y with y = 1
+    candidates = [(sa / saa if saa > 0 else 0.0, 0.0), (0.0, sb / sbb if sbb > 0 else 0.0)]
+    det = saa * sbb - sab * sab
+    if det > 1e-12 * saa * sbb:
+        x = ((sbb * sa - sab * sb) / det, (saa * sb - sab * sa) / det)
+        if x[0] >= 0 and x[1] >= 0:
+            candidates.insert(0, x)
+
+    def err(x: tuple[float, float]) -> float:
+        return sum((a * x[0] + b * x[1] - 1.0) ** 2 for a, b in A)
     return min(candidates, key=err)

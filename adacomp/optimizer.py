@@ -357,10 +357,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._env.bucket_index = b.index
         mem = b.route.memory
         grads = [self._grad(n) for n in b.names]
-        if self.config.nonfinite is not None:
-            for n, g in zip(b.names, grads):
-                if not torch.isfinite(g).all():
-                    self._nonfinite.append(n)
+        for n, g in zip(b.names, grads):
+            # A sum is one cheap pass and is NaN/Inf whenever g holds one; a finite-but-overflowing
+            # sum is confirmed with the exact (slower) test before anything is reported.
+            if not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
+                self._nonfinite.append(n)
         with self._stats.timing("compress"):
             if b.fused_compressor is not None:
                 flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)

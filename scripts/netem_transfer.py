@@ -24,7 +24,7 @@ CHUNK = 64 * 1024
 GRACE_S = 10.0
 
 
-def server(bind: str, port: int, seconds: float, interval: float) -> dict:
+def server(bind: str, port: int, seconds: float, interval: float, announce: bool = False) -> dict:
     with socket.create_server((bind, port)) as srv:
         print("listening", flush=True)
         srv.settimeout(GRACE_S)
@@ -42,6 +42,8 @@ def server(bind: str, port: int, seconds: float, interval: float) -> dict:
                 break
             if t0 is None:
                 t0, bucket_end = now, now + interval
+                if announce:  # lets a caller time actions relative to the first byte
+                    print("receiving", flush=True)
             while now >= bucket_end:  # close every interval that ended before this read
                 intervals.append([round(bucket_end - t0, 6), bucket])
                 bucket, bucket_end = 0, bucket_end + interval
@@ -105,6 +107,7 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("server")
     s.add_argument("--bind", required=True)
+    s.add_argument("--announce", action="store_true", help='print "receiving" at the first byte')
     c = sub.add_parser("client")
     c.add_argument("--host", required=True)
     pr = sub.add_parser("probe")
@@ -118,7 +121,7 @@ def main(argv: list[str]) -> int:
         sp.add_argument("--interval", type=float, default=0.25)
     a = p.parse_args(argv)
     if a.mode == "server":
-        print(json.dumps(server(a.bind, a.port, a.seconds, a.interval)))
+        print(json.dumps(server(a.bind, a.port, a.seconds, a.interval, a.announce)))
     elif a.mode == "client":
         client(a.host, a.port, a.seconds)
     else:

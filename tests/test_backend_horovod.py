@@ -87,3 +87,9 @@ def test_reference_matches_ddp() -> None:
     from tests._dist import free_port
     proc = horovodrun(2, str(WORKER), "reference", "horovod", str(free_port()), "25,0", timeout=300)
     _check(proc, "REFERENCE_DIFF", 4)
+
+
+@needs_horovod
+def test_timeout_raises_instead_of_hanging() -> None:
+    """A rank that skips a collective makes the others fail with CommunicationError after timeout_s."""
+    _check(horovodrun(2, str(WORKER), "timeout", "horovod"), "TIMEOUT_OK", 1)

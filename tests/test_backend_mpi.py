@@ -66,7 +66,7 @@ def test_auto_detects_mpi() -> None:
 
 def test_timeout_raises_instead_of_hanging() -> None:
     """A rank that skips a collective makes the others fail with CommunicationError after timeout_s."""
-    _check(mpirun(2, str(WORKER), "mpi-timeout"), "TIMEOUT_OK", 1)
+    _check(mpirun(2, str(WORKER), "timeout", "mpi"), "TIMEOUT_OK", 1)
 
 
 def test_reference_matches_ddp() -> None:

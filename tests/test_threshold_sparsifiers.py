@@ -47,9 +47,9 @@ SPARSIFIERS = {
     "dgc": ("dgc", {}, 1),
     "gaussiank": ("gaussiank", {}, 0),
     "redsync": ("redsync", {}, 0),
-    "sidco_exponential": ("sidco", {"distribution": "exponential", "adapt_every": 1}, 10),
-    "sidco_gpareto": ("sidco", {"distribution": "gpareto", "adapt_every": 1}, 10),
-    "sidco_gamma": ("sidco", {"distribution": "gamma", "adapt_every": 1}, 10),
+    "sidco_exponential": ("sidco", {"distribution": "exponential", "adapt_every": 1}, 6),
+    "sidco_gpareto": ("sidco", {"distribution": "gpareto", "adapt_every": 1}, 6),
+    "sidco_gamma": ("sidco", {"distribution": "gamma", "adapt_every": 1}, 6),
     "oktopk": ("oktopk", {"period": 32}, 1),  # estimated on the warm-up tensor, reused on the next
     "mstopk": ("mstopk", {}, 0),
 }

@@ -11,6 +11,7 @@ import torch
 from adacomp import communicators, compressors, memories
 from adacomp.compressors.sparse import k_for
 from tests._dist import run_workers
+from tests.test_allgather import plain, tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,11 +161,11 @@ def _randomk_worker(seed: int) -> list:
         idx = backend.allgather(entry.ctx.indices.clone(), sizes=[entry.ctx.indices.numel()] * world)
         out.append((entry.ctx.indices, idx.view(world, -1), ours, res))
         c.on_step(step + 1)
-    return out
+    return plain(out)
 
 
 def test_randomk_payloads_agree_across_ranks_gloo():
-    res = run_workers(_randomk_worker, 2, 3)
+    res = tensors(run_workers(_randomk_worker, 2, 3))
     for step in range(2):
         (i0, all0, d0, r0), (i1, _, d1, r1) = res[0][step], res[1][step]
         assert torch.equal(all0[0], all0[1]) and torch.equal(i0, i1)

@@ -61,7 +61,8 @@ class HorovodBackend(Backend):
             self._hvd.init()
             self._owns_init = True
         self._counter = itertools.count()
-        self._rank, self._size = self._hvd.rank(), self._hvd.size()
+        # Cached: identity stays readable after shutdown(), as with the other backends.
+        self._rank, self._size, self._local_rank = self._hvd.rank(), self._hvd.size(), self._hvd.local_rank()
 
     def _name(self, op: str) -> str:
         return f"adacomp.{op}.{next(self._counter)}"
@@ -74,7 +75,7 @@ class HorovodBackend(Backend):
         return self._size
 
     def local_rank(self) -> int:
-        return self._hvd.local_rank()
+        return self._local_rank
 
     # ------------------------------------------------------------------------------ helpers
     def _sync(self, handle: Any, what: str) -> Tensor:

@@ -30,20 +30,22 @@ class _Pending:
 class AllreduceCommunicator(Communicator):
     """Sum-then-average of additive payloads with a single fused buffer per round."""
 
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, Tensor] = {}
+
     def check(self, compressor: Compressor) -> None:
         if not compressor.additive:
             raise self.incompatible("allreduce", compressor,
                                     "its payloads cannot be summed element-wise across ranks")
 
-    @staticmethod
-    def _launch(entries: list[Entry], env: CommEnv, round_index: int) -> _Pending:
+    def _launch(self, entries: list[Entry], env: CommEnv, round_index: int) -> _Pending:
         tensors = [p for e in entries for p in e.payload]  # type: ignore[union-attr]
         counts = [len(e.payload) for e in entries]  # type: ignore[arg-type]
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise TypeError(f"allreduce payloads of one bucket must share a dtype, got {sorted(map(str, dtypes))}")
         with env.stats.timing("comm"):
-            buf, layout = flatten(tensors)
+            buf, layout = flatten(tensors, self._buffers, (env.bucket_index, round_index))
             handle = env.backend.allreduce_async(buf, average=True)
         return _Pending(entries, handle, layout, counts, round_index)
 

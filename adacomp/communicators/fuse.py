@@ -5,12 +5,29 @@ import torch
 from torch import Tensor
 
 
-def flatten(tensors: list[Tensor]) -> tuple[Tensor, list[tuple[torch.Size, int]]]:
-    """Concatenate ``tensors`` (one dtype) into a flat buffer; return it and the layout."""
+def flatten(tensors: list[Tensor], cache: dict | None = None,
+            key: object = None) -> tuple[Tensor, list[tuple[torch.Size, int]]]:
+    """Concatenate ``tensors`` (one dtype) into a flat buffer; return it and the layout.
+
+    With ``cache`` the buffer for ``key`` is reused across steps: a fresh multi-MB allocation
+    every step costs page faults that are a large share of a CPU step (measured in
+    scripts/bench_dense.py). The caller must be done with the previous step's buffer.
+    """
     layout = [(t.shape, t.numel()) for t in tensors]
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1).clone() if not tensors[0].is_contiguous() else tensors[0].reshape(-1), layout
-    return torch.cat([t.reshape(-1) for t in tensors]), layout
+    total = sum(n for _, n in layout)
+    ref = tensors[0]
+    buf = None
+    if cache is not None:
+        buf = cache.get(key)
+        if buf is None or buf.numel() != total or buf.dtype != ref.dtype or buf.device != ref.device:
+            buf = torch.empty(total, dtype=ref.dtype, device=ref.device)
+            cache[key] = buf
+    if buf is None:
+        if len(tensors) == 1:
+            return ref.reshape(-1).clone(), layout
+        return torch.cat([t.reshape(-1) for t in tensors]), layout
+    torch.cat([t.reshape(-1) for t in tensors], out=buf)
+    return buf, layout
 
 
 def unflatten(buf: Tensor, layout: list[tuple[torch.Size, int]]) -> list[Tensor]:

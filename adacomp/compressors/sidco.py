@@ -20,9 +20,10 @@ sparsity-inducing distributions ... multi-stage fitting"). With a = |g|:
   starts from ``stages`` (1 in the authors' run scripts).
 
 Deviations: the adaptive state is kept per tensor name (the authors' code shares one class-level
-counter across layers); the direction of a stage change is learned per tensor (a change that made
-the error worse flips it), because more stages *raise* the count for light tails (Gaussian under an
-exponential fit) and *lower* it for heavy ones (Student-t), measured in
+counter across layers). The direction of a stage change is read from the errors measured at
+neighbouring stage counts, and the count stays put when the target lies between two counts,
+because more stages *raise* the count for light tails (Gaussian under an exponential fit) and
+*lower* it for heavy ones (Student-t): a fixed direction cycles, as measured in
 tests/test_threshold_sparsifiers.py; the first stage uses delta^(1/M), not the authors' code's fixed
 first ratio 0.25; fits run on |g| without dividing by ||g||_2 (all three fits are scale
 equivariant, so the selection is the same). At least one element is always sent.
@@ -42,6 +43,7 @@ from adacomp.compressors.base import register
 from adacomp.compressors.sparse import SparseCompressor, k_for
 
 _EPS = 1e-12
+STALE_WINDOWS = 10  # a stage count's measured error is forgotten after this many windows
 
 
 def exponential_quantile(x: Tensor, ratio: float) -> float:
@@ -107,8 +109,8 @@ class SIDCoCompressor(SparseCompressor):
         self.adaptive = bool(adaptive)
         self.adapt_every = int(adapt_every)
         self.tolerance = float(tolerance)
-        # per tensor name: stages, direction (+1/-1), window sum, window count, last window error
-        self._state: dict[str, dict[str, float]] = {}
+        # per tensor name: stages, running window sum / count, window index, {stages: [error, window]}
+        self._state: dict[str, dict[str, Any]] = {}
 
     def max_stages(self) -> int:
         return max(1, math.ceil(math.log(self._density) / math.log(0.5)))
@@ -124,33 +126,48 @@ class SIDCoCompressor(SparseCompressor):
             thr = thr + later(tail - thr, ratio)
         return thr
 
-    def _adapt(self, st: dict[str, float], count: int, k: int) -> None:
+    def _slope(self, seen: dict[int, list[float]], s: int) -> int:
+        """+1 if more stages pass more elements here, -1 if fewer; from the nearest other stage count
+        measured recently (+1, the light-tail case, before any comparison exists)."""
+        others = [j for j in seen if j != s]
+        if not others:
+            return 1
+        j = min(others, key=lambda o: (abs(o - s), o))
+        d = (seen[j][0] - seen[s][0]) * (j - s)
+        return 1 if d >= 0 else -1
+
+    def _adapt(self, st: dict[str, Any], count: int, k: int) -> None:
         st["sum"] += math.log(max(count, 1) / k)
         st["n"] += 1
         if st["n"] < self.adapt_every:
             return
         err = st["sum"] / st["n"]
         st["sum"], st["n"] = 0.0, 0
+        st["window"] += 1
+        s, seen = int(st["stages"]), st["seen"]
+        seen[s] = [err, st["window"]]
+        for j in [j for j, (_, w) in seen.items() if st["window"] - w > STALE_WINDOWS]:
+            del seen[j]
         if abs(err) <= math.log1p(self.tolerance):
-            st["last"] = abs(err)
             return
-        if abs(err) > st["last"]:  # the previous change made things worse: the slope has the other sign
-            st["dir"] = -st["dir"]
-        st["last"] = abs(err)
-        step = st["dir"] if err < 0 else -st["dir"]  # too few -> move the way that adds elements
-        new = int(st["stages"] + step)
-        if not 1 <= new <= self.max_stages():  # at a bound: the other direction is the only one left
-            st["dir"] = -st["dir"]
-            new = int(st["stages"] - step)
-        st["stages"] = float(min(max(new, 1), self.max_stages()))
+        slope = self._slope(seen, s)
+        nxt = s + (slope if err < 0 else -slope)  # too few elements -> the way that adds elements
+        if not 1 <= nxt <= self.max_stages():
+            nxt = 2 * s - nxt  # at a bound: the untried other side, if any
+            if not 1 <= nxt <= self.max_stages() or nxt in seen:
+                return
+        other = seen.get(nxt)
+        if other is not None and other[0] * err < 0 and abs(other[0]) >= abs(err):
+            return  # the target lies between s and nxt and s is the closer one
+        st["stages"] = nxt
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         a = flat.float().abs()
         k = k_for(a.numel(), self._density)
         if k >= a.numel():
             return torch.arange(a.numel(), device=a.device)
-        st = self._state.setdefault(name, {"stages": float(min(self.stages, self.max_stages())), "dir": 1.0,
-                                           "sum": 0.0, "n": 0, "last": math.inf})
+        st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
+                                           "window": 0, "seen": {}})
         idx = torch.nonzero(a > self.threshold(a, int(st["stages"]))).view(-1)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
@@ -161,10 +178,14 @@ class SIDCoCompressor(SparseCompressor):
         return int(self._state[name]["stages"]) if name in self._state else self.stages
 
     def state_dict(self) -> dict[str, Any]:
-        return {"per_tensor": {n: dict(st) for n, st in self._state.items()}}
+        return {"per_tensor": {n: {**st, "seen": {j: list(v) for j, v in st["seen"].items()}}
+                               for n, st in self._state.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._state = {n: {k: float(v) for k, v in st.items()} for n, st in state.get("per_tensor", {}).items()}
+        self._state = {n: {"stages": int(st["stages"]), "sum": float(st["sum"]), "n": int(st["n"]),
+                           "window": int(st["window"]),
+                           "seen": {int(j): [float(v[0]), int(v[1])] for j, v in st["seen"].items()}}
+                       for n, st in state.get("per_tensor", {}).items()}
 
     def __repr__(self) -> str:
         return (f"SIDCoCompressor(density={self._density}, distribution={self.distribution!r}, "

@@ -1,0 +1,209 @@
+"""ByteComp: which tensors to compress, where, and with which scheme (bytecomp.txt §4).
+
+Pure parts: empirical time models (§4.3), Alg. 1 (device compression decisions, §4.4.2: sort by
+size then closeness to the output layer, drop uncompressed tensors sent before bubbles, best option
+per tensor by simulated iteration time), Alg. 2 (CPU offload, Lemma 1 / Theorem 1) and a brute
+force for checking. The timeline itself is :mod:`adacomp.policies.timeline`. The policy
+(:class:`ByteCompPolicy`) profiles a few uncompressed steps, decides on rank 0, broadcasts the plan
+and routes every tensor through the optimizer (compressed on ``allgather`` or dense on
+``allreduce``).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from adacomp import netmodel
+from adacomp.compressors.base import Compressor
+from adacomp.policies.timeline import (ALL_OPTIONS, CPU_A2A, CPU_AG, DEVICE_A2A, DEVICE_AG, NONE, CostModel,
+                                       Option, TensorProfile, simulate)
+
+
+class EmpiricalTime:
+    """Seconds as a function of dense bytes: piecewise-linear through measured points, linear
+    extrapolation beyond them (§4.3: profiled times are "almost constant across runs")."""
+
+    def __init__(self, sizes: Sequence[float], seconds: Sequence[float]):
+        order = np.argsort(sizes)
+        self.x = np.asarray(sizes, dtype=float)[order]
+        self.y = np.maximum(np.asarray(seconds, dtype=float)[order], 0.0)
+        if self.x.size == 0:
+            raise ValueError("EmpiricalTime needs at least one measured size")
+        self._cache: dict[float, float] = {}
+
+    def __call__(self, nbytes: float) -> float:
+        hit = self._cache.get(nbytes)
+        if hit is not None:
+            return hit
+        x, y = self.x, self.y
+        if x.size == 1:
+            v = float(y[0] * nbytes / x[0]) if x[0] > 0 else float(y[0])
+        elif nbytes > x[-1]:
+            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-30)
+            v = float(y[-1] + max(slope, 0.0) * (nbytes - x[-1]))
+        else:
+            v = float(np.interp(nbytes, x, y))
+        self._cache[nbytes] = v
+        return v
+
+
+def alltoall(M: float, N: int, alpha: float, beta: float) -> float:
+    """Pairwise-exchange alltoall of ``M`` bytes per rank: ``(N-1) alpha + (N-1)/N M beta``
+    (adacomp.netmodel has no alltoall; same alpha-beta conventions as its Table I)."""
+    return (N - 1) * alpha + (N - 1) / N * M * beta
+
+
+def cost_model(world: int, alpha: float, beta: float, compress: dict[str, Callable[[float], float]],
+               decompress: dict[str, Callable[[float], float]], forward_s: float = 0.0) -> CostModel:
+    """Communication from :mod:`adacomp.netmodel` (ring allreduce, allgather) plus the profiles."""
+    return CostModel(world, lambda M: netmodel.ring_allreduce(M, world, alpha, beta),
+                     lambda M: netmodel.allgather(M, world, alpha, beta),
+                     lambda M: alltoall(M, world, alpha, beta), compress, decompress, forward_s)
+
+
+def profile_compressor(comp: Compressor, numels: Sequence[int], device: torch.device | str = "cpu",
+                       repeats: int = 100, dtype: torch.dtype = torch.float32) -> tuple[EmpiricalTime, EmpiricalTime]:
+    """(compress, decompress) time models: each size run ``repeats`` times and averaged (§4.3).
+    Decompression is timed per payload (the simulator multiplies by the number of payloads)."""
+    sizes, ct, dt = [], [], []
+    gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for n in sorted(set(int(x) for x in numels)):
+        g = torch.randn(n, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+        payload, ctx = comp.compress(g, "profile")  # warm-up (allocations, first-call costs)
+        comp.decompress(payload, ctx)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            payload, ctx = comp.compress(g, "profile")
+        sync()
+        t1 = time.perf_counter()
+        for _ in range(repeats):
+            comp.decompress(payload, ctx)
+        sync()
+        t2 = time.perf_counter()
+        sizes.append(n * g.element_size())
+        ct.append((t1 - t0) / repeats)
+        dt.append((t2 - t1) / repeats)
+    return EmpiricalTime(sizes, ct), EmpiricalTime(sizes, dt)
+
+
+def size_grid(numels: Sequence[int], points: int = 12) -> list[int]:
+    """At most ``points`` sizes spanning ``numels`` (log-spaced), to profile instead of every size."""
+    distinct = sorted(set(int(n) for n in numels if n > 0))
+    if len(distinct) <= points:
+        return distinct
+    idx = np.unique(np.round(np.geomspace(1, len(distinct), points)).astype(int) - 1)
+    return [distinct[i] for i in idx]
+
+
+# --- Alg. 1: device compression decisions -------------------------------------------------------
+def _remove(tensors: Sequence[TensorProfile], S: list[Option], model: CostModel, removed: set[int]) -> float:
+    """Remove() (Alg. 1 line 12-13, Property #1): uncompressed tensors whose communication ends
+    before a bubble gain nothing from compression. Returns F(S) of the simulated timeline."""
+    tl = simulate(tensors, S, model)
+    if tl.bubbles:
+        last_gap = tl.bubbles[-1][0]
+        removed.update(i for i, o in enumerate(S) if not o.compressed and tl.comm_end[i] <= last_gap + 1e-15)
+    return tl.iteration_s
+
+
+def decide_device(tensors: Sequence[TensorProfile], model: CostModel,
+                  options: Sequence[Option] = (DEVICE_AG,), candidates: set[int] | None = None) -> list[Option]:
+    """Alg. 1. ``candidates``: tensor indices that may be compressed (others stay uncompressed)."""
+    S = [NONE] * len(tensors)
+    cand = set(range(len(tensors))) if candidates is None else set(candidates)
+    # line 2-3: descending size; within a size, closest to the "output layer" first. ByteComp's
+    # output layer is "the last layer during backward propagation" (§4.4.2 Property #2), i.e. the
+    # largest backward index here.
+    order = sorted(cand, key=lambda i: (-tensors[i].nbytes, -i))
+    removed: set[int] = set()
+    best_f = _remove(tensors, S, model, removed)
+    for idx in order:
+        if idx in removed:
+            continue
+        for opt in options:                                   # GetBestOption, lines 14-21
+            trial = list(S)
+            trial[idx] = opt
+            f = simulate(tensors, trial, model).iteration_s
+            if f < best_f - 1e-15:
+                best_f, S = f, trial
+        best_f = _remove(tensors, S, model, removed)         # line 8
+    return S
+
+
+# --- Alg. 2: CPU offload (Lemma 1, Theorem 1) ---------------------------------------------------
+def decide_offload(tensors: Sequence[TensorProfile], model: CostModel, S: Sequence[Option],
+                   max_combinations: int = 200_000) -> list[Option]:
+    """Alg. 2: group device-compressed tensors by (size, option); by Lemma 1 only how many of each
+    group go to the CPU matters, and those are the ones farthest from the output layer (earliest in
+    backward). Enumerates
+    every U = (u_1..u_d), O(prod(|G_i| + 1)) simulations (Theorem 1); above ``max_combinations``
+    it falls back to coordinate descent over the u_i (stated deviation, keeps decisions fast)."""
+    groups: dict[tuple[float, Option], list[int]] = {}
+    for i, o in enumerate(S):
+        if o.where == "device":
+            groups.setdefault((tensors[i].nbytes, o), []).append(i)
+    if not groups:
+        return list(S)
+    # farthest from the output layer (= the last layer of backward, Property #2) first: the
+    # tensors ready earliest, whose CPU compression has the most computation left to overlap
+    members = [sorted(g) for g in groups.values()]
+    to_cpu = {DEVICE_AG: CPU_AG, DEVICE_A2A: CPU_A2A}
+
+    def strategy(U: Sequence[int]) -> list[Option]:
+        out = list(S)
+        for g, u in zip(members, U):
+            for i in g[:u]:
+                out[i] = to_cpu[out[i]]
+        return out
+
+    total = int(np.prod([len(g) + 1 for g in members], dtype=float))
+    if total <= max_combinations:
+        best = min(itertools.product(*[range(len(g) + 1) for g in members]),
+                   key=lambda U: simulate(tensors, strategy(U), model).iteration_s)
+        return strategy(best)
+    U = [0] * len(members)
+    best_f = simulate(tensors, strategy(U), model).iteration_s
+    improved = True
+    while improved:
+        improved = False
+        for gi, g in enumerate(members):
+            for u in range(len(g) + 1):
+                trial = U[:gi] + [u] + U[gi + 1:]
+                f = simulate(tensors, strategy(trial), model).iteration_s
+                if f < best_f - 1e-15:
+                    best_f, U, improved = f, trial, True
+    return strategy(U)
+
+
+def decide(tensors: Sequence[TensorProfile], model: CostModel, divisible: bool = False, offload: bool = True,
+           candidates: set[int] | None = None) -> tuple[list[Option], dict[str, float]]:
+    """Alg. 1 then (optionally) Alg. 2; returns the strategy and predicted iteration times."""
+    t0 = time.perf_counter()
+    dev_opts = (DEVICE_AG, DEVICE_A2A) if divisible else (DEVICE_AG,)
+    S = decide_device(tensors, model, dev_opts, candidates)
+    if offload:
+        S = decide_offload(tensors, model, S)
+    dt = time.perf_counter() - t0
+    cand = set(range(len(tensors))) if candidates is None else set(candidates)
+    every = [DEVICE_AG if i in cand else NONE for i in range(len(tensors))]
+    return S, {"plan_s": simulate(tensors, S, model).iteration_s,
+               "compress_all_s": simulate(tensors, every, model).iteration_s,
+               "compress_none_s": simulate(tensors, [NONE] * len(tensors), model).iteration_s,
+               "decision_s": dt}
+
+
+def brute_force(tensors: Sequence[TensorProfile], model: CostModel,
+                options: Sequence[Option] = (NONE, DEVICE_AG, CPU_AG)) -> tuple[list[Option], float]:
+    """The best strategy by enumerating every combination, O(|options|^N): tests only."""
+    best = min(itertools.product(options, repeat=len(tensors)),
+               key=lambda S: simulate(tensors, S, model).iteration_s)
+    return list(best), simulate(tensors, best, model).iteration_s
+
+
+OPTION_NAMES = {str(o): o for o in ALL_OPTIONS}

@@ -1,0 +1,175 @@
+"""allgather / allgather_fast on real gloo: every rank ends with the mean over ranks of each rank's
+decompressed payload (2 and 4 processes, driven through Entry / CommEnv and through the optimizer)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adacomp import communicators, compressors, memories
+from adacomp.communicators.allgather import fits, layout, pack, unpack
+from tests._dist import run_workers
+
+SHAPES = [(20, 30), (257,), (8, 3, 5, 5)]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def plain(obj):
+    """Tensors -> numpy arrays for the trip back to the parent: torch.multiprocessing would share
+    tensors through file descriptors that vanish when the worker exits before the parent reads."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    return obj
+
+
+def tensors(obj):
+    """Inverse of :func:`plain`."""
+    import numpy as np
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tensors(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: tensors(v) for k, v in obj.items()}
+    return obj
+
+
+def available(specs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """Drop compressors another module has not registered (yet)."""
+    names = set(compressors.names())
+    return [s for s in specs if s[0] in names]
+
+
+def _comm_worker(plan: list[tuple[str, list[tuple[str, dict]]]], steps: int) -> list:
+    import adacomp.backends
+    from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.metrics import StepStats
+    backend = adacomp.backends.create("torch")
+    rank = backend.rank()
+    out = []
+    for comm_name, specs in plan:
+        comm = communicators.get(comm_name)
+        for name, params in specs:
+            c = compressors.get(name, **params)
+            comm.check(c)
+            for step in range(steps):
+                c.on_step(step)
+                # rank 1 shrinks its second-step gradients: threshold methods then send fewer (or 0)
+                scale = 1e-3 if (rank == 1 and step == 1) else 1.0 + rank
+                xs = [torch.randn(*s, generator=gen(1000 * rank + 10 * step + i)) * scale
+                      for i, s in enumerate(SHAPES)]
+                entries = [Entry(f"t{i}", x, c, memories.get("none")) for i, x in enumerate(xs)]
+                env = CommEnv(backend, StepStats(), step)
+                res = comm.finish(comm.start(entries, env), env)
+                local = [c.decompress(e.payload, e.ctx).reshape(e.tensor.shape) for e in entries]
+                sizes = [e.payload[0].numel() for e in entries]
+                out.append((comm_name, name, step, local, res, sizes))
+    return plain(out)
+
+
+def check_means(results: list[list]) -> dict[str, set]:
+    """Assert each rank's result equals the mean of all ranks' local decompressions; return the
+    payload sizes seen per compressor (to show ranks did send different sizes)."""
+    world = len(results)
+    sizes: dict[str, set] = {}
+    for rows in zip(*results):
+        comm_name, name, step = rows[0][:3]
+        for i in range(len(SHAPES)):
+            mean = sum(r[3][i] for r in rows) / world
+            for r in rows:
+                assert r[4][i].shape == SHAPES[i]
+                torch.testing.assert_close(r[4][i], mean, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{comm_name}/{name} step {step} entry {i}: {m}")
+        sizes.setdefault(name, set()).update(tuple(r[5]) for r in rows)
+    return sizes
+
+
+ALLGATHER = [("topk", {"density": 0.05}), ("mstopk", {"density": 0.05}), ("adtopk", {"density": 0.05, "split": "dim1"}),
+             ("adtopk_t", {"density": 0.05, "sigma": 2, "interleave": False}), ("randomk", {"density": 0.05}),
+             ("qsgd", {}), ("efsignsgd", {})]
+FAST = [("topk", {"density": 0.05}), ("gtopk", {"density": 0.02}), ("adtopk", {"density": 0.05}),
+        ("adtopk_i", {"density": 0.05}), ("randomk", {"density": 0.05}), ("qsgd", {}), ("efsignsgd", {})]
+
+
+def test_allgather_and_fast_give_the_mean_on_2_ranks():
+    plan = [("allgather", available(ALLGATHER)), ("allgather_fast", available(FAST))]
+    sizes = check_means(tensors(run_workers(_comm_worker, 2, plan, 2)))
+    assert len(sizes["adtopk_t"]) > 1  # ranks sent different k (threshold reuse) ...
+    assert any(0 in s for s in sizes["adtopk_t"])  # ... and a rank may send nothing at all
+
+
+def test_allgather_and_fast_give_the_mean_on_4_ranks():
+    plan = [("allgather", available([ALLGATHER[1], ALLGATHER[5]])), ("allgather_fast", available([FAST[2], FAST[6]]))]
+    check_means(tensors(run_workers(_comm_worker, 4, plan, 1)))
+
+
+def test_pack_unpack_roundtrip_keeps_dtypes_and_alignment():
+    ts = [torch.randn(3, 5), torch.arange(7), torch.tensor(2.5, dtype=torch.float64), torch.ones(5, dtype=torch.uint8),
+          torch.randn(4).half()]
+    segs, total = layout(ts)
+    assert total % 8 == 0 and all(s.offset % 8 == 0 for s in segs)
+    for a, b in zip(ts, unpack(pack(ts, segs, total, torch.device("cpu")), segs)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_what_fits_is_named():
+    assert fits(compressors.get("topk")) == ["allgather", "allgather_fast"]
+    assert fits(compressors.get("mstopk")) == ["allgather"]
+    assert fits(compressors.get("randomk")) == ["allreduce", "allgather", "allgather_fast"]
+    if "powersgd" in compressors.names():
+        with pytest.raises(ValueError, match="allreduce"):
+            communicators.get("allgather").check(compressors.get("powersgd"))
+
+
+def _optimizer_worker(comp: dict, comm: str, steps: int) -> list:
+    import adacomp
+    import adacomp.backends
+    torch.manual_seed(0)  # same model on every rank (this child process owns its global RNG)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    backend = adacomp.backends.create("torch")
+    rank = backend.rank()
+    cfg = {"backend": "torch", "compressor": comp, "memory": {"name": "residual"},
+           "communicator": {"name": comm}, "fusion": {"bucket_mb": 0.0003}, "min_numel": 0}
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), config=cfg, backend=backend)
+    assert len(opt.buckets) > 1
+    ref_comp = {n: compressors.get(comp["name"], **{k: v for k, v in comp.items() if k != "name"})
+                for n, _ in model.named_parameters()}
+    ref_mem = memories.get("residual")
+    out = []
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=gen(100 * rank + step))
+        y = torch.randint(0, 10, (16,), generator=gen(100 * rank + step))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        local = {}
+        for n, p in model.named_parameters():  # what this rank sends, recomputed independently
+            g = ref_mem.compensate(p.grad.clone(), n)
+            payload, ctx = ref_comp[n].compress(g, n)
+            ref_mem.update(g, n, ref_comp[n], payload, ctx)
+            local[n] = ref_comp[n].decompress(payload, ctx).reshape(p.shape)
+        opt.synchronize()
+        out.append((local, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        with opt.skip_synchronize():
+            opt.step()
+        for c in ref_comp.values():
+            c.on_step(step + 1)
+    return plain(out)
+
+
+@pytest.mark.parametrize("comp,comm", [({"name": "topk", "density": 0.05}, "allgather_fast"),
+                                       ({"name": "adtopk_t", "density": 0.05, "sigma": 2, "tau": 2}, "allgather")])
+def test_through_distributed_optimizer_2_ranks(comp, comm):
+    res = tensors(run_workers(_optimizer_worker, 2, comp, comm, 4))
+    for step in range(4):
+        (l0, g0), (l1, g1) = res[0][step], res[1][step]
+        for n in l0:
+            mean = (l0[n] + l1[n]) / 2
+            torch.testing.assert_close(g0[n], mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(g1[n], mean, rtol=1e-5, atol=1e-6)
