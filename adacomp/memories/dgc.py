@@ -63,8 +63,9 @@ class DGCMemory(Memory):
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         if not getattr(compressor, "sparse", False) or len(payload) < 2:
+            got = getattr(compressor, "name", compressor)
             raise ValueError(f"memory 'dgc' masks the sent coordinates and needs a sparse compressor "
-                             f"(payload [values, indices]); got compressor {getattr(compressor, 'name', compressor)!r}. "
+                             f"(payload [values, indices]); got compressor {got!r}. "
                              f"Use memory 'residual' with this compressor")
         if name not in self.velocity:
             raise ValueError(f"memory 'dgc' got update({name!r}) without a compensate({name!r}) first")
