@@ -117,10 +117,10 @@ def _veth(i: int, prefix: str) -> str:
 
 def _address_for(subnet: str, i: int) -> str:
     net = ipaddress.ip_network(subnet)
-    hosts = list(net.hosts()) if net.num_addresses <= 65536 else []
-    if not hosts or i >= len(hosts) - 1:
+    addr = net.network_address + i + 1  # .1 for host 0; .0 is the network itself
+    if addr >= net.broadcast_address:
         raise NetemError(f"subnet {subnet} has no room for host {i}; use a /24 or larger private subnet")
-    return str(hosts[i])
+    return str(addr)
 
 
 # ---------------------------------------------------------------- running commands

@@ -61,8 +61,8 @@ def _schedule(args: argparse.Namespace) -> int:
         while not ctl.done and ctl.error is None:
             ctl.join(0.5)
             for ev in ctl.applied:
-                print(f"applied at {ev.at:g}: " + ", ".join(
-                    f"{'all' if h is None else h}={netem.format_rate(b)}" for h, b in ev.bandwidth.items()), flush=True)
+                rates = ", ".join(f"{'all' if h is None else h}={netem.format_rate(b)}" for h, b in ev.bandwidth.items())
+                print(f"at {ev.at:g}: {rates or 'latency only (applied by the workers)'}", flush=True)
             ctl.applied.clear()
     except KeyboardInterrupt:
         ctl.stop()

@@ -7,7 +7,7 @@ underneath). Output: ``adaptive_network.md`` + ``adaptive_network.png`` (chosen 
 over time, predicted vs measured sync time with the error in %) and the raw ``adaptive_network.json``.
 
     python scripts/adaptive_network.py                 # spawns --world workers itself
-    adacomp run -np 4 -- python scripts/adaptive_network.py   # or torchrun --nproc_per_node 4 ...
+    adacomp run -np 2 -- python scripts/adaptive_network.py   # or torchrun --nproc_per_node 2 ...
 
 ``--config c2`` uses the C2 pattern (low, moderate, high, moderate, low). Ring vs tree: gloo cannot
 switch its allreduce algorithm, so the shaping wrapper here emulates the requested one (Table I
@@ -73,10 +73,10 @@ def worker(args: argparse.Namespace) -> dict | None:
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, 10))
     cfg = {"compressor": {"name": "topk", "density": 0.1}, "memory": {"name": "residual"},
-           "communicator": {"name": "artopk"}, "min_numel": 1024,
+           "communicator": {"name": "artopk"}, "min_numel": 0,
            "fusion": {"bucket_mb": 64, "fuse_before_compress": True},
            "policy": {"name": "moo", "explore_steps": args.explore_steps, "probe_every": args.probe_every,
-                      "check_every": 10, "cooldown": 50}}
+                      "check_every": 10, "cooldown": 50, "probe_bytes": 1 << 16}}
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                        named_parameters=model.named_parameters(), config=cfg, backend=backend)
     pol = opt.policy
@@ -101,9 +101,9 @@ def worker(args: argparse.Namespace) -> dict | None:
             rec = pol.flex.records[-1]
             rows.append({"step": step, "phase": name, "alpha": alpha, "beta": 1 / bw,
                          "alpha_est": rec["alpha"], "beta_est": rec["beta"], "density": pol.density,
-                         "collective": pol.flex.choice.get(0, "?"), "exploring": exploring,
+                         "collective": next(iter(pol.flex.choice.values()), "?"), "exploring": exploring,
                          "predicted_s": rec["predicted_s"], "measured_s": rec["measured_s"],
-                         "step_s": time.perf_counter() - t0, "loss": float(loss)})
+                         "step_s": time.perf_counter() - t0, "loss": float(loss.detach())})
             step += 1
         epoch += 1
     with torch.no_grad():
@@ -235,11 +235,11 @@ def report(res: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--world", type=int, default=4, help="workers to spawn when not started by a launcher")
+    ap.add_argument("--world", type=int, default=2, help="workers to spawn when not started by a launcher")
     ap.add_argument("--config", choices=sorted(CONFIGS), default="c1")
     ap.add_argument("--steps-per-phase", type=int, default=120)
     ap.add_argument("--explore-steps", type=int, default=10)
-    ap.add_argument("--probe-every", type=int, default=20)
+    ap.add_argument("--probe-every", type=int, default=30)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", default="docs/results")

@@ -158,12 +158,12 @@ def main(argv: list[str]) -> int:
         return check_timeout(argv[1])
     if argv[0] == "reference":
         return reference(argv[1], int(argv[2]), [float(x) for x in argv[3].split(",")])
-    b = create(argv[0])
+    b = create("auto")  # the launcher's environment must select the backend under test
     r, n = b.rank(), b.size()
     if n < 2:
         raise AssertionError(f"expected a multi-process launch, got size {n}")
     if b.name != argv[0] or not 0 <= b.local_rank() < n:
-        raise AssertionError(f"backend {b.name!r} local_rank {b.local_rank()}")
+        raise AssertionError(f"backend 'auto' started {b.name!r} (expected {argv[0]!r}), local_rank {b.local_rank()}")
     for check in (check_allreduce, check_outstanding, check_allgather, check_broadcast, check_objects):
         check(b, r, n)
     b.barrier()

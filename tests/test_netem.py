@@ -37,7 +37,8 @@ def _netns_unavailable() -> str | None:
     return None if made.returncode == 0 else f"`ip netns add` fails here: {made.stderr.strip()}"
 
 
-needs_netns = pytest.mark.skipif(bool(_netns_unavailable()), reason=_netns_unavailable() or "")
+_SKIP_REASON = _netns_unavailable()
+needs_netns = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
 
 
 # ---------------------------------------------------------------- no root needed

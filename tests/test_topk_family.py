@@ -172,3 +172,16 @@ def test_randomk_payloads_agree_across_ranks_gloo():
         torch.testing.assert_close(r0, (d0 + d1) / 2)
         torch.testing.assert_close(r1, r0)
     assert not torch.equal(res[0][0][0], res[0][1][0])  # new coordinates each step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["topk", "gtopk", "randomk", "mstopk", "adtopk", "adtopk_i", "adtopk_t"])
+def test_compressors_stay_on_the_input_device(name):
+    x = torch.randn(64, 100, device="cuda")
+    c = compressors.get(name, density=0.05)
+    for step in range(3):
+        c.on_step(step)
+        payload, ctx = c.compress(x, "w")
+        assert all(p.device == x.device for p in payload)
+        out = c.decompress(payload, ctx)
+        assert out.device == x.device and out.shape == x.shape

@@ -4,7 +4,7 @@ Lin, Han, Mao, Wang and Dally, "Deep Gradient Compression" (ICLR 2018), as summa
 §2.2. §3.1 (Algorithm 1) sends the elements of the accumulated gradient above the threshold of the
 top ``density`` fraction; §5 (system performance) estimates that threshold by a top-k on a random
 sample of 0.1%-1% of the elements and, when far more elements than k pass it, computes a precise
-threshold among the already-selected candidates (the "second top-k"). §3.4 warm-up training
+threshold among the already-selected candidates (the "second top-k"). §3.3 warm-up training
 decays the density exponentially over the first epochs (75%, 93.75%, ... sparsity).
 
 Bounds and names follow the first author's public code (synxlin/deep-gradient-compression):
@@ -19,7 +19,7 @@ and 1.3k candidates all are sent (the public code keeps the first k in index ord
 large elements arbitrarily); warm-up is counted in optimizer steps (``warmup_steps``, split into
 the paper's 4 warm-up epochs) because a compressor does not know the epoch length.
 
-Pair with memory ``dgc`` (momentum correction and momentum-factor masking, DGC §3.2) and an inner
+Pair with memory ``dgc`` (momentum correction §3.2, momentum-factor masking §3.3) and an inner
 optimizer *without* momentum, or with ``residual``. Payload ``[values, indices]`` of variable size.
 Communicators: ``allgather``.
 """
@@ -34,7 +34,7 @@ from torch import Tensor
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import SparseCompressor, k_for
 
-WARMUP_EPOCHS = 4  # DGC §3.4: sparsity 75% -> 99.9% over the first four epochs
+WARMUP_EPOCHS = 4  # DGC §3.3: sparsity 75% -> 99.9% over the first four epochs
 
 
 @register("dgc")
@@ -80,6 +80,9 @@ class DGCCompressor(SparseCompressor):
 
     def on_step(self, step: int) -> None:
         self._step = int(step)
+
+    def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
+        return k_for(int(torch.Size(shape).numel()), self.current_density()) * (itemsize + 8)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)

@@ -89,7 +89,8 @@ class SIDCoCompressor(SparseCompressor):
 
     ``density``: target ratio delta (ADTopk §6 setting 0.01; SIDCo's scripts use 0.001).
     ``distribution``: ``exponential`` (SIDCo-E), ``gpareto`` (SIDCo-P) or ``gamma`` (SIDCo-GP).
-    ``stages``: initial number of fitting stages M. ``adaptive``: adapt M (paper Alg. 1).
+    ``stages``: initial number of fitting stages M (at most ceil(log2(1 / density))).
+    ``adaptive``: adapt M (paper Alg. 1).
     ``adapt_every``: calls per adaptation window (Q). ``tolerance``: accepted relative error.
     """
 
@@ -113,7 +114,13 @@ class SIDCoCompressor(SparseCompressor):
         self._state: dict[str, dict[str, Any]] = {}
 
     def max_stages(self) -> int:
+        """Upper bound on stages, ceil(log2(1 / density)) as in the authors' code."""
         return max(1, math.ceil(math.log(self._density) / math.log(0.5)))
+
+    def set_density(self, density: float) -> None:
+        super().set_density(density)
+        for st in self._state.values():  # errors measured at the old target no longer apply
+            st.update(sum=0.0, n=0, seen={}, stages=min(st["stages"], self.max_stages()))
 
     def threshold(self, a: Tensor, stages: int) -> float:
         first, later = FITS[self.distribution]

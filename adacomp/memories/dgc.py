@@ -1,13 +1,13 @@
 """DGC memory: momentum correction, momentum-factor masking and local gradient clipping.
 
-Lin et al., "Deep Gradient Compression" (ICLR 2018), §3.2:
+Lin et al., "Deep Gradient Compression" (ICLR 2018), §3.2 and §3.3:
 
-* momentum correction (eq. for u and v in §3.2): accumulate the *velocity* rather than the raw
+* momentum correction (§3.2): accumulate the *velocity* rather than the raw
   gradient, ``u <- m * u + g`` then ``v <- v + u``; ``v`` is what gets compressed and sent, so a
   coordinate sent late carries the momentum it would have had without sparsification;
-* momentum-factor masking: after sending, ``u`` and ``v`` are zeroed at the sent coordinates so
+* momentum-factor masking (§3.3): after sending, ``u`` and ``v`` are zeroed at the sent coordinates so
   stale momentum does not keep pushing them;
-* local gradient clipping: clip ``g`` before it is accumulated, with the global threshold scaled by
+* local gradient clipping (§3.2): clip ``g`` before it is accumulated, with the global threshold scaled by
   N^(-1/2) (N = number of ranks, read from ``adacomp.size()`` when clipping runs).
 
 Because momentum is applied here, the wrapped optimizer must run *without* momentum
@@ -18,6 +18,8 @@ compressor (dgc, topk, gaussiank, ...), not only ``dgc``.
 Deviations: clipping is per tensor (or per fused bucket) on its L2 norm, because a memory sees one
 tensor at a time, where DGC clips the whole model's norm; the reference codes (GRACE, ADTopk A.6)
 instead clamp elements to an allreduced RMS norm, which needs a collective and is not DGC's rule.
+The threshold is a float ``clip_norm`` (0 = off) rather than those codes' boolean
+``gradient_clipping``, since DGC clips against a configured norm threshold.
 """
 from __future__ import annotations
 

@@ -12,93 +12,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from adacomp import netmodel
-from adacomp.compressors.base import Compressor
+from adacomp.config import ComponentSpec
+from adacomp.metrics import StepStats
+from adacomp.policies.base import Policy, register
 from adacomp.policies.timeline import (ALL_OPTIONS, CPU_A2A, CPU_AG, DEVICE_A2A, DEVICE_AG, NONE, CostModel,
-                                       Option, TensorProfile, simulate)
+                                       Option, TensorProfile, cost_model, profile_compressor, simulate,
+                                       size_grid)
 
-
-class EmpiricalTime:
-    """Seconds as a function of dense bytes: piecewise-linear through measured points, linear
-    extrapolation beyond them (§4.3: profiled times are "almost constant across runs")."""
-
-    def __init__(self, sizes: Sequence[float], seconds: Sequence[float]):
-        order = np.argsort(sizes)
-        self.x = np.asarray(sizes, dtype=float)[order]
-        self.y = np.maximum(np.asarray(seconds, dtype=float)[order], 0.0)
-        if self.x.size == 0:
-            raise ValueError("EmpiricalTime needs at least one measured size")
-        self._cache: dict[float, float] = {}
-
-    def __call__(self, nbytes: float) -> float:
-        hit = self._cache.get(nbytes)
-        if hit is not None:
-            return hit
-        x, y = self.x, self.y
-        if x.size == 1:
-            v = float(y[0] * nbytes / x[0]) if x[0] > 0 else float(y[0])
-        elif nbytes > x[-1]:
-            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-30)
-            v = float(y[-1] + max(slope, 0.0) * (nbytes - x[-1]))
-        else:
-            v = float(np.interp(nbytes, x, y))
-        self._cache[nbytes] = v
-        return v
-
-
-def alltoall(M: float, N: int, alpha: float, beta: float) -> float:
-    """Pairwise-exchange alltoall of ``M`` bytes per rank: ``(N-1) alpha + (N-1)/N M beta``
-    (adacomp.netmodel has no alltoall; same alpha-beta conventions as its Table I)."""
-    return (N - 1) * alpha + (N - 1) / N * M * beta
-
-
-def cost_model(world: int, alpha: float, beta: float, compress: dict[str, Callable[[float], float]],
-               decompress: dict[str, Callable[[float], float]], forward_s: float = 0.0) -> CostModel:
-    """Communication from :mod:`adacomp.netmodel` (ring allreduce, allgather) plus the profiles."""
-    return CostModel(world, lambda M: netmodel.ring_allreduce(M, world, alpha, beta),
-                     lambda M: netmodel.allgather(M, world, alpha, beta),
-                     lambda M: alltoall(M, world, alpha, beta), compress, decompress, forward_s)
-
-
-def profile_compressor(comp: Compressor, numels: Sequence[int], device: torch.device | str = "cpu",
-                       repeats: int = 100, dtype: torch.dtype = torch.float32) -> tuple[EmpiricalTime, EmpiricalTime]:
-    """(compress, decompress) time models: each size run ``repeats`` times and averaged (§4.3).
-    Decompression is timed per payload (the simulator multiplies by the number of payloads)."""
-    sizes, ct, dt = [], [], []
-    gen = torch.Generator().manual_seed(0)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    for n in sorted(set(int(x) for x in numels)):
-        g = torch.randn(n, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
-        payload, ctx = comp.compress(g, "profile")  # warm-up (allocations, first-call costs)
-        comp.decompress(payload, ctx)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            payload, ctx = comp.compress(g, "profile")
-        sync()
-        t1 = time.perf_counter()
-        for _ in range(repeats):
-            comp.decompress(payload, ctx)
-        sync()
-        t2 = time.perf_counter()
-        sizes.append(n * g.element_size())
-        ct.append((t1 - t0) / repeats)
-        dt.append((t2 - t1) / repeats)
-    return EmpiricalTime(sizes, ct), EmpiricalTime(sizes, dt)
-
-
-def size_grid(numels: Sequence[int], points: int = 12) -> list[int]:
-    """At most ``points`` sizes spanning ``numels`` (log-spaced), to profile instead of every size."""
-    distinct = sorted(set(int(n) for n in numels if n > 0))
-    if len(distinct) <= points:
-        return distinct
-    idx = np.unique(np.round(np.geomspace(1, len(distinct), points)).astype(int) - 1)
-    return [distinct[i] for i in idx]
+if TYPE_CHECKING:
+    from adacomp.optimizer import DistributedOptimizer
 
 
 # --- Alg. 1: device compression decisions -------------------------------------------------------
@@ -181,14 +109,42 @@ def decide_offload(tensors: Sequence[TensorProfile], model: CostModel, S: Sequen
     return strategy(U)
 
 
+def refine(tensors: Sequence[TensorProfile], model: CostModel, S: Sequence[Option],
+           options: Sequence[Option], candidates: set[int] | None = None, sweeps: int = 2) -> list[Option]:
+    """adacomp's addition after Alg. 2 (not in the paper): up to ``sweeps`` passes that try every
+    option on one tensor at a time (Alg. 1's order) and keep any that lowers F(S). It can revisit
+    Alg. 1's early choices and put on the CPU a tensor Alg. 1 left dense; it never makes F worse."""
+    S = list(S)
+    f = simulate(tensors, S, model).iteration_s
+    cand = range(len(tensors)) if candidates is None else candidates
+    order = sorted(cand, key=lambda i: (-tensors[i].nbytes, -i))
+    for _ in range(sweeps):
+        improved = False
+        for i in order:
+            for o in options:
+                if o == S[i]:
+                    continue
+                trial = S[:i] + [o] + S[i + 1:]
+                g = simulate(tensors, trial, model).iteration_s
+                if g < f - 1e-15:
+                    f, S, improved = g, trial, True
+        if not improved:
+            break
+    return S
+
+
 def decide(tensors: Sequence[TensorProfile], model: CostModel, divisible: bool = False, offload: bool = True,
-           candidates: set[int] | None = None) -> tuple[list[Option], dict[str, float]]:
-    """Alg. 1 then (optionally) Alg. 2; returns the strategy and predicted iteration times."""
+           candidates: set[int] | None = None, polish: bool = True) -> tuple[list[Option], dict[str, float]]:
+    """Alg. 1, then Alg. 2 when ``offload``, then :func:`refine` when ``polish``; returns the
+    strategy and the predicted iteration times of it, compress-all (device) and compress-none."""
     t0 = time.perf_counter()
     dev_opts = (DEVICE_AG, DEVICE_A2A) if divisible else (DEVICE_AG,)
     S = decide_device(tensors, model, dev_opts, candidates)
     if offload:
         S = decide_offload(tensors, model, S)
+    if polish:
+        cpu_opts = (CPU_AG, CPU_A2A) if divisible else (CPU_AG,)
+        S = refine(tensors, model, S, (NONE, *dev_opts, *(cpu_opts if offload else ())), candidates)
     dt = time.perf_counter() - t0
     cand = set(range(len(tensors))) if candidates is None else set(candidates)
     every = [DEVICE_AG if i in cand else NONE for i in range(len(tensors))]

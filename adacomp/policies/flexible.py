@@ -62,7 +62,7 @@ class FlexiblePolicy(Policy):
         self.choice: dict[int, str] = {}
         self.predicted: dict[int, float] = {}
         self.switches: list[dict[str, Any]] = []
-        self.records: deque[dict[str, float]] = deque(maxlen=100_000)
+        self.records: deque[dict[str, float]] = deque(maxlen=100_000)  # predicted vs measured per step
         self._calls = 0
         self._inputs: tuple | None = None
         self._comms: dict[str, Communicator] = {}
@@ -160,8 +160,19 @@ class FlexiblePolicy(Policy):
                 log.info("flexible: step %d bucket %d %s -> %s (alpha=%.3g s, beta=%.3g s/B, c=%.4g, "
                          "predicted %.3g s)", rec["step"], b.index, old, kind, est.alpha, est.beta, rec["c"], cost)
 
+    def dense_predicted(self, optimizer: "DistributedOptimizer") -> float:
+        """Ring-allreduce prediction (Table I) of the dense buckets, so a step's total is comparable."""
+        est = self.probe.last
+        if est is None:
+            return 0.0
+        by_name = dict(optimizer.params)
+        return sum(netmodel.ring_allreduce(sum(by_name[n].numel() * by_name[n].element_size() for n in b.names),
+                                           optimizer.backend.size(), est.alpha, est.beta)
+                   for b in optimizer.buckets if b.index not in self.predicted)
+
     def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
-        self.records.append({"step": float(stats.step), "predicted_s": sum(self.predicted.values()),
+        self.records.append({"step": float(stats.step),
+                             "predicted_s": sum(self.predicted.values()) + self.dense_predicted(optimizer),
                              "measured_s": stats.comm_s,
                              "alpha": self.probe.last.alpha if self.probe.last else 0.0,
                              "beta": self.probe.last.beta if self.probe.last else 0.0})

@@ -104,14 +104,15 @@ class MOOPolicy(Policy):
     candidate (10). ``gain_threshold``: relative gain change that re-explores (0.1).
     ``net_threshold``: relative alpha / beta change that re-optimises (0.5). ``check_every``: steps
     between trigger checks (one small broadcast each). ``cooldown``: steps after a decision before
-    the gain trigger may fire. ``probe_every``: alpha / beta probe period. ``switching``: let the
+    the gain trigger may fire. ``probe_every`` / ``probe_bytes``: alpha / beta probe period and size. ``switching``: let the
     cost model switch AG / AR-Topk per bucket (False: keep the configured communicator).
     ``pop_size`` / ``generations`` / ``seed``: NSGA-II.
     """
 
     def __init__(self, c_high: float = 0.1, c_low: float = 0.001, factor: float = 3.0, explore_steps: int = 10,
                  gain_threshold: float = 0.1, net_threshold: float = 0.5, check_every: int = 10,
-                 cooldown: int = 50, probe_every: int = 100, switching: bool = True, selection: str = "star",
+                 cooldown: int = 50, probe_every: int = 100, probe_bytes: int = 1 << 20, switching: bool = True,
+                 selection: str = "star",
                  pop_size: int = 40, generations: int = 40, seed: int = 1):
         if not 0 < c_low < c_high <= 1:
             raise ValueError(f"need 0 < c_low < c_high <= 1, got c_low={c_low}, c_high={c_high}")
@@ -128,7 +129,7 @@ class MOOPolicy(Policy):
         self.gain_threshold, self.net_threshold = gain_threshold, net_threshold
         self.nsga = {"pop_size": pop_size, "generations": generations, "seed": seed}
         self.switching = switching
-        self.flex = FlexiblePolicy(probe_every=probe_every, selection=selection)
+        self.flex = FlexiblePolicy(probe_every=probe_every, selection=selection, probe_bytes=probe_bytes)
         self.density: float | None = None
         self.results: list[dict[str, float]] = []
         self.decisions: list[dict[str, Any]] = []

@@ -26,12 +26,99 @@ decompress-aggregate-recompress of one 1/N part, then allgather), Table 2 / Fig.
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from adacomp import netmodel
+from adacomp.compressors.base import Compressor
 
 TimeFn = Callable[[float], float]
 
 
+# --- empirical models (§4.3) -------------------------------------------------------------------
+class EmpiricalTime:
+    """Seconds as a function of dense bytes: piecewise-linear through measured points, linear
+    extrapolation beyond them (§4.3: profiled times are "almost constant across runs")."""
+
+    def __init__(self, sizes: Sequence[float], seconds: Sequence[float]):
+        order = np.argsort(sizes)
+        self.x = np.asarray(sizes, dtype=float)[order]
+        self.y = np.maximum(np.asarray(seconds, dtype=float)[order], 0.0)
+        if self.x.size == 0:
+            raise ValueError("EmpiricalTime needs at least one measured size")
+        self._cache: dict[float, float] = {}
+
+    def __call__(self, nbytes: float) -> float:
+        hit = self._cache.get(nbytes)
+        if hit is not None:
+            return hit
+        x, y = self.x, self.y
+        if x.size == 1:
+            v = float(y[0] * nbytes / x[0]) if x[0] > 0 else float(y[0])
+        elif nbytes > x[-1]:
+            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-30)
+            v = float(y[-1] + max(slope, 0.0) * (nbytes - x[-1]))
+        else:
+            v = float(np.interp(nbytes, x, y))
+        self._cache[nbytes] = v
+        return v
+
+
+def alltoall(M: float, N: int, alpha: float, beta: float) -> float:
+    """Pairwise-exchange alltoall of ``M`` bytes per rank: ``(N-1) alpha + (N-1)/N M beta``
+    (adacomp.netmodel has no alltoall; same alpha-beta conventions as its Table I)."""
+    return (N - 1) * alpha + (N - 1) / N * M * beta
+
+
+def cost_model(world: int, alpha: float, beta: float, compress: dict[str, Callable[[float], float]],
+               decompress: dict[str, Callable[[float], float]], forward_s: float = 0.0) -> CostModel:
+    """Communication from :mod:`adacomp.netmodel` (ring allreduce, allgather) plus the profiles."""
+    return CostModel(world, lambda M: netmodel.ring_allreduce(M, world, alpha, beta),
+                     lambda M: netmodel.allgather(M, world, alpha, beta),
+                     lambda M: alltoall(M, world, alpha, beta), compress, decompress, forward_s)
+
+
+def profile_compressor(comp: Compressor, numels: Sequence[int], device: torch.device | str = "cpu",
+                       repeats: int = 100, dtype: torch.dtype = torch.float32) -> tuple[EmpiricalTime, EmpiricalTime]:
+    """(compress, decompress) time models: each size run ``repeats`` times and averaged (§4.3).
+    Decompression is timed per payload (the simulator multiplies by the number of payloads)."""
+    sizes, ct, dt = [], [], []
+    gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for n in sorted(set(int(x) for x in numels)):
+        g = torch.randn(n, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+        payload, ctx = comp.compress(g, "profile")  # warm-up (allocations, first-call costs)
+        comp.decompress(payload, ctx)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            payload, ctx = comp.compress(g, "profile")
+        sync()
+        t1 = time.perf_counter()
+        for _ in range(repeats):
+            comp.decompress(payload, ctx)
+        sync()
+        t2 = time.perf_counter()
+        sizes.append(n * g.element_size())
+        ct.append((t1 - t0) / repeats)
+        dt.append((t2 - t1) / repeats)
+    return EmpiricalTime(sizes, ct), EmpiricalTime(sizes, dt)
+
+
+def size_grid(numels: Sequence[int], points: int = 12) -> list[int]:
+    """At most ``points`` sizes spanning ``numels`` (log-spaced), to profile instead of every size."""
+    distinct = sorted(set(int(n) for n in numels if n > 0))
+    if len(distinct) <= points:
+        return distinct
+    idx = np.unique(np.round(np.geomspace(1, len(distinct), points)).astype(int) - 1)
+    return [distinct[i] for i in idx]
+
+
+# --- the timeline ------------------------------------------------------------------------------
 class Option(NamedTuple):
     """One tensor's compression option: ``where`` in {None, "device", "cpu"}, ``scheme`` in
     {"allreduce", "allgather", "alltoall"}."""

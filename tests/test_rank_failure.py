@@ -1,0 +1,178 @@
+"""A rank dies (SIGKILL) mid-training: every other worker exits within about ``timeout_s`` with an
+error naming the lost rank, under no launcher at all, ``adacomp run``, torchrun and mpirun, and
+no process of the job is left behind.
+
+This file is also the worker script (``python tests/test_rank_failure.py --marker ...``), so the
+marker in every worker's command line lets the test find orphans in /proc.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 6.0        # the job's timeout_s: short so the tests are quick
+HANG_GUARD_S = 150     # only so that a broken build fails instead of hanging CI
+
+
+# ------------------------------------------------------------------------------------ the worker
+def worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--marker", required=True)
+    p.add_argument("--die-rank", type=int, default=1)
+    p.add_argument("--die-step", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10_000)
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    import adacomp
+    from adacomp import watchdog
+    from adacomp.models import DigitsCNN
+
+    torch.set_num_threads(1)
+    cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"},
+           "timeout_s": args.timeout}
+    backend = adacomp.init(config=cfg)
+    watchdog.start(backend, args.timeout)
+    rank = adacomp.rank()
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                       config=cfg)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        x = torch.randn(16, 1, 8, 8, generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x), torch.arange(16) % 10).backward()  # buckets start sending here
+        if rank == args.die_rank and step == args.die_step:
+            print(f"rank {rank}: SIGKILL at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        with watchdog.guard(backend):
+            opt.step()
+        if step % 20 == 0:
+            print(f"rank {rank}: step {step}", flush=True)
+    watchdog.stop(backend)
+    adacomp.shutdown()
+    return 0
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _worker_cmd(marker: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--marker", marker]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "ADACOMP_BACKEND"):
+        env.pop(k, None)
+    return env
+
+
+def _with_marker(marker: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            state = next((ln for ln in (d / "status").read_text().splitlines() if ln.startswith("State:")), "")
+        except OSError:
+            continue
+        if marker.encode() in cmd and "Z" not in state.split(":", 1)[-1][:3]:
+            pids.append(int(d.name))
+    return pids
+
+
+def _assert_no_orphans(marker: str) -> None:
+    """Processes with the marker may take a moment to be reaped after the launcher returned."""
+    for _ in range(100):
+        left = _with_marker(marker)
+        if not left:
+            return
+        time.sleep(0.1)
+    for pid in left:  # do not leak them into other tests
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"orphan worker processes left: {left}")
+
+
+def _run_launcher(cmd: list[str], marker: str) -> tuple[int, str]:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"job did not end after a rank died:\n{out}")
+    finally:
+        _assert_no_orphans(marker)
+    return proc.returncode, out
+
+
+# -------------------------------------------------------------------------------------- tests
+def test_survivor_names_the_lost_rank_without_a_launcher() -> None:
+    """No launcher to stop the survivor: the watchdog alone must end it, naming rank 1."""
+    from adacomp.launch import free_port, worker_env
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = {**_env(), **worker_env(r, 2, port)}
+        procs.append(subprocess.Popen(_worker_cmd(marker), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        _assert_no_orphans(marker)
+    assert procs[1].returncode == -signal.SIGKILL, outs[1]
+    assert procs[0].returncode != 0, outs[0]
+    assert "rank 1 is lost" in outs[0] and "CommunicationError" in outs[0], outs[0]
+
+
+def test_adacomp_run_stops_everyone_and_names_the_rank() -> None:
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    code, out = _run_launcher([sys.executable, "-m", "adacomp.cli", "run", "-np", "3", "--grace", "2", "--",
+                               *_worker_cmd(marker)], marker)
+    assert code != 0, out
+    assert "rank 1 exited with code -9" in out, out
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_torchrun_stops_everyone_and_names_the_rank() -> None:
+    from adacomp.launch import free_port
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    code, out = _run_launcher(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                               "--monitor_interval", "0.5", *_worker_cmd(marker)[1:]], marker)
+    assert code != 0, out
+    assert "rank 1 (local_rank: 1)" in out or "rank 1 is lost" in out, out
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_mpirun_stops_everyone_and_names_the_rank() -> None:
+    pytest.importorskip("mpi4py")
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    code, out = _run_launcher(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2",
+                               *_worker_cmd(marker)], marker)
+    assert code != 0, out
+    assert "rank 1" in out, out
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker(sys.argv[1:]))
