@@ -29,7 +29,9 @@ def init(backend: str = "auto", config: Any = None, timeout_s: float | None = No
             timeout_s = cfg.timeout_s
     name = backends.detect() if backend == "auto" else backend
     kwargs = {} if name == "local" else {"timeout_s": 60.0 if timeout_s is None else timeout_s}
-    _current = backends.create(name, **kwargs)
+    from adacomp.backends.shaped import wrap_from_env
+    # ADACOMP_SHAPE_* / ADACOMP_NETEM_SCHEDULE add emulated latency (docs/netem.md); otherwise a no-op.
+    _current = wrap_from_env(backends.create(name, **kwargs))
     return _current
 
 

@@ -86,17 +86,26 @@ def run_local(command: Sequence[str], np: int, netem: bool = False, grace_s: flo
     out = out or sys.stdout
     addr = "127.0.0.1"
     wrap = None
+    extra_env: dict[str, str] = {}
     if netem:
         from adacomp import netem as netem_mod
+        hosts = len(netem_mod.list_namespaces())
+        if hosts == 0:
+            raise RuntimeError("--netem needs emulated hosts: run `adacomp netem up --hosts N --bandwidth RATE` first")
         addr = netem_mod.host_address(0)
-        wrap = netem_mod.wrap_command
+        extra_env = netem_mod.worker_env()  # GLOO_SOCKET_IFNAME: gloo must use the emulated link
+
+        def wrap(r: int, argv: list[str]) -> list[str]:  # rank r runs on host r mod hosts
+            return netem_mod.wrap_command(r % hosts, argv)
     port = free_port() if not netem else 29500
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for r in range(np):
         argv = list(command) if wrap is None else wrap(r, list(command))
-        p = subprocess.Popen(argv, env=worker_env(r, np, port, addr), stdout=subprocess.PIPE,
+        env = worker_env(r, np, port, addr)
+        env.update(extra_env)
+        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
         t = threading.Thread(target=_pump, args=(p.stdout, r, out, lock), daemon=True)

@@ -61,6 +61,7 @@ def run_worker(cfg: Any) -> dict[str, Any]:
     import adacomp
     from adacomp.data import digits, shard
     from adacomp.models import build
+    from adacomp.netem_schedule import report_step
 
     tc = cfg.train
     adacomp.init(config=cfg)
@@ -99,6 +100,8 @@ def run_worker(cfg: Any) -> dict[str, Any]:
                    "bytes_sent": st.bytes_sent, "dense_bytes": st.dense_bytes,
                    "wall_s": time.perf_counter() - t_start}
             records.append(rec)
+            if rank == 0:
+                report_step(opt.steps, epoch)  # drives step-based netem schedules; no-op otherwise
             if bar is not None:
                 bar.update(1)
                 if len(records) % tc.log_every == 0:

@@ -163,3 +163,145 @@ def brute_force(tensors: Sequence[TensorProfile], model: CostModel,
 
 
 OPTION_NAMES = {str(o): o for o in ALL_OPTIONS}
+
+
+@register("bytecomp")
+class ByteCompPolicy(Policy):
+    """Per-tensor compression plan from profiled timelines (§4), applied through optimizer routes.
+
+    The first ``profile_steps`` steps run uncompressed (§4.3: traces "without GC") while hooks
+    record when each gradient becomes ready; then every rank shares its trace, alpha / beta are
+    measured with :class:`adacomp.netmodel.NetworkProbe` (unless given), rank 0 profiles the
+    compressor (``repeats`` runs per size, §4.3), runs :func:`decide` and broadcasts the plan.
+    Compressed tensors use the configured compressor / memory / communicator (an indivisible one:
+    allgather); the others go dense on allreduce.
+
+    * ``divisible``: also consider alltoall + allgather (Fig. 4). adacomp's backends have no
+      alltoall, so a plan can be printed with it but not applied (the policy refuses at attach).
+    * ``offload``: ``auto`` runs Alg. 2 only when gradients live on a GPU (on a CPU-only run the
+      "device" is the CPU); ``on`` / ``off`` force it. The optimizer compresses inside its hooks,
+      so an offloaded tensor is compressed where its gradient lives; the plan records the choice.
+    * ``polish``: run :func:`refine` after Alg. 2 (adacomp's addition).
+    """
+
+    def __init__(self, profile_steps: int = 100, repeats: int = 100, alpha: float = 0.0, beta: float = 0.0,
+                 divisible: bool = False, offload: str = "auto", polish: bool = True):
+        if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 2:
+            raise ValueError(f"profile_steps must be an integer >= 2, got {profile_steps!r}")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+        if alpha < 0 or beta < 0:
+            raise ValueError(f"alpha and beta must be >= 0 (0 = measure), got alpha={alpha}, beta={beta}")
+        if offload not in ("auto", "on", "off"):
+            raise ValueError(f"offload must be 'auto', 'on' or 'off', got {offload!r}")
+        self.profile_steps, self.repeats, self.alpha, self.beta = profile_steps, repeats, float(alpha), float(beta)
+        self.divisible, self.offload, self.polish = bool(divisible), offload, bool(polish)
+        self.plan: dict[str, str] = {}
+        self.predicted: dict[str, float] = {}
+        self._ready: dict[str, list[float]] = {}
+        self._step_end: list[float] = []
+        self._handles: list[Any] = []
+
+    def attach(self, optimizer: "DistributedOptimizer") -> None:
+        super().attach(optimizer)
+        if self.divisible:
+            raise ValueError("policy bytecomp: divisible (alltoall) schemes cannot be applied, adacomp's "
+                             "backends have no alltoall; set divisible: false (adacomp plan can still show them)")
+        cfg = optimizer.config
+        self.compressed_spec = (cfg.compressor, cfg.memory, cfg.communicator)
+        self.candidates = [n for n, _ in optimizer.params if optimizer.route_of(n).compressor.name != "none"]
+        if not self.candidates:
+            raise ValueError("policy bytecomp found no compressed tensor to decide on; set a compressor "
+                             "(e.g. {name: topk}) and check min_numel / layers")
+        for n in self.candidates:  # profile without compression
+            optimizer.set_route(n, ComponentSpec("none"), ComponentSpec("none"), ComponentSpec("allreduce"))
+        for n, p in optimizer.params:
+            self._ready[n] = []
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(n)))
+        self._step_end.append(time.perf_counter())
+
+    def _make_hook(self, name: str):
+        def hook(p: Tensor) -> None:
+            if self.optimizer.steps < self.profile_steps:
+                self._ready[name].append(time.perf_counter() - self._step_end[-1])
+        return hook
+
+    def profile(self) -> dict[str, Any]:
+        """This rank's trace: mean ready offset of every tensor since the previous step's end."""
+        skip = max(1, self.profile_steps // 5)   # early steps pay one-off allocations / imports
+        return {n: float(np.median(v[skip:])) for n, v in self._ready.items() if v[skip:]}
+
+    def tensors(self, ready: dict[str, float]) -> tuple[list[TensorProfile], float]:
+        """Backward-ordered profiles; the first tensor's compute time is the mean of the others and
+        the rest of the first offset is counted as forward time."""
+        opt = self.optimizer
+        order = sorted(ready, key=lambda n: ready[n])
+        deltas = [ready[b] - ready[a] for a, b in zip(order, order[1:])]
+        first = float(np.mean(deltas)) if deltas else 0.0
+        comp = opt.config.compressor
+        from adacomp import compressors
+        sample = compressors.get(comp.name, **comp.params)
+        out = []
+        for k, n in enumerate(order):
+            p = opt._param_by_name[n]
+            out.append(TensorProfile(n, p.numel() * p.element_size(), first if k == 0 else deltas[k - 1],
+                                     sample.payload_bytes(p.shape, p.element_size())))
+        return out, max(0.0, ready[order[0]] - first) if order else 0.0
+
+    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+        self._step_end.append(time.perf_counter())
+        if optimizer.steps != self.profile_steps:
+            return
+        backend = optimizer.backend
+        traces = backend.allgather_object(self.profile())
+        ready = {n: float(np.mean([t[n] for t in traces if n in t])) for n in traces[0]}
+        alpha, beta = self.alpha, self.beta
+        if not (alpha or beta) and backend.size() > 1:
+            from adacomp.netmodel import NetworkProbe
+            est = NetworkProbe().probe(backend, optimizer.steps)
+            alpha, beta = est.alpha, est.beta
+        result = None
+        if backend.rank() == 0:
+            result = self.decide_from(ready, alpha, beta, backend.size())
+        result = backend.broadcast_object(result, root=0)
+        self.apply(optimizer, result["plan"])
+        self.predicted = result["predicted"]
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def decide_from(self, ready: dict[str, float], alpha: float, beta: float, world: int) -> dict[str, Any]:
+        opt = self.optimizer
+        tensors, forward_s = self.tensors(ready)
+        from adacomp import compressors
+        comp = opt.config.compressor
+        device = next(iter(opt._param_by_name.values())).device
+        numels = [int(t.nbytes // 4) for t in tensors if t.name in self.candidates]
+        ctime, dtime = profile_compressor(compressors.get(comp.name, **comp.params), size_grid(numels),
+                                          device, self.repeats)
+        cctime, cdtime = (ctime, dtime) if device.type == "cpu" else \
+            profile_compressor(compressors.get(comp.name, **comp.params), size_grid(numels), "cpu", self.repeats)
+        model = cost_model(world, alpha, beta, {"device": ctime, "cpu": cctime},
+                           {"device": dtime, "cpu": cdtime}, forward_s)
+        offload = self.offload == "on" or (self.offload == "auto" and device.type == "cuda")
+        cand = {i for i, t in enumerate(tensors) if t.name in self.candidates}
+        S, predicted = decide(tensors, model, self.divisible, offload, cand, self.polish)
+        return {"plan": {t.name: str(o) for t, o in zip(tensors, S) if t.name in self.candidates},
+                "predicted": {**predicted, "alpha": alpha, "beta": beta}}
+
+    def apply(self, optimizer: "DistributedOptimizer", plan: dict[str, str]) -> None:
+        comp, mem, comm = self.compressed_spec
+        for name, option in plan.items():
+            if OPTION_NAMES[option].compressed:
+                optimizer.set_route(name, comp, mem, comm)
+            else:
+                optimizer.set_route(name, ComponentSpec("none"), ComponentSpec("none"), ComponentSpec("allreduce"))
+        self.plan = dict(plan)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": dict(self.plan), "predicted": dict(self.predicted)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.predicted = dict(state.get("predicted", {}))
+        if state.get("plan") and hasattr(self, "optimizer"):
+            self.apply(self.optimizer, state["plan"])
