@@ -242,15 +242,21 @@ def _check_layers(cfg: Config) -> None:
             raise ConfigError(f"layers[{i}].match", "missing; give an fnmatch pattern such as '*.bias'")
 
 
-def check_pair(compressor_spec: ComponentSpec, communicator_spec: ComponentSpec, path: str) -> None:
-    """Refuse a compressor whose payload the communicator cannot carry, naming what fits."""
-    from adacomp import communicators, compressors
+def check_pair(compressor_spec: ComponentSpec, communicator_spec: ComponentSpec, path: str,
+               memory_spec: ComponentSpec | None = None, memory_path: str = "memory") -> None:
+    """Refuse a compressor whose payload the communicator (or memory) cannot handle, naming what fits."""
+    from adacomp import communicators, compressors, memories
     comp = compressors.get(compressor_spec.name, **compressor_spec.params)
     comm = communicators.get(communicator_spec.name, **communicator_spec.params)
     try:
         comm.check(comp)
     except IncompatibleComponentsError as exc:
         raise IncompatibleComponentsError(path, exc.reason) from None
+    if memory_spec is not None and memory_spec.name != "auto":
+        try:
+            memories.get(memory_spec.name, **memory_spec.params).check(comp)
+        except ValueError as exc:
+            raise IncompatibleComponentsError(memory_path, str(exc)) from None
 
 
 def from_dict(data: Any) -> Config:
@@ -259,10 +265,10 @@ def from_dict(data: Any) -> Config:
         data = {}
     cfg = _parse_dataclass(Config, data, "")
     _check_layers(cfg)
-    check_pair(cfg.compressor, cfg.communicator, "communicator")
+    check_pair(cfg.compressor, cfg.communicator, "communicator", cfg.memory, "memory")
     for i, layer in enumerate(cfg.layers):
         check_pair(layer.compressor or cfg.compressor, layer.communicator or cfg.communicator,
-                   f"layers[{i}].communicator")
+                   f"layers[{i}].communicator", layer.memory or cfg.memory, f"layers[{i}].memory")
     return cfg
 
 

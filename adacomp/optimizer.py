@@ -18,6 +18,7 @@ import fnmatch
 import hashlib
 import json
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -121,6 +122,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._build_routes()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n))
                        for n, p in self.params]
+        if any(r.memory.name == "dgc" for r in self._routes.values()) and \
+                any(g.get("momentum", 0) for g in optimizer.param_groups):
+            warnings.warn("memory 'dgc' applies momentum itself (DGC §3.2); the wrapped optimizer should "
+                          "use momentum=0, otherwise momentum is applied twice", stacklevel=2)
         self.policy = policies.get(self.config.policy.name, **self.config.policy.params)
         self._reset_step()
         self.policy.attach(self)
@@ -239,8 +244,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 route.memory.reset(name)
             try:
                 route.communicator.check(self._compressors[name])
+                route.memory.check(self._compressors[name])
             except IncompatibleComponentsError as exc:
                 raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
+            except ValueError as exc:
+                raise IncompatibleComponentsError(f"parameter {name}", str(exc)) from None
             nbytes = p.numel() * p.element_size()
             if self.config.fusion.compressed_buffer:
                 nbytes = self._compressors[name].payload_bytes(p.shape, p.element_size())

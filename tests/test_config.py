@@ -97,3 +97,9 @@ def test_every_shipped_config_loads() -> None:
     import pathlib
     for path in sorted(pathlib.Path(__file__).resolve().parent.parent.joinpath("configs").glob("*.yaml")):
         load(str(path))
+
+
+def test_dgc_memory_with_dense_compressor_is_refused() -> None:
+    with pytest.raises(IncompatibleComponentsError) as exc:
+        load({"compressor": {"name": "fp16"}, "memory": {"name": "dgc"}})
+    assert exc.value.path == "memory" and "residual" in str(exc.value)

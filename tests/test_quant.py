@@ -7,6 +7,7 @@ import torch
 import adacomp.compressors as C
 import adacomp.memories.base as M
 from adacomp.compressors.qsgd import pack_bits, unpack_bits
+from tests._dist import run_workers
 
 
 def _payload_bytes(payload):
@@ -27,7 +28,7 @@ def test_qsgd_unbiased(bits, bucket):
     """Mean of many decompressions approaches the input (QSGD Lemma 3.1 (i))."""
     x = torch.randn(300, generator=torch.Generator().manual_seed(1))
     q = C.get("qsgd", bits=bits, bucket_size=bucket, seed=3)
-    n = 4000
+    n = 2000
     acc = torch.zeros_like(x)
     for _ in range(n):
         p, ctx = q.compress(x, "w")
@@ -136,3 +137,35 @@ def test_efsignsgd_error_feedback_sends_everything_eventually():
     # the difference is exactly the final residual, which stays bounded
     assert torch.allclose(total - sent, mem.residuals["w"], atol=1e-4)
     assert mem.residuals["w"].norm() < 0.2 * total.norm()
+
+
+def _quant_worker(specs: list[dict]) -> list[list[float]]:
+    """Train a small model with each compressor on real gloo ranks; return the final parameters."""
+    import adacomp
+    from adacomp.models import build
+    adacomp.init("torch")
+    out = []
+    for spec in specs:
+        torch.manual_seed(0)
+        model = build("mlp", inputs=64, width=32, depth=1)
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), config=spec)
+        g = torch.Generator().manual_seed(adacomp.rank())
+        for _ in range(5):
+            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert opt.last_stats.compression_ratio > 4
+        out.append([float(p.detach().sum()) for p in model.parameters()])
+        opt.remove_hooks()
+    return out
+
+
+def test_quantizers_on_two_gloo_ranks_keep_replicas_identical():
+    specs = [{"compressor": {"name": "qsgd", "bits": 4}, "communicator": {"name": "allgather_fast"},
+              "memory": {"name": "none"}, "min_numel": 100},
+             {"compressor": {"name": "efsignsgd"}, "communicator": {"name": "allgather"},
+              "memory": {"name": "residual"}, "min_numel": 100}]
+    a, b = run_workers(_quant_worker, 2, specs)
+    assert a == pytest.approx(b, abs=1e-6)

@@ -58,7 +58,7 @@ def worker(argv: list[str]) -> int:
         opt.zero_grad()
         F.cross_entropy(model(x), torch.arange(16) % 10).backward()  # buckets start sending here
         if rank == args.die_rank and step == args.die_step:
-            print(f"rank {rank}: SIGKILL at step {step}", flush=True)
+            print(f"self-kill (SIGKILL) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         with watchdog.guard(backend):
             opt.step()
@@ -125,16 +125,18 @@ def _run_launcher(cmd: list[str], marker: str) -> tuple[int, str]:
 
 
 # -------------------------------------------------------------------------------------- tests
-def test_survivor_names_the_lost_rank_without_a_launcher() -> None:
-    """No launcher to stop the survivor: the watchdog alone must end it, naming rank 1."""
+@pytest.mark.parametrize("dead", [1, 0], ids=["rank1", "rank0-store-host"])
+def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
+    """No launcher stops the survivor: the watchdog alone must end it, naming the dead rank (rank 0
+    also hosts the heartbeat store, so its death is seen as the store going silent)."""
     from adacomp.launch import free_port, worker_env
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
     port = free_port()
     procs = []
     for r in range(2):
         env = {**_env(), **worker_env(r, 2, port)}
-        procs.append(subprocess.Popen(_worker_cmd(marker), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(_worker_cmd(marker) + ["--die-rank", str(dead)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
     finally:
@@ -142,9 +144,10 @@ def test_survivor_names_the_lost_rank_without_a_launcher() -> None:
             if p.poll() is None:
                 p.kill()
         _assert_no_orphans(marker)
-    assert procs[1].returncode == -signal.SIGKILL, outs[1]
-    assert procs[0].returncode != 0, outs[0]
-    assert "rank 1 is lost" in outs[0] and "CommunicationError" in outs[0], outs[0]
+    alive = 1 - dead
+    assert procs[dead].returncode == -signal.SIGKILL, outs[dead]
+    assert procs[alive].returncode != 0, outs[alive]
+    assert f"rank {dead} is lost" in outs[alive], outs[alive]
 
 
 def test_adacomp_run_stops_everyone_and_names_the_rank() -> None:
@@ -174,7 +177,7 @@ def test_mpirun_stops_everyone_and_names_the_rank() -> None:
     code, out = _run_launcher(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2",
                                *_worker_cmd(marker)], marker)
     assert code != 0, out
-    assert "rank 1" in out, out
+    assert re.search(r"process rank 1 with PID \d+ .*exited on\s+signal 9", out, re.S), out
 
 
 if __name__ == "__main__":

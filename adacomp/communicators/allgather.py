@@ -51,7 +51,7 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def shape_for(self, numel: int) -> tuple[int, ...]:
         if len(self.shape) == 0:

@@ -27,6 +27,10 @@ class Memory:
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         raise NotImplementedError
 
+    def check(self, compressor: Any) -> None:
+        """Raise ValueError when this memory cannot work with ``compressor`` (checked when the
+        config is loaded and when the optimizer is built, before any collective)."""
+
     def reset(self, name: str | None = None) -> None:
         """Drop stored state (all names when ``name`` is None), e.g. when a tensor's route changes."""
 

@@ -63,6 +63,12 @@ class DGCMemory(Memory):
         self.velocity[name], self.accumulated[name] = u, v
         return v
 
+    def check(self, compressor: Any) -> None:
+        if not getattr(compressor, "sparse", False):
+            raise ValueError(f"memory 'dgc' masks the sent coordinates and needs a sparse compressor "
+                             f"(payload [values, indices]); got compressor {getattr(compressor, 'name', compressor)!r}. "
+                             "Use memory 'residual' with this compressor")
+
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         if not getattr(compressor, "sparse", False) or len(payload) < 2:
             got = getattr(compressor, "name", compressor)

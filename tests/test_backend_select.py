@@ -1,0 +1,35 @@
+"""Backend selection from the launcher's environment, and clear errors for missing transports."""
+from __future__ import annotations
+
+import pytest
+
+from adacomp import backends
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, "local"),
+    ({"RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "torch"),          # torchrun / adacomp run
+    ({"OMPI_COMM_WORLD_RANK": "0"}, "mpi"),                        # mpirun (Open MPI)
+    ({"PMI_RANK": "0"}, "mpi"),                                    # mpirun (MPICH)
+    ({"HOROVOD_RANK": "0", "OMPI_COMM_WORLD_RANK": "0"}, "horovod"),
+])
+def test_detect_follows_the_launcher(env, expected) -> None:
+    assert backends.detect(env) == expected
+
+
+def test_unknown_backend_lists_choices() -> None:
+    with pytest.raises(ValueError, match="valid choices: auto, horovod, local, mpi, torch"):
+        backends.create("nccl")
+
+
+def test_unavailable_backend_names_the_install_command(monkeypatch) -> None:
+    monkeypatch.setitem(backends._BACKENDS, "horovod", ("adacomp_no_such_module", "X", "make horovod"))
+    with pytest.raises(RuntimeError, match="make horovod"):
+        backends.create("horovod")
+
+
+def test_torch_backend_without_rendezvous_says_how_to_launch(monkeypatch) -> None:
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        backends.create("torch")
