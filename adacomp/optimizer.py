@@ -498,9 +498,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         out["policy"] = self.policy
         return out
 
-    def adacomp_state_dict(self) -> dict[str, Any]:
+    def adacomp_state_dict(self, include_policy: bool = True) -> dict[str, Any]:
         return {"steps": self.steps,
-                "components": {k: c.state_dict() for k, c in self._components().items()}}
+                "components": {k: c.state_dict() for k, c in self._components().items()
+                               if include_policy or k != "policy"}}
 
     def load_adacomp_state_dict(self, state: dict[str, Any]) -> None:
         comps = self._components()
@@ -509,6 +510,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has state for {unknown[:5]} which this optimizer does not have; "
                              "was it written with a different config or model?")
         for k, c in comps.items():
+            if k == "policy" and k not in state["components"]:
+                continue  # snapshots leave the policy alone: it is the one exploring
             c.load_state_dict(state["components"].get(k, {}))
         self.steps = int(state["steps"])
         self._reset_step()
@@ -524,9 +527,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.load_adacomp_state_dict(state_dict["adacomp"])
 
     def snapshot(self) -> dict[str, Any]:
-        """An in-memory copy of parameters, optimizer and adacomp state (for MOO exploration)."""
+        """An in-memory copy of parameters, optimizer, compressor and memory state (for MOO
+        exploration). The policy's own state is not included: restoring must not undo the
+        policy's record of what it explored."""
         return {"params": {n: p.detach().clone() for n, p in self.params},
-                "state": copy.deepcopy(self.state_dict())}
+                "state": copy.deepcopy({"optimizer": self.inner.state_dict(),
+                                        "adacomp": self.adacomp_state_dict(include_policy=False)})}
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Put back exactly what :meth:`snapshot` saw (bitwise)."""

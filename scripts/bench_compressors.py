@@ -135,6 +135,12 @@ def write_device_files(rows: list[dict], args: argparse.Namespace, meta: dict) -
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"compressors_{args.device}"
+    if args.merge and Path(f"{stem}.csv").exists():  # keep other compressors' rows from an earlier run
+        with open(f"{stem}.csv") as fh:
+            mine = {r["compressor"] for r in rows}
+            rows = [r for r in csv.DictReader(fh) if r["compressor"] not in mine] + rows
+        old = json.loads(Path(f"{stem}.json").read_text())
+        meta = {**old, "command": f"{old['command']}; then {meta['command']} (--merge)"}
     with open(f"{stem}.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
@@ -146,11 +152,12 @@ def write_device_files(rows: list[dict], args: argparse.Namespace, meta: dict) -
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    dens = sorted({r["density"] for r in rows})
+    dens = sorted({float(r["density"]) for r in rows})
     fig, axes = plt.subplots(1, len(dens), figsize=(5 * len(dens), 4), sharey=True, squeeze=False)
     for ax, d in zip(axes[0], dens):
         for name in sorted({r["compressor"] for r in rows}):
-            pts = sorted((r["numel"], r["ratio"]) for r in rows if r["compressor"] == name and r["density"] == d)
+            pts = sorted((int(r["numel"]), float(r["ratio"])) for r in rows
+                         if r["compressor"] == name and float(r["density"]) == d)
             ax.plot(*zip(*pts), marker="o", ms=3, label=name, ls="--" if name in THRESHOLD else "-")
         ax.axhline(5, color="grey", lw=0.8)
         ax.set(xscale="log", yscale="log", title=f"density {d} ({args.device})", xlabel="elements")
@@ -235,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: stable ratios on a shared machine; 0: torch's default)")
     p.add_argument("--budget", type=float, default=1.5, help="seconds per cell before cutting repeats (min 3)")
+    p.add_argument("--merge", action="store_true",
+                   help="replace only the measured compressors' rows in an existing CSV of this device")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"))
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -242,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     meta = {"command": " ".join(["python scripts/bench_compressors.py", *(argv if argv is not None else sys.argv[1:])]),
-            "machine": machine(torch.device(args.device)), "date": datetime.datetime.now().isoformat(timespec="minutes"),
+            "machine": machine(torch.device(args.device)),
+            "date": datetime.datetime.now().isoformat(timespec="minutes"),
             "repeats": args.repeats, "warmup": args.warmup, "overrides": OVERRIDES}
     rows = run(args)
     if not rows:

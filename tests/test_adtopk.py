@@ -176,7 +176,8 @@ def test_adtopk_t_state_roundtrip_continues_identically():
 
 @pytest.mark.parametrize("name", ["adtopk", "adtopk_i", "adtopk_t"])
 def test_error_feedback_identity_is_exact(name):
-    mem, c = memories.get("residual"), compressors.get(name, density=0.05, **({"sigma": 2} if name == "adtopk_t" else {}))
+    extra = {"sigma": 2} if name == "adtopk_t" else {}
+    mem, c = memories.get("residual"), compressors.get(name, density=0.05, **extra)
     for step in range(6):
         c.on_step(step)
         g = torch.randn(30, 40, generator=gen(10 + step))

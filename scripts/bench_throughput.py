@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""End-to-end throughput: samples/s per compressor x communicator, with the step split into
+compute / compress / communicate, on a ~6M-parameter MLP.
+
+Every valid (compressor, communicator) pair is measured: pairs are formed from the registries and
+kept when ``adacomp.config.load`` accepts them (an impossible pair raises
+IncompatibleComponentsError at config time). Compressors with a ``density`` use ``--density``,
+powersgd / acpsgd rank 4, qsgd 4 bits. All arms run inside one launch, each with a fresh model and
+DistributedOptimizer; data are fixed random batches (throughput does not depend on their values).
+
+    python scripts/bench_throughput.py                        # spawns --np 2 workers itself
+    adacomp run -np 4 -- python scripts/bench_throughput.py   # or torchrun / mpirun / horovodrun
+
+The world size is the launcher's. Rows of other world sizes already in throughput.csv are kept, so
+running at 2 and then at 4 workers gives one table and one figure with both (make_results.sh does).
+Time split (from ``opt.last_stats``): compress = compress + decompress + error feedback; communicate
+= time in collectives or waiting for them (what backward did not hide); compute = the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import inspect
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+FIELDS = ["world", "backend", "compressor", "setting", "communicator", "samples_per_s", "step_ms", "compute_ms",
+          "compress_ms", "comm_ms", "bytes_per_step", "dense_bytes_per_step", "params", "batch", "steps"]
+
+
+def setting_for(name: str, density: float) -> dict[str, Any]:
+    from adacomp import compressors
+    params = inspect.signature(compressors.registry.cls(name).__init__).parameters
+    if "density" in params:
+        return {"density": density}
+    if "rank" in params:
+        return {"rank": 4}
+    if "bits" in params:
+        return {"bits": 4}
+    return {}
+
+
+def valid_pairs(names: list[str], comms: list[str], density: float) -> list[dict[str, Any]]:
+    """Every (compressor, communicator) that config validation accepts."""
+    from adacomp.config import load
+    from adacomp.errors import IncompatibleComponentsError
+    out = []
+    for name in names:
+        s = setting_for(name, density)
+        for comm in comms:
+            cfg = {"compressor": {"name": name, **s}, "communicator": {"name": comm}}
+            try:
+                load(cfg)
+            except IncompatibleComponentsError:
+                continue
+            out.append({"compressor": name, "setting": " ".join(f"{k}={v:g}" for k, v in s.items()), "config": cfg})
+    return out
+
+
+def measure(pair: dict[str, Any], args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Median [step, compress, comm, bytes, dense bytes] seconds / bytes of this rank."""
+    import adacomp
+    from adacomp.models import MLP
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MLP(args.inputs, args.width, args.depth)
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                       config=pair["config"])
+    rows = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        st = opt.last_stats
+        if i >= args.warmup:
+            rows.append((dt, st.compress_s, st.comm_s, st.bytes_sent, st.dense_bytes))
+    opt.remove_hooks()
+    return [statistics.median(r[k] for r in rows) for k in range(5)]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import adacomp
+    from adacomp import communicators, compressors
+    be = adacomp.init()
+    torch.set_num_threads(args.threads)
+    rank, world = adacomp.rank(), adacomp.size()
+    pairs = valid_pairs(args.compressors or compressors.names(), args.communicators or communicators.names(),
+                        args.density)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.inputs, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+    from adacomp.models import MLP
+    nparams = sum(p.numel() for p in MLP(args.inputs, args.width, args.depth).parameters())
+    rows, t_all = [], time.perf_counter()
+    for i, pair in enumerate(pairs):
+        mine = torch.tensor(measure(pair, args, x, y), dtype=torch.float64)
+        every = be.allgather(mine.view(1, -1), sizes=[1] * world).view(world, -1)
+        slow = every[int(every[:, 0].argmax())]  # the job moves at its slowest rank's pace
+        step, comp, comm = float(slow[0]), float(slow[1]), float(slow[2])
+        row = {"world": world, "backend": be.name, "compressor": pair["compressor"], "setting": pair["setting"],
+               "communicator": pair["config"]["communicator"]["name"], "samples_per_s": world * args.batch / step,
+               "step_ms": 1e3 * step, "compute_ms": 1e3 * max(0.0, step - comp - comm), "compress_ms": 1e3 * comp,
+               "comm_ms": 1e3 * comm, "bytes_per_step": float(every[:, 3].mean()),
+               "dense_bytes_per_step": float(every[:, 4].mean()), "params": nparams, "batch": args.batch,
+               "steps": args.steps}
+        rows.append(row)
+        if rank == 0:
+            print(f"[{time.perf_counter() - t_all:5.0f}s] {i + 1}/{len(pairs)} {row['compressor']:<10} "
+                  f"{row['setting']:<13} {row['communicator']:<15} {row['samples_per_s']:8.1f} samples/s  "
+                  f"step {row['step_ms']:7.1f} ms = compute {row['compute_ms']:6.1f} + compress "
+                  f"{row['compress_ms']:6.1f} + comm {row['comm_ms']:6.1f}", flush=True)
+    if rank == 0:
+        report(rows, args)
+    be.barrier()
+    adacomp.shutdown()
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Merge with rows of other world sizes in the CSV, then rewrite md and png from all of them."""
+    from _bench_util import write_result
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / "throughput.csv"
+    worlds = {r["world"] for r in rows}
+    keep = []
+    if csv_path.exists():
+        with open(csv_path, newline="") as fh:
+            keep = [r for r in csv.DictReader(fh) if int(r["world"]) not in worlds and r.get("params") == str(rows[0]["params"])]
+    allrows = [{k: (float(v) if k.endswith(("_ms", "_s", "_step")) else int(v) if k in ("world", "params", "batch", "steps")
+                    else v) for k, v in r.items()} for r in keep] + rows
+    allrows.sort(key=lambda r: (r["world"], r["compressor"] != "none", r["compressor"], r["communicator"]))
+    with open(csv_path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS)
+        w.writeheader()
+        for r in allrows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    plot(allrows, out / "throughput.png")
+    lines = [f"MLP {args.inputs}-{'-'.join([str(args.width)] * args.depth)}-10 ({rows[0]['params'] / 1e6:.1f}M "
+             f"parameters), batch {args.batch} per worker, median of {args.steps} steps after {args.warmup} "
+             f"warm-up, slowest rank; density {args.density:g} where a compressor has one, rank 4 (powersgd, "
+             "acpsgd), 4 bits (qsgd). Every (compressor, communicator) pair that config validation accepts.",
+             "compute = step - compress - communicate; communicate is the time backward did not hide. "
+             "On 2 cores, 4 workers oversubscribe the CPU: compare rows within one world size.", "",
+             "![throughput](throughput.png)", ""]
+    for world in sorted({r["world"] for r in allrows}):
+        sub = [r for r in allrows if r["world"] == world]
+        dense = next((r for r in sub if r["compressor"] == "none" and r["communicator"] == "allreduce"), None)
+        lines += [f"## {world} workers (backend {sub[0]['backend']})", "",
+                  "| compressor | setting | communicator | samples/s | vs dense | step ms | compute | compress | "
+                  "communicate | KiB sent/step | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sub:
+            vs = f"{r['samples_per_s'] / dense['samples_per_s']:.2f}x" if dense else ""
+            ratio = r["dense_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else 1.0
+            lines.append(f"| {r['compressor']} | {r['setting']} | {r['communicator']} | {r['samples_per_s']:.1f} | {vs} "
+                         f"| {r['step_ms']:.1f} | {r['compute_ms']:.1f} | {r['compress_ms']:.1f} | {r['comm_ms']:.1f} "
+                         f"| {r['bytes_per_step'] / 1024:.0f} | {ratio:.0f}x |")
+        lines.append("")
+    write_result(str(out / "throughput.md"), "Throughput per compressor x communicator x world size", lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    worlds = sorted({r["world"] for r in rows})
+    n = max(len([r for r in rows if r["world"] == w]) for w in worlds)
+    fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 0.28 * n + 1.5), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        sub = [r for r in rows if r["world"] == world]
+        labels = [f"{r['compressor']} {r['setting']} / {r['communicator']}".replace("  ", " ") for r in sub]
+        left = [0.0] * len(sub)
+        for key, color in (("compute_ms", "#4c72b0"), ("compress_ms", "#dd8452"), ("comm_ms", "#55a868")):
+            vals = [r[key] for r in sub]
+            ax.barh(range(len(sub)), vals, left=left, color=color, label=key.replace("_ms", ""))
+            left = [a + b for a, b in zip(left, vals)]
+        for i, r in enumerate(sub):
+            ax.text(left[i], i, f" {r['samples_per_s']:.0f}/s", va="center", fontsize=6)
+        ax.set_yticks(range(len(sub)), labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per step (slowest rank); label: samples/s")
+        ax.set_title(f"{world} workers")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--np", type=int, default=2, help="workers to spawn when not started by a launcher")
+    ap.add_argument("--inputs", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per arm")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--compressors", nargs="*", help="subset (default: every registered compressor)")
+    ap.add_argument("--communicators", nargs="*", help="subset (default: every registered communicator)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    args = ap.parse_args(argv)
+    from adacomp.backends import detect
+    if detect() != "local":
+        worker(args)
+        return 0
+    from adacomp.launch import run_local
+    return run_local([sys.executable, os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])],
+                     args.np)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

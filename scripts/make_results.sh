@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `make results`: regenerate every docs/results/*.md (+ CSV / PNG) with one command, each benchmark
+# at its default size and with its launcher. Stops at the first failure and names it.
+# Budget: about 45 min on 2 shared cores (convergence ~20, throughput ~10, netem < 10, rest ~10).
+# Scripts owned by other work items (adaptive.py, adaptive_network.py, soak.py) run when present.
+# netem_experiment.py needs root; without it it prints why and measures nothing (exit 0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+RUN=("$PY" -m adacomp.cli run)
+START=$SECONDS
+DONE=()
+
+step() {  # step NAME CMD...: run one benchmark with a progress line; fail loudly
+    local name=$1; shift
+    printf '\n=== [%s +%dm%02ds] %s: %s\n' "$(date +%H:%M:%S)" $(((SECONDS - START) / 60)) $(((SECONDS - START) % 60)) \
+        "$name" "$*"
+    local t0=$SECONDS
+    if ! "$@"; then
+        echo "make results: FAILED at '$name' (command: $*). Finished before it: ${DONE[*]:-none}." >&2
+        exit 1
+    fi
+    DONE+=("$name")
+    printf '=== %s done in %ds\n' "$name" $((SECONDS - t0))
+}
+
+optional() {  # optional NAME SCRIPT ARGS...: like step, but only if the script exists
+    local name=$1 script=$2; shift 2
+    if [[ -f $script ]]; then
+        step "$name" "$PY" "$script" "$@"
+    else
+        echo "=== $name: $script not present, skipped"
+    fi
+}
+
+step dense          "${RUN[@]}" -np 2 -- "$PY" scripts/bench_dense.py
+step collectives    "${RUN[@]}" -np 2 -- "$PY" scripts/bench_collectives.py
+step compressors    "$PY" scripts/bench_compressors.py
+step lowrank        "$PY" scripts/bench_lowrank.py
+step throughput-x2  "${RUN[@]}" -np 2 -- "$PY" scripts/bench_throughput.py
+step throughput-x4  "${RUN[@]}" -np 4 -- "$PY" scripts/bench_throughput.py
+step convergence    "${RUN[@]}" -np 2 -- "$PY" scripts/convergence.py
+step netem          "$PY" scripts/netem_experiment.py
+optional adaptive          scripts/adaptive.py
+optional adaptive-network  scripts/adaptive_network.py
+optional soak              scripts/soak.py
+
+printf '\nmake results: all %d steps passed in %dm%02ds: %s\n' "${#DONE[@]}" $(((SECONDS - START) / 60)) \
+    $(((SECONDS - START) % 60)) "${DONE[*]}"
+ls -1 docs/results/*.md
