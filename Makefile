@@ -15,7 +15,7 @@ install: $(STAMP)
 
 # Horovod 0.28.1 patched to C++17 for current PyTorch; the wheel is cached in ~/.cache/adacomp/wheels.
 horovod: install
-	bash scripts/build_horovod.sh
+	PYTHON=$(PYTHON) bash scripts/build_horovod.sh
 
 demo: install
 	adacomp train --config configs/quickstart.yaml

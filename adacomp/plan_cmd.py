@@ -52,7 +52,7 @@ def make_plan(cfg: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     import adacomp
     from adacomp import compressors
     from adacomp.backends.base import LocalBackend
-    from adacomp.policies.bytecomp import decide
+    from adacomp.policies.bytecomp import decide, uses_feedback
     from adacomp.policies.timeline import TensorProfile, cost_model, profile_compressor, size_grid
 
     static = dict(cfg.to_dict(), policy={"name": "static"})
@@ -73,8 +73,10 @@ def make_plan(cfg: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
         prev = ready[n]
     device = x.device
     grid = size_grid([params[n].numel() for n in candidates])
-    ct, dt = profile_compressor(comp, grid, device, repeats) if grid else (None, None)
-    cct, cdt = (ct, dt) if device.type == "cpu" or not grid else profile_compressor(comp, grid, "cpu", repeats)
+    fb = uses_feedback(cfg)
+    ct, dt = profile_compressor(comp, grid, device, repeats, feedback=fb) if grid else (None, None)
+    cct, cdt = (ct, dt) if device.type == "cpu" or not grid else \
+        profile_compressor(comp, grid, "cpu", repeats, feedback=fb)
     model_ = cost_model(world, alpha, beta, {"device": ct, "cpu": cct}, {"device": dt, "cpu": cdt}, forward_s)
     use_offload = offload == "on" or (offload == "auto" and device.type == "cuda")
     cand_idx = {i for i, t in enumerate(tensors) if t.name in candidates}

@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -140,31 +141,41 @@ def write_device_files(rows: list[dict], args: argparse.Namespace, meta: dict) -
             mine = {r["compressor"] for r in rows}
             rows = [r for r in csv.DictReader(fh) if r["compressor"] not in mine] + rows
         old = json.loads(Path(f"{stem}.json").read_text())
-        meta = {**old, "command": f"{old['command']}; then {meta['command']} (--merge)"}
+        meta = {**old, "command": f"{old['command']}; then {meta['command']}"}
     with open(f"{stem}.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     Path(f"{stem}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    plot(rows, args.device, Path(f"{stem}.png"))
+
+
+def plot(rows: list[dict], device: str, path: Path) -> None:
+    """Ratio to the memory pass against size, one panel per density (dashed: threshold methods)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
         return
     dens = sorted({float(r["density"]) for r in rows})
+    names = sorted({r["compressor"] for r in rows})
+    colors = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, len(dens), figsize=(5 * len(dens), 4), sharey=True, squeeze=False)
     for ax, d in zip(axes[0], dens):
-        for name in sorted({r["compressor"] for r in rows}):
+        for j, name in enumerate(names):
             pts = sorted((int(r["numel"]), float(r["ratio"])) for r in rows
                          if r["compressor"] == name and float(r["density"]) == d)
-            ax.plot(*zip(*pts), marker="o", ms=3, label=name, ls="--" if name in THRESHOLD else "-")
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=name, color=colors(j % 20),
+                        ls="--" if name in THRESHOLD else "-")
         ax.axhline(5, color="grey", lw=0.8)
-        ax.set(xscale="log", yscale="log", title=f"density {d} ({args.device})", xlabel="elements")
+        ax.set(xscale="log", yscale="log", title=f"density {d} ({device})", xlabel="elements")
     axes[0][0].set_ylabel("compress+decompress / memory pass")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(f"{stem}.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 def section(device: str, rows: list[dict], meta: dict) -> list[str]:
@@ -174,7 +185,13 @@ def section(device: str, rows: list[dict], meta: dict) -> list[str]:
              "The memory pass is re-measured beside every cell (alternating calls), so each ratio "
              "compares two timings taken under the same load.  ",
              f"Date: {meta['date']}; median of up to {meta['repeats']} repeats after {meta['warmup']} warm-up calls; "
-             f"stateful overrides: {meta['overrides']}", "", f"![plot](compressors_{device}.png)", ""]
+             f"stateful overrides: {meta['overrides']}", ""]
+    load = re.search(r"(\d+) cores.*load average ([0-9.]+)", meta["machine"])
+    if load and float(load.group(2)) > int(load.group(1)):
+        lines += [f"**Shared machine**: load average {load.group(2)} on {load.group(1)} cores when this ran, so "
+                  "single cells are noisy (other processes preempt long calls more than the short memory "
+                  "pass); read trends across sizes, and rerun on an idle machine before quoting a cell.", ""]
+    lines += [f"![plot](compressors_{device}.png)", ""]
     top = max(exps)
     for d in sorted({float(r["density"]) for r in rows}):
         floors = [float(r["floor_s"]) for r in rows if int(r["exp"]) == top and float(r["density"]) == d]

@@ -60,6 +60,7 @@ if (( ${#wheels[@]} == 0 )) || [[ "${HOROVOD_FORCE:-0}" == 1 ]]; then
 
   WORK=$(mktemp -d "${TMPDIR:-/tmp}/adacomp-horovod.XXXXXX")
   trap 'rm -rf "$WORK"' EXIT
+  trap 'exit 130' INT TERM  # run the EXIT trap (clean-up) on Ctrl-C / kill too
   say "downloading horovod==$HVD_VERSION source into $WORK"
   "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$WORK" "horovod==$HVD_VERSION" \
     || die "could not download the horovod==$HVD_VERSION sdist from PyPI (network or index problem)"

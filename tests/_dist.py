@@ -28,7 +28,12 @@ def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, 
     import torch
     torch.set_num_threads(1)
     try:
-        q.put((rank, True, fn(*args)))
+        # Serialise to bytes: a tensor sent through the queue is shared memory that dies with this
+        # process, and the parent may unpickle it only after we exited.
+        import io
+        buf = io.BytesIO()
+        torch.save(fn(*args), buf)
+        q.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -59,7 +64,10 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0,
             except queue.Empty:
                 raise TimeoutError(f"workers did not finish within {timeout}s; got ranks {sorted(results)}")
             if ok:
-                results[rank] = value
+                import io
+
+                import torch
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.backend_worker import FOREIGN_ENV, run_launcher
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "backend_worker.py"
 
@@ -35,12 +37,11 @@ def find_horovodrun() -> str | None:
 
 def horovodrun(np: int, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
     """``horovodrun --gloo -np N python ARGS`` with the repository importable, as any user."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [find_horovodrun() or "horovodrun", "--gloo", "-np", str(np), "-H", f"localhost:{np}",
            sys.executable, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_launcher(cmd, str(ROOT), env, timeout)
 
 
 _MISSING = horovod_missing()
@@ -72,6 +73,7 @@ def test_collectives() -> None:
     _check(horovodrun(2, str(WORKER), "horovod"), "BACKEND_OK", 2)
 
 
+@pytest.mark.slow
 @needs_horovod
 def test_reference_matches_ddp() -> None:
     """Issue 2's reference: adacomp dense (compressor none + allreduce) on the Horovod backend vs

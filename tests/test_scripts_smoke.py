@@ -6,6 +6,7 @@ directory. Sizes are tiny: these check the plumbing, not the numbers.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -54,17 +55,23 @@ def test_charlstm_shapes_and_validation():
 
 
 def test_convergence_script(tmp_path):
-    out = _launch("convergence.py", "--compressors", "none", "topk", "qsgd", "--densities", "0.1", "--steps", "3",
+    out = _launch("convergence.py", "--compressors", "none", "topk", "--densities", "0.1", "--steps", "3",
                   "--eval-every", "2", "--out-dir", str(tmp_path))
-    assert "text 3/3" in out
+    assert "text 2/2" in out
     for name in ("convergence.md", "convergence.csv", "convergence.json", "convergence_digits.png", "convergence_text.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     md = (tmp_path / "convergence.md").read_text()
     assert "| topk density=0.1 | allgather_fast |" in md and "Produced by" in md
-    rebuilt = tmp_path / "again"
-    _run([sys.executable, "scripts/convergence.py", "--from-json", str(tmp_path / "convergence.json"),
-          "--out-dir", str(rebuilt)])
-    assert (rebuilt / "convergence.md").exists()
+    rebuilt = tmp_path / "again"  # tables and plots rebuild from the saved curves, in-process
+    spec = importlib.util.spec_from_file_location("convergence_script", ROOT / "scripts" / "convergence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = sys.argv
+    try:
+        assert module.main(["--from-json", str(tmp_path / "convergence.json"), "--out-dir", str(rebuilt)]) == 0
+    finally:
+        sys.argv = argv
+    assert (rebuilt / "convergence.md").read_text().count("| topk density=0.1 |") == 2
 
 
 def test_throughput_script(tmp_path):

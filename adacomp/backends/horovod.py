@@ -17,6 +17,8 @@ Design notes (why it looks like this):
 * **bfloat16.** Horovod 0.28.1 has no bfloat16 type. Allreduce upcasts a copy to float32 and
   rounds back on ``wait()``; allgather / broadcast move the bits through an ``int16`` view (exact).
 * **Differing first dims** are native to ``hvd.allgather``; ``sizes`` is only checked, never needed.
+* **CUDA tensors** need a Horovod built with GPU operations (``HOROVOD_GPU_OPERATIONS=NCCL``);
+  ``make horovod`` builds the CPU / Gloo flavour the project's machines can run.
 * **Timeout.** Horovod has no per-operation timeout; ``timeout_s`` is honoured for tensor
   collectives by polling ``hvd.poll`` and raising :class:`~adacomp.errors.CommunicationError` at
   the deadline (the op is abandoned; exit the process). Object collectives and ``barrier`` block in

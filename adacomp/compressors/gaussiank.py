@@ -57,7 +57,7 @@ class GaussianKCompressor(SparseCompressor):
         lo, hi = 2.0 * k / 3.0, 4.0 * k / 3.0
         too_low, too_high = None, None  # thresholds known to pass too many / too few
         for _ in range(self.max_adjust):
-            count = int((a > thr).sum())
+            count = int(torch.count_nonzero(a > thr))
             if lo <= count <= hi:
                 break
             if count > hi:

@@ -14,15 +14,19 @@ from adacomp.compressors.base import Compressor, Payload, register
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
-    """Pack non-negative integers below ``2**bits`` (any integer dtype) into a flat uint8 tensor.
+    """Pack non-negative integers below ``2**bits`` (any integer or bool dtype) into flat uint8.
 
-    Bit-plane packing: every code becomes ``bits`` bits, the bit stream is cut into bytes. Works for
-    any ``bits`` in [1, 8] (3-, 5-, 7-bit codes included) with vector ops only.
+    Bit-plane packing, LSB first: every code becomes ``bits`` bits and the bit stream is cut into
+    bytes. Works for any ``bits`` in [1, 8] (3-, 5-, 7-bit codes included) with vector ops only.
     """
     flat = codes.reshape(-1).to(torch.uint8)
-    shifts = torch.arange(bits, device=flat.device, dtype=torch.uint8)
-    stream = (flat.unsqueeze(1) >> shifts) & 1                      # (n, bits), LSB first
-    stream = stream.reshape(-1)
+    if bits == 8:
+        return flat.clone()
+    if bits == 1:
+        stream = flat
+    else:
+        shifts = torch.arange(bits, device=flat.device, dtype=torch.uint8)
+        stream = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)
     pad = (-stream.numel()) % 8
     if pad:
         stream = torch.cat([stream, stream.new_zeros(pad)])
@@ -30,12 +34,20 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     return (stream.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
+def _bit_table(device: torch.device) -> Tensor:
+    """(256, 8) uint8: the bits of every byte value, LSB first (one gather unpacks a byte)."""
+    return ((torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1).to(torch.uint8)
+
+
 def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` codes, as int64."""
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    stream = ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[: numel * bits]
-    weights = torch.tensor([1 << i for i in range(bits)], device=packed.device, dtype=torch.int64)
-    return (stream.view(numel, bits).to(torch.int64) * weights).sum(dim=1)
+    """Inverse of :func:`pack_bits`: the first ``numel`` codes, as uint8."""
+    if bits == 8:
+        return packed[:numel]
+    stream = _bit_table(packed.device)[packed.long()].reshape(-1)[: numel * bits]
+    if bits == 1:
+        return stream
+    shifts = torch.arange(bits, device=packed.device, dtype=torch.uint8)
+    return (stream.view(numel, bits) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
 def check_bits(bits: int, low: int = 2) -> int:
@@ -123,10 +135,9 @@ class QSGDCompressor(Compressor):
         norms = rows.norm(dim=1)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         scaled = rows.abs() / safe.unsqueeze(1) * self.s              # in [0, s]
-        low = scaled.floor()
         rnd = torch.rand(scaled.shape, generator=self._gen(flat.device), device=flat.device)
-        level = (low + (rnd < (scaled - low)).float()).clamp_(max=self.s)
-        codes = (torch.sign(rows) * level).reshape(-1)[:n].to(torch.int64) + self.s
+        level = scaled.add_(rnd).floor_().clamp_(max=self.s)     # floor(x + U) rounds x up w.p. frac(x)
+        codes = (torch.where(rows < 0, -level, level).reshape(-1)[:n] + self.s).to(torch.uint8)
         ctx = QuantCtx(tensor.shape, n, tensor.dtype, tensor.device, self.bits, self.s, size)
         return [norms, pack_bits(codes, self.bits)], ctx
 
@@ -134,7 +145,7 @@ class QSGDCompressor(Compressor):
         norms, packed = payload
         c: QuantCtx = ctx
         s = c.s
-        levels = (unpack_bits(packed.to(c.device), c.bits, c.numel) - s).float()
+        levels = unpack_bits(packed.to(c.device), c.bits, c.numel).float().sub_(s)
         nb = norms.numel()
         padded = torch.zeros(nb * c.bucket_size, dtype=torch.float32, device=c.device)
         padded[: c.numel] = levels

@@ -165,6 +165,16 @@ def brute_force(tensors: Sequence[TensorProfile], model: CostModel,
 OPTION_NAMES = {str(o): o for o in ALL_OPTIONS}
 
 
+def uses_feedback(cfg: Any) -> bool:
+    """Whether compressed tensors get error feedback (residual / dgc memory, or ``auto`` with a
+    biased compressor): its update is one more decompression per step, counted in compression."""
+    from adacomp import compressors
+    mem = cfg.memory.name
+    if mem == "auto":
+        return bool(compressors.registry.cls(cfg.compressor.name).biased)
+    return mem != "none"
+
+
 @register("bytecomp")
 class ByteCompPolicy(Policy):
     """Per-tensor compression plan from profiled timelines (§4), applied through optimizer routes.
@@ -277,10 +287,11 @@ class ByteCompPolicy(Policy):
         comp = opt.config.compressor
         device = next(iter(opt._param_by_name.values())).device
         numels = [int(t.nbytes // 4) for t in tensors if t.name in self.candidates]
+        fb = uses_feedback(opt.config)
         ctime, dtime = profile_compressor(compressors.get(comp.name, **comp.params), size_grid(numels),
-                                          device, self.repeats)
-        cctime, cdtime = (ctime, dtime) if device.type == "cpu" else \
-            profile_compressor(compressors.get(comp.name, **comp.params), size_grid(numels), "cpu", self.repeats)
+                                          device, self.repeats, feedback=fb)
+        cctime, cdtime = (ctime, dtime) if device.type == "cpu" else profile_compressor(
+            compressors.get(comp.name, **comp.params), size_grid(numels), "cpu", self.repeats, feedback=fb)
         model = cost_model(world, alpha, beta, {"device": ctime, "cpu": cctime},
                            {"device": dtime, "cpu": cdtime}, forward_s)
         offload = self.offload == "on" or (self.offload == "auto" and device.type == "cuda")

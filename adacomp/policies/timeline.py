@@ -83,9 +83,12 @@ def cost_model(world: int, alpha: float, beta: float, compress: dict[str, Callab
 
 
 def profile_compressor(comp: Compressor, numels: Sequence[int], device: torch.device | str = "cpu",
-                       repeats: int = 100, dtype: torch.dtype = torch.float32) -> tuple[EmpiricalTime, EmpiricalTime]:
+                       repeats: int = 100, dtype: torch.dtype = torch.float32,
+                       feedback: bool = False) -> tuple[EmpiricalTime, EmpiricalTime]:
     """(compress, decompress) time models: each size run ``repeats`` times and averaged (§4.3).
-    Decompression is timed per payload (the simulator multiplies by the number of payloads)."""
+    Decompression is timed per payload (the simulator multiplies by the number of payloads).
+    ``feedback`` counts the error-feedback update (``g - decompress(compress(g))``, what residual
+    memory does after every compression) as part of compression."""
     sizes, ct, dt = [], [], []
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
@@ -97,6 +100,8 @@ def profile_compressor(comp: Compressor, numels: Sequence[int], device: torch.de
         t0 = time.perf_counter()
         for _ in range(repeats):
             payload, ctx = comp.compress(g, "profile")
+            if feedback:
+                g.sub(comp.decompress(payload, ctx).view_as(g))
         sync()
         t1 = time.perf_counter()
         for _ in range(repeats):
