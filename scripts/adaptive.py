@@ -149,7 +149,7 @@ def bytecomp_job(spec: dict) -> dict:
     x, y = torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
     pol = opt.policy
 
-    def run(n: int) -> float:
+    def run(n: int) -> list[float]:
         times = []
         t_prev = time.perf_counter()
         for _ in range(n):
@@ -159,13 +159,17 @@ def bytecomp_job(spec: dict) -> dict:
             now = time.perf_counter()
             times.append(now - t_prev)
             t_prev = now
-        return statistics.median(times[2:])
+        return times[2:]  # the first steps after a re-route pay allocations
     run(pol.profile_steps)
     plan = dict(pol.plan)
-    measured = {"plan_s": run(spec["measure"])}
-    for key, opt_ in (("compress_all_s", str(DEVICE_AG)), ("compress_none_s", str(NONE))):
-        pol.apply(opt, {n: opt_ for n in plan})
-        measured[key] = run(spec["measure"])
+    strategies = {"plan_s": plan, "compress_all_s": {n: str(DEVICE_AG) for n in plan},
+                  "compress_none_s": {n: str(NONE) for n in plan}}
+    samples: dict[str, list[float]] = {k: [] for k in strategies}
+    for _ in range(4):  # interleaved rounds: machine load drifts, so every strategy sees the same
+        for key, routes in strategies.items():
+            pol.apply(opt, routes)
+            samples[key] += run(spec["measure"] // 4 + 2)
+    measured = {k: statistics.median(v) for k, v in samples.items()}
     adacomp.shutdown()
     return {"predicted": pol.predicted, "measured": measured, "plan": plan}
 
@@ -205,14 +209,16 @@ def decision_section(quick: bool) -> list[str]:
     x, y, _, _ = digits()
     cfg = load({"compressor": {"name": "topk", "density": 0.01}, "communicator": {"name": "allgather"},
                 "min_numel": 0})
-    rows = ["| model | tensors | offload (Alg. 2) | refine | decision ms | plan / all / none predicted ms |",
-            "|---|---|---|---|---|---|"]
-    for offload, polish in (("off", False), ("on", False), ("on", True)):
-        plan = make_plan(cfg, model, x[:32], y[:32], 8, 50e-6, 8 / 10e9, steps=6, repeats=3,
-                         offload=offload, polish=polish)
-        p = plan["predicted"]
+    rows = ["| model | tensors | offload (Alg. 2) | refine | decision ms | plan / all / none predicted ms | compressed |",
+            "|---|---|---|---|---|---|---|"]
+    plan = make_plan(cfg, model, x[:32], y[:32], 8, 50e-6, 8 / 10e9, steps=6, repeats=3, offload="off",
+                     polish=False)  # profile once, then decide with each variant on the same profile
+    cand = {i for i, t in enumerate(plan["tensors"]) if t.name in plan["candidates"]}
+    for offload, polish in ((False, False), (True, False), (True, True)):
+        S, p = decide(plan["tensors"], plan["cost_model"], False, offload, cand, polish)
         rows.append(f"| MLP 150 x 256 | {len(plan['tensors'])} | {offload} | {polish} | {p['decision_s'] * 1e3:.0f} | "
-                    f"{p['plan_s'] * 1e3:.2f} / {p['compress_all_s'] * 1e3:.2f} / {p['compress_none_s'] * 1e3:.2f} |")
+                    f"{p['plan_s'] * 1e3:.2f} / {p['compress_all_s'] * 1e3:.2f} / {p['compress_none_s'] * 1e3:.2f} | "
+                    f"{sum(o.compressed for o in S)} |")
         print(rows[-1], flush=True)
     sys.path.insert(0, str(ROOT))
     from tests.test_bytecomp import _random_instance
@@ -256,10 +262,14 @@ def main() -> int:
              "tensors, small ones travel dense). *DP bytes gain* = uniform bytes / L-GreCo bytes of "
              "the compressible layers at each decision.", ""]
     parts += lgreco_section(args.workers, epochs, list(range(args.seeds)))
+    parts += ["", "For comparison, the paper's Tables 2-3 report L-GreCo gains over uniform of 1.10-1.41x "
+              "(QSGD), 1.44-1.85x (PowerSGD) and 2.61-5.2x (TopK) at equal accuracy. DigitsCNN has "
+              "only four compressible layers (min_numel 100), which limits what per-layer choice can "
+              "trade; a gain of 1.00x means the DP found nothing smaller than uniform within the budget."]
     parts += ["", "## ByteComp: predicted vs measured step time", "",
               "Each row set is one run: uncompressed profiling steps, the decision (alpha / beta probed "
               "between the workers), then the median step time of the plan, of compress-all and of "
-              "compress-none, re-routing the optimizer between them.", ""]
+              "compress-none, re-routing the optimizer between them in four interleaved rounds.", ""]
     parts += bytecomp_section(args.workers, args.quick)
     parts += ["", "## ByteComp decision time and optimality", "",
               "300-tensor model profiled in-process on this CPU, planned for 8 ranks at 50 us / 10 Gbit/s "

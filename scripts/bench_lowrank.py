@@ -217,6 +217,18 @@ def run_model(model_name: str, args: argparse.Namespace) -> tuple[dict, dict]:
     return rows, hook
 
 
+NOTES = """## Notes
+
+- Bytes: factor bytes of `acpsgd` are exactly half of PowerSGD's (one of P, Q per step). Vectors (biases)
+  travel dense every step in every low-rank arm, so the total ratio is (F/2 + D) / (F + D) > 0.5 whenever
+  D > 0; the "at most half" goal holds for the factors, not for the totals.
+- `adacomp_powersgd` and the hook run the same algorithm (same rank, bypass rule, warm-up): their losses
+  should agree closely; a gap to DDP after few steps is the low-rank methods' slower start (the ACP-SGD
+  paper reports the same for early training), not a transport effect.
+- Step times come from a shared 2-core machine: compare arms of one run only, and read the load average.
+"""
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -266,7 +278,7 @@ def write_report(all_rows: dict, hooks: dict, args: argparse.Namespace, path: st
                                 f"{'met' if abs(gap) <= 0.02 else 'NOT met'}).")
             if r.get("ok") and not r["same_params"]:
                 verdicts.append(f"- `{model_name}`: {arm} parameters DIFFER across ranks.")
-    lines += ["## Goals", ""] + (verdicts or ["- no comparison possible (arms failed)"]) + [""]
+    lines += ["## Goals", ""] + (verdicts or ["- no comparison possible (arms failed)"]) + ["", NOTES]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines))

@@ -35,7 +35,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 FIELDS = ["world", "backend", "compressor", "setting", "communicator", "samples_per_s", "step_ms", "compute_ms",
-          "compress_ms", "comm_ms", "bytes_per_step", "dense_bytes_per_step", "params", "batch", "steps"]
+          "compress_ms", "comm_ms", "bytes_per_step", "dense_bytes_per_step", "params", "batch", "steps", "command"]
+
+
+def command_line(world: int) -> str:
+    """How this run was launched, for the table of its world size (rows of several runs share a file)."""
+    env = os.environ
+    launcher = (f"torchrun --nproc_per_node {world}" if "TORCHELASTIC_RUN_ID" in env else
+                f"adacomp run -np {world} --" if env.get("ADACOMP_BACKEND") == "torch" else
+                f"mpirun -np {world}" if "OMPI_COMM_WORLD_RANK" in env else
+                f"horovodrun -np {world}" if "HOROVOD_RANK" in env else f"({world} workers)")
+    return f"{launcher} python {os.path.relpath(__file__)} {' '.join(sys.argv[1:])}".strip()
 
 
 def setting_for(name: str, density: float) -> dict[str, Any]:
@@ -114,7 +124,7 @@ def worker(args: argparse.Namespace) -> None:
                "step_ms": 1e3 * step, "compute_ms": 1e3 * max(0.0, step - comp - comm), "compress_ms": 1e3 * comp,
                "comm_ms": 1e3 * comm, "bytes_per_step": float(every[:, 3].mean()),
                "dense_bytes_per_step": float(every[:, 4].mean()), "params": nparams, "batch": args.batch,
-               "steps": args.steps}
+               "steps": args.steps, "command": command_line(world)}
         rows.append(row)
         if rank == 0:
             print(f"[{time.perf_counter() - t_all:5.0f}s] {i + 1}/{len(pairs)} {row['compressor']:<10} "
@@ -137,7 +147,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     keep = []
     if csv_path.exists():
         with open(csv_path, newline="") as fh:
-            keep = [r for r in csv.DictReader(fh) if int(r["world"]) not in worlds and r.get("params") == str(rows[0]["params"])]
+            keep = [r for r in csv.DictReader(fh) if int(r["world"]) not in worlds
+                    and (not rows or r.get("params") == str(rows[0]["params"]))]
     allrows = [{k: (float(v) if k.endswith(("_ms", "_s", "_step")) else int(v) if k in ("world", "params", "batch", "steps")
                     else v) for k, v in r.items()} for r in keep] + rows
     allrows.sort(key=lambda r: (r["world"], r["compressor"] != "none", r["compressor"], r["communicator"]))
@@ -146,18 +157,25 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         w.writeheader()
         for r in allrows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    if not allrows:
+        raise SystemExit(f"--report-only: no rows in {csv_path}")
     plot(allrows, out / "throughput.png")
-    lines = [f"MLP {args.inputs}-{'-'.join([str(args.width)] * args.depth)}-10 ({rows[0]['params'] / 1e6:.1f}M "
+    lines = [f"MLP {args.inputs}-{'-'.join([str(args.width)] * args.depth)}-10 ({allrows[0]['params'] / 1e6:.1f}M "
              f"parameters), batch {args.batch} per worker, median of {args.steps} steps after {args.warmup} "
              f"warm-up, slowest rank; density {args.density:g} where a compressor has one, rank 4 (powersgd, "
              "acpsgd), 4 bits (qsgd). Every (compressor, communicator) pair that config validation accepts.",
              "compute = step - compress - communicate; communicate is the time backward did not hide. "
-             "On 2 cores, 4 workers oversubscribe the CPU: compare rows within one world size.", "",
+             "On 2 cores, 4 workers oversubscribe the CPU: compare rows within one world size.",
+             "The transport is gloo over loopback with no bandwidth cap, so communication is nearly free and "
+             "compression mostly adds time here; docs/results/netem.md runs the main methods over capped links. "
+             f"The machine is shared (load average {os.getloadavg()[0]:.1f} when this was written), so compress "
+             "and compute times are inflated and noisy.",
+             "Each world size's table is kept in throughput.csv and names the command that measured it.", "",
              "![throughput](throughput.png)", ""]
     for world in sorted({r["world"] for r in allrows}):
         sub = [r for r in allrows if r["world"] == world]
         dense = next((r for r in sub if r["compressor"] == "none" and r["communicator"] == "allreduce"), None)
-        lines += [f"## {world} workers (backend {sub[0]['backend']})", "",
+        lines += [f"## {world} workers (backend {sub[0]['backend']})", "", f"Command: `{sub[0].get('command') or '?'}`", "",
                   "| compressor | setting | communicator | samples/s | vs dense | step ms | compute | compress | "
                   "communicate | KiB sent/step | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sub:
@@ -211,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--communicators", nargs="*", help="subset (default: every registered communicator)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--report-only", action="store_true", help="rebuild md / png from throughput.csv, no runs")
     args = ap.parse_args(argv)
+    if args.report_only:
+        report([], args)
+        return 0
     from adacomp.backends import detect
     if detect() != "local":
         worker(args)

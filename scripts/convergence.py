@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PREFERRED_COMMS = ("allreduce", "allgather_fast", "allgather")
+LAUNCHER_KEYS = ("ADACOMP_BACKEND", "OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "TORCHELASTIC_RUN_ID")  # _bench_util reads them
 
 
 def arms(names: list[str], densities: list[float], rank: int, bits: int) -> list[dict[str, Any]]:
@@ -194,12 +195,15 @@ def report(results: list[dict[str, Any]], descs: dict[str, str], world: int, arg
         for row in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
     (out / "convergence.json").write_text(json.dumps(
-        {"world": world, "total_s": total_s, "descs": descs, "argv": sys.argv[1:], "results": results}, indent=1))
+        {"world": world, "total_s": total_s, "descs": descs, "argv": sys.argv[1:], "results": results,
+         "launcher_env": {k: os.environ[k] for k in LAUNCHER_KEYS if k in os.environ}}, indent=1))
     lines = [f"{world} workers, {args.steps} steps per arm, batch {args.batch} per worker, seed {args.seed}, "
              f"{args.threads} torch thread(s) per worker; whole run {total_s / 60:.1f} min. Wall time is training "
              "time only (evaluation excluded) on a shared machine, so compare it within this table.",
              "Accuracy is test accuracy after the last step; `vs dense` in percentage points. "
-             "bytes/step: median payload bytes one rank sends per step (dense = fp32 allreduce input).", ""]
+             "bytes/step: median payload bytes one rank sends per step (dense = fp32 allreduce input). "
+             "One learning rate per task for every arm (no per-method tuning), so a method with high variance "
+             "(e.g. qsgd without error feedback) may need a smaller one.", ""]
     for task in args.tasks:
         lines += [f"## {task}: {descs[task]}", "", f"![{task}](convergence_{task}.png)", "",
                   "| method | communicator | test acc | vs dense | test loss | steps | wall s | KiB/step | ratio | status |",
@@ -211,9 +215,22 @@ def report(results: list[dict[str, Any]], descs: dict[str, str], world: int, arg
             lines.append(f"| {row['label']} | {row['communicator']} | {100 * row['final_acc']:.1f}% | {vs} | "
                          f"{row['final_loss']:.3f} | {row['steps']} | {row['wall_s']:.1f} | "
                          f"{row['bytes_per_step'] / 1024:.1f} | {row['compression_ratio']:.0f}x | {row['status']} |")
-        lines.append("")
+        lines += ["", summary([r for r in rows if r["task"] == task]), ""]
         plot(results, task, out / f"convergence_{task}.png")
     write_result(str(out / "convergence.md"), "Convergence: every compressor vs dense on real offline data", lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """One sentence per task: how many compressed arms stay close to dense, and the worst one."""
+    comp = [r for r in rows if r["compressor"] != "none" and r["acc_vs_dense_pp"] is not None]
+    if not comp:
+        return ""
+    close = [r for r in comp if r["acc_vs_dense_pp"] >= -2.0]
+    worst = min(comp, key=lambda r: r["acc_vs_dense_pp"])
+    best = max(comp, key=lambda r: r["compression_ratio"] if r["acc_vs_dense_pp"] >= -2.0 else 0)
+    return (f"{len(close)} of {len(comp)} compressed arms end within 2 percentage points of dense; the most "
+            f"compressed of those is {best['label']} ({best['compression_ratio']:.0f}x fewer bytes). Furthest "
+            f"from dense: {worst['label']} ({worst['acc_vs_dense_pp']:+.1f} pp).")
 
 
 def plot(results: list[dict[str, Any]], task: str, path: Path) -> None:
@@ -263,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         run_args = ap.parse_args(saved["argv"])
         run_args.out_dir = args.out_dir
         sys.argv = [sys.argv[0], *saved["argv"]]  # the results file names the command that measured them
+        os.environ.update(saved.get("launcher_env", {}))
         report(saved["results"], saved["descs"], saved["world"], run_args, saved["total_s"])
         return 0
     from adacomp.backends import detect

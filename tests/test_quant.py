@@ -108,7 +108,8 @@ def test_qsgd_bad_params(kw):
 
 def test_qsgd_flags():
     cls = C.registry.cls("qsgd")
-    assert cls.additive is False and cls.fixed_size is True and cls.sparse is False
+    assert cls.additive is False and cls.fixed_size is True and cls.sparse is False and cls.biased is False
+    assert C.registry.cls("efsignsgd").biased is True
 
 
 def test_efsignsgd_payload_scale_and_signs():

@@ -90,6 +90,7 @@ class QSGDCompressor(Compressor):
 
     additive = False
     fixed_size = True
+    biased = False  # memory: auto -> none
 
     def __init__(self, bits: int = 4, s: int = 0, bucket_size: int = 512, seed: int = 0):
         if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s > 127:

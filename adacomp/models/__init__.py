@@ -38,7 +38,9 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-MODELS = {"cnn": DigitsCNN, "mlp": MLP}
+from adacomp.models.charlstm import CharLSTM  # noqa: E402 - defined after the small models above
+
+MODELS = {"cnn": DigitsCNN, "mlp": MLP, "charlstm": CharLSTM}
 
 
 def build(name: str, **kwargs: int) -> nn.Module:

@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from adacomp.config import ComponentSpec
