@@ -37,8 +37,10 @@ class ComponentSpec:
 @dataclass
 class FusionConfig:
     """Tensor fusion. ``bucket_mb`` 0 sends every tensor on its own. With ``compressed_buffer`` the
-    bucket limit counts *compressed* bytes (ACP-SGD §IV-B), so 25 MB keeps fusing at any ratio.
-    ``fuse_before_compress`` compresses each bucket's flattened gradient as one tensor."""
+    limit is scaled by the compression rate (ACP-SGD §IV-B), so compressed buckets span as many
+    layers as dense ones and keep overlapping backward; otherwise compressed bytes count against
+    ``bucket_mb`` (fewer, larger collectives). ``fuse_before_compress`` compresses each bucket's
+    flattened gradient as one tensor."""
 
     bucket_mb: float = field(default=25.0, metadata={"min": 0.0})
     compressed_buffer: bool = True

@@ -18,7 +18,7 @@ KEY_DOCS: dict[str, str] = {
     "communicator": "How payloads travel; must fit the compressor (checked at load time).",
     "fusion": "Tensor fusion.",
     "fusion.bucket_mb": "Bucket size in MiB; 0 sends each tensor on its own.",
-    "fusion.compressed_buffer": "Count compressed bytes against the bucket size (ACP-SGD §IV-B).",
+    "fusion.compressed_buffer": "Scale the bucket size by each route's compression rate (ACP-SGD §IV-B): compressed buckets span as many layers as dense ones, keeping overlap with backward. `false`: compressed bytes count against `bucket_mb`.",
     "fusion.fuse_before_compress": "Compress each bucket's flattened gradient as one tensor (global selection per bucket).",
     "policy": "Adaptive policy deciding compression between steps.",
     "layers": "Per-parameter overrides; the first entry whose `match` (fnmatch on the parameter name) fits wins.",

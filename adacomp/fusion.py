@@ -7,9 +7,10 @@ position of their last-arriving parameter, which is the order the optimizer laun
 bucket that fills early is never stuck behind a small bucket that only completes at the end of
 backward (e.g. all the biases on the dense route).
 
-With ``compressed_buffer`` the cap counts compressed payload bytes, not dense bytes (ACP-SGD
-§IV-B): a 25 MB bucket of rank-4 factors holds far more layers than 25 MB of dense gradients, so
-fusion keeps amortising the per-collective latency at any compression ratio.
+Items are counted in the bytes they will send (compressed payload). With ``compressed_buffer``
+(ACP-SGD §IV-B) a route's cap is ``bucket_mb`` scaled by that route's compression rate, so a bucket
+of rank-4 factors spans as many layers as a dense 25 MB bucket would and communication still
+overlaps backward; without it, 25 MB of factors would swallow the whole model into one bucket.
 """
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ class Item:
     nbytes: int         # bytes counted against the cap (dense or compressed)
 
 
-def plan(items: list[Item], cap_bytes: float) -> list[list[str]]:
+def plan(items: list[Item], cap_bytes: float | dict[str, float]) -> list[list[str]]:
     """Group ``items`` (in registration order) into buckets, returned in launch order.
 
-    ``cap_bytes <= 0`` puts every parameter in its own bucket.
+    ``cap_bytes`` is one cap or a cap per route; a cap ``<= 0`` puts every parameter in its own bucket.
     """
-    if cap_bytes <= 0:
+    caps = cap_bytes if isinstance(cap_bytes, dict) else {it.route: cap_bytes for it in items}
+    if all(c <= 0 for c in caps.values()):
         return [[it.name] for it in reversed(items)]
     closed: list[tuple[int, list[str]]] = []  # (position of last item, names)
     open_: dict[str, tuple[list[str], int]] = {}
@@ -38,7 +40,7 @@ def plan(items: list[Item], cap_bytes: float) -> list[list[str]]:
         names, size = open_.get(it.route, ([], 0))
         names.append(it.name)
         size += it.nbytes
-        if size >= cap_bytes:
+        if size >= caps[it.route]:
             closed.append((pos, names))
             open_.pop(it.route, None)
         else:

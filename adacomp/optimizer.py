@@ -226,6 +226,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._route_of: dict[str, Route] = {}
         self._compressors: dict[str, Compressor] = {}
         items: list[fusion.Item] = []
+        dense_by_route: dict[str, int] = {}
+        sent_by_route: dict[str, int] = {}
         for name, p in self.params:
             comp, mem, comm = self._spec_for(name, p.numel())
             key = _spec_key(comp, mem, comm)
@@ -249,12 +251,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
             except ValueError as exc:
                 raise IncompatibleComponentsError(f"parameter {name}", str(exc)) from None
-            nbytes = p.numel() * p.element_size()
-            if self.config.fusion.compressed_buffer:
-                nbytes = self._compressors[name].payload_bytes(p.shape, p.element_size())
-            items.append(fusion.Item(name, key, nbytes))
+            dense = p.numel() * p.element_size()
+            sent = self._compressors[name].payload_bytes(p.shape, p.element_size())
+            items.append(fusion.Item(name, key, sent))
+            dense_by_route[key] = dense_by_route.get(key, 0) + dense
+            sent_by_route[key] = sent_by_route.get(key, 0) + sent
         self._prev_route_of = dict(self._route_of)
-        plan = fusion.plan(items, self.config.fusion.bucket_mb * 2 ** 20)
+        cap = self.config.fusion.bucket_mb * 2 ** 20
+        caps = {k: cap * (sent_by_route[k] / dense_by_route[k] if self.config.fusion.compressed_buffer
+                          and dense_by_route[k] else 1.0) for k in dense_by_route}
+        plan = fusion.plan(items, caps)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[str, Bucket] = {}
         for i, names in enumerate(plan):

@@ -72,6 +72,12 @@ def typed_value(tp: Any) -> st.SearchStrategy:
     return mostly(edge.get(tp, scalars))
 
 
+# Parameters whose edge values exhaust memory today (known bugs, pinned by the xfail tests below):
+# fuzz them only with values that cannot take the machine down.
+UNSAFE = {("policy", "moo", "factor"): st.sampled_from([1.5, 3.0, 10.0, 1.0, 0.5, -2.0, "3"]),
+          ("compressor", "qsgd", "bucket_size"): st.sampled_from([0, 1, 64, 512, -1, "8"])}
+
+
 @st.composite
 def component(draw: Any, kind: str) -> Any:
     reg = REGISTRIES[kind]
@@ -82,7 +88,7 @@ def component(draw: Any, kind: str) -> Any:
     if name in reg.names():
         hints = typing.get_type_hints(reg.cls(name).__init__)
         for p in draw(st.lists(st.sampled_from(sorted(reg.params(name)) or ["x"]), max_size=3, unique=True)):
-            spec[p] = draw(typed_value(hints.get(p)))
+            spec[p] = draw(UNSAFE[(kind, name, p)] if (kind, name, p) in UNSAFE else typed_value(hints.get(p)))
     if draw(st.integers(0, 9)) == 0:
         spec[draw(keys)] = draw(scalars)  # an unknown or duplicated key
     if draw(st.integers(0, 14)) == 0:
@@ -276,26 +282,72 @@ def compressor_specs(draw: Any) -> dict[str, Any]:
     reg = compressors.registry
     name = draw(st.sampled_from(reg.names()))
     hints = typing.get_type_hints(reg.cls(name).__init__)
-    edge = {int: st.sampled_from([0, 1, 2, 3, 7, 2 ** 31, 2 ** 63 - 1, 2 ** 64]) | st.integers(-5, 100),
+    edge = {int: st.sampled_from([0, 1, 2, 3, 7, 2 ** 20]) | st.integers(-5, 100),  # bigger: see xfails
             float: st.sampled_from([1e-300, 1e-6, 0.001, 0.5, 1.0, 1.0000001, 1e300]) | st.floats(0, 2),
             bool: st.booleans(), str: st.sampled_from(["rows", "cols", "none", "exponential", "gamma", "x"])}
     spec = {"name": name}
     for p in draw(st.lists(st.sampled_from(sorted(reg.params(name)) or ["density"]), max_size=3, unique=True)):
         if p in hints:
             spec[p] = draw(edge.get(hints[p], st.none()))
+        if p == "seed":
+            spec[p] = draw(st.sampled_from([0, 1, 2 ** 32]))  # larger: see the xfail below
     return spec
+
+
+def loads_then_compresses(spec: dict[str, Any]) -> bool:
+    """False if the spec is refused at load; otherwise it must compress (and decompress)."""
+    import torch
+    cls = compressors.registry.cls(spec["name"])
+    cfg = check({"compressor": spec, "communicator": "allreduce" if cls.additive else "allgather"})
+    if cfg is None:
+        return False
+    comp = compressors.get(cfg.compressor.name, **cfg.compressor.params)
+    t = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    payload, ctx = comp.compress(t, "w")
+    if comp.rounds == 1:
+        assert comp.decompress(payload, ctx).shape == t.shape
+    return True
 
 
 @SETTINGS
 @given(compressor_specs())
 def test_a_compressor_config_that_loads_can_compress(spec: dict[str, Any]) -> None:
     """Out-of-range values must fail at load time, not at the first step inside a collective."""
-    import torch
-    cls = compressors.registry.cls(spec["name"])
-    cfg = check({"compressor": spec, "communicator": "allreduce" if cls.additive else "allgather"})
-    assume(cfg is not None)
-    comp = compressors.get(cfg.compressor.name, **cfg.compressor.params)
-    t = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
-    payload, ctx = comp.compress(t, "w")
-    if comp.rounds == 1:
-        assert comp.decompress(payload, ctx).shape == t.shape
+    assume(loads_then_compresses(spec))
+
+
+@pytest.mark.xfail(strict=True, reason="dgc accepts seed >= 2**63, qsgd seed >= ~2**43 (it seeds with "
+                   "0x51D5 + 1000003 * seed) at load; torch.Generator.manual_seed raises at the first compress")
+@pytest.mark.parametrize("name,seed", [("dgc", 2 ** 64), ("qsgd", 2 ** 62)])
+def test_out_of_range_seed_fails_at_load(name: str, seed: int) -> None:
+    loads_then_compresses({"name": name, "seed": seed})
+
+
+@pytest.mark.xfail(strict=True, reason="qsgd accepts any bucket_size and pads every tensor to it: a large value "
+                   "allocates bucket_size floats at the first compress (see report)")
+def test_qsgd_bucket_size_is_bounded_or_clamped() -> None:
+    loads_then_compresses({"name": "qsgd", "bucket_size": 2 ** 62})
+
+
+_MOO_FACTOR = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 * 2 ** 30, 2 * 2 ** 30))
+from adacomp import config
+from adacomp.errors import ConfigError
+try:
+    config.from_dict({"policy": {"name": "moo", "factor": 1.0 + 1e-12}})
+    print("loaded")
+except ConfigError:
+    print("config error")
+except MemoryError:
+    print("MemoryError")
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="moo builds round(log(c_high/c_low)/log(factor)) candidates: a factor "
+                   "near 1 makes billions (MemoryError / OOM) at load (see report)")
+def test_moo_factor_near_one_is_a_config_error() -> None:
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _MOO_FACTOR], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "config error", out.stdout + out.stderr[-500:]

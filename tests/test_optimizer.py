@@ -221,3 +221,21 @@ def test_launcher_prefixes_output_and_sets_rendezvous() -> None:
     assert code == 0
     lines = sorted(out.getvalue().splitlines())
     assert lines == ["[0] 0 2", "[1] 1 2"]
+
+
+def test_compressed_buffer_keeps_dense_bucketing_for_lowrank() -> None:
+    """ACP-SGD §IV-B: scaling the cap by the compression rate keeps as many buckets as dense fusion;
+    counting factor bytes against the full cap would put every layer into one bucket."""
+    from adacomp.models import MLP
+
+    def buckets(cfg, compressed_only=True):
+        m = MLP(inputs=256, width=512, depth=4)
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                           config=cfg, backend=LocalBackend())
+        return [b for b in opt.buckets if not compressed_only or b.route.compressor.name != "none"]
+    dense = buckets({"fusion": {"bucket_mb": 1.0}, "min_numel": 0}, compressed_only=False)
+    low = {"compressor": {"name": "powersgd", "rank": 4}, "fusion": {"bucket_mb": 1.0}}
+    scaled = buckets({**low, "fusion": {"bucket_mb": 1.0, "compressed_buffer": True}})
+    unscaled = buckets({**low, "fusion": {"bucket_mb": 1.0, "compressed_buffer": False}})
+    assert len(unscaled) == 1
+    assert len(scaled) >= 3 and abs(len(scaled) - len(dense)) <= 1, (len(scaled), len(dense))

@@ -134,19 +134,24 @@ def refine(tensors: Sequence[TensorProfile], model: CostModel, S: Sequence[Optio
 
 def decide(tensors: Sequence[TensorProfile], model: CostModel, divisible: bool = False, offload: bool = True,
            candidates: set[int] | None = None, polish: bool = True) -> tuple[list[Option], dict[str, float]]:
-    """Alg. 1, then Alg. 2 when ``offload``, then :func:`refine` when ``polish``; returns the
+    """Alg. 1, then Alg. 2 when ``offload``; with ``polish`` (adacomp's addition) the result and a
+    compress-all start are each improved by :func:`refine` and the better one kept. Returns the
     strategy and the predicted iteration times of it, compress-all (device) and compress-none."""
     t0 = time.perf_counter()
     dev_opts = (DEVICE_AG, DEVICE_A2A) if divisible else (DEVICE_AG,)
     S = decide_device(tensors, model, dev_opts, candidates)
     if offload:
         S = decide_offload(tensors, model, S)
-    if polish:
-        cpu_opts = (CPU_AG, CPU_A2A) if divisible else (CPU_AG,)
-        S = refine(tensors, model, S, (NONE, *dev_opts, *(cpu_opts if offload else ())), candidates)
-    dt = time.perf_counter() - t0
     cand = set(range(len(tensors))) if candidates is None else set(candidates)
     every = [DEVICE_AG if i in cand else NONE for i in range(len(tensors))]
+    if polish:
+        cpu_opts = (CPU_AG, CPU_A2A) if divisible else (CPU_AG,)
+        opts = (NONE, *dev_opts, *(cpu_opts if offload else ()))
+        # refine Alg. 2's answer, and also refine a second start (compress-all): Alg. 1's
+        # largest-first greedy can lock in a big tensor whose compression only pays alone
+        starts = [refine(tensors, model, S, opts, candidates), refine(tensors, model, every, opts, candidates)]
+        S = min(starts, key=lambda s: simulate(tensors, s, model).iteration_s)
+    dt = time.perf_counter() - t0
     return S, {"plan_s": simulate(tensors, S, model).iteration_s,
                "compress_all_s": simulate(tensors, every, model).iteration_s,
                "compress_none_s": simulate(tensors, [NONE] * len(tensors), model).iteration_s,
@@ -258,6 +263,8 @@ class ByteCompPolicy(Policy):
         return out, max(0.0, ready[order[0]] - first) if order else 0.0
 
     def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+        if optimizer.steps > self.profile_steps:
+            return
         self._step_end.append(time.perf_counter())
         if optimizer.steps != self.profile_steps:
             return
