@@ -125,6 +125,31 @@ def _run_launcher(cmd: list[str], marker: str) -> tuple[int, str]:
 
 
 # -------------------------------------------------------------------------------------- tests
+def _renamed_parameters() -> str:
+    """Rank 1 names its parameters differently; shapes (and the config) are identical."""
+    import torch
+
+    import adacomp
+    from adacomp.models import DigitsCNN
+    adacomp.init()
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    prefix = "module." if adacomp.rank() == 1 else ""  # e.g. one rank wrapped the model in DataParallel
+    named = [(prefix + n, p) for n, p in model.named_parameters()]
+    try:
+        adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named)
+    except adacomp.CommunicationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_different_parameter_names_with_same_shapes_fail_at_init_naming_ranks_and_names() -> None:
+    from tests._dist import run_workers
+    for msg in run_workers(_renamed_parameters, 2):
+        assert "ranks [1]" in msg and "parameter names" in msg, msg
+        assert "conv1.weight" in msg and "module.conv1.weight" in msg, msg  # what differs, both spellings
+
+
 @pytest.mark.parametrize("dead", [1, 0], ids=["rank1", "rank0-store-host"])
 def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
     """No launcher stops the survivor: the watchdog alone must end it, naming the dead rank (rank 0
