@@ -234,13 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         report([], args)
         return 0
-    from adacomp.backends import detect
-    if detect() != "local":
-        worker(args)
-        return 0
-    from adacomp.launch import run_local
-    return run_local([sys.executable, os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])],
-                     args.np)
+    from adacomp.launch import worker_or_spawn
+    return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":
