@@ -112,6 +112,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = self._name_parameters(optimizer, named_parameters)
         self._param_by_name = dict(self.params)
         self.steps = 0
+        self.steps_per_epoch: int | None = None  # set by training loops that know it (lgreco's period)
         self.skipped_steps = 0
         self._skip_this_step = False
         self._pre_state: dict[str, Any] = {}
@@ -283,6 +284,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def route_of(self, name: str) -> Route:
         return self._route_of[name]
+
+    def is_fused(self, name: str) -> bool:
+        """True when ``name``'s gradient is compressed as part of its flattened bucket."""
+        return self._bucket_of[name].fused_compressor is not None
+
+    def parameter(self, name: str) -> Tensor:
+        return self._param_by_name[name]
+
+    def bucket_of(self, name: str) -> Bucket:
+        return self._bucket_of[name]
 
     def set_communicator(self, bucket_index: int, communicator: Communicator) -> None:
         """Use ``communicator`` for one bucket from the next step on (all ranks must do the same)."""

@@ -76,6 +76,7 @@ def run_worker(cfg: Any) -> dict[str, Any]:
     per_rank = len(y) // world
     steps_per_epoch = max(1, per_rank // tc.batch_size)
     total = steps_per_epoch * tc.epochs
+    opt.steps_per_epoch = steps_per_epoch  # policies whose period is "one epoch" (lgreco) read it
     bar = None
     if rank == 0:
         from tqdm import tqdm

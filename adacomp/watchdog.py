@@ -17,14 +17,15 @@ agreement is needed) is *lost*; a store that stops answering means rank 0 (its h
 * If the main thread stays blocked (MPI, or a collective still inside its own timeout), the
   thread prints the same message to stderr and ends the process with :data:`EXIT_CODE` after
   ``0.3 * timeout_s`` more, so every survivor is gone within about ``timeout_s``.
-* :func:`stop` says goodbye (``bye/<rank>``) so a rank that finishes early is not taken for dead;
-  rank 0 keeps the store up until every peer said goodbye or was lost.
+* :func:`stop` (also run at interpreter exit) says goodbye (``bye/<rank>``) so a rank that finishes
+  early is not taken for dead; rank 0 keeps the store up until every peer said goodbye or was lost.
 
 The heartbeat says a process is alive, not that it makes progress: a live but stuck peer is caught
 by the backend's collective timeout (``timeout_s``) instead.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -93,6 +94,7 @@ class Watchdog:
         self._seen = {r: ("", now) for r in self._peers}
         self._bye: set[int] = set()
         self._beats = 0
+        self._pid = os.getpid()
         self.lost: Lost | None = None
         self._stop = threading.Event()
         self._lost_event = threading.Event()
@@ -161,20 +163,23 @@ class Watchdog:
         return err
 
     def stop(self) -> None:
-        """Say goodbye and stop the thread; rank 0 waits (up to ``timeout_s`` per silent peer) for
-        the others' goodbyes so its store outlives them."""
-        if self._stop.is_set():
+        """Say goodbye and stop the thread. Rank 0 keeps its store up until every peer said
+        goodbye (at most ``timeout_s``) and for two heartbeats at least, so that peers still
+        working read its goodbye before the store goes and do not take rank 0 for dead."""
+        if self._stop.is_set() or os.getpid() != self._pid:  # a forked child owns no watchdog
             return
         with contextlib.suppress(Exception):
             self._store.set(f"bye/{self.rank}", "1")
         if self.rank == 0 and self.lost is None:
+            linger = time.monotonic() + 2 * self.interval_s
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline and self.lost is None:
                 with contextlib.suppress(Exception):
-                    if self._store.check([f"bye/{r}" for r in self._peers]):
+                    if self._store.check([f"bye/{r}" for r in self._peers]) and time.monotonic() >= linger:
                         break
                 time.sleep(self.interval_s / 2)
         self._stop.set()
+        atexit.unregister(self.stop)
         self._thread.join(timeout=2 * self.interval_s + 1)
 
 
@@ -190,6 +195,7 @@ def start(backend: Any, timeout_s: float = 60.0, interval_s: float | None = None
         raise ValueError(f"timeout_s must be > 0 for the watchdog, got {timeout_s}")
     wd = Watchdog(backend, timeout_s, interval_s)
     backend.watchdog = wd
+    atexit.register(wd.stop)  # a script that ends without shutdown() must not look dead to its peers
     return wd
 
 

@@ -13,6 +13,8 @@ allgather with error feedback, and PowerSGD's two-round allreduce), and records,
 * pending bucket handles / entries after ``step()`` (must be 0) and the sizes of the optimizer's
   internal containers (residuals, compressor / policy state, history) before and after.
 
+The rank-failure watchdog (adacomp/watchdog.py) runs during the whole soak.
+
 Rank 0 gathers every rank's record and writes ``docs/results/soak.md``.
 """
 from __future__ import annotations
@@ -133,7 +135,7 @@ def soak_one(config_path: str, args: argparse.Namespace) -> dict[str, Any]:
         ms, mr = statistics.mean(s for s, _ in after), statistics.mean(r for _, r in after)
         var = sum((s - ms) ** 2 for s, _ in after)
         slope = sum((s - ms) * (r - mr) for s, r in after) / var if var else 0.0
-    return {"config": config_path, "rank": rank, "base": base, "end": end, "loss": float(loss),
+    return {"config": config_path, "rank": rank, "base": base, "end": end, "loss": float(loss.detach()),
             "growth": (end["rss"] - base["rss"]) / base["rss"], "slope_b_per_step": slope,
             "max_rss_after_warmup": max(r for _, r in after), "step_ms": 1e3 * statistics.median(step_s),
             "wall_s": time.perf_counter() - t_start}
@@ -166,9 +168,10 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, world: int) 
                 f"{b['tensors'][1] / 1024:.0f} -> {e['tensors'][1] / 1024:.0f} | "
                 f"{b['state_tensors']} -> {e['state_tensors']} | "
                 f"{e['pending_handles']} handles, {e['pending_entries']} entries, {e['backend_pending']} backend | "
-                f"{r['step_ms']:.1f} | {r['loss']:.3f} |")
+                f"{r['step_ms']:.1f} | {r['loss']:.2e} |")
         worst = max(r["growth"] for r in rows)
-        leak = any(r["end"]["tensors"][0] > r["base"]["tensors"][0] or r["end"]["state_tensors"] > r["base"]["state_tensors"]
+        leak = any(r["end"]["tensors"][0] > r["base"]["tensors"][0]
+                   or r["end"]["state_tensors"] > r["base"]["state_tensors"]
                    or r["end"]["pending_handles"] or r["end"]["pending_entries"] for r in rows)
         ok = worst < 0.05 and not leak
         verdicts.append(ok)
@@ -183,8 +186,10 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     import adacomp
+    from adacomp import watchdog
     torch.set_num_threads(1)
-    adacomp.init()
+    backend = adacomp.init()
+    watchdog.start(backend, 60.0)  # soaked too: its thread and store run for the whole job
     records = [soak_one(str(ROOT / c) if not os.path.isabs(c) else c, args) for c in args.config]
     for r in records:
         r["config"] = os.path.relpath(r["config"], ROOT)
@@ -195,6 +200,7 @@ def worker(args: argparse.Namespace) -> int:
         Path(args.out).write_text(text)
         print(text)
         print(f"wrote {args.out}")
+    watchdog.stop(backend)
     adacomp.shutdown()
     return 0
 

@@ -58,7 +58,8 @@ def _skip_job(methods: list[str]) -> dict[str, dict[str, Any]]:
         ref_model, ref_opt = build(method, seed=0, nonfinite="skip")
         train_steps(ref_model, ref_opt, 0, BEFORE + AFTER, rank)
         ref_opt.remove_hooks()
-        res["vs_clean_run"] = [k for k, v in model.state_dict().items() if not torch.equal(v, ref_model.state_dict()[k])]
+        ref = ref_model.state_dict()
+        res["vs_clean_run"] = [k for k, v in model.state_dict().items() if not torch.equal(v, ref[k])]
         out[method] = res
     adacomp.shutdown()
     return out

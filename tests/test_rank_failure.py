@@ -33,6 +33,8 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--die-step", type=int, default=3)
     p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    p.add_argument("--late-rank", type=int, default=-1, help="this rank works on alone after the last step")
+    p.add_argument("--late-s", type=float, default=0.0)
     args = p.parse_args(argv)
 
     import torch
@@ -64,9 +66,10 @@ def worker(argv: list[str]) -> int:
             opt.step()
         if step % 20 == 0:
             print(f"rank {rank}: step {step}", flush=True)
-    watchdog.stop(backend)
-    adacomp.shutdown()
-    return 0
+    if rank == args.late_rank:  # no collectives from here on: the others exit meanwhile
+        time.sleep(args.late_s)
+        print(f"late rank {rank} done", flush=True)
+    return 0  # no explicit watchdog.stop / shutdown: the exit hook must say goodbye
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -173,6 +176,29 @@ def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
     assert procs[dead].returncode == -signal.SIGKILL, outs[dead]
     assert procs[alive].returncode != 0, outs[alive]
     assert f"rank {dead} is lost" in outs[alive], outs[alive]
+
+
+@pytest.mark.parametrize("late", [0, 1], ids=["rank0-works-on", "rank1-works-on"])
+def test_a_rank_that_finishes_early_is_not_taken_for_dead(late: int) -> None:
+    """After the last collective one rank works on alone for longer than the heartbeat limit while
+    the others exit normally (rank 0 hosts the store): nobody may be declared lost."""
+    from adacomp.launch import free_port, worker_env
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    timeout = 2.0  # heartbeat limit 1.2 s; the late rank works 4 s alone
+    procs = [subprocess.Popen(_worker_cmd(marker) + ["--die-rank", "-1", "--steps", "3", "--timeout", str(timeout),
+                                                     "--late-rank", str(late), "--late-s", "4"],
+                              cwd=ROOT, env={**_env(), **worker_env(r, 2, port)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        _assert_no_orphans(marker)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert f"late rank {late} done" in outs[late] and "is lost" not in "".join(outs), outs
 
 
 def test_adacomp_run_stops_everyone_and_names_the_rank() -> None:

@@ -257,7 +257,7 @@ class ByteCompPolicy(Policy):
         sample = compressors.get(comp.name, **comp.params)
         out = []
         for k, n in enumerate(order):
-            p = opt._param_by_name[n]
+            p = opt.parameter(n)
             out.append(TensorProfile(n, p.numel() * p.element_size(), first if k == 0 else deltas[k - 1],
                                      sample.payload_bytes(p.shape, p.element_size())))
         return out, max(0.0, ready[order[0]] - first) if order else 0.0
@@ -291,7 +291,7 @@ class ByteCompPolicy(Policy):
         tensors, forward_s = self.tensors(ready)
         from adacomp import compressors
         comp = opt.config.compressor
-        device = next(iter(opt._param_by_name.values())).device
+        device = opt.params[0][1].device
         numels = [int(t.nbytes // 4) for t in tensors if t.name in self.candidates]
         fb = uses_feedback(opt.config)
         ctime, dtime = profile_compressor(compressors.get(comp.name, **comp.params), size_grid(numels),

@@ -219,7 +219,7 @@ class LGreCoPolicy(Policy):
             kind = knob_of(comp)
             if kind is None or (callable(getattr(comp, "compresses", None)) and not comp.compresses(p.shape)):
                 continue
-            if optimizer._bucket_of[name].fused_compressor is not None:
+            if optimizer.is_fused(name):
                 raise ValueError("policy lgreco sets one parameter per layer, but fusion.fuse_before_compress "
                                  "compresses whole buckets; set fusion.fuse_before_compress: false")
             self.layers.append((name, kind, float(get_knob(comp, kind))))
@@ -276,7 +276,7 @@ class LGreCoPolicy(Policy):
             return per_layer
         coef = {}
         for b in optimizer.buckets:
-            nbytes = sum(optimizer.compressor_for(n).payload_bytes(optimizer._param_by_name[n].shape)
+            nbytes = sum(optimizer.compressor_for(n).payload_bytes(optimizer.parameter(n).shape)
                          for n in b.names)
             times = self._sync.get(b.index)
             if times and nbytes:
@@ -285,7 +285,7 @@ class LGreCoPolicy(Policy):
             return per_layer
         floor = 0.01 * max(coef.values())  # a hidden bucket still costs a little: keep size relevant
         for name in per_layer:
-            per_layer[name] = max(coef.get(optimizer._bucket_of[name].index, floor), floor)
+            per_layer[name] = max(coef.get(optimizer.bucket_of(name).index, floor), floor)
         return per_layer
 
     def decide(self, optimizer: "DistributedOptimizer") -> dict[str, Any]:
@@ -322,7 +322,7 @@ class LGreCoPolicy(Policy):
         if self.alpha >= 1.0 and sum(obj[i, j] for i, j in enumerate(pick)) > \
                 sum(obj[i, j] for i, j in enumerate(uniform_idx)):
             pick = list(uniform_idx)  # rounding errors up can only cost; uniform meets the budget exactly
-        dense = sum(optimizer._param_by_name[n].numel() * optimizer._param_by_name[n].element_size() for n in names)
+        dense = sum(optimizer.parameter(n).numel() * optimizer.parameter(n).element_size() for n in names)
         return {"assignment": {n: cands[i][j] for i, (n, j) in enumerate(zip(names, pick))},
                 "step": optimizer.steps, "budget": budget,
                 "error": float(sum(err[i, j] for i, j in enumerate(pick))), "uniform_error": float(sum(uni)),
