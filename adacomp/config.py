@@ -11,6 +11,7 @@ import hashlib
 import inspect
 import json
 import os
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -113,6 +114,13 @@ def _to_plain(obj: Any) -> Any:
 # ------------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    """A short, bounded repr for messages: deep or huge values must not recurse or flood."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 3, 60, 60, 40
+    return r.repr(value)
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -132,24 +140,28 @@ def check_scalar(value: Any, tp: Any, path: str) -> Any:
                 return check_scalar(value, a, path)
             except ConfigError as exc:
                 errors.append(exc.reason)
-        raise ConfigError(path, f"expected one of {[_type_name(a) for a in args]}, got {value!r}")
+        raise ConfigError(path, f"expected one of {[_type_name(a) for a in args]}, got {_show(value)}")
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {value!r} ({type(value).__name__})")
+            raise ConfigError(path, f"expected true or false, got {_show(value)} ({type(value).__name__})")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {value!r} ({type(value).__name__})")
+            raise ConfigError(path, f"expected an integer, got {_show(value)} ({type(value).__name__})")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {value!r} ({type(value).__name__})")
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ConfigError(path, f"expected a finite number, got {value!r}")
-        return float(value)
+            raise ConfigError(path, f"expected a number, got {_show(value)} ({type(value).__name__})")
+        try:
+            f = float(value)
+        except OverflowError:
+            raise ConfigError(path, f"expected a finite number, got an integer of {len(str(value))} digits") from None
+        if f != f or f in (float("inf"), float("-inf")):
+            raise ConfigError(path, f"expected a finite number, got {_show(value)}")
+        return f
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r} ({type(value).__name__})")
+            raise ConfigError(path, f"expected a string, got {_show(value)} ({type(value).__name__})")
         return value
     return value  # un-annotated or complex: the constructor checks it
 
@@ -165,19 +177,19 @@ def parse_component(value: Any, kind: str, path: str) -> ComponentSpec:
     if isinstance(value, str):
         value = {"name": value}
     if not isinstance(value, Mapping):
-        raise ConfigError(path, f"expected a mapping like {{name: ...}} or a {kind} name, got {value!r}")
+        raise ConfigError(path, f"expected a mapping like {{name: ...}} or a {kind} name, got {_show(value)}")
     if "name" not in value:
         raise ConfigError(f"{path}.name", f"missing; valid {kind} names: {', '.join(_choices(kind))}")
     name = value["name"]
     if not isinstance(name, str):
-        raise ConfigError(f"{path}.name", f"expected a string, got {name!r}")
+        raise ConfigError(f"{path}.name", f"expected a string, got {_show(name)}")
     if kind == "memory" and name == "auto":
         if len(value) > 1:
             raise ConfigError(path, "memory 'auto' takes no parameters; name a memory to set them")
         return ComponentSpec("auto")
     reg = _registry(kind)
     if name not in reg.names():
-        raise ConfigError(f"{path}.name", f"unknown {kind} {name!r}; valid choices: {', '.join(_choices(kind))}")
+        raise ConfigError(f"{path}.name", f"unknown {kind} {_show(name)}; valid choices: {', '.join(_choices(kind))}")
     sig = reg.params(name)
     params: dict[str, Any] = {}
     for key, v in value.items():
@@ -185,7 +197,7 @@ def parse_component(value: Any, kind: str, path: str) -> ComponentSpec:
             continue
         if not isinstance(key, str) or key not in sig:
             valid = ", ".join(sorted(sig)) or "(none)"
-            raise ConfigError(f"{path}.{key}", f"unknown parameter of {kind} {name!r}; valid parameters: {valid}")
+            raise ConfigError(f"{path}.{key}", f"unknown parameter of {kind} {_show(name)}; valid parameters: {valid}")
         ann = sig[key].annotation
         if isinstance(ann, str):  # from __future__ annotations
             try:
@@ -196,7 +208,7 @@ def parse_component(value: Any, kind: str, path: str) -> ComponentSpec:
     try:
         reg.get(name, **params)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(path, f"invalid parameters for {kind} {name!r}: {exc}") from None
+        raise ConfigError(path, f"invalid parameters for {kind} {_show(name)}: {exc}") from None
     return ComponentSpec(name, params)
 
 
@@ -209,7 +221,7 @@ def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(path, f"expected a mapping, got {data!r}")
+        raise ConfigError(path, f"expected a mapping, got {_show(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
@@ -226,14 +238,14 @@ def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
         elif typing.get_origin(tp) is list:
             (item_tp,) = typing.get_args(tp)
             if not isinstance(value, list):
-                raise ConfigError(sub, f"expected a list, got {value!r}")
+                raise ConfigError(sub, f"expected a list, got {_show(value)}")
             kwargs[key] = [_parse_dataclass(item_tp, v, f"{sub}[{i}]") for i, v in enumerate(value)]
         else:
             v = check_scalar(value, tp, sub)
             if "choices" in meta and v not in meta["choices"]:
-                raise ConfigError(sub, f"expected one of {list(meta['choices'])}, got {v!r}")
+                raise ConfigError(sub, f"expected one of {list(meta['choices'])}, got {_show(v)}")
             if "min" in meta and v < meta["min"]:
-                raise ConfigError(sub, f"must be >= {meta['min']}, got {v!r}")
+                raise ConfigError(sub, f"must be >= {meta['min']}, got {_show(v)}")
             kwargs[key] = v
     return cls(**kwargs)
 
@@ -283,11 +295,13 @@ def load(source: "str | os.PathLike[str] | Mapping[str, Any] | Config | None") -
     path = os.fspath(source)
     if not os.path.exists(path):
         raise ConfigError("", f"config file {path!r} does not exist")
-    with open(path, encoding="utf-8") as fh:
-        try:
+    try:
+        with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
-        except yaml.YAMLError as exc:
-            raise ConfigError("", f"{path} is not valid YAML: {exc}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError("", f"{path} is not valid YAML: {str(exc)[:300]}") from None
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config file {path!r}: {exc.strerror or exc}") from None
     try:
         return from_dict(data)
     except ConfigError as exc:

@@ -32,6 +32,9 @@ def init(backend: str = "auto", config: Any = None, timeout_s: float | None = No
     from adacomp.backends.shaped import wrap_from_env
     # ADACOMP_SHAPE_* / ADACOMP_NETEM_SCHEDULE add emulated latency (docs/netem.md); otherwise a no-op.
     _current = wrap_from_env(backends.create(name, **kwargs))
+    if _current.size() > 1:  # heartbeats name a rank that dies instead of hanging on it
+        from adacomp import watchdog
+        watchdog.start(_current, kwargs.get("timeout_s", 60.0))
     return _current
 
 
@@ -48,5 +51,7 @@ def current() -> Backend:
 def shutdown() -> None:
     global _current
     if _current is not None:
+        from adacomp import watchdog
+        watchdog.stop(_current)
         _current.shutdown()
         _current = None

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from adacomp import communicators, compressors, context, fusion, memories, policies
+from adacomp import communicators, compressors, context, fusion, memories, policies, watchdog
 from adacomp.backends.base import Backend
 from adacomp.communicators.base import CommEnv, Communicator, Entry
 from adacomp.compressors.base import Compressor
@@ -331,6 +331,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             b.ready, b.pending, b.entries = 0, None, []
         self._next_launch = 0
         self._launched_any = False
+        self._step_started = False
         self._synchronized = False
         self._should_sync = True
         self._nonfinite: list[str] = []
@@ -344,6 +345,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_grad(self, name: str, p: Tensor) -> None:
+        if not self._step_started:
+            self._step_started = True
+            if self.config.nonfinite == "skip":
+                # `skip` must leave residuals / thresholds / factors / policy accumulators as they
+                # were before this step's first hook: keep a copy (the price of this mode).
+                self._pre_state = copy.deepcopy(self.adacomp_state_dict())
         if self._synchronized:
             raise RuntimeError(
                 "a gradient was computed after synchronize() and before step(); call step() "
@@ -359,7 +366,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         b = self._bucket_of[name]
         b.ready += 1
         if b.ready == len(b.names):
-            self._launch_ready()
+            with watchdog.guard(self.backend):
+                self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and \
@@ -374,9 +382,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return p.grad
 
     def _launch(self, b: Bucket) -> None:
-        if not self._launched_any and self.config.nonfinite == "skip":
-            # `skip` must leave residuals / thresholds / factors as they were: keep a copy (the
-            # price of this mode; `raise` needs none).
+        if not self._step_started and self.config.nonfinite == "skip":  # launched from synchronize()
+            self._step_started = True
             self._pre_state = copy.deepcopy(self.adacomp_state_dict())
         self._launched_any = True
         self._env.bucket_index = b.index
@@ -402,6 +409,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Finish every bucket and write the averaged gradients into ``p.grad``."""
         if self._synchronized:
             return
+        with watchdog.guard(self.backend):  # a dead peer surfaces as an error naming its rank
+            self._synchronize()
+
+    def _synchronize(self) -> None:
         if not self._launched_any and all(v == 0 for v in self._passes.values()):
             # step() without backward: nothing to send (Horovod also allows it).
             self._synchronized = True

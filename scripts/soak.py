@@ -30,6 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = ("configs/topk.yaml", "configs/powersgd.yaml")
+SLACK_TENSORS = 2  # live tensor objects allowed above the warm-up count (storage bytes: none)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -51,10 +52,15 @@ def rss_bytes() -> int:
 
 def live_tensors() -> tuple[int, int]:
     """(number of live tensor objects, bytes of their unique storages)."""
+    import warnings
+
     import torch
     gc.collect()
     n, seen, nbytes = 0, set(), 0
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+    for obj in objects:
         try:
             if isinstance(obj, torch.Tensor):
                 n += 1
@@ -151,7 +157,8 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, world: int) 
              f"Python {sys.version.split()[0]}; model: digits CNN, batch 32 per rank, real data.", "",
              f"Growth = RSS at the end / RSS after the {args.warmup}-step warm-up - 1 (goal < 5 %). "
              "Slope: least-squares RSS trend after the warm-up. Live tensors: `gc`-reachable tensor objects "
-             "and their unique storage bytes, warm-up -> end (a leaked buffer or handle keeps tensors alive). "
+             "and their unique storage bytes, warm-up -> end (a leaked buffer or handle keeps tensors alive; "
+             f"verdict: bytes must not grow, count by at most {SLACK_TENSORS}). "
              "Pending: bucket handles and entries still held after `step()`.", ""]
     verdicts = []
     for cfg in sorted({r["config"] for r in records}):
@@ -170,7 +177,10 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, world: int) 
                 f"{e['pending_handles']} handles, {e['pending_entries']} entries, {e['backend_pending']} backend | "
                 f"{r['step_ms']:.1f} | {r['loss']:.2e} |")
         worst = max(r["growth"] for r in rows)
-        leak = any(r["end"]["tensors"][0] > r["base"]["tensors"][0]
+        # A leak grows with the step count; a tensor or two more at the sampling instant (a view of
+        # an existing storage, same bytes) is not one.
+        leak = any(r["end"]["tensors"][0] > r["base"]["tensors"][0] + SLACK_TENSORS
+                   or r["end"]["tensors"][1] > r["base"]["tensors"][1]
                    or r["end"]["state_tensors"] > r["base"]["state_tensors"]
                    or r["end"]["pending_handles"] or r["end"]["pending_entries"] for r in rows)
         ok = worst < 0.05 and not leak

@@ -8,7 +8,8 @@ Properties, for any document:
 * the message carries no traceback; nothing touches a transport (no backend is created);
 * valid documents load, and equivalent spellings (bare component names, a YAML round trip) give the
   same config hash.
-Known bugs are pinned by ``xfail(strict=True)`` tests at the end: fixing them flips those tests.
+Edge cases that once escaped as other exceptions (huge integers, deep nesting, unreadable files,
+unbounded seeds / bucket sizes / candidate counts) are pinned by tests at the end.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def no_transport(monkeypatch) -> Iterator[None]:
 
 
 # --- strategies ----------------------------------------------------------------------------------
-# Integers are bounded to 64 bits here; unbounded ones hit a known bug (see the xfail tests).
+# Integers are bounded to 64 bits here; unbounded ones are covered by the edge-case tests below.
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 63, 2 ** 64), st.floats(allow_nan=True),
                     st.text(max_size=8), st.sampled_from(ALL_NAMES))
 keys = st.one_of(st.sampled_from(TOP_KEYS + [k for v in SUB_KEYS.values() for k in v] + ["name", "density", "rank"]),
@@ -72,7 +73,7 @@ def typed_value(tp: Any) -> st.SearchStrategy:
     return mostly(edge.get(tp, scalars))
 
 
-# Parameters whose edge values exhaust memory today (known bugs, pinned by the xfail tests below):
+# Parameters whose edge values would need huge memory are kept in range here (edge-case tests below):
 # fuzz them only with values that cannot take the machine down.
 UNSAFE = {("policy", "moo", "factor"): st.sampled_from([1.5, 3.0, 10.0, 1.0, 0.5, -2.0, "3"]),
           ("compressor", "qsgd", "bucket_size"): st.sampled_from([0, 1, 64, 512, -1, "8"])}
@@ -243,8 +244,6 @@ def _deep(n: int) -> Any:
     return v
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="check_scalar: float(huge int) raises OverflowError (see report)")
 @pytest.mark.parametrize("doc", [{"fusion": {"bucket_mb": 10 ** 400}}, {"timeout_s": 10 ** 400},
                                  {"compressor": {"name": "topk", "density": 10 ** 400}, "communicator": "allgather"}],
                          ids=["fusion", "timeout", "component"])
@@ -254,16 +253,12 @@ def test_huge_integer_for_a_number_is_a_config_error(doc: Any) -> None:
     check_error(exc.value, doc)
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="error messages use repr() of the bad value: deep nesting recurses (see report)")
 def test_deeply_nested_value_is_a_config_error() -> None:
     with pytest.raises(ConfigError) as exc:
         config.from_dict({"fusion": _deep(5000)})
     assert exc.value.path == "fusion"
 
 
-@pytest.mark.xfail(strict=True, reason="load(): RecursionError / UnicodeDecodeError / IsADirectoryError "
-                   "escape while reading the file (see report)")
 @pytest.mark.parametrize("content", [b"fusion: " + b"[" * 5000 + b"]" * 5000, b"\xff\xfe\x00 x", None],
                          ids=["deep-yaml", "not-utf8", "directory"])
 def test_unreadable_yaml_file_is_a_config_error(tmp_path, content: bytes | None) -> None:
@@ -282,7 +277,7 @@ def compressor_specs(draw: Any) -> dict[str, Any]:
     reg = compressors.registry
     name = draw(st.sampled_from(reg.names()))
     hints = typing.get_type_hints(reg.cls(name).__init__)
-    edge = {int: st.sampled_from([0, 1, 2, 3, 7, 2 ** 20]) | st.integers(-5, 100),  # bigger: see xfails
+    edge = {int: st.sampled_from([0, 1, 2, 3, 7, 2 ** 20]) | st.integers(-5, 100),  # bigger: see the edge-case tests
             float: st.sampled_from([1e-300, 1e-6, 0.001, 0.5, 1.0, 1.0000001, 1e300]) | st.floats(0, 2),
             bool: st.booleans(), str: st.sampled_from(["rows", "cols", "none", "exponential", "gamma", "x"])}
     spec = {"name": name}
@@ -290,7 +285,7 @@ def compressor_specs(draw: Any) -> dict[str, Any]:
         if p in hints:
             spec[p] = draw(edge.get(hints[p], st.none()))
         if p == "seed":
-            spec[p] = draw(st.sampled_from([0, 1, 2 ** 32]))  # larger: see the xfail below
+            spec[p] = draw(st.sampled_from([0, 1, 2 ** 32]))  # larger: see the edge-case tests
     return spec
 
 
@@ -316,15 +311,11 @@ def test_a_compressor_config_that_loads_can_compress(spec: dict[str, Any]) -> No
     assume(loads_then_compresses(spec))
 
 
-@pytest.mark.xfail(strict=True, reason="dgc accepts seed >= 2**63, qsgd seed >= ~2**43 (it seeds with "
-                   "0x51D5 + 1000003 * seed) at load; torch.Generator.manual_seed raises at the first compress")
 @pytest.mark.parametrize("name,seed", [("dgc", 2 ** 64), ("qsgd", 2 ** 62)])
 def test_out_of_range_seed_fails_at_load(name: str, seed: int) -> None:
     loads_then_compresses({"name": name, "seed": seed})
 
 
-@pytest.mark.xfail(strict=True, reason="qsgd accepts any bucket_size and pads every tensor to it: a large value "
-                   "allocates bucket_size floats at the first compress (see report)")
 def test_qsgd_bucket_size_is_bounded_or_clamped() -> None:
     loads_then_compresses({"name": "qsgd", "bucket_size": 2 ** 62})
 
@@ -344,8 +335,6 @@ except MemoryError:
 """
 
 
-@pytest.mark.xfail(strict=True, reason="moo builds round(log(c_high/c_low)/log(factor)) candidates: a factor "
-                   "near 1 makes billions (MemoryError / OOM) at load (see report)")
 def test_moo_factor_near_one_is_a_config_error() -> None:
     import subprocess
     import sys

@@ -98,13 +98,9 @@ def test_raise_names_parameter_and_rank_on_every_rank() -> None:
             assert "rank 0:" not in text  # rank 0's gradients were finite
 
 
-# Known bug, fix given to the lead: the optimizer copies the state for `skip` at the first bucket
-# *launch*, but policy hooks (lgreco accumulates gradients on rank 0) run from the first gradient
-# hook on, so their state is already changed when the copy is taken. Copying at the first hook of
-# a step fixes it (verified); then this xfail flips to a pass (strict).
-_LGRECO_XFAIL = pytest.mark.xfail(strict=True, reason="optimizer takes the skip copy at first launch, "
-                                  "after policy hooks already accumulated (see report)")
-SKIP_CASES = [pytest.param(m, marks=_LGRECO_XFAIL) if m == "lgreco" else m for m in METHODS]
+# The copy for `skip` is taken at the first gradient hook of a step, before policy hooks (lgreco
+# accumulates gradients on rank 0) change any state.
+SKIP_CASES = list(METHODS)
 
 
 @pytest.mark.parametrize("method", SKIP_CASES)
@@ -121,6 +117,6 @@ def test_skip_drops_the_step_everywhere_and_keeps_all_state(method: str, skip_re
     # the state under test is really there (not vacuously unchanged)
     keys = " ".join(skip_results[method]["rank0"]["state_keys"])
     expect = {"topk": "residuals", "dgc": "velocity", "adtopk_t": "thr_reuse", "oktopk": "threshold",
-              "powersgd": "/q/", "acpsgd": "/p/", "lgreco": "policy/acc"}.get(method)
+              "powersgd": "/q/", "acpsgd": "/p/", "lgreco": "policy/passes"}.get(method)
     if expect:
         assert expect in keys, f"{method}: expected state containing {expect!r}, got {keys[:500]}"

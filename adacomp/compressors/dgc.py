@@ -65,6 +65,8 @@ class DGCCompressor(SparseCompressor):
         self.compress_lower_bound = float(compress_lower_bound)
         self.max_adaptation_iters = int(max_adaptation_iters)
         self.warmup_steps = int(warmup_steps)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.seed = int(seed)
         self._step = 0
         self._generators: dict[str, torch.Generator] = {}

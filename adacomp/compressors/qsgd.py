@@ -99,6 +99,10 @@ class QSGDCompressor(Compressor):
             raise ValueError(f"bucket_size must be an integer >= 0 (0 = whole tensor), got {bucket_size!r}")
         self.bits = check_bits(bits) if s == 0 else max(2, (2 * s).bit_length())
         self.s = s if s > 0 else (1 << (self.bits - 1)) - 1
+        if bucket_size > 2 ** 24:
+            raise ValueError(f"bucket_size must be <= 2**24 elements (QSGD uses 512), got {bucket_size}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 40:
+            raise ValueError(f"seed must be an integer in [0, 2**40), got {seed!r}")
         self.bucket_size = bucket_size
         self.seed = int(seed)
         self._gens: dict[str, torch.Generator] = {}
@@ -122,13 +126,14 @@ class QSGDCompressor(Compressor):
         return self._gens[key]
 
     def _buckets(self, numel: int) -> int:
-        size = self.bucket_size or numel
-        return max(1, -(-numel // size))
+        size = min(self.bucket_size, numel) if self.bucket_size else numel
+        return max(1, -(-numel // max(size, 1)))
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1).float()
         n = flat.numel()
-        size = self.bucket_size or max(n, 1)
+        size = min(self.bucket_size, n) if self.bucket_size else n  # a bucket never exceeds the tensor
+        size = max(size, 1)
         nb = self._buckets(n)
         padded = torch.zeros(nb * size, dtype=torch.float32, device=flat.device)
         padded[:n] = flat

@@ -118,6 +118,9 @@ class MOOPolicy(Policy):
             raise ValueError(f"need 0 < c_low < c_high <= 1, got c_low={c_low}, c_high={c_high}")
         if factor <= 1:
             raise ValueError(f"factor must be > 1, got {factor}")
+        if math.log(c_high / c_low) / math.log(factor) > 50:
+            raise ValueError(f"factor {factor} gives more than 50 candidate densities between c_low={c_low} and "
+                             f"c_high={c_high}; use a larger factor (the paper uses 3)")
         for name, v in (("explore_steps", explore_steps), ("check_every", check_every),
                         ("pop_size", pop_size), ("generations", generations)):
             if v < 1:
