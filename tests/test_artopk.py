@@ -143,7 +143,7 @@ def _optimizer_worker(selection: str, fuse: bool) -> list[torch.Tensor]:
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
     cfg = {"compressor": {"name": "topk", "density": 0.05}, "memory": {"name": "residual"},
            "communicator": {"name": "artopk", "selection": selection}, "min_numel": 0,
-           "fusion": {"bucket_mb": 0.0005, "compressed_buffer": False, "fuse_before_compress": fuse}}
+           "fusion": {"bucket_mb": 0.0005, "compressed_buffer": True, "fuse_before_compress": fuse}}
     adacomp.init()
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), config=cfg)

@@ -320,7 +320,7 @@ def _train_worker(steps: int) -> dict:
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 96), nn.ReLU(), nn.Linear(96, 10))
         cfg = {"compressor": {"name": name, "density": 0.05}, "memory": {"name": memory},
                "communicator": {"name": "allgather"}, "min_numel": 0,
-               "fusion": {"bucket_mb": 0.03, "compressed_buffer": False}}
+               "fusion": {"bucket_mb": 0.03, "compressed_buffer": True}}
         opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum),
                                            named_parameters=model.named_parameters(), config=cfg)
         grads = []
