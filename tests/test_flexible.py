@@ -71,3 +71,28 @@ def test_switches_follow_the_network_identically_on_all_ranks() -> None:
     for a, b in zip(r0["params"], r1["params"]):
         assert (a == b).all()
     assert r0["overhead"] > 0
+
+
+def test_flexible_choice_survives_a_checkpoint(tmp_path) -> None:
+    """A resumed run keeps each bucket's collective instead of re-deciding from a fresh probe."""
+    import adacomp
+    from adacomp.backends.base import LocalBackend
+    from adacomp.models import MLP
+
+    def build():
+        torch.manual_seed(0)
+        m = MLP(64, 256, 2)
+        o = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                         config="configs/flexible.yaml", backend=LocalBackend())
+        return m, o
+    m, o = build()
+    for _ in range(3):
+        o.zero_grad()
+        m(torch.randn(8, 64)).sum().backward()
+        o.step()
+    o.policy.choice = {b.index: "artopk_ring" for b in o.buckets}  # as if the network had asked for it
+    torch.save(o.state_dict(), tmp_path / "c.pt")
+    _, o2 = build()
+    o2.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
+    assert o2.policy.choice == o.policy.choice and o2.policy._calls == 3
+    assert {b.communicator.name for b in o2.buckets if b.index in o2.policy.choice} == {"artopk"}

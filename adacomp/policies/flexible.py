@@ -170,6 +170,28 @@ class FlexiblePolicy(Policy):
                                            optimizer.backend.size(), est.alpha, est.beta)
                    for b in optimizer.buckets if b.index not in self.predicted)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Per-bucket choice, call counter and the last network estimate, so a resumed run keeps
+        its collectives instead of re-deciding from a fresh probe."""
+        est = self.probe.last
+        return {"choice": {int(k): v for k, v in self.choice.items()}, "calls": self._calls,
+                "estimate": None if est is None else
+                {"alpha": est.alpha, "beta": est.beta, "overhead_s": est.overhead_s, "step": est.step}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self._calls = int(state["calls"])
+        if state.get("estimate"):
+            self.probe.last = netmodel.NetEstimate(**state["estimate"])
+        self.choice = {int(k): v for k, v in state["choice"].items()}
+        opt = getattr(self, "optimizer", None)
+        if opt is not None:
+            for index, kind in self.choice.items():
+                comp = opt.compressor_for(opt.buckets[index].names[0])
+                opt.set_communicator(index, self._communicator(kind, comp.fixed_size))
+        self._inputs = None
+
     def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
         self.records.append({"step": float(stats.step),
                              "predicted_s": sum(self.predicted.values()) + self.dense_predicted(optimizer),
