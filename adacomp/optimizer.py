@@ -437,19 +437,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     def _write_grads(self, b: Bucket, outs: list[Tensor], scale: float) -> None:
+        """Install the averaged gradients. Results are handed over as ``p.grad`` (no copy) when
+        dtype and device match, as DDP's ``gradient_as_bucket_view`` does: for the dense path they
+        are views of the fusion buffer, so the next backward can even accumulate in place and the
+        next flatten is skipped. Otherwise they are copied into the existing gradient."""
         if b.fused_compressor is not None:
             flat, off = outs[0].reshape(-1), 0
+            outs = []
             for n in b.names:
-                g = self._param_by_name[n].grad
-                g.copy_(flat[off:off + g.numel()].view_as(g))  # type: ignore[union-attr]
-                off += g.numel()  # type: ignore[union-attr]
-                if scale != 1.0:
-                    g.mul_(scale)  # type: ignore[union-attr]
-            return
+                numel = self._param_by_name[n].numel()
+                outs.append(flat[off:off + numel])
+                off += numel
         for n, out in zip(b.names, outs):
-            g = self._param_by_name[n].grad
+            p = self._param_by_name[n]
+            g = p.grad
             if out.data_ptr() != g.data_ptr():  # type: ignore[union-attr]
-                g.copy_(out.view_as(g))  # type: ignore[union-attr]
+                if out.dtype == g.dtype and out.device == g.device and out.is_contiguous():  # type: ignore[union-attr]
+                    p.grad = g = out.view(g.shape)  # type: ignore[union-attr]
+                else:
+                    g.copy_(out.reshape(g.shape))  # type: ignore[union-attr]
             if scale != 1.0:
                 g.mul_(scale)  # type: ignore[union-attr]
 

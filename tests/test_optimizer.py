@@ -239,3 +239,17 @@ def test_compressed_buffer_keeps_dense_bucketing_for_lowrank() -> None:
     unscaled = buckets({**low, "fusion": {"bucket_mb": 1.0, "compressed_buffer": False}})
     assert len(unscaled) == 1
     assert len(scaled) >= 3 and abs(len(scaled) - len(dense)) <= 1, (len(scaled), len(dense))
+
+
+def test_gradients_kept_in_place_across_steps_stay_correct() -> None:
+    """zero_grad(set_to_none=False) keeps last step's averaged gradients (views of the fusion
+    buffer) and backward accumulates into them: results must equal the set_to_none=True path."""
+    results = []
+    for set_to_none in (True, False):
+        m, opt = _opt({"fusion": {"bucket_mb": 0.05}, "min_numel": 0})
+        for _ in range(4):
+            opt.zero_grad(set_to_none=set_to_none)
+            _loss(m).backward()
+            opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+    assert torch.equal(results[0], results[1])

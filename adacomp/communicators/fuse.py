@@ -26,8 +26,20 @@ def flatten(tensors: list[Tensor], cache: dict | None = None,
         if len(tensors) == 1:
             return ref.reshape(-1).clone(), layout
         return torch.cat([t.reshape(-1) for t in tensors]), layout
-    torch.cat([t.reshape(-1) for t in tensors], out=buf)
+    if not _are_views_of(tensors, buf):  # gradients written back as views need no copy (see optimizer)
+        torch.cat([t.reshape(-1) for t in tensors], out=buf)
     return buf, layout
+
+
+def _are_views_of(tensors: list[Tensor], buf: Tensor) -> bool:
+    """True when ``tensors`` already lie in ``buf`` back to back, in order (e.g. the optimizer left
+    last step's averaged gradients there and backward accumulated into them in place)."""
+    base, size, off = buf.data_ptr(), buf.element_size(), 0
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != base + off * size:
+            return False
+        off += t.numel()
+    return True
 
 
 def unflatten(buf: Tensor, layout: list[tuple[torch.Size, int]]) -> list[Tensor]:
