@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from adacomp.backends.base import Backend, Handle  # noqa: E402
+from adacomp.backends.forwarding import ForwardingBackend  # noqa: E402
 
 PREFIX = "acx"  # not the user's default "acn" nor the tests' "acnt": never touches their hosts
 ARMS = {
@@ -53,23 +54,15 @@ ARMS = {
 }
 
 
-class RecordingBackend(Backend):
+class RecordingBackend(ForwardingBackend):
     """Passes every call to ``inner`` and records (op, bytes per rank) of each tensor collective."""
 
     name = "recording"
 
     def __init__(self, inner: Backend):
-        self.inner = inner
+        super().__init__(inner)
+        self.name = "recording"
         self.events: list[tuple[str, float]] = []
-
-    def rank(self) -> int:
-        return self.inner.rank()
-
-    def size(self) -> int:
-        return self.inner.size()
-
-    def local_rank(self) -> int:
-        return self.inner.local_rank()
 
     def allreduce_async(self, tensor: torch.Tensor, average: bool = False) -> Handle:
         self.events.append(("allreduce", float(tensor.numel() * tensor.element_size())))
@@ -89,22 +82,6 @@ class RecordingBackend(Backend):
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0) -> Handle:
         self.events.append(("broadcast", float(tensor.numel() * tensor.element_size())))
         return self.inner.broadcast_async(tensor, root)
-
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        return self.inner.broadcast_object(obj, root)
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return self.inner.allgather_object(obj)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
-
-    @property
-    def allreduce_algorithm(self) -> str | None:
-        return self.inner.allreduce_algorithm
-
-    def set_allreduce_algorithm(self, algorithm: str) -> bool:
-        return self.inner.set_allreduce_algorithm(algorithm)
 
 
 def predict(events: list[tuple[str, float]], N: int, alpha: float, beta: float) -> float:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping
 from torch import Tensor
 
 from adacomp.backends.base import Backend, Handle
+from adacomp.backends.forwarding import ForwardingBackend
 from adacomp.errors import ConfigError
 from adacomp.netem import parse_duration, parse_rate
 from adacomp.netem_schedule import SCHEDULE_ENV, STEP_FILE_ENV, Schedule, load_schedule, read_progress
@@ -47,7 +48,7 @@ COSTS = ("flat", "table1")
 _STEP_FILE_POLL_S = 0.05  # re-read the progress file at most this often
 
 
-class ShapedBackend(Backend):
+class ShapedBackend(ForwardingBackend):
     """``inner`` with an emulated latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte)."""
 
     name = "shaped"
@@ -162,16 +163,7 @@ class ShapedBackend(Backend):
         self._delayed(op, nbytes, lambda: Handle(run)).wait()
         return result[0]
 
-    # -------------------------------------------------------------- Backend API
-    def rank(self) -> int:
-        return self.inner.rank()
-
-    def size(self) -> int:
-        return self.inner.size()
-
-    def local_rank(self) -> int:
-        return self.inner.local_rank()
-
+    # -------------------------------------------------------------- Backend API (rank, size, ... forward)
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
         return self._delayed("allreduce", _nbytes(tensor), lambda: self.inner.allreduce_async(tensor, average))
 
@@ -192,16 +184,6 @@ class ShapedBackend(Backend):
 
     def barrier(self) -> None:
         self._blocking("barrier", 0, self.inner.barrier)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    @property
-    def allreduce_algorithm(self) -> str | None:
-        return self.inner.allreduce_algorithm
-
-    def set_allreduce_algorithm(self, algorithm: str) -> bool:
-        return self.inner.set_allreduce_algorithm(algorithm)
 
 
 def _nbytes(t: Tensor) -> int:
