@@ -279,9 +279,17 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(Path(args.from_json).read_text())
         run_args = ap.parse_args(saved["argv"])
         run_args.out_dir = args.out_dir
-        sys.argv = [sys.argv[0], *saved["argv"]]  # the results file names the command that measured them
+        # The results file names the command and launcher that measured them; both are put back
+        # afterwards so a caller in the same process (tests) keeps its own argv and environment.
+        old_argv, old_env = sys.argv, dict(os.environ)
+        sys.argv = [sys.argv[0], *saved["argv"]]
         os.environ.update(saved.get("launcher_env", {}))
-        report(saved["results"], saved["descs"], saved["world"], run_args, saved["total_s"])
+        try:
+            report(saved["results"], saved["descs"], saved["world"], run_args, saved["total_s"])
+        finally:
+            sys.argv = old_argv
+            os.environ.clear()
+            os.environ.update(old_env)
         return 0
     from adacomp.launch import worker_or_spawn
     return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
