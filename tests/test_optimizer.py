@@ -172,10 +172,12 @@ def test_backward_passes_per_step_equals_summed_loss() -> None:
     assert max(run_workers(_bpps_equivalence, 2)) < 1e-6
 
 
-def _mismatched_config() -> str:
+def _construct_mismatched(what: str) -> str:
+    """Build the optimizer with a per-rank difference in ``what`` (config or model); return the error."""
     adacomp.init()
-    m = DigitsCNN()
-    cfg = {"fusion": {"bucket_mb": 1.0 + adacomp.rank()}}
+    r = adacomp.rank()
+    m = DigitsCNN(hidden=64 + r) if what == "model" else DigitsCNN()
+    cfg = {"fusion": {"bucket_mb": 1.0 + r}} if what == "config" else None
     try:
         adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), config=cfg)
     except adacomp.CommunicationError as exc:
@@ -183,24 +185,10 @@ def _mismatched_config() -> str:
     return "no error"
 
 
-def test_mismatched_config_across_ranks_names_the_ranks() -> None:
-    msgs = run_workers(_mismatched_config, 2)
-    assert all("ranks [1]" in m and "configuration" in m for m in msgs), msgs
-
-
-def _mismatched_model() -> str:
-    adacomp.init()
-    m = DigitsCNN(hidden=64 + adacomp.rank())
-    try:
-        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
-    except adacomp.CommunicationError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_mismatched_model_across_ranks_names_the_parameter() -> None:
-    msgs = run_workers(_mismatched_model, 2)
-    assert all("ranks [1]" in m and "fc1.weight" in m for m in msgs), msgs
+@pytest.mark.parametrize("what,named", [("config", "configuration"), ("model", "fc1.weight")])
+def test_mismatch_across_ranks_names_the_ranks_and_what_differs(what: str, named: str) -> None:
+    msgs = run_workers(_construct_mismatched, 2, what)
+    assert all("ranks [1]" in m and named in m for m in msgs), msgs
 
 
 def test_launcher_stops_everyone_and_names_the_failed_rank() -> None:

@@ -113,6 +113,17 @@ def _assert_no_orphans(marker: str) -> None:
     raise AssertionError(f"orphan worker processes left: {left}")
 
 
+def _collect(procs: list, marker: str) -> list[str]:
+    """Outputs of every worker; kills stragglers after the hang guard and checks nothing is left."""
+    try:
+        return [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        _assert_no_orphans(marker)
+
+
 def _run_launcher(cmd: list[str], marker: str) -> tuple[int, str]:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -165,13 +176,7 @@ def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
         env = {**_env(), **worker_env(r, 2, port)}
         procs.append(subprocess.Popen(_worker_cmd(marker) + ["--die-rank", str(dead)], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        _assert_no_orphans(marker)
+    outs = _collect(procs, marker)
     alive = 1 - dead
     assert procs[dead].returncode == -signal.SIGKILL, outs[dead]
     assert procs[alive].returncode != 0, outs[alive]
@@ -190,13 +195,7 @@ def test_a_rank_that_finishes_early_is_not_taken_for_dead(late: int) -> None:
                                                      "--late-rank", str(late), "--late-s", "4"],
                               cwd=ROOT, env={**_env(), **worker_env(r, 2, port)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=HANG_GUARD_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        _assert_no_orphans(marker)
+    outs = _collect(procs, marker)
     assert [p.returncode for p in procs] == [0, 0], outs
     assert f"late rank {late} done" in outs[late] and "is lost" not in "".join(outs), outs
 
