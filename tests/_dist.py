@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
+import subprocess
 import socket
 import traceback
 from typing import Any, Callable
@@ -81,3 +83,37 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0,
     if errors:
         raise AssertionError("worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def run_launcher(cmd: list[str], cwd: str, env: dict[str, str], timeout: float,
+                 merge_stderr: bool = False) -> subprocess.CompletedProcess:
+    """Run a launcher (mpirun / horovodrun / torchrun / adacomp run) in its own session; on timeout
+    kill the whole process group so no orphaned rank keeps a core busy. ``timed_out`` on the
+    result says whether that happened."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            text=True, start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    err = err or ""
+    if timed_out:
+        err += f"\n[test] {cmd[0]} killed after {timeout}s"
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result.timed_out = timed_out  # type: ignore[attr-defined]
+    return result
+
+
+def train_random_steps(model, opt, steps: int, inputs: int, classes: int, seed: int) -> None:
+    """A few optimizer steps on random data from an owned generator (distinct per ``seed``)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(16, inputs, generator=gen), torch.randint(0, classes, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()

@@ -10,8 +10,6 @@ Any mismatch raises (non-zero exit), so the launcher's exit status carries the v
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
 import torch
@@ -22,20 +20,6 @@ from adacomp.backends import create
 # Launcher variables of other launchers that would steer ``backend: auto`` away from the one tested.
 FOREIGN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ADACOMP_BACKEND",
                "HOROVOD_RANK")
-
-
-def run_launcher(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """Run a launcher (mpirun / horovodrun) in its own session; on timeout kill the whole group
-    so no orphaned rank keeps a core busy."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[test] {cmd[0]} killed after {timeout}s"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0) -> None:

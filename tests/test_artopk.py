@@ -6,7 +6,7 @@ import torch
 
 from adacomp import communicators, compressors
 from adacomp.errors import IncompatibleComponentsError
-from tests._dist import run_workers
+from tests._dist import run_workers, train_random_steps
 
 SHAPES = {"w": (8, 10), "b": (37,)}
 DENSITY = 0.1
@@ -148,12 +148,7 @@ def _optimizer_worker(selection: str, fuse: bool) -> list[torch.Tensor]:
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), config=cfg)
     assert len(opt.buckets) > 1, "the test needs several buckets"
-    gen = torch.Generator().manual_seed(adacomp.rank())
-    for _ in range(6):
-        x, y = torch.randn(16, 20, generator=gen), torch.randint(0, 3, (16,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_random_steps(model, opt, steps=6, inputs=20, classes=3, seed=adacomp.rank())
     return to_numpy([p.detach() for p in model.parameters()])
 
 

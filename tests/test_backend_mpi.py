@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.backend_worker import FOREIGN_ENV, run_launcher
+from tests._dist import run_launcher
+from tests.backend_worker import FOREIGN_ENV
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "backend_worker.py"
 

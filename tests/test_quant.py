@@ -7,7 +7,7 @@ import torch
 import adacomp.compressors as C
 import adacomp.memories.base as M
 from adacomp.compressors.qsgd import pack_bits, unpack_bits
-from tests._dist import run_workers
+from tests._dist import run_workers, train_random_steps
 
 
 def _payload_bytes(payload):
@@ -151,12 +151,7 @@ def _quant_worker(specs: list[dict]) -> list[list[float]]:
         model = build("mlp", inputs=64, width=32, depth=1)
         opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                            named_parameters=model.named_parameters(), config=spec)
-        g = torch.Generator().manual_seed(adacomp.rank())
-        for _ in range(5):
-            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        train_random_steps(model, opt, steps=5, inputs=64, classes=10, seed=adacomp.rank())
         assert opt.last_stats.compression_ratio > 4
         out.append([float(p.detach().sum()) for p in model.parameters()])
         opt.remove_hooks()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._dist import run_launcher
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 6.0        # the job's timeout_s: short so the tests are quick
 HANG_GUARD_S = 150     # only so that a broken build fails instead of hanging CI
@@ -125,17 +127,13 @@ def _collect(procs: list, marker: str) -> list[str]:
 
 
 def _run_launcher(cmd: list[str], marker: str) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job did not end after a rank died:\n{out}")
+        res = run_launcher(cmd, str(ROOT), _env(), HANG_GUARD_S, merge_stderr=True)
     finally:
         _assert_no_orphans(marker)
-    return proc.returncode, out
+    if res.timed_out:
+        raise AssertionError(f"job did not end after a rank died:\n{res.stdout}")
+    return res.returncode, res.stdout
 
 
 # -------------------------------------------------------------------------------------- tests
