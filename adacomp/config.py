@@ -56,6 +56,9 @@ class LayerOverride:
     compressor: ComponentSpec | None = None
     memory: ComponentSpec | None = None
     communicator: ComponentSpec | None = None
+    #: compress these tensors on a CPU worker thread, in parallel with backward (ByteComp's
+    #: "compress on CPU"); needs an offloadable communicator: allgather, allgather_fast, alltoall
+    offload: bool = False
 
 
 @dataclass
@@ -283,7 +286,22 @@ def from_dict(data: Any) -> Config:
     for i, layer in enumerate(cfg.layers):
         check_pair(layer.compressor or cfg.compressor, layer.communicator or cfg.communicator,
                    f"layers[{i}].communicator", layer.memory or cfg.memory, f"layers[{i}].memory")
+        if layer.offload:
+            check_offload(layer.compressor or cfg.compressor, layer.communicator or cfg.communicator,
+                          f"layers[{i}].offload")
     return cfg
+
+
+def check_offload(compressor_spec: ComponentSpec, communicator_spec: ComponentSpec, path: str) -> None:
+    """Offloading compresses on a worker thread before the collective: the route must compress, and
+    its communicator must separate compression from launching (``Communicator.offloadable``)."""
+    from adacomp import communicators
+    if compressor_spec.name == "none":
+        raise ConfigError(path, "offload needs a compressor; this route sends dense gradients")
+    if not communicators.registry.cls(communicator_spec.name).offloadable:
+        fits = [n for n in communicators.names() if communicators.registry.cls(n).offloadable]
+        raise ConfigError(path, f"communicator {communicator_spec.name!r} compresses while it communicates, "
+                                f"so it cannot be offloaded; offloadable communicators: {', '.join(fits)}")
 
 
 def load(source: "str | os.PathLike[str] | Mapping[str, Any] | Config | None") -> Config:

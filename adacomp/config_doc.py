@@ -26,6 +26,7 @@ KEY_DOCS: dict[str, str] = {
     "layers[].compressor": "Compressor for matching parameters.",
     "layers[].memory": "Memory for matching parameters.",
     "layers[].communicator": "Communicator for matching parameters.",
+    "layers[].offload": "Compress matching parameters on a CPU worker thread in parallel with backward (ByteComp's \"compress on CPU\"); needs `allgather`, `allgather_fast` or `alltoall`.",
     "min_numel": "Parameters with fewer elements go uncompressed on allreduce (unless a `layers` rule matches).",
     "nonfinite": "NaN/Inf gradient on any rank: `raise` on every rank naming parameter and rank, or `skip` the step everywhere leaving all state unchanged.",
     "timeout_s": "Seconds a collective may wait before the run fails (dead peer).",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from concurrent.futures import Future, ThreadPoolExecutor
 import fnmatch
 import hashlib
 import json
@@ -30,7 +31,7 @@ from adacomp import communicators, compressors, context, fusion, memories, polic
 from adacomp.backends.base import Backend
 from adacomp.communicators.base import CommEnv, Communicator, Entry
 from adacomp.compressors.base import Compressor
-from adacomp.config import ComponentSpec, Config, load
+from adacomp.config import ComponentSpec, Config, check_offload, load
 from adacomp.errors import CommunicationError, ConfigError, IncompatibleComponentsError, NonFiniteGradientError
 from adacomp.memories.base import Memory
 from adacomp.metrics import StepStats
@@ -51,6 +52,7 @@ class Route:
     communicator: Communicator
     memory_spec: ComponentSpec
     communicator_spec: ComponentSpec
+    offload: bool = False  # compress on the CPU worker thread (ByteComp "compress on CPU")
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Bucket:
     ready: int = 0
     pending: Any = None
     entries: list[Entry] = field(default_factory=list)
+    job: Future | None = None  # offloaded compression in flight
 
 
 def _spec_key(*specs: ComponentSpec) -> str:
@@ -118,7 +121,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._pre_state: dict[str, Any] = {}
         self.last_stats: StepStats | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=1000)
-        self._overrides: dict[str, dict[str, ComponentSpec]] = {}
+        self._overrides: dict[str, dict[str, Any]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self._check_consistency()
         self._build_routes()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n))
@@ -199,25 +203,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"ranks {bad} have a different {'configuration' if what == 'config' else 'model (parameter names/shapes)'} "
                     f"than rank 0{detail}. Every rank must run the same config file and model.")
 
-    def _spec_for(self, name: str, numel: int) -> tuple[ComponentSpec, ComponentSpec, ComponentSpec]:
+    def _spec_for(self, name: str, numel: int) -> tuple[ComponentSpec, ComponentSpec, ComponentSpec, bool]:
         cfg = self.config
         comp, mem, comm = cfg.compressor, cfg.memory, cfg.communicator
-        matched = False
+        offload, matched = False, False
         for layer in cfg.layers:
             if fnmatch.fnmatchcase(name, layer.match):
                 comp = layer.compressor or comp
                 mem = layer.memory or mem
                 comm = layer.communicator or comm
+                offload = layer.offload
                 matched = True
                 break
         if not matched and numel < cfg.min_numel:
             comp, mem, comm = _NONE, _NONE, _ALLREDUCE
         over = self._overrides.get(name, {})
         comp, mem, comm = over.get("compressor", comp), over.get("memory", mem), over.get("communicator", comm)
+        offload = bool(over.get("offload", offload))
         if mem.name == "auto":
             cls = compressors.registry.cls(comp.name)
             mem = ComponentSpec("residual" if cls.biased else "none")
-        return comp, mem, comm
+        return comp, mem, comm, offload
 
     def _build_routes(self) -> None:
         """(Re)build routes, per-parameter compressors and buckets; keeps memories of unchanged routes."""
@@ -230,12 +236,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dense_by_route: dict[str, int] = {}
         sent_by_route: dict[str, int] = {}
         for name, p in self.params:
-            comp, mem, comm = self._spec_for(name, p.numel())
-            key = _spec_key(comp, mem, comm)
+            comp, mem, comm, offload = self._spec_for(name, p.numel())
+            if offload:
+                try:
+                    check_offload(comp, comm, "offload")
+                except ConfigError as exc:
+                    raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
+            key = _spec_key(comp, mem, comm) + ("+offload" if offload else "")
             route = self._routes.get(key) or old_routes.get(key)
             if route is None:
                 route = Route(key, comp, memories.get(mem.name, **mem.params),
-                              communicators.get(comm.name, **comm.params), mem, comm)
+                              communicators.get(comm.name, **comm.params), mem, comm, offload)
             self._routes[key] = route
             self._route_of[name] = route
             prev = old_comps.get(name)
@@ -314,12 +325,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             c.set_density(density)
 
     def set_route(self, name: str, compressor: ComponentSpec | None = None,
-                  memory: ComponentSpec | None = None, communicator: ComponentSpec | None = None) -> None:
-        """Override one parameter's route from the next step on (buckets are re-planned)."""
+                  memory: ComponentSpec | None = None, communicator: ComponentSpec | None = None,
+                  offload: bool | None = None) -> None:
+        """Override one parameter's route from the next step on (buckets are re-planned).
+        ``offload``: compress on the CPU worker thread (needs an offloadable communicator)."""
         if self._launched_any:
             raise RuntimeError("set_route() must be called between steps, not during backward")
         over = self._overrides.setdefault(name, {})
-        for key, spec in (("compressor", compressor), ("memory", memory), ("communicator", communicator)):
+        for key, spec in (("compressor", compressor), ("memory", memory), ("communicator", communicator),
+                          ("offload", offload)):
             if spec is not None:
                 over[key] = spec
         self._build_routes()
@@ -328,7 +342,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _reset_step(self) -> None:
         self._passes: dict[str, int] = {n: 0 for n, _ in self.params}
         for b in self.buckets:
-            b.ready, b.pending, b.entries = 0, None, []
+            if b.job is not None:  # an aborted step: let the worker finish before state is reused
+                b.job.exception()
+            b.ready, b.pending, b.entries, b.job = 0, None, [], None
         self._next_launch = 0
         self._launched_any = False
         self._step_started = False
@@ -344,13 +360,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._on_grad(name, p)
         return hook
 
-    def _on_grad(self, name: str, p: Tensor) -> None:
+    def _begin_step(self) -> None:
         if not self._step_started:
             self._step_started = True
             if self.config.nonfinite == "skip":
                 # `skip` must leave residuals / thresholds / factors / policy accumulators as they
                 # were before this step's first hook: keep a copy (the price of this mode).
                 self._pre_state = copy.deepcopy(self.adacomp_state_dict())
+
+    def _on_grad(self, name: str, p: Tensor) -> None:
+        self._begin_step()
         if self._synchronized:
             raise RuntimeError(
                 "a gradient was computed after synchronize() and before step(); call step() "
@@ -366,13 +385,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         b = self._bucket_of[name]
         b.ready += 1
         if b.ready == len(b.names):
+            if b.route.offload:
+                self._submit(b)
             with watchdog.guard(self.backend):
                 self._launch_ready()
 
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets) and \
-                self.buckets[self._next_launch].ready == len(self.buckets[self._next_launch].names):
-            self._launch(self.buckets[self._next_launch])
+    def _launch_ready(self, block: bool = False) -> None:
+        """Launch ready buckets in index order; an offloaded bucket whose compression is still
+        running stops the walk unless ``block`` (then it is waited for)."""
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.ready != len(b.names) or (b.job is not None and not block and not b.job.done()):
+                return
+            self._launch(b)
             self._next_launch += 1
 
     def _grad(self, name: str) -> Tensor:
@@ -381,27 +406,61 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         return p.grad
 
-    def _launch(self, b: Bucket) -> None:
-        if not self._step_started and self.config.nonfinite == "skip":  # launched from synchronize()
-            self._step_started = True
-            self._pre_state = copy.deepcopy(self.adacomp_state_dict())
-        self._launched_any = True
-        self._env.bucket_index = b.index
-        mem = b.route.memory
+    def _finite_grads(self, b: Bucket) -> list[Tensor]:
         grads = [self._grad(n) for n in b.names]
         for n, g in zip(b.names, grads):
             # A sum is one cheap pass and is NaN/Inf whenever g holds one; a finite-but-overflowing
             # sum is confirmed with the exact (slower) test before anything is reported.
             if not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
                 self._nonfinite.append(n)
-        with self._stats.timing("compress"):
-            if b.fused_compressor is not None:
-                flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
-                key = f"bucket{b.index}"
-                b.entries = [Entry(key, mem.compensate(flat, key), b.fused_compressor, mem)]
-            else:
-                b.entries = [Entry(n, mem.compensate(g, n), self._compressors[n], mem)
-                             for n, g in zip(b.names, grads)]
+        return grads
+
+    def _entries(self, b: Bucket, grads: list[Tensor]) -> list[Entry]:
+        """Error-compensated entries of bucket ``b`` (one per parameter, or one fused)."""
+        mem = b.route.memory
+        if b.fused_compressor is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+            key = f"bucket{b.index}"
+            return [Entry(key, mem.compensate(flat, key), b.fused_compressor, mem)]
+        return [Entry(n, mem.compensate(g, n), self._compressors[n], mem) for n, g in zip(b.names, grads)]
+
+    # --- offloaded compression (ByteComp §4.2 Dimension 2 / Alg. 2: "compress on CPU") ------------
+    def _submit(self, b: Bucket) -> None:
+        """Hand bucket ``b``'s compensation and compression to the CPU worker thread. Gradients
+        on an accelerator are copied to pinned host memory first; the collective itself is
+        launched later from this thread, in bucket order (:meth:`_launch_ready`)."""
+        self._begin_step()
+        grads = self._finite_grads(b)
+        event = None
+        if grads[0].device.type != "cpu":
+            host = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True).copy_(g, non_blocking=True) for g in grads]
+            event = torch.cuda.Event()
+            event.record()
+            grads = host
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="adacomp-offload")
+        b.job = self._pool.submit(self._offloaded, b, grads, event)
+
+    def _offloaded(self, b: Bucket, grads: list[Tensor], event: Any) -> tuple[list[Entry], float]:
+        if event is not None:
+            event.synchronize()
+        t0 = time.perf_counter()
+        entries = self._entries(b, grads)
+        b.communicator.precompress(entries, self.backend.size())
+        return entries, time.perf_counter() - t0
+
+    def _launch(self, b: Bucket) -> None:
+        self._begin_step()  # launched from synchronize() without any hook
+        self._launched_any = True
+        self._env.bucket_index = b.index
+        if b.job is not None:
+            b.entries, dt = b.job.result()  # re-raises a failure of the worker here
+            b.job = None
+            self._stats.extra["offload_s"] = self._stats.extra.get("offload_s", 0.0) + dt
+        else:
+            grads = self._finite_grads(b)
+            with self._stats.timing("compress"):
+                b.entries = self._entries(b, grads)
         b.pending = b.communicator.start(b.entries, self._env)
 
     # --- synchronize / step -------------------------------------------------------------------------
@@ -422,9 +481,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"step() called after {self._passes[incomplete[0]]} of backward_passes_per_step="
                 f"{self.backward_passes_per_step} backward passes; run the remaining passes first")
-        for b in self.buckets:  # parameters without gradients this step count as ready
-            b.ready = len(b.names)
-        self._launch_ready()
+        for b in self.buckets[self._next_launch:]:  # parameters without gradients count as ready
+            if b.ready != len(b.names):
+                b.ready = len(b.names)
+                if b.route.offload:
+                    self._submit(b)
+        self._launch_ready(block=True)
         scale = float(self.backend.size()) if self.op == Sum else 1.0
         for b in self.buckets:
             self._env.bucket_index = b.index
@@ -576,9 +638,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.load_state_dict(copy.deepcopy(snap["state"]))
 
     def remove_hooks(self) -> None:
+        """Detach from the model and stop the offload worker (if one was started)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 __all__ = ["Average", "Sum", "DistributedOptimizer", "ConfigError"]

@@ -97,6 +97,77 @@ def check_broadcast(b, r: int, n: int) -> None:
     _close(b.broadcast(h, root=n - 1), torch.tensor([1.0 / 3 + n - 1], dtype=torch.bfloat16), "broadcast bf16")
 
 
+A2A_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.uint8,
+              torch.float16, torch.bfloat16, torch.bool)
+
+
+def a2a_plan(n: int, seed: int, silent: int | None = None) -> list[list[int]]:
+    """plan[i][j] = rows rank i sends rank j, the same on every rank (owned, seeded generator);
+    about a third of the blocks are empty, and rank ``silent`` sends nothing at all."""
+    gen = torch.Generator().manual_seed(seed)
+    plan = (torch.randint(0, 4, (n, n), generator=gen) * (torch.rand(n, n, generator=gen) > 0.33)).tolist()
+    if silent is not None:
+        plan[silent] = [0] * n
+    return plan
+
+
+def a2a_block(i: int, j: int, rows: int, cols: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The rows rank i sends rank j: values that name sender, receiver and row, cast to ``dtype``."""
+    width = 1
+    for c in cols:
+        width *= c
+    v = torch.arange(rows * width, dtype=torch.float64).reshape((rows, *cols)) + 37 * i + 11 * j
+    if dtype == torch.bool:
+        return v.remainder(2) == 1
+    if dtype == torch.uint8:
+        return v.remainder(251).to(dtype)
+    return (v / 8).to(dtype) if dtype.is_floating_point else v.to(dtype)
+
+
+def check_alltoall(b, r: int, n: int) -> None:
+    """alltoall_async: seeded per-pair splits, with and without recv_splits, empty blocks, a rank
+    sending nothing, a 0-row tensor, 1-D and n-D rows, every dtype, overlapping other collectives."""
+    def exchange(plan: list[list[int]], cols: tuple[int, ...], dtype: torch.dtype, given: bool, what: str) -> None:
+        send = torch.cat([a2a_block(r, j, plan[r][j], cols, dtype) for j in range(n)])
+        want = torch.cat([a2a_block(i, r, plan[i][r], cols, dtype) for i in range(n)])
+        recv = [plan[i][r] for i in range(n)] if given else None
+        _close(b.alltoall(send, plan[r], recv_splits=recv), want, f"alltoall {what} {dtype} recv_splits={recv}")
+
+    for k, dtype in enumerate(A2A_DTYPES):
+        plan = a2a_plan(n, seed=100 + k, silent=k % n if k % 3 == 0 else None)
+        exchange(plan, (3,) if k % 2 else (2, 3), dtype, given=bool(k % 2), what=f"plan {plan}")
+    for given in (True, False):
+        exchange(a2a_plan(n, seed=7), (), torch.float32, given, "1-D")
+        exchange([[0] * n for _ in range(n)], (4,), torch.float32, given, "0-row tensors")
+    plan = a2a_plan(n, seed=8)
+    if b.alltoall_splits(plan[r]) != [plan[i][r] for i in range(n)]:
+        raise AssertionError(f"alltoall_splits: expected {[plan[i][r] for i in range(n)]}")
+    # In flight together with allreduce / allgather, waited in creation order; the second
+    # alltoall exchanges its counts while the others are outstanding.
+    p1, p2 = a2a_plan(n, seed=9), a2a_plan(n, seed=10)
+    s1 = torch.cat([a2a_block(r, j, p1[r][j], (5,), torch.float32) for j in range(n)])
+    s2 = torch.cat([a2a_block(r, j, p2[r][j], (), torch.int64) for j in range(n)])
+    hs = [b.allreduce_async(torch.full((3000,), float(r))),
+          b.alltoall_async(s1, p1[r], [p1[i][r] for i in range(n)]),
+          b.allgather_async(torch.full((r + 1,), float(r))),
+          b.alltoall_async(s2, p2[r])]
+    _close(hs[0].wait(), torch.full((3000,), n * (n - 1) / 2), "allreduce beside alltoall")
+    _close(hs[1].wait(), torch.cat([a2a_block(i, r, p1[i][r], (5,), torch.float32) for i in range(n)]),
+           "alltoall beside allreduce")
+    _close(hs[2].wait(), torch.cat([torch.full((k + 1,), float(k)) for k in range(n)]), "allgather beside alltoall")
+    _close(hs[3].wait(), torch.cat([a2a_block(i, r, p2[i][r], (), torch.int64) for i in range(n)]),
+           "alltoall with count exchange beside others")
+    # Bad arguments fail on every rank before any collective, so no rank is left waiting.
+    for splits, match in (([1] * (n + 1), "one row count per rank"), ([5] + [0] * (n - 1), "summing to")):
+        try:
+            b.alltoall(torch.zeros(4, 2), splits)
+        except ValueError as exc:
+            if match not in str(exc):
+                raise AssertionError(f"alltoall ValueError should say {match!r}, got {exc}") from exc
+        else:
+            raise AssertionError(f"alltoall with splits={splits} for 4 rows did not raise ValueError")
+
+
 def check_objects(b, r: int, n: int) -> None:
     obj = {"rank": r, "cfg": {"lr": 0.1 * (r + 1)}, "blob": b"x" * (r * 1000)}
     got = b.broadcast_object(obj if r == 1 else None, root=1)
@@ -170,7 +241,8 @@ def main(argv: list[str]) -> int:
         raise AssertionError(f"expected a multi-process launch, got size {n}")
     if b.name != argv[0] or not 0 <= b.local_rank() < n:
         raise AssertionError(f"backend 'auto' started {b.name!r} (expected {argv[0]!r}), local_rank {b.local_rank()}")
-    for check in (check_allreduce, check_outstanding, check_allgather, check_broadcast, check_objects):
+    for check in (check_allreduce, check_outstanding, check_allgather, check_alltoall, check_broadcast,
+                  check_objects):
         check(b, r, n)
     b.barrier()
     b.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -43,6 +43,11 @@ class Backend(ABC):
     * ``allgather_async(t, sizes)``: concatenation along dim 0 of every rank's ``t``; first dims may
       differ per rank. When ``sizes`` (first dim of each rank) is given the size exchange is skipped.
     * ``broadcast_async(t, root)``: in place.
+    * ``alltoall_async(t, splits, recv_splits)``: personalised exchange along dim 0. Rows
+      ``t[off_j : off_j + splits[j]]`` go to rank j; the result concatenates, in rank order, the rows
+      every rank sent here. ``recv_splits`` (rows coming from each rank) skips the count exchange;
+      ``alltoall_splits(splits)`` is that exchange on its own. Zero rows are fine anywhere. Used by
+      ByteComp's divisible scheme (bytecomp.txt, Fig. 4: alltoall, then allgather).
     * ``allreduce_algorithm``: which allreduce algorithm the transport may be asked to use
       (``ring`` / ``tree``); backends that cannot choose report ``None`` (see docs/algorithms.md).
     """
@@ -66,6 +71,18 @@ class Backend(ABC):
 
     @abstractmethod
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle: ...
+
+    @abstractmethod
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        """Personalised exchange along dim 0: rows ``tensor[off_j : off_j + splits[j]]`` go to rank j;
+        the result is the concatenation, in rank order, of the rows every rank sent to this rank
+        (shape ``(sum(recv_splits), *tensor.shape[1:])``, same dtype, on tensor's device).
+        ``recv_splits`` (rows coming from each rank) skips the count exchange when the caller knows
+        it; when None the backend exchanges counts first (one small int64 alltoall, or the
+        transport's native variable alltoall). Arguments are checked with :func:`check_alltoall`
+        before any collective starts. ``recv_splits`` must be the true counts: Horovod checks it
+        (ValueError on ``wait()``); gloo / MPI trust it, and a wrong value fails in the transport
+        (or times out), so pass None when unsure."""
 
     @abstractmethod
     def broadcast_object(self, obj: Any, root: int = 0) -> Any: ...
@@ -93,6 +110,16 @@ class Backend(ABC):
         """First-dimension sizes of every rank (one small allgather)."""
         t = torch.tensor([n], dtype=torch.int64)
         return [int(x) for x in self.allgather(t, sizes=[1] * self.size()).tolist()]
+
+    def alltoall(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Tensor:
+        return self.alltoall_async(tensor, splits, recv_splits).wait()
+
+    def alltoall_splits(self, splits: list[int]) -> list[int]:
+        """Rows each rank will send me, given the rows I send each rank (one small int64 alltoall)."""
+        n = self.size()
+        counts = check_splits(splits, n, "alltoall splits")
+        t = torch.tensor(counts, dtype=torch.int64)
+        return [int(x) for x in self.alltoall(t, [1] * n, recv_splits=[1] * n).tolist()]
 
     @property
     def allreduce_algorithm(self) -> str | None:
@@ -133,6 +160,10 @@ class LocalBackend(Backend):
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
         return Handle.completed(tensor)
 
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        check_alltoall(tensor, splits, recv_splits, 1)  # world of one: splits == [rows], all stay here
+        return Handle.completed(tensor)
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return obj
 
@@ -141,6 +172,47 @@ class LocalBackend(Backend):
 
     def barrier(self) -> None:
         return None
+
+
+def check_splits(splits: Sequence[int], world: int, what: str) -> list[int]:
+    """``splits`` as a list of ``world`` non-negative ints, or ValueError saying what was expected."""
+    try:
+        counts = [int(s) for s in splits]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected a list of {world} row counts (ints), got {splits!r}") from None
+    if len(counts) != world:
+        raise ValueError(f"{what}: expected one row count per rank ({world} entries), got {len(counts)}: "
+                         f"{counts}; pass [rows for rank 0, rows for rank 1, ...]")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"{what}: expected row counts >= 0, got {counts}")
+    return counts
+
+
+def check_alltoall(tensor: Tensor, splits: Sequence[int], recv_splits: Sequence[int] | None,
+                   world: int) -> tuple[list[int], list[int] | None]:
+    """Validate ``alltoall_async`` arguments before any collective starts (a bad call on one rank
+    must not leave the others blocked in a half-issued exchange). Returns the normalised lists."""
+    if tensor.dim() == 0:
+        raise ValueError("alltoall: expected a tensor with at least one dimension (rows along dim 0), "
+                         "got a 0-d tensor; use tensor.reshape(1)")
+    counts = check_splits(splits, world, "alltoall splits")
+    if sum(counts) != tensor.shape[0]:
+        raise ValueError(f"alltoall splits: expected row counts summing to tensor.shape[0]={tensor.shape[0]}, "
+                         f"got {counts} (sum {sum(counts)}); every row must go to exactly one rank")
+    recv = None if recv_splits is None else check_splits(recv_splits, world, "alltoall recv_splits")
+    if world == 1 and recv is not None and recv != counts:
+        raise ValueError(f"alltoall recv_splits: a world of one receives what it sends, expected {counts}, "
+                         f"got {recv}")
+    return counts, recv
+
+
+def split_offsets(counts: Sequence[int]) -> list[int]:
+    """Start of each block in a concatenation of blocks of ``counts`` (exclusive prefix sum)."""
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
 
 
 def timed_wait(handle: Handle) -> tuple[Tensor, float]:

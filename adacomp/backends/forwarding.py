@@ -34,6 +34,12 @@ class ForwardingBackend(Backend):
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
         return self.inner.broadcast_async(tensor, root)
 
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        return self.inner.alltoall_async(tensor, splits, recv_splits)
+
+    def alltoall_splits(self, splits: list[int]) -> list[int]:
+        return self.inner.alltoall_splits(splits)
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.inner.broadcast_object(obj, root)
 

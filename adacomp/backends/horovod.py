@@ -17,6 +17,7 @@ Design notes (why it looks like this):
 * **bfloat16.** Horovod 0.28.1 has no bfloat16 type. Allreduce upcasts a copy to float32 and
   rounds back on ``wait()``; allgather / broadcast move the bits through an ``int16`` view (exact).
 * **Differing first dims** are native to ``hvd.allgather``; ``sizes`` is only checked, never needed.
+  Likewise ``hvd.alltoall`` exchanges row counts itself: ``recv_splits`` is only checked.
 * **CUDA tensors** need a Horovod built with GPU operations (``HOROVOD_GPU_OPERATIONS=NCCL``);
   ``make horovod`` builds the CPU / Gloo flavour the project's machines can run.
 * **Timeout.** Horovod has no per-operation timeout; ``timeout_s`` is honoured for tensor
@@ -33,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from adacomp.backends.base import Backend, Handle
+from adacomp.backends.base import Backend, Handle, check_alltoall
 from adacomp.errors import CommunicationError
 
 _BITS_VIEW = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
@@ -134,6 +135,26 @@ class HorovodBackend(Backend):
         handle = self._hvd.broadcast_async_(work.view(bits) if bits else work, root_rank=root,
                                             name=self._name("broadcast"))
         return self._handle(handle, "broadcast", lambda _out: tensor)
+
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        """``hvd.alltoall_async`` with explicit splits. Horovod exchanges the counts itself, so
+        ``recv_splits`` saves nothing here; when given it is checked against what arrived."""
+        counts, recv = check_alltoall(tensor, splits, recv_splits, self.size())
+        bits = _BITS_VIEW.get(tensor.dtype)
+        send = tensor.detach().contiguous()
+        handle = self._hvd.alltoall_async(send.view(bits) if bits else send,
+                                          splits=torch.tensor(counts, dtype=torch.int32),
+                                          name=self._name("alltoall"))
+        rank = self.rank()
+
+        def finish(result: Any) -> Tensor:
+            # Horovod 0.28 returns (output, received_splits); older releases the output alone.
+            out, got = result if isinstance(result, tuple) else (result, None)
+            if recv is not None and got is not None and [int(x) for x in got.tolist()] != recv:
+                raise ValueError(f"alltoall recv_splits on rank {rank}: expected {recv} (as passed), but the "
+                                 f"ranks sent {got.tolist()} rows; pass the true counts or recv_splits=None")
+            return out.view(tensor.dtype) if bits else out
+        return self._handle(handle, "alltoall", finish)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))

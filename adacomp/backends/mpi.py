@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from adacomp.backends.base import Backend, Handle
+from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits, split_offsets
 from adacomp.errors import CommunicationError
 
 try:
@@ -196,6 +196,39 @@ class MPIBackend(Backend):
                 tensor.copy_(work)
             return tensor
         return self._handle(request, "broadcast", finish)
+
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        """``Ialltoallv`` on numpy views; counts and displacements are in elements (rows x row size).
+        Half / bool move through the same-width integer view, as in allgather."""
+        _require_contiguous(tensor, "alltoall_async")
+        counts, recv = check_alltoall(tensor, splits, recv_splits, self._size)
+        if recv is None:
+            recv = self.alltoall_splits(counts)
+        row = 1
+        for d in tensor.shape[1:]:
+            row *= int(d)
+        send = tensor.detach().cpu()
+        out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+        bits = _BITS_VIEW.get(tensor.dtype)
+        send_arr = (send.view(bits) if bits else send).numpy().reshape(-1)
+        recv_arr = (out.view(bits) if bits else out).numpy().reshape(-1)
+        s_counts, r_counts = [c * row for c in counts], [c * row for c in recv]
+        s_spec = [send_arr, (s_counts, split_offsets(s_counts))]
+        r_spec = [recv_arr, (r_counts, split_offsets(r_counts))]
+        request = self._launch(lambda: self._comm.Ialltoallv(s_spec, r_spec))
+        device = tensor.device
+
+        def finish() -> Tensor:
+            _ = (send_arr, recv_arr)  # keep both MPI buffers alive until completion
+            return out if device.type == "cpu" else out.to(device)
+        return self._handle(request, "alltoall", finish)
+
+    def alltoall_splits(self, splits: list[int]) -> list[int]:
+        send = torch.tensor(check_splits(splits, self._size, "alltoall splits"), dtype=torch.int64)
+        recv = torch.empty_like(send)
+        send_arr, recv_arr = send.numpy(), recv.numpy()
+        self._wait(self._launch(lambda: self._comm.Ialltoall(send_arr, recv_arr)), "alltoall counts")
+        return [int(x) for x in recv.tolist()]
 
     # ------------------------------------------------------------------------------ objects
     # Pickled bytes through the same timed path as tensors (comm.bcast / comm.allgather would

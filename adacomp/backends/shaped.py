@@ -12,7 +12,10 @@ Cost per collective (``cost=``):
 * ``table1``: Table I with ``N`` ranks, log base 2 (the paper does not state the base; trees are
   binary): ring allreduce ``2(N-1)alpha + 2(N-1)/N M beta`` (tree when the inner backend reports
   ``allreduce_algorithm == "tree"``: ``2 log N (alpha + M beta)``), allgather
-  ``alpha log N + (N-1) M beta``, broadcast ``log N (alpha + M beta)``.
+  ``alpha log N + (N-1) M beta``, broadcast ``log N (alpha + M beta)``. Table I has no alltoall;
+  it is charged as a pairwise exchange, ``(N-1) alpha + (N-1)/N M beta`` (N-1 rounds, each moving
+  one N-th of the ``M`` bytes this rank holds), the same model as
+  :func:`adacomp.policies.timeline.alltoall` uses for ByteComp's divisible scheme.
 
 Timing (``overlap=``):
 
@@ -130,6 +133,8 @@ class ShapedBackend(ForwardingBackend):
             return 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes * b
         if op == "allgather":
             return a * log_n + (n - 1) * nbytes * b
+        if op == "alltoall":  # pairwise exchange; equals adacomp.policies.timeline.alltoall
+            return (n - 1) * a + (n - 1) / n * nbytes * b
         return log_n * (a + nbytes * b)  # broadcast, and small control messages
 
     # -------------------------------------------------------------- timing core
@@ -173,8 +178,16 @@ class ShapedBackend(ForwardingBackend):
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
         return self._delayed("broadcast", _nbytes(tensor), lambda: self.inner.broadcast_async(tensor, root))
 
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        # M = the whole tensor; under table1 the (N-1)/N factor discounts the block this rank keeps.
+        return self._delayed("alltoall", _nbytes(tensor),
+                             lambda: self.inner.alltoall_async(tensor, splits, recv_splits))
+
     def allgather_sizes(self, n: int) -> list[int]:
         return self._blocking("allgather", 8, lambda: self.inner.allgather_sizes(n))
+
+    def alltoall_splits(self, splits: list[int]) -> list[int]:
+        return self._blocking("alltoall", 8 * len(splits), lambda: self.inner.alltoall_splits(splits))
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self._blocking("broadcast", 0, lambda: self.inner.broadcast_object(obj, root))

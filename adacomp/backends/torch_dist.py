@@ -14,7 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from adacomp.backends.base import Backend, Handle
+from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits
+
+
+# alltoall only moves bytes, so a dtype the transport lacks (gloo and NCCL have no int16) travels
+# as a same-width dtype it has; the view is exact and free.
+_ALLTOALL_BITS = {torch.int16: torch.float16}
 
 
 def _pad_rows(t: Tensor, rows: int) -> Tensor:
@@ -89,6 +94,29 @@ class TorchBackend(Backend):
         outs = [torch.empty_like(t) for _ in range(self._size)]
         dist.all_gather(outs, t)
         return [int(o.item()) for o in outs]
+
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        """``dist.all_to_all_single`` with explicit split sizes (gloo on CPU, NCCL on CUDA)."""
+        counts, recv = check_alltoall(tensor, splits, recv_splits, self._size)
+        if recv is None:
+            recv = self.alltoall_splits(counts)
+        send = tensor.detach().contiguous()
+        out = torch.empty((sum(recv),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
+        bits = _ALLTOALL_BITS.get(send.dtype)
+        work = dist.all_to_all_single(out.view(bits) if bits else out, send.view(bits) if bits else send,
+                                      output_split_sizes=recv, input_split_sizes=counts, async_op=True)
+
+        def wait() -> Tensor:
+            work.wait()
+            return out
+        return Handle(wait)
+
+    def alltoall_splits(self, splits: list[int]) -> list[int]:
+        # CPU counts: gloo serves CPU tensors in the "cpu:gloo,cuda:nccl" group (as allgather_sizes).
+        send = torch.tensor(check_splits(splits, self._size, "alltoall splits"), dtype=torch.int64)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        return [int(x) for x in recv.tolist()]
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
         work = dist.broadcast(tensor, src=root, async_op=True)

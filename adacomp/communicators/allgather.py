@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp.backends.base import Handle
+from adacomp.backends.base import Backend, Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
 
@@ -144,6 +144,34 @@ def _check(communicator: str, compressor: Compressor) -> None:
                                         [n for n in fits(compressor) if n != communicator])
 
 
+def gather_payloads(tensors: list[Tensor], backend: Backend,
+                    device: torch.device) -> tuple[Handle, list[list[Segment]], list[int]]:
+    """Launch the allgather of ``tensors`` packed into one byte buffer, after a small blocking
+    exchange of their element counts (ranks may send different sizes). Returns the handle, every
+    rank's segments and every rank's byte total (for :func:`split_gathered`)."""
+    world = backend.size()
+    mine = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    numels = backend.allgather(mine, sizes=[len(tensors)] * world).view(world, -1).tolist()
+    segs, totals = [], []
+    for r in range(world):
+        s, tot = layout(tensors, numels[r])
+        segs.append(s)
+        totals.append(tot)
+    buf = pack(tensors, segs[backend.rank()], totals[backend.rank()], device)
+    handle = Handle.completed(buf) if max(totals) == 0 else backend.allgather_async(buf, sizes=totals)
+    return handle, segs, totals
+
+
+def split_gathered(gathered: Tensor, segs: list[list[Segment]], totals: list[int],
+                   counts: list[int]) -> list[list[list[Tensor]]]:
+    """``per_rank[r][i]``: rank r's payload tensors of entry i (``counts[i]`` tensors each)."""
+    per_rank, off = [], 0
+    for s, tot in zip(segs, totals):
+        per_rank.append(_split_counts(unpack(gathered[off:off + tot], s), counts))
+        off += tot
+    return per_rank
+
+
 @dataclass
 class _Pending:
     entries: list[Entry]
@@ -162,6 +190,8 @@ class AllgatherCommunicator(Communicator):
     counts, then one allgather of the packed payload bytes.
     """
 
+    offloadable = True
+
     def check(self, compressor: Compressor) -> None:
         _check("allgather", compressor)
 
@@ -169,21 +199,8 @@ class AllgatherCommunicator(Communicator):
         self.compress_entries(entries, env)
         tensors = [p for e in entries for p in e.payload]  # type: ignore[union-attr]
         counts = [len(e.payload) for e in entries]  # type: ignore[arg-type]
-        world = env.backend.size()
-        device = entries[0].tensor.device
         with env.stats.timing("comm"):
-            mine = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
-            numels = env.backend.allgather(mine, sizes=[len(tensors)] * world).view(world, -1).tolist()
-            segs, totals = [], []
-            for r in range(world):
-                s, tot = layout(tensors, numels[r])
-                segs.append(s)
-                totals.append(tot)
-            buf = pack(tensors, segs[env.backend.rank()], totals[env.backend.rank()], device)
-            if max(totals) == 0:
-                handle = Handle.completed(buf)
-            else:
-                handle = env.backend.allgather_async(buf, sizes=totals)
+            handle, segs, totals = gather_payloads(tensors, env.backend, entries[0].tensor.device)
         return _Pending(entries, counts, handle, segs, totals)
 
     def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
@@ -191,11 +208,7 @@ class AllgatherCommunicator(Communicator):
         with env.stats.timing("comm"):
             gathered = p.handle.wait()
         with env.stats.timing("compress"):
-            per_rank, off = [], 0
-            for segs, tot in zip(p.segs, p.totals):
-                per_rank.append(_split_counts(unpack(gathered[off:off + tot], segs), p.counts))
-                off += tot
-            return aggregate(p.entries, per_rank)
+            return aggregate(p.entries, split_gathered(gathered, p.segs, p.totals, p.counts))
 
 
 @register("allgather_fast")
@@ -206,6 +219,8 @@ class AllgatherFastCommunicator(Communicator):
     matrix and each payload tensor of all ranks is one column range of it. Refuses compressors
     whose payload size depends on the data (threshold sparsifiers): use ``allgather`` for those.
     """
+
+    offloadable = True
 
     def check(self, compressor: Compressor) -> None:
         _check("allgather_fast", compressor)

@@ -81,21 +81,40 @@ class Communicator:
         if state:
             raise ValueError(f"communicator {self.name!r} is stateless but got keys {sorted(state)}")
 
-    # Shared helpers ---------------------------------------------------------------------------
-    @staticmethod
-    def compress_entries(entries: list[Entry], env: CommEnv) -> None:
-        """Compress every entry; for single-round compressors update memory right away (the
-        residual is what *this* rank did not send). Records compress time and gain."""
-        with env.stats.timing("compress"):
-            for e in entries:
-                e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
-                if e.compressor.rounds == 1:
-                    e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
+    # Offloading (ByteComp §4.2 Dimension 2, "compress on CPU") -------------------------------
+    #: True when ``start`` compresses every entry with :meth:`precompress` before any collective,
+    #: so the optimizer may run that stage on its CPU worker thread and call ``start`` later.
+    offloadable: ClassVar[bool] = False
+
+    def precompress(self, entries: list[Entry], world: int) -> None:
+        """Compress (and update memory for) every entry not compressed yet. Touches no collective
+        and no step statistics, so it is safe on a worker thread."""
         for e in entries:
-            env.stats.bytes_sent += sum(p.numel() * p.element_size() for p in e.payload)
+            if e.payload is None:
+                self.compress_one(e)
+
+    @staticmethod
+    def compress_one(e: Entry) -> None:
+        e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
+        if e.compressor.rounds == 1:  # the residual is what *this* rank did not send
+            e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
+
+    # Shared helpers ---------------------------------------------------------------------------
+    def compress_entries(self, entries: list[Entry], env: CommEnv) -> None:
+        """Compress every entry not compressed yet (an offloaded entry already is); for
+        single-round compressors update memory right away. Records compress time and gain."""
+        with env.stats.timing("compress"):
+            self.precompress(entries, env.backend.size())
+        self.record(entries, env)
+
+    @staticmethod
+    def record(entries: list[Entry], env: CommEnv) -> None:
+        """Bytes sent, dense bytes and compression gain of compressed ``entries``."""
+        for e in entries:
+            env.stats.bytes_sent += sum(p.numel() * p.element_size() for p in e.payload)  # type: ignore[union-attr]
             env.stats.dense_bytes += e.tensor.numel() * e.tensor.element_size()
             if e.compressor.sparse:  # gain E||g_c||^2 / E||g_e||^2 (AR-Topk §2-C3), cheap for sparse
-                env.stats.add_gain(float(e.payload[0].float().square().sum()),
+                env.stats.add_gain(float(e.payload[0].float().square().sum()),  # type: ignore[index]
                                    float(e.tensor.float().square().sum()))
 
     @staticmethod

@@ -1,0 +1,219 @@
+"""ByteComp's divisible scheme: alltoall, then allgather (bytecomp.txt §4.2 Dimension 3, Fig. 4,
+Table 2 "Alltoall/Allgather").
+
+Every rank owns one of ``N`` contiguous parts of each tensor (rank ``j`` owns part ``j``):
+
+1. each rank compresses every part of its (error-compensated) gradient and sends part ``j`` to
+   rank ``j`` (one alltoall per bucket, after a small blocking exchange of element counts);
+2. rank ``j`` decompresses the ``N`` copies of its part it received, averages them and compresses
+   the average again (the "second compression" of Fig. 4);
+3. one allgather per bucket moves every rank's compressed average; each rank decompresses the
+   ``N`` parts into the full mean gradient.
+
+Compared with the indivisible scheme (``allgather``: every rank receives ``N`` whole payloads)
+a rank receives about ``2 x`` one payload instead of ``N``, for two more compression passes on a
+``1/N`` part (§3.1 Reason #2 discusses this trade; :mod:`adacomp.policies.timeline` models it).
+
+Choices the paper leaves open, stated here:
+
+* **Partition, then compress.** Fig. 4 compresses a tensor and then partitions it; a quantizer's
+  payload (qsgd, efsignsgd) cannot be cut into independently decodable parts, so each part is
+  compressed on its own (for sparsifiers this keeps ``k`` per part instead of per tensor).
+* **Error feedback on both compressions.** The first compression feeds the configured memory
+  (residual / dgc) exactly like ``allgather``. With ``feedback: true`` (default) rank ``j`` also
+  keeps the error of its second compression of part ``j`` and adds it to the next step's average,
+  as DoubleSqueeze (Tang et al., 2019) does on its server side; ``false`` drops that error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from adacomp.communicators.allgather import _split_counts, gather_payloads, layout, pack, unpack
+from adacomp.communicators.base import CommEnv, Communicator, Entry, register
+from adacomp.compressors.base import Compressor
+
+
+def bounds(numel: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous parts as ``torch.tensor_split``: the first ``numel % world`` parts get one more."""
+    base, extra = divmod(numel, world)
+    out, lo = [], 0
+    for j in range(world):
+        hi = lo + base + (1 if j < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+@dataclass
+class _Part:
+    payload: list[Tensor]
+    ctx: Any
+
+
+def _compress(comp: Compressor, t: Tensor, name: str) -> _Part:
+    if t.numel() == 0:  # more ranks than elements: an empty part travels as nothing
+        return _Part([], None)
+    payload, ctx = comp.compress(t, name)
+    return _Part(list(payload), ctx)
+
+
+def _decompress_into(out: Tensor, comp: Compressor, payload: list[Tensor], ctx: Any) -> None:
+    if out.numel() == 0:
+        return
+    if comp.sparse:  # scatter straight into the slice: no dense temporary per part
+        out.zero_().index_add_(0, payload[1].reshape(-1).to(torch.int64), payload[0].reshape(-1).to(out.dtype))
+    else:
+        out.copy_(comp.decompress(payload, ctx).reshape(-1))
+
+
+class _Joined:
+    """The parts of one tensor seen as one compression: what ``memory.update`` and the step's
+    statistics expect (``decompress`` gives the whole tensor; sparse payloads use global indices)."""
+
+    def __init__(self, comp: Compressor, parts: list[_Part], spans: list[tuple[int, int]], like: Tensor):
+        self.comp, self.parts, self.spans, self.like = comp, parts, spans, like
+        self.name, self.sparse = comp.name, comp.sparse
+
+    def payload(self) -> list[Tensor]:
+        if not self.sparse:
+            return [t for p in self.parts for t in p.payload]
+        live = [(p, lo) for p, (lo, hi) in zip(self.parts, self.spans) if hi > lo]
+        vals = torch.cat([p.payload[0].reshape(-1) for p, _ in live])
+        idx = torch.cat([p.payload[1].reshape(-1).to(torch.int64) + lo for p, lo in live])
+        return [vals, idx]
+
+    def decompress(self, payload: Any = None, ctx: Any = None) -> Tensor:
+        out = torch.empty(self.like.numel(), dtype=self.like.dtype, device=self.like.device)
+        for p, (lo, hi) in zip(self.parts, self.spans):
+            _decompress_into(out[lo:hi], self.comp, p.payload, p.ctx)
+        return out.view(self.like.shape)
+
+
+@dataclass
+class _Pending:
+    entries: list[Entry]
+    handle: Any
+    recv_segs: list[list]       # per source rank: segments of the payload of my part
+    recv_totals: list[int]
+
+
+def _numels(tensors: list[Tensor]) -> list[int]:
+    return [t.numel() for t in tensors]
+
+
+@register("alltoall")
+class AlltoallCommunicator(Communicator):
+    """Divisible scheme (ByteComp Fig. 4): alltoall of compressed parts, average and recompress
+    one part per rank, allgather of the recompressed parts. ``feedback``: keep the error of the
+    second compression (see module docstring)."""
+
+    offloadable = True
+
+    def __init__(self, feedback: bool = True):
+        self.feedback = bool(feedback)
+        self.residuals: dict[str, Tensor] = {}
+
+    def check(self, compressor: Compressor) -> None:
+        if compressor.rounds != 1:
+            raise self.incompatible("alltoall", compressor,
+                                    f"it needs {compressor.rounds} communication rounds of summed payloads")
+
+    # --- stage 1: compress every part (may run on the offload worker: no collective here) -----
+    def compress_one(self, e: Entry) -> None:
+        world = self._world
+        flat = e.tensor.reshape(-1)
+        spans = bounds(flat.numel(), world)
+        parts = [_compress(e.compressor, flat[lo:hi], f"{e.name}/part{j}") for j, (lo, hi) in enumerate(spans)]
+        joined = _Joined(e.compressor, parts, spans, e.tensor)
+        e.payload, e.ctx = joined.payload(), joined
+        e.memory.update(e.tensor, e.name, joined, e.payload, None)
+
+    def precompress(self, entries: list[Entry], world: int) -> None:
+        self._world = world
+        for e in entries:
+            if e.payload is None:
+                self.compress_one(e)
+
+    def start(self, entries: list[Entry], env: CommEnv) -> Any:
+        backend = env.backend
+        world, me = backend.size(), backend.rank()
+        with env.stats.timing("compress"):
+            self.precompress(entries, world)
+        self.record(entries, env)
+        per_dest = [[t for e in entries for t in e.ctx.parts[j].payload] for j in range(world)]
+        with env.stats.timing("comm"):
+            # element counts of every payload tensor, rank j learns what each rank sends it
+            counts = torch.tensor([n for ts in per_dest for n in _numels(ts)], dtype=torch.int64)
+            got = backend.alltoall(counts, [len(ts) for ts in per_dest], [len(per_dest[me])] * world)
+            got_rows = got.view(world, -1).tolist() if per_dest[me] else [[] for _ in range(world)]
+            send_segs = [layout(ts) for ts in per_dest]
+            buf = torch.cat([pack(ts, s, tot, entries[0].tensor.device) for ts, (s, tot) in zip(per_dest, send_segs)])
+            recv = [layout(per_dest[me], got_rows[r]) for r in range(world)]
+            handle = backend.alltoall_async(buf, [tot for _, tot in send_segs], [tot for _, tot in recv])
+        return _Pending(entries, handle, [s for s, _ in recv], [tot for _, tot in recv])
+
+    # --- stage 2 and 3: average my part, recompress, allgather --------------------------------
+    def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
+        p: _Pending = pending
+        backend = env.backend
+        world, me = backend.size(), backend.rank()
+        with env.stats.timing("comm"):
+            received = p.handle.wait()
+        mine_counts = [len(e.ctx.parts[me].payload) for e in p.entries]
+        with env.stats.timing("compress"):
+            from_rank, off = [], 0
+            for segs, tot in zip(p.recv_segs, p.recv_totals):
+                from_rank.append(_split_counts(unpack(received[off:off + tot], segs), mine_counts))
+                off += tot
+            second = [self._second(e, [from_rank[r][i] for r in range(world)], me, world)
+                      for i, e in enumerate(p.entries)]
+        tensors = [t for part in second for t in part.payload]
+        with env.stats.timing("comm"):
+            handle, segs, totals = gather_payloads(tensors, backend, p.entries[0].tensor.device)
+            gathered = handle.wait()
+        env.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        with env.stats.timing("compress"):
+            outs = [torch.empty(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device) for e in p.entries]
+            off = 0
+            for r, (rsegs, tot) in enumerate(zip(segs, totals)):
+                counts = [len(e.ctx.parts[r].payload) for e in p.entries]
+                for i, payload in enumerate(_split_counts(unpack(gathered[off:off + tot], rsegs), counts)):
+                    e = p.entries[i]
+                    lo, hi = e.ctx.spans[r]
+                    _decompress_into(outs[i][lo:hi], e.compressor, payload, e.ctx.parts[r].ctx)
+                off += tot
+        return [o.view(e.tensor.shape) for o, e in zip(outs, p.entries)]
+
+    def _second(self, e: Entry, copies: list[list[Tensor]], me: int, world: int) -> _Part:
+        """Average the ``world`` received copies of my part, add the kept error, recompress."""
+        lo, hi = e.ctx.spans[me]
+        if hi == lo:
+            return _Part([], None)
+        ctx = e.ctx.parts[me].ctx
+        acc = torch.zeros(hi - lo, dtype=e.tensor.dtype, device=e.tensor.device)
+        tmp = torch.empty_like(acc)
+        for payload in copies:
+            _decompress_into(tmp, e.compressor, payload, ctx)
+            acc.add_(tmp)
+        acc.div_(world)
+        key = f"{e.name}/part{me}"
+        if self.feedback and key in self.residuals:
+            acc.add_(self.residuals[key])
+        part = _compress(e.compressor, acc, f"{e.name}/agg{me}")
+        if self.feedback:
+            _decompress_into(tmp, e.compressor, part.payload, part.ctx)
+            self.residuals[key] = acc - tmp  # a new tensor: a payload may be a view of acc
+        return part
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = sorted(set(state) - {"residuals"})
+        if unknown:
+            raise ValueError(f"communicator 'alltoall' got unknown state keys {unknown}")
+        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}

@@ -1,0 +1,199 @@
+"""ByteComp's divisible scheme (communicator ``alltoall``: alltoall, average + recompress one part,
+allgather) on real gloo processes, against a single-process simulation of every rank; and the
+optimizer's CPU offload worker (``offload: true`` / ``set_route(offload=True)``), which must give
+bitwise the same training as compressing inline."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adacomp import communicators, compressors, memories
+from adacomp.communicators.alltoall import _Joined, _Part, bounds
+from adacomp.config import ComponentSpec, load
+from adacomp.errors import ConfigError, IncompatibleComponentsError
+from tests._dist import run_workers
+from tests.test_allgather import plain, tensors
+
+SHAPES = [(40, 25), (7,), (3, 2)]  # (3, 2) has fewer elements than 8 ranks would need
+
+
+def _grad(rank: int, step: int, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + i)
+    return torch.randn(*SHAPES[i], generator=g) * (1.0 + rank)
+
+
+def test_bounds_cover_every_element_once() -> None:
+    for n in (0, 1, 5, 7, 100, 101):
+        for world in (1, 2, 3, 8):
+            spans = bounds(n, world)
+            assert len(spans) == world and spans[0][0] == 0 and spans[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert max(h - lo for lo, h in spans) - min(h - lo for lo, h in spans) <= 1
+
+
+@pytest.mark.parametrize("name,params", [("topk", {"density": 0.1}), ("qsgd", {"bits": 4})])
+def test_joined_parts_decompress_like_one_tensor(name: str, params: dict) -> None:
+    """What memory.update sees: the parts' decompressions side by side, sparse indices global."""
+    comp = compressors.get(name, **params)
+    x = torch.randn(10, 9, generator=torch.Generator().manual_seed(0))
+    spans = bounds(x.numel(), 4)
+    parts = [_Part(*comp.compress(x.reshape(-1)[lo:hi], f"p{j}")) for j, (lo, hi) in enumerate(spans)]
+    joined = _Joined(comp, parts, spans, x)
+    want = torch.cat([comp.decompress(p.payload, p.ctx).reshape(-1) for p in parts]).view_as(x)
+    assert torch.equal(joined.decompress(), want)
+    if comp.sparse:
+        vals, idx = joined.payload()
+        assert torch.equal(torch.zeros(x.numel()).index_put_((idx,), vals).view_as(x), want)
+
+
+def simulate(world: int, steps: int, name: str, params: dict, feedback: bool) -> list[list[torch.Tensor]]:
+    """Every rank's view of the divisible scheme, computed in one process: stage-1 residual memory
+    per rank, stage-2 residual per (tensor, part) at the part's owner. Returns the mean per step."""
+    comp = [compressors.get(name, **params) for _ in range(world)]
+    res1: dict[tuple[int, int], torch.Tensor] = {}
+    res2: dict[tuple[int, int], torch.Tensor] = {}
+    out = []
+    for step in range(steps):
+        step_out = []
+        for i in range(len(SHAPES)):
+            spans = bounds(_grad(0, 0, i).numel(), world)
+            sent = []  # sent[r][j]: rank r's decompressed part j
+            for r in range(world):
+                g = _grad(r, step, i).reshape(-1)
+                g = g + res1.get((r, i), 0)
+                parts = []
+                for j, (lo, hi) in enumerate(spans):
+                    if hi == lo:
+                        parts.append(g[lo:hi].clone())
+                        continue
+                    p, c = comp[r].compress(g[lo:hi], f"t{i}/part{j}")
+                    parts.append(comp[r].decompress(p, c).reshape(-1))
+                res1[(r, i)] = g - torch.cat(parts)
+                sent.append(parts)
+            full = []
+            for j, (lo, hi) in enumerate(spans):
+                if hi == lo:
+                    continue
+                avg = sum(sent[r][j] for r in range(world)) / world
+                if feedback:
+                    avg = avg + res2.get((j, i), 0)
+                p, c = comp[j].compress(avg, f"t{i}/agg{j}")
+                back = comp[j].decompress(p, c).reshape(-1)
+                res2[(j, i)] = avg - back
+                full.append(back)
+            step_out.append(torch.cat(full).view(SHAPES[i]))
+        out.append(step_out)
+    return out
+
+
+def _divisible_worker(name: str, params: dict, feedback: bool, steps: int) -> list:
+    import adacomp.backends
+    from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.metrics import StepStats
+    backend = adacomp.backends.create("torch")
+    comm = communicators.get("alltoall", feedback=feedback)
+    comp, mem = compressors.get(name, **params), memories.get("residual")
+    comm.check(comp)
+    out = []
+    for step in range(steps):
+        entries = [Entry(f"t{i}", mem.compensate(_grad(backend.rank(), step, i), f"t{i}"), comp, mem)
+                   for i in range(len(SHAPES))]
+        env = CommEnv(backend, StepStats(), step)
+        out.append(comm.finish(comm.start(entries, env), env))
+    return plain(out)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name,params,feedback", [("topk", {"density": 0.2}, True),
+                                                  ("topk", {"density": 0.2}, False),
+                                                  ("efsignsgd", {}, True)])
+def test_alltoall_matches_simulation(world: int, name: str, params: dict, feedback: bool) -> None:
+    got = [tensors(r) for r in run_workers(_divisible_worker, world, name, params, feedback, 3)]
+    want = simulate(world, 3, name, params, feedback)
+    for step in range(3):
+        for i in range(len(SHAPES)):
+            for r in range(world):
+                assert got[r][step][i].shape == want[step][i].shape
+                assert torch.allclose(got[r][step][i], want[step][i], atol=1e-5, rtol=1e-5), (r, step, i)
+
+
+def test_alltoall_lossless_compressor_gives_exact_mean() -> None:
+    got = [tensors(r) for r in run_workers(_divisible_worker, 3, "topk", {"density": 1.0}, True, 1)]
+    for i in range(len(SHAPES)):
+        mean = sum(_grad(r, 0, i) for r in range(3)) / 3
+        for r in range(3):
+            assert torch.allclose(got[r][0][i], mean, atol=1e-6)
+
+
+def test_alltoall_refuses_multi_round_compressors() -> None:
+    with pytest.raises(IncompatibleComponentsError, match="rounds"):
+        communicators.get("alltoall").check(compressors.get("powersgd"))
+
+
+def test_alltoall_state_roundtrip() -> None:
+    comm = communicators.get("alltoall")
+    comm.residuals["w/part0"] = torch.ones(3)
+    other = communicators.get("alltoall")
+    other.load_state_dict(comm.state_dict())
+    assert torch.equal(other.residuals["w/part0"], torch.ones(3))
+    with pytest.raises(ValueError, match="unknown state keys"):
+        other.load_state_dict({"bogus": 1})
+
+
+# --- offload: compression on the CPU worker thread ----------------------------------------------
+def test_offload_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"layers\[0\]\.offload.*allgather"):
+        load({"compressor": {"name": "randomk"}, "communicator": {"name": "allreduce"},
+              "layers": [{"match": "*", "offload": True}]})
+    with pytest.raises(ConfigError, match=r"layers\[0\]\.offload.*needs a compressor"):
+        load({"layers": [{"match": "*", "offload": True}]})
+    cfg = load({"compressor": {"name": "topk"}, "communicator": {"name": "allgather"},
+                "layers": [{"match": "fc*", "offload": True}]})
+    assert cfg.layers[0].offload
+
+
+def _train_worker(layers: list, routes: dict, steps: int) -> dict:
+    import adacomp
+    from tests._dist import train_random_steps
+    adacomp.init(backend="torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"},
+           "fusion": {"bucket_mb": 0.005}, "min_numel": 100, "layers": layers}
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), config=cfg)
+    for n, r in routes.items():
+        opt.set_route(n, ComponentSpec("topk", {"density": 0.05}), ComponentSpec("residual"),
+                      ComponentSpec(r["comm"]), offload=r["offload"])
+    train_random_steps(model, opt, steps, 32, 10, seed=1)
+    offloaded = sum(s.get("offload_s", 0.0) > 0 for s in opt.history)
+    state = opt.state_dict()["adacomp"]["components"]
+    opt.remove_hooks()
+    return {"params": plain({n: p for n, p in model.named_parameters()}), "offloaded_steps": offloaded,
+            "buckets": len(opt.buckets), "state_keys": sorted(state)}
+
+
+def test_offload_is_bitwise_identical_to_inline_compression() -> None:
+    steps = 6
+    inline = run_workers(_train_worker, 2, [], {}, steps)
+    off = run_workers(_train_worker, 2, [{"match": "0.weight", "offload": True}, {"match": "4.weight", "offload": True}],
+                      {}, steps)
+    assert off[0]["buckets"] > 2 and off[0]["offloaded_steps"] == steps
+    for a, b in zip(inline, off):
+        for n, p in a["params"].items():
+            assert (p == b["params"][n]).all(), n
+
+
+def test_mixed_routes_alltoall_offloaded_and_inline_train_in_step() -> None:
+    """Every option of a ByteComp plan at once: dense, device+allgather, cpu+allgather,
+    device+alltoall, cpu+alltoall; ranks stay identical and the run matches an inline twin."""
+    routes = {"0.weight": {"comm": "alltoall", "offload": True}, "2.weight": {"comm": "alltoall", "offload": False},
+              "4.weight": {"comm": "allgather", "offload": True}}
+    inline = {n: {**r, "offload": False} for n, r in routes.items()}
+    got = run_workers(_train_worker, 2, [], routes, 5)
+    twin = run_workers(_train_worker, 2, [], inline, 5)
+    assert got[0]["offloaded_steps"] == 5
+    for n, p in got[0]["params"].items():
+        assert (p == got[1]["params"][n]).all(), f"ranks differ on {n}"
+        assert (p == twin[0]["params"][n]).all(), f"offloaded run differs from inline on {n}"
