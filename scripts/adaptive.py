@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def _worker(rank: int, world: int, port: int, job: str, spec: dict, q) -> None:
     from adacomp.launch import worker_env
     os.environ.update(worker_env(rank, world, port))
+    os.environ.update(spec.get("env", {}))  # e.g. an emulated network (adacomp.backends.shaped)
     torch.set_num_threads(1)
     try:
         q.put((rank, globals()[job](spec)))
@@ -139,7 +140,7 @@ def lgreco_section(world: int, epochs: int, seeds: list[int]) -> list[str]:
 def bytecomp_job(spec: dict) -> dict:
     import adacomp
     from adacomp.models import build
-    from adacomp.policies.timeline import DEVICE_AG, NONE
+    from adacomp.policies.timeline import CPU_AG, DEVICE_A2A, DEVICE_AG, NONE
     adacomp.init("torch")
     torch.manual_seed(0)
     model = build("mlp", inputs=64, width=spec["width"], depth=spec["depth"])
@@ -164,6 +165,9 @@ def bytecomp_job(spec: dict) -> dict:
     plan = dict(pol.plan)
     strategies = {"plan_s": plan, "compress_all_s": {n: str(DEVICE_AG) for n in plan},
                   "compress_none_s": {n: str(NONE) for n in plan}}
+    for key, option in (("compress_all_alltoall_s", DEVICE_A2A), ("offload_all_s", CPU_AG)):
+        if key in pol.predicted:
+            strategies[key] = {n: str(option) for n in plan}
     samples: dict[str, list[float]] = {k: [] for k in strategies}
     for _ in range(4):  # interleaved rounds: machine load drifts, so every strategy sees the same
         for key, routes in strategies.items():
@@ -175,25 +179,37 @@ def bytecomp_job(spec: dict) -> dict:
 
 
 def bytecomp_section(world: int, quick: bool) -> list[str]:
-    rows = ["| model | compressor | strategy | predicted ms | measured ms | tensors compressed |",
-            "|---|---|---|---|---|---|"]
-    for width, depth, comp in ((1024, 3, {"name": "efsignsgd"}), (1024, 3, {"name": "topk", "density": 0.01})):
-        mem = "residual"
-        spec = {"width": width, "depth": depth, "measure": 15 if quick else 40,
-                "config": {"compressor": comp, "memory": {"name": mem}, "communicator": {"name": "allgather"},
+    rows = ["| model | compressor | network | strategy | predicted ms | measured ms | tensors compressed |",
+            "|---|---|---|---|---|---|---|"]
+    # (compressor, network, divisible + offload): loopback first, then an emulated 200 Mbit/s link
+    # (Table I costs, adacomp.backends.shaped) where compression pays and every option is in play
+    slow = {"ADACOMP_SHAPE_BANDWIDTH": "200mbit", "ADACOMP_SHAPE_ALPHA": "200us", "ADACOMP_SHAPE_COST": "table1"}
+    arms = (({"name": "efsignsgd"}, {}, False), ({"name": "topk", "density": 0.01}, {}, False),
+            ({"name": "topk", "density": 0.01}, slow, True))
+    labels = {"plan_s": "ByteComp plan", "compress_all_s": "compress all (device+allgather)",
+              "compress_all_alltoall_s": "compress all (device+alltoall)", "offload_all_s": "compress all (cpu+allgather)",
+              "compress_none_s": "compress none"}
+    for comp, env, options in arms:
+        width, depth = 1024, 3
+        spec = {"width": width, "depth": depth, "measure": 15 if quick else 40, "env": env,
+                "config": {"compressor": comp, "memory": {"name": "residual"}, "communicator": {"name": "allgather"},
                            "fusion": {"bucket_mb": 0}, "min_numel": 1024,
                            "policy": {"name": "bytecomp", "profile_steps": 15 if quick else 40,
-                                      "repeats": 10 if quick else 50}}}
+                                      "repeats": 10 if quick else 50, "divisible": options,
+                                      "offload": "on" if options else "auto"}}}
         r = spawn("bytecomp_job", spec, world)
-        n_comp = sum(o != "none" for o in r["plan"].values())
-        for key, label in (("plan_s", "ByteComp plan"), ("compress_all_s", "compress all"),
-                           ("compress_none_s", "compress none")):
-            count = {"plan_s": n_comp, "compress_all_s": len(r["plan"]), "compress_none_s": 0}[key]
-            rows.append(f"| MLP {depth}x{width} | {comp['name']} | {label} | {r['predicted'][key] * 1e3:.2f} | "
-                        f"{r['measured'][key] * 1e3:.2f} | {count}/{len(r['plan'])} |")
+        total = len(r["plan"])
+        counts = {"plan_s": total - sum(o == "none" for o in r["plan"].values()), "compress_none_s": 0}
+        net = "200 Mbit/s + 200 us (emulated)" if env else "loopback"
+        for key, label in labels.items():
+            if key not in r["measured"]:
+                continue
+            rows.append(f"| MLP {depth}x{width} | {comp['name']} | {net} | {label} | {r['predicted'][key] * 1e3:.2f} | "
+                        f"{r['measured'][key] * 1e3:.2f} | {counts.get(key, total)}/{total} |")
             print(rows[-1], flush=True)
-        rows.append(f"| | | alpha {r['predicted']['alpha'] * 1e6:.1f} us, beta {r['predicted']['beta'] * 1e9:.3f} ns/B "
-                    f"(probed), decision {r['predicted']['decision_s'] * 1e3:.1f} ms | | | |")
+        opts = ", ".join(f"`{n}`: {o}" for n, o in sorted(r["plan"].items()))
+        rows.append(f"| | | | alpha {r['predicted']['alpha'] * 1e6:.1f} us, beta {r['predicted']['beta'] * 1e9:.3f} "
+                    f"ns/B (probed), decision {r['predicted']['decision_s'] * 1e3:.1f} ms; plan: {opts} | | | |")
     return rows
 
 
@@ -268,8 +284,14 @@ def main() -> int:
               "trade; a gain of 1.00x means the DP found nothing smaller than uniform within the budget."]
     parts += ["", "## ByteComp: predicted vs measured step time", "",
               "Each row set is one run: uncompressed profiling steps, the decision (alpha / beta probed "
-              "between the workers), then the median step time of the plan, of compress-all and of "
-              "compress-none, re-routing the optimizer between them in four interleaved rounds.", ""]
+              "between the workers), then the median step time of the plan, of the uniform strategies "
+              "and of compress-none, re-routing the optimizer between them in four interleaved rounds. "
+              "The last run emulates a 200 Mbit/s, 200 us network (`ADACOMP_SHAPE_*`, Table I costs) "
+              "and lets the plan use every option of §4.2 for flat communication: dense, compressed "
+              "inline or on the CPU worker thread (`offload`), with the indivisible scheme (allgather) "
+              "or the divisible one (communicator `alltoall`: alltoall, then allgather). On this "
+              "CPU-only machine the \"cpu\" worker thread shares the two cores with both ranks' training "
+              "threads, so offloading can only lose here; on a GPU machine it overlaps device work.", ""]
     parts += bytecomp_section(args.workers, args.quick)
     parts += ["", "## ByteComp decision time and optimality", "",
               "300-tensor model profiled in-process on this CPU, planned for 8 ranks at 50 us / 10 Gbit/s "

@@ -79,6 +79,11 @@ class RecordingBackend(ForwardingBackend):
         self.events.append(("allgather", float(n * tensor.element_size())))
         return self.inner.allgather_async(tensor, sizes)
 
+    def alltoall_async(self, tensor: torch.Tensor, splits: list[int],
+                       recv_splits: list[int] | None = None) -> Handle:
+        self.events.append(("alltoall", float(tensor.numel() * tensor.element_size())))
+        return self.inner.alltoall_async(tensor, splits, recv_splits)
+
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0) -> Handle:
         self.events.append(("broadcast", float(tensor.numel() * tensor.element_size())))
         return self.inner.broadcast_async(tensor, root)
@@ -87,7 +92,9 @@ class RecordingBackend(ForwardingBackend):
 def predict(events: list[tuple[str, float]], N: int, alpha: float, beta: float) -> float:
     """Table I seconds of the recorded collectives (allreduce as ring: gloo's algorithm)."""
     from adacomp import netmodel
-    cost = {"allreduce": netmodel.ring_allreduce, "allgather": netmodel.allgather, "broadcast": netmodel.broadcast}
+    from adacomp.policies.timeline import alltoall
+    cost = {"allreduce": netmodel.ring_allreduce, "allgather": netmodel.allgather, "broadcast": netmodel.broadcast,
+            "alltoall": alltoall}
     return sum(cost[op](nb, N, alpha, beta) for op, nb in events)
 
 
@@ -104,6 +111,10 @@ def replay(be: Backend, events: list[tuple[str, float]], repeats: int = 3) -> fl
                 be.allreduce(buf, average=True)
             elif op == "allgather":
                 be.allgather(buf, sizes=[buf.numel()] * be.size())
+            elif op == "alltoall":  # the same bytes, spread evenly over the ranks
+                n, w = buf.numel(), be.size()
+                splits = [n // w + (1 if r < n % w else 0) for r in range(w)]
+                be.alltoall(buf, splits, recv_splits=[splits[be.rank()]] * w)
             else:
                 be.broadcast(buf, root=0)
         times.append(time.perf_counter() - t0)

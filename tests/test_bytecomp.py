@@ -198,3 +198,58 @@ def test_policy_config_errors():
     for kw in ({"profile_steps": 1}, {"repeats": 0}, {"alpha": -1.0}, {"offload": "maybe"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             ByteCompPolicy(**kw)
+
+
+def _bytecomp_worker(plan_by_index: list[str] | None) -> dict:
+    """2 gloo ranks: the policy decides with divisible + offload on a slow modelled network (or a
+    hand-written plan covering every option is applied); routes must follow the plan."""
+    import adacomp
+    from adacomp.models import build
+    from tests.test_allgather import plain
+    adacomp.init(backend="torch")
+    torch.manual_seed(0)
+    model = build("mlp", inputs=32, width=128, depth=3)
+    cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"},
+           "fusion": {"bucket_mb": 0}, "min_numel": 1000,
+           "policy": {"name": "bytecomp", "profile_steps": 4, "repeats": 2, "alpha": 1e-4, "beta": 1e-7,
+                      "divisible": True, "offload": "on"}}
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), config=cfg)
+    pol = opt.policy
+    gen = torch.Generator().manual_seed(adacomp.rank())
+    x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    steps(5)
+    if plan_by_index is not None:
+        pol.apply(opt, {n: plan_by_index[i % len(plan_by_index)] for i, n in enumerate(sorted(pol.candidates))})
+    routes = {n: (opt.route_of(n).compressor.name, opt.route_of(n).communicator_spec.name, opt.route_of(n).offload)
+              for n in pol.candidates}
+    steps(4)
+    out = {"plan": dict(pol.plan), "routes": routes, "params": plain(dict(model.named_parameters())),
+           "offload_s": sum(h.get("offload_s", 0.0) for h in list(opt.history)[-4:])}
+    opt.remove_hooks()
+    return out
+
+
+EXPECTED_ROUTE = {"none": ("none", "allreduce", False), "device+allgather": ("topk", "allgather", False),
+                  "cpu+allgather": ("topk", "allgather", True), "device+alltoall": ("topk", "alltoall", False),
+                  "cpu+alltoall": ("topk", "alltoall", True)}
+
+
+@pytest.mark.parametrize("plan", [None, ["none", "device+allgather", "cpu+allgather", "device+alltoall",
+                                         "cpu+alltoall"]])
+def test_policy_applies_divisible_and_offloaded_plans_on_two_ranks(plan):
+    from tests._dist import run_workers
+    r0, r1 = run_workers(_bytecomp_worker, 2, plan)
+    assert r0["plan"] == r1["plan"] and r0["plan"]
+    for name, option in r0["plan"].items():
+        assert r0["routes"][name] == EXPECTED_ROUTE[option], (name, option)
+    if any(o.startswith("cpu") for o in r0["plan"].values()):
+        assert r0["offload_s"] > 0
+    for n, p in r0["params"].items():
+        assert (p == r1["params"][n]).all(), f"ranks differ on {n} after training under plan {r0['plan']}"

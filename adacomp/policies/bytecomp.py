@@ -5,8 +5,9 @@ size then closeness to the output layer, drop uncompressed tensors sent before b
 per tensor by simulated iteration time), Alg. 2 (CPU offload, Lemma 1 / Theorem 1) and a brute
 force for checking. The timeline itself is :mod:`adacomp.policies.timeline`. The policy
 (:class:`ByteCompPolicy`) profiles a few uncompressed steps, decides on rank 0, broadcasts the plan
-and routes every tensor through the optimizer (compressed on ``allgather`` or dense on
-``allreduce``).
+and routes every tensor through the optimizer: dense on ``allreduce``, compressed on the indivisible
+scheme (``allgather``) or the divisible one (``alltoall``, then ``allgather``), compressed inline or
+on the optimizer's CPU worker thread (``offload``).
 """
 from __future__ import annotations
 
@@ -152,10 +153,14 @@ def decide(tensors: Sequence[TensorProfile], model: CostModel, divisible: bool =
         starts = [refine(tensors, model, S, opts, candidates), refine(tensors, model, every, opts, candidates)]
         S = min(starts, key=lambda s: simulate(tensors, s, model).iteration_s)
     dt = time.perf_counter() - t0
-    return S, {"plan_s": simulate(tensors, S, model).iteration_s,
-               "compress_all_s": simulate(tensors, every, model).iteration_s,
-               "compress_none_s": simulate(tensors, [NONE] * len(tensors), model).iteration_s,
-               "decision_s": dt}
+    out = {"plan_s": simulate(tensors, S, model).iteration_s,
+           "compress_all_s": simulate(tensors, every, model).iteration_s,
+           "compress_none_s": simulate(tensors, [NONE] * len(tensors), model).iteration_s,
+           "decision_s": dt}
+    for flag, key, opt in ((divisible, "compress_all_alltoall_s", DEVICE_A2A), (offload, "offload_all_s", CPU_AG)):
+        if flag:  # the other uniform strategies the options allow, for comparison with the plan
+            out[key] = simulate(tensors, [opt if i in cand else NONE for i in range(len(tensors))], model).iteration_s
+    return S, out
 
 
 def brute_force(tensors: Sequence[TensorProfile], model: CostModel,
@@ -187,14 +192,18 @@ class ByteCompPolicy(Policy):
     record when each gradient becomes ready; then every rank shares its trace, alpha / beta are
     measured with :class:`adacomp.netmodel.NetworkProbe` (unless given), rank 0 profiles the
     compressor (``repeats`` runs per size, §4.3), runs :func:`decide` and broadcasts the plan.
-    Compressed tensors use the configured compressor / memory / communicator (an indivisible one:
-    allgather); the others go dense on allreduce.
+    Compressed tensors use the configured compressor and memory; the indivisible scheme uses the
+    configured communicator when it can be offloaded (``allgather`` / ``allgather_fast``), else
+    ``allgather``; the others go dense on allreduce. Options map to routes as:
 
-    * ``divisible``: also consider alltoall + allgather (Fig. 4). adacomp's backends have no
-      alltoall, so a plan can be printed with it but not applied (the policy refuses at attach).
+    ``none`` -> allreduce, dense; ``device+allgather`` -> indivisible, compressed in the backward
+    hook; ``device+alltoall`` -> communicator ``alltoall`` (Fig. 4); ``cpu+*`` -> the same with
+    ``offload`` (compressed on the optimizer's CPU worker thread, in parallel with backward).
+
+    * ``divisible``: also consider alltoall + allgather (Fig. 4).
     * ``offload``: ``auto`` runs Alg. 2 only when gradients live on a GPU (on a CPU-only run the
-      "device" is the CPU); ``on`` / ``off`` force it. The optimizer compresses inside its hooks,
-      so an offloaded tensor is compressed where its gradient lives; the plan records the choice.
+      "device" is the CPU and the worker thread competes with it for the same cores); ``on`` /
+      ``off`` force it.
     * ``polish``: run :func:`refine` after Alg. 2 (adacomp's addition).
     """
 
@@ -218,11 +227,16 @@ class ByteCompPolicy(Policy):
 
     def attach(self, optimizer: "DistributedOptimizer") -> None:
         super().attach(optimizer)
-        if self.divisible:
-            raise ValueError("policy bytecomp: divisible (alltoall) schemes cannot be applied, adacomp's "
-                             "backends have no alltoall; set divisible: false (adacomp plan can still show them)")
         cfg = optimizer.config
-        self.compressed_spec = (cfg.compressor, cfg.memory, cfg.communicator)
+        from adacomp import communicators, compressors
+        comm = cfg.communicator
+        if not communicators.registry.cls(comm.name).offloadable or comm.name == "alltoall":
+            comm = ComponentSpec("allgather")
+        self.schemes = {"allgather": comm, "alltoall": ComponentSpec("alltoall")}
+        sample = compressors.get(cfg.compressor.name, **cfg.compressor.params)
+        for name in ("allgather", "alltoall") if self.divisible else ("allgather",):
+            communicators.get(self.schemes[name].name, **self.schemes[name].params).check(sample)
+        self.compressed_spec = (cfg.compressor, cfg.memory)
         self.candidates = [n for n, _ in optimizer.params if optimizer.route_of(n).compressor.name != "none"]
         if not self.candidates:
             raise ValueError("policy bytecomp found no compressed tensor to decide on; set a compressor "
@@ -307,12 +321,15 @@ class ByteCompPolicy(Policy):
                 "predicted": {**predicted, "alpha": alpha, "beta": beta}}
 
     def apply(self, optimizer: "DistributedOptimizer", plan: dict[str, str]) -> None:
-        comp, mem, comm = self.compressed_spec
+        """Route every planned tensor as its option says (see the class docstring)."""
+        comp, mem = self.compressed_spec
         for name, option in plan.items():
-            if OPTION_NAMES[option].compressed:
-                optimizer.set_route(name, comp, mem, comm)
+            o = OPTION_NAMES[option]
+            if o.compressed:
+                optimizer.set_route(name, comp, mem, self.schemes[o.scheme], offload=o.where == "cpu")
             else:
-                optimizer.set_route(name, ComponentSpec("none"), ComponentSpec("none"), ComponentSpec("allreduce"))
+                optimizer.set_route(name, ComponentSpec("none"), ComponentSpec("none"), ComponentSpec("allreduce"),
+                                    offload=False)
         self.plan = dict(plan)
 
     def state_dict(self) -> dict[str, Any]:
