@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 
 WARMUP_EPOCHS = 4  # DGC §3.3: sparsity 75% -> 99.9% over the first four epochs
 
@@ -110,20 +110,21 @@ class DGCCompressor(SparseCompressor):
         return float(torch.topk(sample, k_s, sorted=False).values.min())
 
     def select(self, flat: Tensor, name: str) -> Tensor:
-        a = flat.float().abs()
         density = self.current_density()
-        k = k_for(a.numel(), density)
-        if k >= a.numel():
-            return torch.arange(a.numel(), device=a.device)
+        k = k_for(flat.numel(), density)
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), device=flat.device)
+        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
         thr = self.threshold(a, density)
-        idx = torch.nonzero(a >= thr).view(-1)
+        counter = ThresholdCounter(a, strict=False, workspace=self._workspace())
+        idx = counter.select(thr, density)
         for _ in range(self.max_adaptation_iters):
             if idx.numel() >= self.compress_lower_bound * k:
                 break
             thr *= self.compress_lower_bound
-            idx = torch.nonzero(a >= thr).view(-1)
+            idx = counter.select(thr, density / self.compress_lower_bound)
         if idx.numel() > self.compress_upper_bound * k:  # the second, exact top-k among candidates
-            idx = idx[torch.topk(a[idx], k, sorted=False).indices]
+            idx = idx[torch.topk(a.index_select(0, idx), k, sorted=False).indices]
         return idx if idx.numel() else a.argmax().view(1)
 
     # ----------------------------------------------------------------------------------------

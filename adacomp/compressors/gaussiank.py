@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 
 
 @register("gaussiank")
@@ -46,8 +46,10 @@ class GaussianKCompressor(SparseCompressor):
             raise ValueError(f"max_adjust must be an int >= 0, got {max_adjust!r}")
         self.max_adjust = max_adjust
 
-    def threshold(self, a: Tensor, signed: Tensor, k: int) -> float:
-        """Threshold on ``a = |signed|`` expected to pass about ``k`` elements."""
+    def threshold(self, a: Tensor, signed: Tensor, k: int, counter: ThresholdCounter | None = None) -> float:
+        """Threshold on ``a = |signed|`` expected to pass about ``k`` elements (``counter``: exact
+        counts of ``a > thr`` reusing a candidate set; a full pass per count without one)."""
+        count_above = counter.count if counter is not None else (lambda t: int(torch.count_nonzero(a > t)))
         n = a.numel()
         mean, std = float(signed.mean()), float(signed.std()) if n > 1 else 0.0
         z = NormalDist().inv_cdf(1.0 - 0.5 * k / n) if k < n else 0.0
@@ -57,7 +59,7 @@ class GaussianKCompressor(SparseCompressor):
         lo, hi = 2.0 * k / 3.0, 4.0 * k / 3.0
         too_low, too_high = None, None  # thresholds known to pass too many / too few
         for _ in range(self.max_adjust):
-            count = int(torch.count_nonzero(a > thr))
+            count = count_above(thr)
             if lo <= count <= hi:
                 break
             if count > hi:
@@ -69,12 +71,13 @@ class GaussianKCompressor(SparseCompressor):
         return thr
 
     def select(self, flat: Tensor, name: str) -> Tensor:
+        k = k_for(flat.numel(), self._density)
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), device=flat.device)
         signed = flat.float()
-        a = signed.abs()
-        k = k_for(a.numel(), self._density)
-        if k >= a.numel():
-            return torch.arange(a.numel(), device=a.device)
-        idx = torch.nonzero(a > self.threshold(a, signed, k)).view(-1)
+        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+        counter = ThresholdCounter.for_search(a, True, self._density, self._workspace())
+        idx = counter.select(self.threshold(a, signed, k, counter), self._density)
         return idx if idx.numel() else a.argmax().view(1)
 
     def __repr__(self) -> str:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 
 
 @register("mstopk")
@@ -41,11 +41,15 @@ class MSTopkCompressor(SparseCompressor):
             raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
         self.search_rounds = rounds
 
-    def threshold(self, mag: Tensor, k: int) -> float:
-        """The searched threshold for magnitudes ``mag`` and target count ``k``."""
+    def threshold(self, mag: Tensor, k: int, counter: ThresholdCounter | None = None,
+                  hi_val: float | None = None) -> float:
+        """The searched threshold for magnitudes ``mag`` and target count ``k`` (``counter``:
+        exact counts of ``mag >= thr`` from a kept candidate set; ``hi_val``: max(mag) if known)."""
+        if counter is None:
+            counter = ThresholdCounter(mag, False, self._workspace())
         lo_val = float(mag.mean())
-        hi_val = float(mag.max())
-        if int(torch.count_nonzero(mag >= lo_val)) < k:
+        hi_val = float(mag.max()) if hi_val is None else hi_val
+        if not counter.at_least(lo_val, k):
             lo_val = 0.0
         span = hi_val - lo_val
         left, right = 0.0, 1.0
@@ -53,7 +57,7 @@ class MSTopkCompressor(SparseCompressor):
         for _ in range(self.search_rounds):
             ratio = 0.5 * (left + right)
             thr = lo_val + ratio * span
-            nnz = int(torch.count_nonzero(mag >= thr))  # bool .sum() is ~100x slower on CPU
+            nnz = counter.count(thr)
             err = abs(nnz - k)
             if best_err is None or err < best_err:
                 best_thr, best_err = thr, err
@@ -70,11 +74,13 @@ class MSTopkCompressor(SparseCompressor):
         k = k_for(n, self._density)
         if k >= n:
             return torch.arange(n, device=flat.device)
-        mag = flat.abs()
-        if bool(mag.max() == mag.min()):  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
+        # |g| in a reused buffer (one pass, no page faults); other dtypes keep comparing in their own
+        mag = self._workspace().magnitudes(flat) if flat.dtype == torch.float32 else flat.abs()
+        lo, hi = torch.aminmax(mag)
+        if bool(hi == lo):  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
             return torch.arange(k, device=flat.device)
-        thr = self.threshold(mag, k)
-        return torch.nonzero(mag >= thr).view(-1)
+        counter = ThresholdCounter.for_search(mag, False, self._density, self._workspace())
+        return counter.select(self.threshold(mag, k, counter, float(hi)), self._density)
 
     def __repr__(self) -> str:
         return f"MSTopkCompressor(density={self._density}, rounds={self.search_rounds})"

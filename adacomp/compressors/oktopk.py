@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.topk import topk_indices
 
 
 @register("oktopk")
@@ -67,16 +68,17 @@ class OkTopkCompressor(SparseCompressor):
         self._estimated_at.clear()  # a new k needs a new threshold at the next call
 
     def select(self, flat: Tensor, name: str) -> Tensor:
-        a = flat.float().abs()
-        k = k_for(a.numel(), self._density)
-        if k >= a.numel():
-            return torch.arange(a.numel(), device=a.device)
+        k = k_for(flat.numel(), self._density)
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), device=flat.device)
+        ws = self._workspace()
         if self.due(name):
-            top = torch.topk(a, k, sorted=False)
-            self._threshold[name] = float(top.values.min())
+            idx = topk_indices(flat.float(), k, ws)  # exactly the k largest at an estimation step
+            self._threshold[name] = float(ws.magnitudes(flat).index_select(0, idx).min())
             self._estimated_at[name] = self._step
-            return top.indices  # exactly the k largest at an estimation step
-        idx = torch.nonzero(a >= self._threshold[name]).view(-1)
+            return idx
+        a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+        idx = ThresholdCounter(a, strict=False, workspace=ws).select(self._threshold[name], self._density)
         return idx if idx.numel() else a.argmax().view(1)
 
     def state_dict(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 
 
 @register("redsync")
@@ -46,18 +46,21 @@ class RedSyncCompressor(SparseCompressor):
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
         self.max_steps = max_steps
 
-    def threshold(self, a: Tensor, k: int) -> float:
-        """A threshold on ``a = |g|`` passing between k and 2k elements when the budget allows."""
+    def threshold(self, a: Tensor, k: int, counter: ThresholdCounter | None = None) -> float:
+        """A threshold on ``a = |g|`` passing between k and 2k elements when the budget allows
+        (``counter``: exact counts of ``a > thr`` from a kept candidate set)."""
+        if counter is None:
+            counter = ThresholdCounter(a, True, self._workspace())
         mean, top = float(a.mean()), float(a.max())
         base, span = mean, top - mean
-        if int(torch.count_nonzero(a > mean)) < k:  # search [0, mean] instead (see deviations)
+        if not counter.at_least(mean, k):  # search [0, mean] instead (see deviations)
             base, span = 0.0, mean
         lo, hi = 0.0, 1.0
         best_thr, best_err = base, math.inf
         for _ in range(self.max_steps):
             mid = 0.5 * (lo + hi)
             thr = base + mid * span
-            count = int(torch.count_nonzero(a > thr))
+            count = counter.count(thr)
             if k <= count < 2 * k:
                 return thr
             err = abs(math.log(max(count, 1) / k))
@@ -70,11 +73,12 @@ class RedSyncCompressor(SparseCompressor):
         return best_thr
 
     def select(self, flat: Tensor, name: str) -> Tensor:
-        a = flat.float().abs()
-        k = k_for(a.numel(), self._density)
-        if k >= a.numel():
-            return torch.arange(a.numel(), device=a.device)
-        idx = torch.nonzero(a > self.threshold(a, k)).view(-1)
+        k = k_for(flat.numel(), self._density)
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), device=flat.device)
+        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+        counter = ThresholdCounter.for_search(a, True, self._density, self._workspace())
+        idx = counter.select(self.threshold(a, k, counter), self._density)
         return idx if idx.numel() else a.argmax().view(1)
 
     def __repr__(self) -> str:

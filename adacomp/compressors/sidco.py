@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 
 _EPS = 1e-12
 STALE_WINDOWS = 10  # a stage count's measured error is forgotten after this many windows
@@ -122,12 +122,12 @@ class SIDCoCompressor(SparseCompressor):
         for st in self._state.values():  # errors measured at the old target no longer apply
             st.update(sum=0.0, n=0, seen={}, stages=min(st["stages"], self.max_stages()))
 
-    def threshold(self, a: Tensor, stages: int) -> float:
+    def threshold(self, a: Tensor, stages: int, counter: ThresholdCounter | None = None) -> float:
         first, later = FITS[self.distribution]
         ratio = self._density ** (1.0 / stages)
         thr = first(a, ratio)
         for _ in range(stages - 1):
-            tail = a[a > thr]
+            tail = counter.values(thr) if counter is not None else a[a > thr]
             if tail.numel() < 2:
                 break
             thr = thr + later(tail - thr, ratio)
@@ -169,13 +169,14 @@ class SIDCoCompressor(SparseCompressor):
         st["stages"] = nxt
 
     def select(self, flat: Tensor, name: str) -> Tensor:
-        a = flat.float().abs()
-        k = k_for(a.numel(), self._density)
-        if k >= a.numel():
-            return torch.arange(a.numel(), device=a.device)
+        k = k_for(flat.numel(), self._density)
+        if k >= flat.numel():
+            return torch.arange(flat.numel(), device=flat.device)
+        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+        counter = ThresholdCounter(a, True, self._workspace())  # scratch mask; stages' thresholds vary
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})
-        idx = torch.nonzero(a > self.threshold(a, int(st["stages"]))).view(-1)
+        idx = counter.select(self.threshold(a, int(st["stages"]), counter), self._density)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
         return idx if idx.numel() else a.argmax().view(1)

@@ -16,20 +16,49 @@ All three are biased (unsent coordinates are dropped): pair them with ``residual
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors.sparse import SparseCompressor, SparseCtx, check_density, k_for, scatter
+from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
+                                        k_for, sample_value, scatter)
+
+PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 
 
-def topk_indices(flat: Tensor, k: int) -> Tensor:
-    """Indices of the k largest magnitudes of a 1-D tensor (unsorted; one global selection)."""
-    if k >= flat.numel():
-        return torch.arange(flat.numel(), device=flat.device)
-    return torch.topk(flat.abs(), k, sorted=False).indices
+def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Tensor:
+    """Indices of the k largest magnitudes of a 1-D tensor (unsorted; one global selection).
+
+    With a ``workspace`` (and k <= n / 4) the selection runs on a prefiltered candidate set: the
+    elements at or above a value that a strided sample says about 1.25 k + 32 elements pass; the
+    same set as ``torch.topk`` on the whole tensor, which is what it falls back to when fewer than k
+    candidates pass, when the k-th magnitude is tied (torch.topk's tie choice is kept) or on NaN.
+    """
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if workspace is None or n < PREFILTER_MIN_NUMEL or 4 * k > n:
+        return torch.topk(flat.abs(), k, sorted=False).indices
+    a = workspace.magnitudes(flat)
+    expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
+    counter = ThresholdCounter(a, strict=False, workspace=workspace)
+    counter.compact(sample_value(a, expected), expected, keep_nan=True)
+    vals = counter.vals
+    if vals is not None and vals.numel() >= k:
+        if 2 * k <= vals.numel():
+            top = torch.topk(vals, k, sorted=False)
+            chosen, kth = top.indices, top.values.min()
+        else:  # most candidates stay: dropping the m - k smallest is the cheaper selection
+            keep = torch.ones(vals.numel(), dtype=torch.bool, device=vals.device)
+            keep[torch.topk(vals, vals.numel() - k, largest=False, sorted=False).indices] = False
+            chosen = torch.nonzero(keep).view(-1)
+            kth = vals.index_select(0, chosen).min()
+        if not bool(torch.isnan(kth)) and int(torch.count_nonzero(vals >= kth)) == k:
+            return counter.idx[chosen]
+    return torch.topk(a, k, sorted=False).indices
 
 
 @register("topk")
@@ -46,7 +75,7 @@ class TopkCompressor(SparseCompressor):
         super().__init__(density)
 
     def select(self, flat: Tensor, name: str) -> Tensor:
-        return topk_indices(flat, k_for(flat.numel(), self._density))
+        return topk_indices(flat, k_for(flat.numel(), self._density), self._workspace())
 
 
 @register("gtopk")
@@ -60,6 +89,41 @@ class GTopkCompressor(TopkCompressor):
 
     def __init__(self, density: float = 0.01):
         super().__init__(density)
+
+
+RANDPERM_DENSITY = 0.5  # above this a full permutation is cheaper than drawing with rejection
+
+
+def distinct_uniform(n: int, k: int, gen: torch.Generator) -> Tensor:
+    """k distinct indices of ``range(n)``, a uniformly random k-subset, ascending (int64).
+
+    Why not ``randperm(n)[:k]``: it writes and shuffles all n indices (~0.5 s at n = 2^24). Here
+    i.i.d. uniform draws are taken in batches and the first k *distinct* values in draw order are
+    kept (sequential sampling without replacement, so every k-subset is equally likely); the draw
+    count is sized so one batch almost always suffices: m = n ln(n / (n - k)) * 1.05 + 64. The
+    result depends only on the generator, so ranks with equal generators pick equal indices. Above
+    ``RANDPERM_DENSITY`` (where rejection would redraw a lot) ``randperm`` is used.
+    """
+    device = gen.device
+    if k >= n:
+        return torch.arange(n, device=device)
+    if k > RANDPERM_DENSITY * n:
+        return torch.randperm(n, generator=gen, device=device)[:k].sort().values
+    m = int(n * math.log(n / (n - k)) * 1.05) + 64
+    draws = torch.randint(n, (m,), generator=gen, device=device)
+    while True:
+        uniq, inverse = torch.unique(draws, sorted=True, return_inverse=True)
+        if uniq.numel() >= k:
+            break
+        more = max(64, int((k - uniq.numel()) * n / max(1, n - uniq.numel()) * 1.05) + 64)
+        draws = torch.cat([draws, torch.randint(n, (more,), generator=gen, device=device)])
+    # first draw position of each distinct value; keep the k values that appeared first
+    first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, inverse, torch.arange(draws.numel(), device=device), reduce="amin")
+    if uniq.numel() == k:
+        return uniq
+    cutoff = torch.kthvalue(first, k).values
+    return uniq[first <= cutoff]
 
 
 class RandomkCtx(NamedTuple):
@@ -110,13 +174,15 @@ class RandomkCompressor(Compressor):
         flat = tensor.reshape(-1)
         n = flat.numel()
         k = k_for(n, self._density)
-        gen = self._generator(name, flat.device)
-        idx = torch.randperm(n, generator=gen, device=flat.device)[:k]
+        idx = distinct_uniform(n, k, self._generator(name, flat.device))
         ctx = RandomkCtx(SparseCtx(tensor.shape, n, tensor.dtype, tensor.device), idx)
-        return [flat[idx]], ctx
+        return [flat.index_select(0, idx)], ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        return scatter(payload[0], ctx.indices, ctx.sparse)
+        ws = self.__dict__.get("workspace")
+        if ws is None:
+            ws = self.workspace = Workspace()
+        return scatter(payload[0], ctx.indices, ctx.sparse, ws)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         return k_for(int(torch.Size(shape).numel()), self._density) * itemsize

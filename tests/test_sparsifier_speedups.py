@@ -1,0 +1,124 @@
+"""The CPU speed-ups of the sparsifiers keep each method's defining property.
+
+* randomk's sampler (``distinct_uniform``): k distinct indices, equal for equal generators, roughly
+  uniform over many draws (chi-square bound), and the randperm path above half density.
+* the prefiltered exact top-k equals a full ``torch.topk`` selection (ties and NaN included).
+* ``ThresholdCounter`` answers exactly like a full pass, above and below its floor.
+* reused buffers never alias what the caller keeps: two consecutive payloads / decompressed outputs
+  are distinct storages, and an output the caller still holds is never rewritten.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adacomp import compressors
+from adacomp.compressors.sparse import ThresholdCounter, Workspace, nonzero_1d
+from adacomp.compressors.topk import distinct_uniform, topk_indices
+
+SPARSIFIERS = ["topk", "gtopk", "randomk", "mstopk", "dgc", "gaussiank", "redsync", "sidco", "oktopk"]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n,k", [(10, 1), (1000, 10), (1 << 16, 655), (1 << 16, 20000), (5000, 3000), (7, 7)])
+def test_randomk_sampler_gives_k_distinct_indices_same_for_equal_generators(n: int, k: int) -> None:
+    a, b = distinct_uniform(n, k, gen(3)), distinct_uniform(n, k, gen(3))
+    assert torch.equal(a, b)
+    assert a.numel() == k and torch.unique(a).numel() == k
+    assert int(a.min()) >= 0 and int(a.max()) < n and a.dtype == torch.int64
+
+
+def test_randomk_sampler_is_uniform() -> None:
+    n, k, draws = 50, 5, 4000
+    g = gen(11)
+    hits = torch.zeros(n)
+    for _ in range(draws):
+        hits.index_add_(0, distinct_uniform(n, k, g), torch.ones(k))
+    expected = draws * k / n
+    chi2 = float(((hits - expected) ** 2 / expected).sum())
+    assert chi2 < 100.0  # 49 degrees of freedom: p < 1e-5 above ~100
+    # pairs are uniform too (a sampler biased toward neighbours would fail): first two coordinates
+    pair = sum(int(bool({0, 1} <= set(distinct_uniform(n, k, g).tolist()))) for _ in range(draws))
+    p = k * (k - 1) / (n * (n - 1))
+    assert abs(pair - draws * p) < 5 * (draws * p * (1 - p)) ** 0.5
+
+
+def test_randomk_compressor_identical_on_two_copies_and_decompresses() -> None:
+    x = torch.randn(1 << 18, generator=gen(1))
+    c, d = compressors.get("randomk", density=0.01, seed=4), compressors.get("randomk", density=0.01, seed=4)
+    (v1,), ctx1 = c.compress(x, "w")
+    (v2,), ctx2 = d.compress(-x, "w")
+    assert torch.equal(ctx1.indices, ctx2.indices) and torch.equal(v1, -v2)
+    out = c.decompress([v1], ctx1)
+    assert torch.equal(out.view(-1)[ctx1.indices], v1) and int(torch.count_nonzero(out)) <= v1.numel()
+
+
+@pytest.mark.parametrize("case", ["gauss", "ties", "nan", "small"])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.2])
+def test_prefiltered_topk_equals_full_topk(case: str, density: float) -> None:
+    n = 1000 if case == "small" else 1 << 17
+    x = torch.randn(n, generator=gen(2))
+    if case == "ties":
+        x = torch.randint(-4, 5, (n,), generator=gen(2)).float()
+    if case == "nan":
+        x[[7, 99]] = float("nan")
+    k = max(1, round(density * n))
+    got = topk_indices(x, k, Workspace())
+    ref = torch.topk(x.abs(), k, sorted=False).indices
+    if case == "ties":  # several valid answers: same count, all at least the k-th magnitude
+        assert got.numel() == k and torch.unique(got).numel() == k
+        assert float(x.abs()[got].min()) >= float(torch.topk(x.abs(), k).values.min())
+    else:
+        assert set(got.tolist()) == set(ref.tolist())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_threshold_counter_equals_full_passes(strict: bool) -> None:
+    a = torch.randn(1 << 17, generator=gen(5)).abs()
+    a[3] = float("nan")
+    counter = ThresholdCounter.for_search(a, strict, 0.01, Workspace())
+    assert counter.floor is not None
+    for thr in [0.0, 0.5, counter.floor, 2.0, 2.5758, 3.0, 10.0]:
+        ref = (a > thr) if strict else (a >= thr)
+        assert counter.count(thr) == int(ref.sum())
+        assert torch.equal(counter.select(thr), torch.nonzero(ref).view(-1))
+        assert torch.equal(counter.values(thr), a[ref])
+        assert counter.at_least(thr, 100) == (int(ref.sum()) >= 100)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.02, 0.5])
+def test_nonzero_1d_equals_torch_nonzero(fraction: float) -> None:
+    mask = torch.rand(1 << 15, generator=gen(6)) < fraction
+    assert torch.equal(nonzero_1d(mask, fraction), torch.nonzero(mask).view(-1))
+
+
+@pytest.mark.parametrize("name", SPARSIFIERS)
+def test_reused_buffers_never_alias_kept_payloads_or_outputs(name: str) -> None:
+    c = compressors.get(name, density=0.01)
+    x1 = torch.randn(512, 1024, generator=gen(7))  # above the recycling size
+    x2 = torch.randn(512, 1024, generator=gen(8))
+    p1, ctx1 = c.compress(x1, "w")
+    keep1 = [t.clone() for t in p1]
+    p2, ctx2 = c.compress(x2, "w")
+    for a in p1:
+        for b in p2:
+            assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(p1, keep1))  # the second call left the first intact
+    out1 = c.decompress(p1, ctx1)
+    snapshot = out1.clone()
+    out2 = c.decompress(p2, ctx2)  # out1 is still held: must get other memory
+    assert out1.untyped_storage().data_ptr() != out2.untyped_storage().data_ptr()
+    assert torch.equal(out1, snapshot)
+    del out1, out2
+    out3 = c.decompress(p1, ctx1)  # nothing held any more: recycled memory, same result
+    assert torch.equal(out3, snapshot) and out3.shape == x1.shape
+
+
+def test_workspace_keeps_state_dict_unchanged() -> None:
+    for name in ("dgc", "oktopk", "sidco", "randomk"):
+        c = compressors.get(name, density=0.01)
+        c.compress(torch.randn(1 << 18, generator=gen(9)), "w")
+        assert not any("workspace" in str(key) for key in c.state_dict())
