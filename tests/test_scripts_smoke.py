@@ -78,8 +78,9 @@ def test_throughput_script(tmp_path):
     _launch("bench_throughput.py", "--inputs", "32", "--width", "64", "--steps", "1", "--warmup", "1",
             "--compressors", "none", "topk", "--out-dir", str(tmp_path))
     rows = (tmp_path / "throughput.csv").read_text().splitlines()
-    # none fits allreduce / allgather / allgather_fast, topk fits allgather / allgather_fast / artopk
-    assert len(rows) == 1 + 6, rows
+    # none fits allreduce / allgather / allgather_fast / alltoall, topk fits allgather /
+    # allgather_fast / alltoall / artopk
+    assert len(rows) == 1 + 8, rows
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert "## 2 workers" in (tmp_path / "throughput.md").read_text()
 
