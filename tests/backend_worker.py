@@ -4,6 +4,9 @@
   on its own; success prints ``BACKEND_OK rank=<r>`` once per rank.
 * ``backend_worker.py reference mpi|horovod PORT MB[,MB..]``: adacomp vs DDP, prints ``REFERENCE_DIFF``.
 * ``backend_worker.py timeout mpi|horovod``: a skipped collective must raise, printing ``TIMEOUT_OK``.
+* ``backend_worker.py divisible mpi|horovod``: a few steps of topk on the divisible scheme
+  (communicator ``alltoall``) with one offloaded layer; prints ``DIVISIBLE_DIGEST <hex>`` of the
+  parameters (tests compare it with the same run on gloo).
 
 Any mismatch raises (non-zero exit), so the launcher's exit status carries the verdict.
 """
@@ -229,8 +232,51 @@ def reference(backend: str, port: int, bucket_mbs: list[float]) -> int:
     return 0
 
 
+def divisible_digest() -> str:
+    """Parameters after 4 steps of topk on ``alltoall`` (+ one layer on ``allgather``, offloaded)
+    from one seed: identical bits on every backend, because every rank averages in rank order."""
+    import hashlib
+
+    import adacomp
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40),
+                                torch.nn.ReLU(), torch.nn.Linear(40, 10))
+    cfg = {"compressor": {"name": "topk", "density": 0.1}, "memory": {"name": "residual"},
+           "communicator": {"name": "alltoall"}, "fusion": {"bucket_mb": 0.004}, "min_numel": 100,
+           "layers": [{"match": "2.weight", "communicator": {"name": "allgather"}, "offload": True},
+                      {"match": "4.weight", "offload": True}]}
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), config=cfg)
+    gen = torch.Generator().manual_seed(100 + adacomp.rank())
+    for _ in range(4):
+        x, y = torch.randn(8, 24, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.remove_hooks()
+    h = hashlib.sha256()
+    for n, p in model.named_parameters():
+        h.update(n.encode())
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def divisible(backend: str) -> int:
+    import adacomp
+    adacomp.init(backend=backend)
+    digest = divisible_digest()
+    everyone = adacomp.context.current().allgather_object(digest)
+    if len(set(everyone)) != 1:
+        raise AssertionError(f"ranks ended with different parameters: {everyone}")
+    print(f"DIVISIBLE_DIGEST rank={adacomp.rank()} {digest}", flush=True)
+    adacomp.shutdown()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
+    if argv[0] == "divisible":
+        return divisible(argv[1])
     if argv[0] == "timeout":
         return check_timeout(argv[1])
     if argv[0] == "reference":

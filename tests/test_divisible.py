@@ -197,3 +197,29 @@ def test_mixed_routes_alltoall_offloaded_and_inline_train_in_step() -> None:
     for n, p in got[0]["params"].items():
         assert (p == got[1]["params"][n]).all(), f"ranks differ on {n}"
         assert (p == twin[0]["params"][n]).all(), f"offloaded run differs from inline on {n}"
+
+
+# --- the same run on every backend ---------------------------------------------------------------
+def _gloo_digest() -> str:
+    import adacomp
+    from tests.backend_worker import divisible_digest
+    adacomp.init(backend="torch")
+    return divisible_digest()
+
+
+def _launched_digests(proc) -> set[str]:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return {line.split()[-1] for line in out.splitlines() if "DIVISIBLE_DIGEST" in line}
+
+
+def test_divisible_and_offload_give_the_same_bits_on_gloo_mpi_and_horovod() -> None:
+    """alltoall + offload through real mpirun / horovodrun launches: every rank, every backend,
+    bit-identical parameters (each rank averages the same values in rank order)."""
+    from tests.test_backend_horovod import _MISSING, horovodrun
+    from tests.test_backend_mpi import WORKER, mpirun
+    gloo = set(run_workers(_gloo_digest, 2))
+    assert len(gloo) == 1
+    assert _launched_digests(mpirun(2, str(WORKER), "divisible", "mpi", timeout=180)) == gloo
+    if _MISSING is None:
+        assert _launched_digests(horovodrun(2, str(WORKER), "divisible", "horovod", timeout=180)) == gloo
