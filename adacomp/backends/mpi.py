@@ -54,6 +54,20 @@ def _require_contiguous(tensor: Tensor, op: str) -> None:
                          "call .contiguous() first (the result is written in place)")
 
 
+def _host_buffers(tensor: Tensor, out_rows: int) -> tuple[int, Any, Tensor, Any]:
+    """(elements per row, flat numpy view of the tensor on the host, the host output tensor of
+    ``out_rows`` rows, its flat numpy view). Half / bool travel as same-width integers."""
+    row = 1
+    for d in tensor.shape[1:]:
+        row *= int(d)
+    send = tensor.detach().cpu()
+    out = torch.empty((out_rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    bits = _BITS_VIEW.get(tensor.dtype)
+    send_arr = (send.view(bits) if bits else send).numpy().reshape(-1)
+    recv_arr = (out.view(bits) if bits else out).numpy().reshape(-1)
+    return row, send_arr, out, recv_arr
+
+
 class MPIBackend(Backend):
     """mpi4py transport. ``timeout_s`` bounds every wait (see module docstring, "Timeout")."""
 
@@ -154,14 +168,7 @@ class MPIBackend(Backend):
         if sizes[self._rank] != tensor.shape[0]:
             raise ValueError(f"sizes[{self._rank}]={sizes[self._rank]} but this rank's tensor has "
                              f"{tensor.shape[0]} rows; pass the true first dims or sizes=None")
-        row = 1
-        for d in tensor.shape[1:]:
-            row *= int(d)
-        send = tensor.detach().cpu()
-        out = torch.empty((sum(sizes),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-        bits = _BITS_VIEW.get(tensor.dtype)
-        send_arr = (send.view(bits) if bits else send).numpy().reshape(-1)
-        recv_arr = (out.view(bits) if bits else out).numpy().reshape(-1)
+        row, send_arr, out, recv_arr = _host_buffers(tensor, sum(sizes))
         if all(s == sizes[0] for s in sizes):
             start = lambda: self._comm.Iallgather(send_arr, recv_arr)  # noqa: E731
         else:
@@ -204,14 +211,7 @@ class MPIBackend(Backend):
         counts, recv = check_alltoall(tensor, splits, recv_splits, self._size)
         if recv is None:
             recv = self.alltoall_splits(counts)
-        row = 1
-        for d in tensor.shape[1:]:
-            row *= int(d)
-        send = tensor.detach().cpu()
-        out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-        bits = _BITS_VIEW.get(tensor.dtype)
-        send_arr = (send.view(bits) if bits else send).numpy().reshape(-1)
-        recv_arr = (out.view(bits) if bits else out).numpy().reshape(-1)
+        row, send_arr, out, recv_arr = _host_buffers(tensor, sum(recv))
         s_counts, r_counts = [c * row for c in counts], [c * row for c in recv]
         s_spec = [send_arr, (s_counts, split_offsets(s_counts))]
         r_spec = [recv_arr, (r_counts, split_offsets(r_counts))]
