@@ -291,7 +291,10 @@ def main() -> int:
               "inline or on the CPU worker thread (`offload`), with the indivisible scheme (allgather) "
               "or the divisible one (communicator `alltoall`: alltoall, then allgather). On this "
               "CPU-only machine the \"cpu\" worker thread shares the two cores with both ranks' training "
-              "threads, so offloading can only lose here; on a GPU machine it overlaps device work.", ""]
+              "threads, so offloading can only lose here; on a GPU machine it overlaps device work. "
+              "Compress-none is predicted almost exactly there because the probe measures alpha / beta "
+              "on the same emulated link the dense allreduces then pay; compressed strategies are "
+              "predicted low because compression was profiled alone, not beside two training processes.", ""]
     parts += bytecomp_section(args.workers, args.quick)
     parts += ["", "## ByteComp decision time and optimality", "",
               "300-tensor model profiled in-process on this CPU, planned for 8 ranks at 50 us / 10 Gbit/s "
