@@ -31,6 +31,10 @@ METHODS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "oktopk": ("compressor", "oktopk", {"compressor": {"name": "oktopk", "density": 0.05, "period": 3}, **_SPARSE}),
     "powersgd": ("compressor", "powersgd", {"compressor": {"name": "powersgd", "rank": 2}, **_LOWRANK}),
     "acpsgd": ("compressor", "acpsgd", {"compressor": {"name": "acpsgd", "rank": 2}, **_LOWRANK}),
+    # ByteComp's divisible scheme (second-stage residuals live in the communicator) + CPU offload
+    "alltoall": ("compressor", "topk", {"compressor": {"name": "topk", "density": 0.05},
+                                        "memory": {"name": "residual"}, "communicator": {"name": "alltoall"},
+                                        "layers": [{"match": "fc1.weight", "offload": True}]}),
     "moo": ("policy", "moo", {"compressor": {"name": "topk", "density": 0.05}, **_SPARSE,
                               "policy": {"name": "moo", "c_high": 0.1, "c_low": 0.01, "factor": 10.0,
                                          "explore_steps": 2, "check_every": 1000, "probe_every": 1000,
