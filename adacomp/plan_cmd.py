@@ -94,8 +94,13 @@ def render(plan: dict[str, Any]) -> str:
     rows += ["", f"world {plan['world']}, alpha {plan['alpha'] * 1e6:.1f} us, "
                  f"bandwidth {8e-9 / plan['beta'] if plan['beta'] else float('inf'):.2f} Gbit/s",
              f"predicted iteration time  plan: {p['plan_s'] * 1e3:.3f} ms   compress-all: "
-             f"{p['compress_all_s'] * 1e3:.3f} ms   compress-none: {p['compress_none_s'] * 1e3:.3f} ms",
-             f"decision time: {p['decision_s'] * 1e3:.1f} ms"]
+             f"{p['compress_all_s'] * 1e3:.3f} ms   compress-none: {p['compress_none_s'] * 1e3:.3f} ms"]
+    extra = [f"{label}: {p[key] * 1e3:.3f} ms" for key, label in
+             (("compress_all_alltoall_s", "compress-all (device+alltoall)"),
+              ("offload_all_s", "compress-all (cpu+allgather)")) if key in p]
+    if extra:
+        rows.append("                          " + "   ".join(extra))
+    rows.append(f"decision time: {p['decision_s'] * 1e3:.1f} ms")
     return "\n".join(rows)
 
 
