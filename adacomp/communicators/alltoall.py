@@ -197,8 +197,11 @@ class AlltoallCommunicator(Communicator):
         acc = torch.zeros(hi - lo, dtype=e.tensor.dtype, device=e.tensor.device)
         tmp = torch.empty_like(acc)
         for payload in copies:
-            _decompress_into(tmp, e.compressor, payload, ctx)
-            acc.add_(tmp)
+            if e.compressor.sparse:  # add every rank's values at their indices: no dense temporary
+                acc.index_add_(0, payload[1].reshape(-1).to(torch.int64), payload[0].reshape(-1).to(acc.dtype))
+            else:
+                _decompress_into(tmp, e.compressor, payload, ctx)
+                acc.add_(tmp)
         acc.div_(world)
         key = f"{e.name}/part{me}"
         if self.feedback and key in self.residuals:
