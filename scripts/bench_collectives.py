@@ -1,7 +1,8 @@
-"""Collective micro-benchmark: allreduce / allgather / broadcast time vs message size.
+"""Collective micro-benchmark: allreduce / allgather / broadcast / alltoall time vs message size.
 
 Fits alpha (latency) and beta (seconds per byte) to the measurements with the AR-Topk paper's
-Table I models (adacomp.netmodel) and prints each measurement beside the model's prediction.
+Table I models (adacomp.netmodel; alltoall: the pairwise-exchange model ByteComp's timeline uses,
+adacomp.policies.timeline.alltoall) and prints each measurement beside the model's prediction.
 Launch: ``adacomp run -np 2 -- python scripts/bench_collectives.py`` (or torchrun / mpirun /
 horovodrun; the backend follows the launcher). Writes docs/results/collectives.{md,csv,png}.
 """
@@ -21,8 +22,10 @@ from _bench_util import write_result  # noqa: E402
 
 import adacomp  # noqa: E402
 from adacomp import netmodel  # noqa: E402
+from adacomp.policies.timeline import alltoall  # noqa: E402
 
-MODELS = {"allreduce": netmodel.ring_allreduce, "allgather": netmodel.allgather, "broadcast": netmodel.broadcast}
+MODELS = {"allreduce": netmodel.ring_allreduce, "allgather": netmodel.allgather, "broadcast": netmodel.broadcast,
+          "alltoall": alltoall}
 
 
 def gbps(beta: float) -> str:
@@ -41,6 +44,10 @@ def time_op(be, op: str, nbytes: int, repeats: int) -> float:
             be.allreduce(buf)
         elif op == "allgather":
             be.allgather(buf, sizes=[n] * be.size())
+        elif op == "alltoall":  # the message spread evenly over the ranks, as a divisible scheme does
+            w = be.size()
+            splits = [n // w + (1 if r < n % w else 0) for r in range(w)]
+            be.alltoall(buf, splits, recv_splits=[splits[be.rank()]] * w)
         else:
             be.broadcast(buf, root=0)
         if i >= 2:
@@ -88,7 +95,7 @@ def report(rows: list, N: int, backend_name: str, args: argparse.Namespace) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for op, color in zip(MODELS, ("C0", "C1", "C2")):
+    for op, color in zip(MODELS, ("C0", "C1", "C2", "C3")):
         xs = [nb for o, nb, _ in rows if o == op]
         ax.loglog(xs, [t for o, _, t in rows if o == op], "o", color=color, label=f"{op} measured")
         ax.loglog(xs, [MODELS[op](nb, N, alpha, beta) for nb in xs], "-", color=color, alpha=0.6,

@@ -24,6 +24,14 @@ row still gives one (the paper's "at least one"), so M are sent: :meth:`ADTopkCo
 effective_density` reports that, and ``compression_stats()`` the last value per tensor. The
 authors' code uses k_row = max(1, floor(shape[1] * density)), which rounds the total down.
 
+Speed on CPU (same results). Per-row torch.topk costs ~9 ns per element on CPU, so large float
+tensors go through :func:`fast_row_topk` (a per-row candidate floor from block maxima, one compare
+pass, an integer sort of the candidates, torch.topk kept for NaN / tied rows); traditional Top-k
+uses the prefiltered :func:`~adacomp.compressors.topk.topk_indices`; ADTopk-t's threshold reuse
+compares |x| in a scratch buffer and reads the mask word by word. Every one of them returns the
+same index set as the plain calls (tested against them, ties and NaN included); CUDA tensors and
+float64 keep the plain calls. Index order may differ (payloads are scattered, order-free).
+
 All three are biased: pair with ``residual`` memory. ``adtopk`` / ``adtopk_i`` payload sizes depend
 only on the shape and the (shared) step: ``allgather_fast`` fits; ``adtopk_t``'s threshold phase is
 variable-size: use ``allgather``.
@@ -37,39 +45,11 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import Payload, register
-from adacomp.compressors.sparse import SparseCompressor, SparseCtx, k_for
+from adacomp.compressors._rowtopk import fast_eligible, fast_row_topk, matrix_shape, row_topk
+from adacomp.compressors.sparse import SparseCompressor, SparseCtx, k_for, nonzero_1d
 from adacomp.compressors.topk import topk_indices
 
 SPLITS = ("rows", "dim1")
-
-
-def matrix_shape(shape: torch.Size, split: str) -> tuple[int, int, int]:
-    """(M, N, R) of the M x N view: R > 1 only for ``dim1`` on tensors with more than 2 dims
-    (R trailing elements are interleaved between consecutive dim-1 entries)."""
-    numel = int(torch.Size(shape).numel())
-    if len(shape) < 2 or numel == 0:
-        return 1, numel, 1
-    if split == "rows":
-        return int(shape[0]), numel // int(shape[0]), 1
-    s1 = int(shape[1])
-    return numel // s1, s1, numel // (int(shape[0]) * s1)
-
-
-def row_topk(mag: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """(rows, cols) of the selected entries of the (M, N) matrix ``mag``: q = k // M (>= 1) per row,
-    plus one more in the r = k mod M rows with the largest next candidate."""
-    m, _ = mag.shape
-    q, r = divmod(k, m)
-    if q == 0:
-        q, r = 1, 0
-    ar = torch.arange(m, device=mag.device)
-    if r == 0:
-        cols = torch.topk(mag, q, dim=1, sorted=False).indices
-        return ar.repeat_interleave(q), cols.reshape(-1)
-    vals, cols = torch.topk(mag, q + 1, dim=1, sorted=True)
-    extra = torch.topk(vals[:, q], r, sorted=False).indices
-    rows = torch.cat([ar.repeat_interleave(q), extra])
-    return rows, torch.cat([cols[:, :q].reshape(-1), cols[extra, q]])
 
 
 @register("adtopk")
@@ -82,6 +62,7 @@ class ADTopkCompressor(SparseCompressor):
     """
 
     fixed_size = True
+    fast_cpu = True  # False: the plain torch calls everywhere (the reference the fast paths equal)
 
     def __init__(self, density: float = 0.01, split: str = "rows"):
         super().__init__(density)
@@ -110,7 +91,11 @@ class ADTopkCompressor(SparseCompressor):
         m, n, rr = matrix_shape(tensor.shape, self.split)
         k = k_for(numel, self._density)
         if m == 1:
-            return topk_indices(tensor.reshape(-1), k)
+            return self.topk(tensor, k)
+        if self.fast_cpu and fast_eligible(tensor) and k < numel:
+            got = fast_row_topk(tensor, m, n, rr, k, self._workspace())
+            if got is not None:
+                return got[0]
         if rr == 1:
             rows, cols = row_topk(tensor.reshape(m, n).abs(), k)
             return rows * n + cols
@@ -118,6 +103,11 @@ class ADTopkCompressor(SparseCompressor):
         fibers = tensor.reshape(s0, n, rr).transpose(1, 2).abs().reshape(m, n)
         rows, cols = row_topk(fibers, k)
         return (rows // rr) * (n * rr) + cols * rr + rows % rr
+
+    def topk(self, tensor: Tensor, k: int) -> Tensor:
+        """Traditional Top-k of the flattened tensor; prefiltered on CPU (same set as torch.topk)."""
+        fast = self.fast_cpu and fast_eligible(tensor)
+        return topk_indices(tensor.reshape(-1), k, self._workspace() if fast else None)
 
     def indices(self, tensor: Tensor, name: str) -> Tensor:
         return self.adtopk_indices(tensor)
@@ -129,7 +119,7 @@ class ADTopkCompressor(SparseCompressor):
         flat = tensor.reshape(-1)
         idx = self.indices(tensor, name)
         self.last_density[name] = idx.numel() / max(1, flat.numel())
-        return [flat[idx], idx], SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
+        return [flat.index_select(0, idx), idx], SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self._density}, split={self.split!r})"
@@ -156,7 +146,7 @@ class ADTopkICompressor(ADTopkCompressor):
     def indices(self, tensor: Tensor, name: str) -> Tensor:
         if self.all_dimension():
             return self.adtopk_indices(tensor)
-        return topk_indices(tensor.reshape(-1), k_for(tensor.numel(), self._density))
+        return self.topk(tensor, k_for(tensor.numel(), self._density))
 
     def on_step(self, step: int) -> None:
         self._step = int(step)
@@ -241,7 +231,7 @@ class ADTopkTCompressor(ADTopkCompressor):
 
     def _estimate(self, tensor: Tensor, st: ThresholdState, adapt: bool) -> Tensor:
         flat = tensor.reshape(-1)
-        idx = topk_indices(flat, k_for(flat.numel(), self._density))
+        idx = self.topk(tensor, k_for(flat.numel(), self._density))
         thr = float(flat[idx].abs().min())
         eps = thr / 10.0
         if adapt and st.thr_reuse >= 0:
@@ -265,7 +255,17 @@ class ADTopkTCompressor(ADTopkCompressor):
         if action in (WARMUP, REESTIMATE):
             return self._estimate(tensor, st, adapt=action == REESTIMATE)
         st.since += 1
-        return torch.nonzero(tensor.reshape(-1).abs() > st.thr_reuse).view(-1)
+        return self._above(tensor.reshape(-1), st.thr_reuse)
+
+    def _above(self, flat: Tensor, thr: float) -> Tensor:
+        """Ascending indices of |flat| > thr. On CPU float32 |flat| and the mask go to scratch and
+        the mask is read word by word (same float32 compare as the plain expression); other dtypes
+        keep the plain expression, which compares in their own precision."""
+        if not self.fast_cpu or flat.device.type != "cpu" or flat.dtype != torch.float32:
+            return torch.nonzero(flat.abs() > thr).view(-1)
+        ws = self._workspace()
+        mask = torch.gt(ws.magnitudes(flat), thr, out=ws.scratch("mask", flat.numel(), torch.bool, flat.device))
+        return nonzero_1d(mask, min(1.0, 2 * self._density))
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self._step, "layers": {n: asdict(s) for n, s in self.layers.items()}}

@@ -40,7 +40,8 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     n = flat.numel()
     if k >= n:
         return torch.arange(n, device=flat.device)
-    if workspace is None or n < PREFILTER_MIN_NUMEL or 4 * k > n:
+    if workspace is None or n < PREFILTER_MIN_NUMEL or 4 * k > n or flat.dtype == torch.float64:
+        # float64 stays exact: the workspace's float32 magnitudes could create ties at the k-th value
         return torch.topk(flat.abs(), k, sorted=False).indices
     a = workspace.magnitudes(flat)
     expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)

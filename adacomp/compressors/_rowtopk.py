@@ -1,0 +1,193 @@
+"""Per-row top-k for ADTopk (adtopk.py, §4.1 "multiple local sortings"): the plain batched
+``torch.topk`` per row, and a CPU fast path that returns the same index set with fewer passes over
+the tensor (a per-row candidate floor from block maxima, one compare pass, one integer sort of the
+candidates; rows with NaN or a tie at the cut go back to ``torch.topk``). Kept apart from the
+compressors so adtopk.py holds the algorithms of the paper and this file the selection kernels.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from adacomp.compressors.sparse import Workspace, nonzero_1d
+
+# CPU fast paths (same selections, fewer passes) for float dtypes whose |x| is exact in float32.
+FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Below 2^19 elements (2^21 with q < 4 per row) the per-row torch.topk beats the ~40 small ops of
+# fast_row_topk (measured on CPU, 1 thread).
+ROW_MIN_NUMEL = 1 << 19
+# Strided / contiguous block counts per row, as multiples of the per-row need (see fast_row_topk).
+GATHER_BLOCKS, GATHER_RATIO, MASK_RATIO = 64, 8, 1.5
+
+
+def matrix_shape(shape: torch.Size, split: str) -> tuple[int, int, int]:
+    """(M, N, R) of the M x N view: R > 1 only for ``dim1`` on tensors with more than 2 dims
+    (R trailing elements are interleaved between consecutive dim-1 entries)."""
+    numel = int(torch.Size(shape).numel())
+    if len(shape) < 2 or numel == 0:
+        return 1, numel, 1
+    if split == "rows":
+        return int(shape[0]), numel // int(shape[0]), 1
+    s1 = int(shape[1])
+    return numel // s1, s1, numel // (int(shape[0]) * s1)
+
+
+def row_topk(mag: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(rows, cols) of the selected entries of the (M, N) matrix ``mag``: q = k // M (>= 1) per row,
+    plus one more in the r = k mod M rows with the largest next candidate."""
+    m, _ = mag.shape
+    q, r = divmod(k, m)
+    if q == 0:
+        q, r = 1, 0
+    ar = torch.arange(m, device=mag.device)
+    if r == 0:
+        cols = torch.topk(mag, q, dim=1, sorted=False).indices
+        return ar.repeat_interleave(q), cols.reshape(-1)
+    vals, cols = torch.topk(mag, q + 1, dim=1, sorted=True)
+    extra = torch.topk(vals[:, q], r, sorted=False).indices
+    rows = torch.cat([ar.repeat_interleave(q), extra])
+    return rows, torch.cat([cols[:, :q].reshape(-1), cols[extra, q]])
+
+
+def fast_eligible(tensor: Tensor) -> bool:
+    """The CPU speed-ups apply (CUDA keeps the plain torch.topk calls; float64 would round in |x|)."""
+    return tensor.device.type == "cpu" and tensor.dtype in FAST_DTYPES
+
+
+class Candidates(NamedTuple):
+    """Per row, a superset of its top q + 1 whose every member beats every non-member of the row:
+    flat indices, their |x| in float32, their rows, and the rows (M,) left to torch.topk because a
+    NaN was seen (torch.topk ranks NaN first)."""
+
+    flat: Tensor
+    mag: Tensor
+    row: Tensor
+    bad: Tensor
+
+
+def _floor(bmax: Tensor, q1: int) -> tuple[Tensor, Tensor]:
+    """q1-th largest of each row's disjoint block maxima: <= the row's own q1-th largest |x|."""
+    floor = torch.topk(bmax, q1, dim=1, sorted=False).values.amin(1)
+    bad = torch.isnan(floor)
+    return floor.masked_fill_(bad, math.inf), bad
+
+
+def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates:
+    """Contiguous rows (split ``rows``), small q: block maxima from amax / amin (two read-only
+    passes, no |x| pass), then only the blocks whose maximum reaches the floor are re-read."""
+    bs = n // blocks
+    v = x.reshape(m, blocks, bs)
+    bmax = torch.maximum(v.amax(2), v.amin(2).neg_()).float()  # NaN propagates
+    floor, bad = _floor(bmax, q1)
+    hit = torch.nonzero(bmax >= floor[:, None])
+    blk = hit[:, 0] * blocks + hit[:, 1]
+    g = x.reshape(m * blocks, bs).index_select(0, blk).abs().float()
+    at = torch.nonzero((g >= floor.index_select(0, hit[:, 0])[:, None]).view(-1)).view(-1)
+    return Candidates(blk.index_select(0, at // bs) * bs + at % bs, g.view(-1).index_select(0, at),
+                      hit[:, 0].index_select(0, at // bs), bad)
+
+
+def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: Workspace) -> Candidates:
+    """Any split, any q: |x| into scratch, block maxima over the first ``blocks * (n // blocks)``
+    columns (contiguous blocks where they are long enough to reduce fast, else strided), one
+    compare pass against the per-row floor."""
+    s0, bs = m // rr, n // blocks
+    a = ws.magnitudes(tensor.reshape(-1))
+    a3 = a.view(s0, n, rr)
+    if rr == 1 and bs * blocks == n and bs >= 32:
+        bmax = a.view(m, blocks, bs).amax(2)
+    else:
+        bmax = a3[:, :bs * blocks].reshape(s0, bs, blocks, rr).amax(1).transpose(1, 2).reshape(m, blocks)
+    floor, bad = _floor(bmax, q1)
+    mask = ws.scratch("mask", a.numel(), torch.bool, a.device).view(s0, n, rr)
+    if bs * blocks == n:  # a NaN anywhere made its row's floor NaN (now inf): a plain >= is safe
+        torch.ge(a3, floor.view(s0, 1, rr), out=mask)
+    else:
+        torch.logical_not(torch.lt(a3, floor.view(s0, 1, rr), out=mask), out=mask)  # keeps NaN
+    flat = nonzero_1d(mask.view(-1), min(1.0, 1.6 * q1 / n))
+    row = flat // n if rr == 1 else flat // (n * rr) * rr + flat % rr
+    return Candidates(flat, a.index_select(0, flat), row, bad)
+
+
+def _exact_rows(x3: Tensor, rows: Tensor, q: int, r: int) -> tuple[Tensor | None, Tensor]:
+    """:func:`row_topk`'s torch.topk calls on just ``rows`` (same per-row answers, ties included):
+    ((q+1)-th magnitude or None when r = 0, columns (sorted by magnitude when r > 0))."""
+    rr = x3.shape[2]
+    if rows.numel() == 0:
+        return x3.new_empty(0).abs(), rows.new_empty((0, q + (r > 0)))
+    sub = x3[rows // rr, :, rows % rr].abs()
+    if r == 0:
+        return None, torch.topk(sub, q, dim=1, sorted=False).indices
+    vals, cols = torch.topk(sub, q + 1, dim=1, sorted=True)
+    return vals[:, q], cols
+
+
+def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace) -> tuple[Tensor, int] | None:
+    """The flat indices :func:`row_topk` selects on |tensor| (same set), and how many rows fell
+    back to its torch.topk; None where the plain per-row torch.topk is as fast.
+
+    Why it is exact. Per row, the (q+1)-th largest of B disjoint block maxima is <= the row's
+    (q+1)-th largest |x|, so the elements at or above it (candidates) hold the row's top q + 1 and
+    beat all others. One integer sort of (row, |x| bits) ranks every row's candidates and gives its
+    v[q-1], v[q], v[q+1] (descending, exact): where the gap a row needs is strict (v[q-1] > v[q]
+    for q elements, v[q] > v[q+1] for q + 1), its selection is unique and the top of its sorted run
+    is it. Rows with NaN or a tie at that gap take :func:`row_topk`'s own torch.topk call on just
+    those rows (torch.topk treats rows independently), and the r remainder rows come from the same
+    torch.topk over the exact v[q], so torch's tie choices are kept everywhere.
+
+    Cost at 2^24 elements: one |x| pass (none for small q), one block-max pass, one compare pass
+    (none for small q) and work on ~1.2-1.6 k candidates, against torch.topk's ~9 ns per element.
+    """
+    q, r = divmod(k, m)
+    if q == 0:
+        q, r = 1, 0
+    q1 = q + 1
+    if m * n < ROW_MIN_NUMEL or (m * n < 4 * ROW_MIN_NUMEL and q < 4):
+        return None
+    gather = max(GATHER_BLOCKS, 1 << math.ceil(math.log2(GATHER_RATIO * q1)))
+    blocks = max(32, 1 << math.ceil(math.log2(MASK_RATIO * (q + 2))))
+    if rr == 1 and n % gather == 0 and n // gather >= 32:
+        c = _by_blocks(tensor.reshape(m, n), m, n, q1, gather)
+    elif 2 * blocks <= n:
+        c = _by_mask(tensor, m, n, rr, q1, blocks, ws)
+    else:
+        return None
+    counts = torch.bincount(c.row, minlength=m)
+    bad = c.bad
+    nan = torch.isnan(c.mag)
+    if bool(nan.any()):
+        bad[c.row[nan]] = True
+    bad |= counts < q1
+    good = ~bad
+    # one integer (radix) sort orders each row's candidates by |x|: float bits of x >= 0 are monotone
+    order = torch.sort((c.row << 32) | (c.mag.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)).indices
+    mag = torch.cat([c.mag.index_select(0, order), c.mag.new_full((1,), -1.0)])  # [-1] pads short rows
+    end = torch.cumsum(counts, 0)
+    last = c.flat.numel()
+    v_q1, v_q, v_q0 = (mag.index_select(0, torch.where(counts >= q + 1 + j, end - q - 1 - j, last))
+                       for j in (1, 0, -1))  # v[q+1], v[q], v[q-1] (0-based, descending)
+    x3 = tensor.reshape(m // rr, n, rr)
+    rows_a = torch.nonzero(bad).view(-1)
+    vq_a, cols_a = _exact_rows(x3, rows_a, q, r)
+    extra = torch.zeros(m, dtype=torch.bool, device=tensor.device)
+    if r:
+        vq = v_q.to(tensor.dtype)
+        vq[rows_a] = vq_a
+        extra[torch.topk(vq, r, sorted=False).indices] = True
+    tied = good & torch.where(extra, v_q <= v_q1, v_q0 <= v_q)
+    rows_b = torch.nonzero(tied).view(-1)
+    _, cols_b = _exact_rows(x3, rows_b, q, r)
+    rows_g = torch.nonzero(good & ~tied).view(-1)
+    take = q + extra[rows_g].long()  # each row's largest q (+1) sit at the end of its sorted run
+    firsts = torch.repeat_interleave(end[rows_g] - take - (torch.cumsum(take, 0) - take), take)
+    firsts += torch.arange(firsts.numel(), device=firsts.device)
+    chosen = c.flat.index_select(0, order.index_select(0, firsts))
+    rows_x, cols_x = torch.cat([rows_a, rows_b]), torch.cat([cols_a, cols_b])
+    more = extra[rows_x]
+    rows_x, cols_x = (torch.cat([rows_x.repeat_interleave(q), rows_x[more]]),
+                      torch.cat([cols_x[:, :q].reshape(-1), cols_x[more, q] if r else cols_x[:0, 0]]))
+    back = (rows_x // rr) * (n * rr) + cols_x * rr + rows_x % rr
+    return torch.cat([chosen, back]), int(rows_a.numel() + rows_b.numel())

@@ -1,0 +1,171 @@
+"""The CPU fast paths of ADTopk / ADTopk-i / ADTopk-t select exactly what the plain calls select.
+
+* ``fast_row_topk`` equals a straightforward per-row ``torch.topk`` selection (written out here),
+  index set for index set, on Gaussian, heavy-tailed, tied, NaN / inf, fp16 / bf16 and mostly-zero
+  data, for ``rows`` and ``dim1`` splits and both candidate strategies (block gather, mask).
+* the three compressors give the same payloads and state as copies with the fast paths switched
+  off, over consecutive calls (ADTopk-t's warm-up, re-estimation and threshold reuse included).
+* payloads are fresh: a later call never rewrites or shares the storage of an earlier payload.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adacomp.compressors._rowtopk as rowtopk
+import adacomp.compressors.adtopk as adtopk
+from adacomp import compressors
+from adacomp.compressors.sparse import Workspace
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make(kind: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    n = torch.Size(shape).numel()
+    g = gen(seed)
+    x = torch.randn(n, generator=g)
+    if kind == "t3":  # heavy tails: Student t with 3 degrees of freedom
+        x = x / ((torch.randn(3, n, generator=g) ** 2).sum(0) / 3).sqrt()
+    elif kind == "ties":
+        x = torch.randint(-4, 5, (n,), generator=g).float()
+    elif kind == "nan":
+        x[torch.randint(n, (max(1, n // 4000),), generator=g)] = float("nan")
+        x[torch.randint(n, (max(1, n // 4000),), generator=g)] = float("inf")
+    elif kind == "rowscale":  # rows of very different scale (the case ADTopk is for)
+        x = (x.view(shape[0], -1) * torch.exp(3 * torch.randn(shape[0], 1, generator=g))).reshape(-1)
+    elif kind == "sparse":
+        x = x * (torch.rand(n, generator=g) < 0.002)
+    elif kind == "fp16":
+        x = x.half()
+    elif kind == "bf16":
+        x = (x * 4).round().bfloat16()  # coarse: many ties
+    return x.view(shape)
+
+
+def plain_row_selection(x: torch.Tensor, split: str, density: float) -> set[int]:
+    """ADTopk written out: k // M largest |x| per row (at least one), one more in the k mod M rows
+    whose next magnitude is largest, each with torch.topk on the materialised (M, N) matrix."""
+    m, n, rr = adtopk.matrix_shape(x.shape, split)
+    k = max(1, round(density * x.numel()))
+    ids = torch.arange(x.numel()).view(m // rr, n, rr).transpose(1, 2).reshape(m, n)
+    mag = x.reshape(m // rr, n, rr).transpose(1, 2).reshape(m, n).abs()
+    q, r = divmod(k, m)
+    if q == 0:
+        q, r = 1, 0
+    if r == 0:
+        cols = torch.topk(mag, q, dim=1, sorted=False).indices
+        return set(ids.gather(1, cols).reshape(-1).tolist())
+    vals, cols = torch.topk(mag, q + 1, dim=1, sorted=True)
+    extra = torch.topk(vals[:, q], r, sorted=False).indices
+    chosen = set(ids.gather(1, cols[:, :q]).reshape(-1).tolist())
+    return chosen | set(ids[extra, cols[extra, q]].tolist())
+
+
+CASES = [  # (shape, split, density): block gather (long rows, small q) and mask (others)
+    ((64, 4096), "rows", 0.001), ((64, 4096), "rows", 0.01), ((300, 700), "rows", 0.05),
+    ((512, 512), "rows", 0.1), ((48, 64, 3, 3), "dim1", 0.02), ((32, 96, 5, 5), "rows", 0.01),
+    ((128, 2048, 1, 1), "dim1", 0.002),
+]
+
+
+@pytest.mark.parametrize("kind", ["gauss", "t3", "ties", "nan", "rowscale", "sparse", "fp16", "bf16"])
+@pytest.mark.parametrize("shape,split,density", CASES)
+def test_fast_row_topk_equals_plain_per_row_topk(monkeypatch, kind, shape, split, density):
+    monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)  # small tensors keep the tests fast
+    x = make(kind, shape, seed=len(kind) * 1000 + sum(shape))
+    m, n, rr = adtopk.matrix_shape(x.shape, split)
+    k = max(1, round(density * x.numel()))
+    got = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
+    assert got is not None
+    idx, fallback_rows = got
+    assert idx.dtype == torch.int64 and idx.unique().numel() == idx.numel() == max(k, m)
+    assert set(idx.tolist()) == plain_row_selection(x, split, density)
+    if kind in ("gauss", "t3", "rowscale"):  # (fp16 rows of 4096 tie now and then)
+        assert fallback_rows == 0  # no ties at the row boundaries: the fast path chose everything
+    if kind in ("ties", "nan"):
+        assert fallback_rows > 0  # ... and here torch.topk's tie / NaN choices were kept
+
+
+def test_both_candidate_strategies_are_used(monkeypatch):
+    monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
+    used = []
+    for fname in ("_by_blocks", "_by_mask"):
+        fn = getattr(rowtopk, fname)
+        monkeypatch.setattr(rowtopk, fname, lambda *a, _f=fn, _n=fname, **kw: used.append(_n) or _f(*a, **kw))
+    for shape, split, density in CASES:
+        x = make("gauss", shape, 1)
+        m, n, rr = adtopk.matrix_shape(x.shape, split)
+        adtopk.fast_row_topk(x, m, n, rr, max(1, round(density * x.numel())), Workspace())
+    assert {"_by_blocks", "_by_mask"} <= set(used)
+
+
+def plain(name: str, **kw):
+    """The same compressor with every CPU fast path switched off (the plain torch calls)."""
+    c = compressors.get(name, **kw)
+    c.fast_cpu = False
+    return c
+
+
+def payload_set(payload) -> dict[int, int]:
+    vals, idx = payload
+    bits = vals.float().view(torch.int32).tolist()  # bitwise: NaN compares equal to itself here
+    return dict(zip(idx.tolist(), bits))
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "nan", "fp16"])
+@pytest.mark.parametrize("name,extra", [("adtopk", {}), ("adtopk", {"split": "dim1"}), ("adtopk_i", {}),
+                                        ("adtopk_t", {"sigma": 3, "tau": 2, "total_iters": 12}),
+                                        ("adtopk_t", {"sigma": 2, "tau": 1, "interleave": False})])
+def test_compressors_equal_their_plain_twins_over_steps(monkeypatch, kind, name, extra):
+    monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
+    fast, slow = compressors.get(name, density=0.01, **extra), plain(name, density=0.01, **extra)
+    base = make(kind, (96, 2048), 5)
+    for step in range(12):
+        scale = [1.0, 1.0, 1.03, 2.0, 1.0, 0.5][step % 6]
+        noise = 0.0 if kind == "ties" else 0.01  # ties stay exact ties from step to step
+        x = (base.float() * scale + noise * make("gauss", (96, 2048), 100 + step)).to(base.dtype)
+        for c in (fast, slow):
+            c.on_step(step)
+        for lname in ("a", "b"):
+            pf, _ = fast.compress(x, lname)
+            ps, _ = slow.compress(x, lname)
+            assert payload_set(pf) == payload_set(ps), (step, lname)
+        assert repr(fast.state_dict()) == repr(slow.state_dict())  # repr: NaN thresholds equal too
+        assert getattr(fast, "last_action", None) == getattr(slow, "last_action", None)
+
+
+@pytest.mark.parametrize("name", ["adtopk", "adtopk_i", "adtopk_t"])
+def test_consecutive_payloads_are_fresh(name):
+    """Scratch buffers are reused inside the compressor; payloads and outputs never are."""
+    c = compressors.get(name, density=0.01, **({"sigma": 1} if name == "adtopk_t" else {}))
+    x1 = torch.randn(512, 1024, generator=gen(7))  # 2^19: the fast paths are on
+    x2 = torch.randn(512, 1024, generator=gen(8))
+    outs = []
+    for step in range(4):  # covers ADTopk and Top-k (adtopk_i), ADTopk and reuse (adtopk_t)
+        c.on_step(step)
+        p1, ctx1 = c.compress(x1, "w")
+        keep = [t.clone() for t in p1]
+        p2, _ = c.compress(x2, "w")
+        for a in p1:
+            for b in p2:
+                assert a.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        assert all(torch.equal(a, b) for a, b in zip(p1, keep))
+        out = c.decompress(p1, ctx1)
+        assert torch.equal(out.reshape(-1)[p1[1]], p1[0])
+        outs.append(out)
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == len(outs)  # held outputs not reused
+    assert not any("workspace" in str(key) for key in c.state_dict())
+
+
+def test_large_tensor_takes_the_fast_path_through_the_compressor(monkeypatch):
+    """At the default size gate (no patching) the compressor's answer comes from fast_row_topk."""
+    calls = []
+    orig = adtopk.fast_row_topk
+    monkeypatch.setattr(adtopk, "fast_row_topk", lambda *a: calls.append(orig(*a)) or calls[-1])
+    x = make("t3", (1024, 2048), 3)
+    (vals, idx), _ = compressors.get("adtopk", density=0.001).compress(x, "w")
+    assert calls and calls[0] is not None and calls[0][1] == 0
+    assert set(idx.tolist()) == plain_row_selection(x, "rows", 0.001)
+    assert torch.equal(vals, x.reshape(-1)[idx])
