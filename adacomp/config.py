@@ -21,7 +21,7 @@ import yaml
 from adacomp.errors import ConfigError, IncompatibleComponentsError
 
 BACKENDS = ("auto", "torch", "mpi", "horovod", "local")
-NONFINITE = ("raise", "skip")
+NONFINITE = ("propagate", "skip", "raise")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Config:
     policy: ComponentSpec = field(default_factory=lambda: ComponentSpec("static"))
     layers: list[LayerOverride] = field(default_factory=list)
     min_numel: int = field(default=1024, metadata={"min": 0})
-    nonfinite: str = field(default="raise", metadata={"choices": NONFINITE})
+    nonfinite: str = field(default="propagate", metadata={"choices": NONFINITE})
     timeout_s: float = field(default=60.0, metadata={"min": 0.1})
     train: TrainConfig = field(default_factory=TrainConfig)
 

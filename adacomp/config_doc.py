@@ -28,7 +28,7 @@ KEY_DOCS: dict[str, str] = {
     "layers[].communicator": "Communicator for matching parameters.",
     "layers[].offload": "Compress matching parameters on a CPU worker thread in parallel with backward (ByteComp's \"compress on CPU\"); needs `allgather`, `allgather_fast` or `alltoall`.",
     "min_numel": "Parameters with fewer elements go uncompressed on allreduce (unless a `layers` rule matches).",
-    "nonfinite": "NaN/Inf gradient on any rank: `raise` on every rank naming parameter and rank, or `skip` the step everywhere leaving all state unchanged.",
+    "nonfinite": "NaN/Inf gradient on any rank. Every mode first restores all residuals, thresholds, factors and policy state to what they were before the step, on every rank. `propagate` (default, what torch.amp.GradScaler needs): compressed gradients become NaN on every rank, uncompressed ones hold the plain average (as under DDP), so GradScaler skips the step everywhere; `skip`: `step()` drops the update on every rank; `raise`: NonFiniteGradientError on every rank naming parameter and rank.",
     "timeout_s": "Seconds a collective may wait before the run fails (dead peer).",
     "train": "The built-in job of `adacomp train`.",
     "train.dataset": "Dataset shipped offline inside a package.",

@@ -1,72 +1,82 @@
-"""DistributedOptimizer: Horovod's one-line wrap, with a compressor, memory and communicator per route.
+"""DistributedOptimizer: Horovod's one-line wrap with DDP's contract.
 
-Communication starts inside backward: a hook on every parameter fires once its gradient is
-accumulated (wait-free back-propagation); when every gradient of a fusion bucket is ready, the
-bucket's communicator compresses (after error-feedback compensation) and launches its collective
-without waiting. ``step()`` calls :meth:`synchronize`, which finishes buckets in order, writes the
-mean gradient into ``p.grad`` and then runs the wrapped optimizer.
+A thin facade wiring small objects with one job each (docs/architecture.md):
 
-Buckets are launched strictly in bucket-index order on every rank (a ready bucket waits for its
-predecessors), so gloo / MPI / NCCL see the same sequence of collectives everywhere even if hooks
-fire in a different order (DESIGN.md, ordering rule).
+* :class:`~adacomp.routes.RouteTable`: routes, compressors, buckets, the knobs policies turn;
+* :class:`~adacomp.step_engine.StepEngine`: hooks, in-order launch / finish, the vote, writing
+  ``p.grad`` at the end of backward; its per-round state is one dataclass;
+* :mod:`adacomp.error_feedback`: compensate -> compress -> update, rollback, loss-scale units;
+* :class:`~adacomp.offload.OffloadWorker`: compression on a CPU thread;
+* :class:`~adacomp.optimizer_state.ComponentState`: checkpoints and snapshots.
 
-The class is assembled from modules with one job each: :mod:`adacomp.routes` (routes, buckets
-and the knobs policies turn), :mod:`adacomp.grad_hooks` (hooks and in-order launches),
-:mod:`adacomp.offload` (the CPU compression worker) and :mod:`adacomp.optimizer_state`
-(checkpoints and snapshots). This file keeps construction, ``synchronize`` and ``step``.
+Policies see this object through the small host protocol of :class:`adacomp.policies.base.Host`.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-import time
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-from adacomp import context, policies, watchdog
+from adacomp import context, policies, sync
 from adacomp.backends.base import Backend
-from adacomp.communicators.base import CommEnv
-from adacomp.config import Config, load
-from adacomp.errors import CommunicationError, ConfigError, NonFiniteGradientError
-from adacomp.grad_hooks import HookMixin
+from adacomp.communicators.base import Communicator
+from adacomp.compressors.base import Compressor
+from adacomp.config import ComponentSpec, Config, load
+from adacomp.errors import CommunicationError, ConfigError
+from adacomp.error_feedback import LossScale
 from adacomp.metrics import StepStats
-from adacomp.optimizer_state import StateMixin
-from adacomp.routes import Bucket, Route, RoutingMixin
+from adacomp.optimizer_state import ComponentState
+from adacomp.routes import Bucket, Route, RouteTable
+from adacomp.step_engine import EngineOptions, StepEngine
 
 Average = "average"
 Sum = "sum"
 
+_WRAPPED = "_adacomp_wrapped_by"  # marks an optimizer that a DistributedOptimizer already wraps
 
-class DistributedOptimizer(RoutingMixin, HookMixin, StateMixin, torch.optim.Optimizer):
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so gradients are compressed and averaged across ranks.
 
+    As with DDP, when ``loss.backward()`` returns every parameter's ``.grad`` holds the average
+    over ranks (communication overlaps backward, bucket by bucket), so clipping, GradScaler and
+    anything else that reads gradients after backward sees averaged ones; ``step()`` only steps.
+
     Arguments follow Horovod's: ``named_parameters`` (unique names, used for per-layer rules and
-    state keys), ``backward_passes_per_step`` (local accumulation before communicating),
-    ``op`` (``adacomp.Average`` or ``adacomp.Sum``), ``gradient_predivide_factor`` (accepted for
-    Horovod compatibility; communicators already average, so it does not change the result),
-    plus ``config`` (YAML path, dict or :class:`~adacomp.config.Config`) and ``backend``.
+    state keys), ``backward_passes_per_step`` (local accumulation: communicate on the last pass;
+    a ``step()`` after fewer passes reduces what has accumulated), ``op`` (``adacomp.Average`` or
+    ``adacomp.Sum``), ``gradient_predivide_factor`` (accepted for Horovod compatibility;
+    communicators already average, so it does not change the result); plus ``config`` (YAML
+    path, dict or :class:`~adacomp.config.Config`), ``backend`` and ``grad_scaler`` (a
+    ``torch.amp.GradScaler``: residuals then follow changes of its loss scale). DDP habits work:
+    ``with opt.no_sync():`` for accumulation, ``with opt.join():`` for uneven inputs::
 
-    Call ``synchronize()`` yourself to touch averaged gradients before the update, e.g. clipping::
-
-        loss.backward()
-        opt.synchronize()
+        scaler = torch.amp.GradScaler()
+        opt = adacomp.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
+                                           model.named_parameters(), config=cfg, grad_scaler=scaler)
+        scaler.scale(loss).backward()          # .grad is averaged when this returns
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        with opt.skip_synchronize():
-            opt.step()
+        scaler.step(opt); scaler.update()
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  config: Any = None, backward_passes_per_step: int = 1, op: str = Average,
-                 gradient_predivide_factor: float = 1.0, backend: Backend | None = None):
-        # Deliberately not calling Optimizer.__init__: we share the inner optimizer's groups/state.
+                 gradient_predivide_factor: float = 1.0, backend: Backend | None = None,
+                 grad_scaler: Any = None):
+        if isinstance(optimizer, DistributedOptimizer) or getattr(optimizer, _WRAPPED, None) is not None:
+            raise ValueError("this optimizer is already wrapped by an adacomp.DistributedOptimizer; wrapping it "
+                             "again would send every gradient twice. Wrap the plain torch optimizer once "
+                             "(call remove_hooks() on the old wrapper first to re-wrap)")
+        _init_optimizer_hooks(self)
         self.inner = optimizer
-        self.defaults = optimizer.defaults
         self.config: Config = load(config)
         if op not in (Average, Sum):
             raise ValueError(f"op must be adacomp.Average or adacomp.Sum, got {op!r}")
@@ -80,27 +90,31 @@ class DistributedOptimizer(RoutingMixin, HookMixin, StateMixin, torch.optim.Opti
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.backward_passes_per_step = backward_passes_per_step
         self.backend = backend if backend is not None else context.current()
-        self.params = self._name_parameters(optimizer, named_parameters)
-        self._param_by_name = dict(self.params)
+        self.params = _name_parameters(optimizer, named_parameters)
         self.steps = 0
         self.steps_per_epoch: int | None = None  # set by training loops that know it (lgreco's period)
         self.skipped_steps = 0
-        self._skip_this_step = False
-        self._pre_state: dict[str, Any] = {}
         self.last_stats: StepStats | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=1000)
-        self._overrides: dict[str, dict[str, Any]] = {}
-        self._pool = None  # offload worker thread, started on first use (adacomp.offload)
-        self._check_consistency()
-        self._build_routes()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(n))
-                       for n, p in self.params]
-        if any(r.memory.name == "dgc" for r in self._routes.values()) and \
+        self._should_sync = True
+        self._user_synchronized = False
+        weights_differ = self._check_consistency()
+        self.table = RouteTable(self.config, self.params)
+        self.loss_scale = LossScale(grad_scaler)
+        self.engine = StepEngine(
+            self.table, self.backend,
+            EngineOptions(backward_passes_per_step, op == Sum, self.config.nonfinite),
+            self._round_state, self.loss_scale,
+            on_first_round=self._check_weights if weights_differ else None)
+        self.engine.attach(self.params)
+        setattr(optimizer, _WRAPPED, self)
+        self.io = ComponentState(optimizer, self.table, self.loss_scale, lambda: self.policy,
+                                 lambda: self.steps, self._set_steps)
+        if any(r.memory.name == "dgc" for r in self.table.routes.values()) and \
                 any(g.get("momentum", 0) for g in optimizer.param_groups):
             warnings.warn("memory 'dgc' applies momentum itself (DGC §3.2); the wrapped optimizer should "
                           "use momentum=0, otherwise momentum is applied twice", stacklevel=2)
         self.policy = policies.get(self.config.policy.name, **self.config.policy.params)
-        self._reset_step()
         self.policy.attach(self)
 
     # --- torch.optim.Optimizer surface (shared with the wrapped optimizer) -----------------------
@@ -120,41 +134,46 @@ class DistributedOptimizer(RoutingMixin, HookMixin, StateMixin, torch.optim.Opti
     def state(self, value: Any) -> None:
         self.inner.state = value
 
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
+
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer holds live communication state; pickle state_dict() instead")
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.inner!r}, buckets={len(self.buckets)}, backend={self.backend!r})"
 
-    # --- construction -----------------------------------------------------------------------------
-    @staticmethod
-    def _name_parameters(optimizer: torch.optim.Optimizer,
-                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None) -> list[tuple[str, Tensor]]:
-        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-        if named_parameters is None:
-            return [(f"param.{i}", p) for i, p in enumerate(opt_params) if p.requires_grad]
-        named = list(named_parameters)
-        if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
-                             "usually model.named_parameters()")
-        names = [n for n, _ in named]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {dups}")
-        ids = {id(p) for _, p in named}
-        missing = [i for i, p in enumerate(opt_params) if id(p) not in ids]
-        if missing:
-            raise ValueError("named_parameters was given, but optimizer parameters at positions "
-                             f"{missing} are not in it; pass model.named_parameters() of the whole model")
-        opt_ids = {id(p) for p in opt_params}
-        return [(n, p) for n, p in named if id(p) in opt_ids and p.requires_grad]
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer *and* to communication (every rank must call it
+        with the same shapes; new parameters are named ``param_group<i>.<j>``)."""
+        if self.engine.state is not None:
+            raise RuntimeError("add_param_group() must be called between steps, not between backward and step()")
+        gi = len(self.inner.param_groups)
+        self.inner.add_param_group(param_group)
+        new = [(f"param_group{gi}.{j}", p) for j, p in enumerate(self.inner.param_groups[-1]["params"])
+               if p.requires_grad]
+        self.params.extend(new)
+        if self._check_consistency():
+            self._check_weights()
+        self.table.build()
+        self.engine.reindex()
+        self.engine.attach(new)
 
-    def _check_consistency(self) -> None:
-        """Every rank must hold the same config and the same parameters; say who differs."""
+    # --- construction checks ----------------------------------------------------------------------
+    def _check_consistency(self) -> bool:
+        """Every rank must hold the same config and the same parameters; say who differs.
+        Returns whether the ranks' *weights* differ (checked again at the first backward, since
+        Horovod scripts call ``broadcast_parameters`` after building the optimizer)."""
         shapes = [(n, list(p.shape)) for n, p in self.params]
         mine = {"config": self.config.hash(),
                 "params": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16],
-                "names": [n for n, _ in self.params][:2000], "shapes": shapes[:2000]}
+                "weights": _weights_digest(self.params),
+                "shapes": shapes[:2000]}
         everyone = self.backend.allgather_object(mine)
         ref = everyone[0]
         for what in ("config", "params"):
@@ -170,103 +189,95 @@ class DistributedOptimizer(RoutingMixin, HookMixin, StateMixin, torch.optim.Opti
                 raise CommunicationError(
                     f"ranks {bad} have a different {'configuration' if what == 'config' else 'model (parameter names/shapes)'} "
                     f"than rank 0{detail}. Every rank must run the same config file and model.")
+        return any(d["weights"] != ref["weights"] for d in everyone)
 
-    # --- lookups (route / bucket lookups live in adacomp.routes) ---------------------------------
+    def _check_weights(self) -> None:
+        """Ranks started from different weights: fine if ``broadcast_parameters`` ran before
+        the first backward; an error naming the ranks otherwise (DDP syncs at construction)."""
+        everyone = self.backend.allgather_object(_weights_digest(self.params))
+        bad = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        if bad:
+            raise CommunicationError(
+                f"ranks {bad} hold different initial weights than rank 0, so their models would diverge. "
+                "Call adacomp.broadcast_parameters(model.state_dict(), root_rank=0) after building the "
+                "optimizer (and adacomp.broadcast_optimizer_state(opt, root_rank=0)), or seed every rank alike.")
+
+    # --- host protocol for policies (adacomp.policies.base.Host) ---------------------------------
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.table.buckets
+
     def parameter(self, name: str) -> Tensor:
-        return self._param_by_name[name]
+        return self.engine._param[name]
 
-    # --- per-step bookkeeping ---------------------------------------------------------------------
-    def _reset_step(self) -> None:
-        self._passes: dict[str, int] = {n: 0 for n, _ in self.params}
-        for b in self.buckets:
-            if b.job is not None:  # an aborted step: let the worker finish before state is reused
-                b.job.exception()
-            b.ready, b.pending, b.entries, b.job = 0, None, [], None
-        self._next_launch = 0
-        self._launched_any = False
-        self._step_started = False
-        self._synchronized = False
-        self._should_sync = True
-        self._nonfinite: list[str] = []
-        self._skip_this_step = False
-        self._stats = StepStats(step=self.steps)
-        self._env = CommEnv(self.backend, self._stats, self.steps)
+    def compressor_for(self, name: str) -> Any:
+        return self.table.compressor_for(name)
+
+    def route_of(self, name: str) -> Route:
+        return self.table.route_of[name]
+
+    def bucket_of(self, name: str) -> Bucket:
+        return self.table.bucket_of[name]
+
+    def is_fused(self, name: str) -> bool:
+        return self.table.is_fused(name)
+
+    def set_communicator(self, bucket_index: int, communicator: Communicator) -> None:
+        self.table.set_communicator(bucket_index, communicator)
+
+    def set_density(self, density: float, names: Iterable[str] | None = None) -> None:
+        self.table.set_density(density, names)
+
+    def set_route(self, name: str, compressor: ComponentSpec | None = None,
+                  memory: ComponentSpec | None = None, communicator: ComponentSpec | None = None,
+                  offload: bool | None = None) -> None:
+        """Override one parameter's route from the next step on (buckets are re-planned).
+        ``offload``: compress on the CPU worker thread (needs an offloadable communicator)."""
+        if self.engine.state is not None:
+            raise RuntimeError("set_route() must be called between steps, not during backward")
+        self.table.set_route(name, compressor, memory, communicator, offload)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.io.snapshot(self.params)
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        self.io.restore(self.params, snap)
+
+    # --- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.io.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.io.load_state_dict(state_dict)
+
+    def adacomp_state_dict(self, include_policy: bool = True) -> dict[str, Any]:
+        return self.io.adacomp_state_dict(include_policy)
+
+    def load_adacomp_state_dict(self, state: dict[str, Any]) -> None:
+        self.io.load_adacomp_state_dict(state)
+
+    def _set_steps(self, steps: int) -> None:
+        self.steps = steps
+        self.engine.end_step(steps)
+
+    def _round_state(self) -> tuple[list[Any], list[Any]]:
+        """(memories, other stateful components) a round may change: what a non-finite round
+        rolls back. Components that keep no state are left out (nothing to copy)."""
+        memories = list({id(r.memory): r.memory for r in self.table.routes.values()}.values())
+        others: list[Any] = [c for c in self.table.unique_compressors() if _keeps_state(c)]
+        others += [c for c in {id(r.communicator): r.communicator for r in self.table.routes.values()}.values()
+                   if _keeps_state(c)]
+        if _keeps_state(self.policy):
+            others.append(self.policy)
+        return memories, others
 
     # --- synchronize / step -------------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish every bucket and write the averaged gradients into ``p.grad``."""
-        if self._synchronized:
-            return
-        with watchdog.guard(self.backend):  # a dead peer surfaces as an error naming its rank
-            self._synchronize()
-
-    def _synchronize(self) -> None:
-        if not self._launched_any and all(v == 0 for v in self._passes.values()):
-            # step() without backward: nothing to send (Horovod also allows it).
-            self._synchronized = True
-            return
-        incomplete = [n for n, c in self._passes.items() if 0 < c < self.backward_passes_per_step]
-        if incomplete:
-            raise RuntimeError(
-                f"step() called after {self._passes[incomplete[0]]} of backward_passes_per_step="
-                f"{self.backward_passes_per_step} backward passes; run the remaining passes first")
-        for b in self.buckets[self._next_launch:]:  # parameters without gradients count as ready
-            if b.ready != len(b.names):
-                b.ready = len(b.names)
-                if b.route.offload:
-                    self._submit(b)
-        self._launch_ready(block=True)
-        scale = float(self.backend.size()) if self.op == Sum else 1.0
-        for b in self.buckets:
-            self._env.bucket_index = b.index
-            t0 = time.perf_counter()
-            outs = b.communicator.finish(b.pending, self._env)
-            self._stats.bucket_sync_s[b.index] = time.perf_counter() - t0
-            self._write_grads(b, outs, scale)
-            b.pending, b.entries = None, []
-        self._check_nonfinite()
-        self._synchronized = True
-
-    def _write_grads(self, b: Bucket, outs: list[Tensor], scale: float) -> None:
-        """Install the averaged gradients. Results are handed over as ``p.grad`` (no copy) when
-        dtype and device match, as DDP's ``gradient_as_bucket_view`` does: for the dense path they
-        are views of the fusion buffer, so the next backward can even accumulate in place and the
-        next flatten is skipped. Otherwise they are copied into the existing gradient."""
-        if b.fused_compressor is not None:
-            flat, off = outs[0].reshape(-1), 0
-            outs = []
-            for n in b.names:
-                numel = self._param_by_name[n].numel()
-                outs.append(flat[off:off + numel])
-                off += numel
-        for n, out in zip(b.names, outs):
-            p = self._param_by_name[n]
-            g = p.grad
-            if out.data_ptr() != g.data_ptr():  # type: ignore[union-attr]
-                if out.dtype == g.dtype and out.device == g.device and out.is_contiguous():  # type: ignore[union-attr]
-                    p.grad = g = out.view(g.shape)  # type: ignore[union-attr]
-                else:
-                    g.copy_(out.reshape(g.shape))  # type: ignore[union-attr]
-            if scale != 1.0:
-                g.mul_(scale)  # type: ignore[union-attr]
-
-    def _check_nonfinite(self) -> None:
-        """All ranks learn whether any rank saw a non-finite gradient (one tiny allreduce)."""
-        flag = torch.tensor([1.0 if self._nonfinite else 0.0])
-        if float(self.backend.allreduce(flag)) == 0.0:
-            return
-        where = self.backend.allgather_object(self._nonfinite[:5])
-        bad = {r: names for r, names in enumerate(where) if names}
-        if self.config.nonfinite == "skip":
-            self.skipped_steps += 1
-            self.load_adacomp_state_dict(self._pre_state)  # also resets the step's bookkeeping
-            self._skip_this_step = True
-            self._synchronized = True
-        else:
-            self._reset_step()
-            raise NonFiniteGradientError(
-                "non-finite gradient (NaN or Inf) on " + "; ".join(f"rank {r}: {', '.join(n)}" for r, n in bad.items())
-                + ". Lower the learning rate or use loss scaling; set `nonfinite: skip` to drop such steps.")
+        """Make sure ``p.grad`` holds the averaged gradients. Usually a no-op: the round finishes
+        at the end of backward. After fewer than ``backward_passes_per_step`` passes it reduces
+        what has accumulated (Horovod's behaviour)."""
+        self._user_synchronized = True
+        self.engine.finish()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -277,44 +288,119 @@ class DistributedOptimizer(RoutingMixin, HookMixin, StateMixin, torch.optim.Opti
         finally:
             self._should_sync = True
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """As DDP's ``no_sync``: backward passes inside accumulate locally; the first backward
+        outside communicates the accumulated gradients."""
+        return self.engine.no_sync()
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """As DDP's ``Join`` for uneven inputs: wrap the training loop. A rank that runs out of
+        data shadows the others' collectives (contributing zeros; averages still divide by the
+        world size, as DDP's default) until every rank is done; then every rank takes the
+        parameters of the last rank to finish. One communication round per step inside."""
+        self.engine.joined = False
+        yield
+        self.engine.joined = True
+        last = self.engine.last_vote.active_ranks if self.engine.last_vote else []
+        while True:
+            vote = self.engine.shadow_round()
+            if not vote.active_ranks:
+                break
+            last = vote.active_ranks
+            self._end_step()
+        self.engine.joined = False
+        root = max(last) if last else 0
+        sync.broadcast_parameters(self.params, root_rank=root, backend=self.backend)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if self._should_sync:
-            self.synchronize()
-        elif not self._synchronized and self._launched_any:
+            if self._user_synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without the "
+                              "optimizer.skip_synchronize() context; wrap step() in it when you synchronize "
+                              "yourself (as with Horovod). Gradients are not sent twice.", stacklevel=2)
+            self.engine.finish()
+        elif self.engine.state is not None and self.engine.state.launched:
             raise RuntimeError("step() inside skip_synchronize() requires an explicit synchronize() first")
-        if self._skip_this_step:  # every rank saw the flag: drop the update, keep all state
-            self._reset_step()
+        self._user_synchronized = False
+        if self.engine.skip_update:  # every rank saw the vote: drop the update, keep all state
+            self.skipped_steps += 1
+            self.engine.end_step(self.steps)
             return None
-        loss = self.inner.step(closure)
-        self._finish_step()
+        loss = self.inner.step(closure, **kwargs) if kwargs else self.inner.step(closure)
+        self._end_step()
         return loss
 
-    def _finish_step(self) -> None:
-        stats = self._stats
+    def _end_step(self) -> None:
+        self.steps += 1
+        stats = self.engine.end_step(self.steps)
         self.last_stats = stats
         self.history.append(stats.as_dict())
-        self.steps += 1
-        seen: set[int] = set()
-        for c in list(self._compressors.values()) + [b.fused_compressor for b in self.buckets if b.fused_compressor]:
-            if id(c) not in seen:
-                seen.add(id(c))
-                c.on_step(self.steps)
-        self._reset_step()
+        for c in self.table.unique_compressors():
+            c.on_step(self.steps)
         self.policy.after_step(self, stats)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._launched_any and not self._synchronized:
-            raise AssertionError(
-                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(); this would race with communication. Call zero_grad() before backward.")
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def remove_hooks(self) -> None:
         """Detach from the model and stop the offload worker (if one was started)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._stop_offload()
+        self.engine.detach()
+        if getattr(self.inner, _WRAPPED, None) is self:
+            delattr(self.inner, _WRAPPED)
+
+
+def _init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
+    """What ``Optimizer.__init__`` sets up besides parameter groups (which are the wrapped
+    optimizer's): hook registries, so ``register_step_pre_hook`` and friends work."""
+    for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                 "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                 "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+        setattr(opt, attr, OrderedDict())
+    opt._patch_step_function()  # type: ignore[attr-defined]
+
+
+def _name_parameters(optimizer: torch.optim.Optimizer,
+                     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None) -> list[tuple[str, Tensor]]:
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(opt_params) if p.requires_grad]
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {dups}")
+    ids = {id(p) for _, p in named}
+    missing = [i for i, p in enumerate(opt_params) if id(p) not in ids]
+    if missing:
+        raise ValueError("named_parameters was given, but optimizer parameters at positions "
+                         f"{missing} are not in it; pass model.named_parameters() of the whole model")
+    opt_ids = {id(p) for p in opt_params}
+    return [(n, p) for n, p in named if id(p) in opt_ids and p.requires_grad]
+
+
+def _weights_digest(params: list[tuple[str, Tensor]]) -> str:
+    """A cheap fingerprint of the weights: per tensor, its float64 sum and 16 sampled values."""
+    parts = []
+    with torch.no_grad():
+        for _, p in params:
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // 16)
+            parts.append(torch.cat([flat.sum(dtype=torch.float64).reshape(1),
+                                    flat[::step][:16].to(torch.float64)]).cpu())
+    blob = torch.cat(parts).numpy().tobytes() if parts else b""
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _keeps_state(obj: Any) -> bool:
+    """True when ``obj``'s class overrides ``state_dict`` (stateless components skip the copy)."""
+    return type(obj).state_dict not in _STATELESS
+
+
+_STATELESS = {Compressor.state_dict, Communicator.state_dict, policies.Policy.state_dict}
 
 
 __all__ = ["Average", "Sum", "DistributedOptimizer", "Route", "Bucket", "ConfigError"]

@@ -1,59 +1,66 @@
 """Checkpointable state of :class:`~adacomp.optimizer.DistributedOptimizer`.
 
 One job: turn every stateful component (per-parameter and per-bucket compressors, route
-memories and communicators, the policy) into a ``state_dict`` and back, plus the in-memory
-snapshot / restore that MOO exploration uses (DESIGN.md: algorithm state is an object with
-``state_dict()``, like PyTorch's ``PowerSGDState``).
+memories and communicators, the policy, the routing overrides, the loss-scale units) into plain
+data and back, plus the in-memory snapshot / restore that MOO exploration uses.
+
+Keys are stable across ranks, restarts and re-planned buckets: compressors by parameter name
+(``compressor/<param>``) or fused-bucket key, memories and communicators by their route's spec
+(``memory/<route spec>``; residuals inside are keyed by parameter name). Routing overrides are
+saved and applied *first* on load, so a run whose policy rerouted tensors (ByteComp, L-GreCo)
+finds the same routes before its component state is put back.
 """
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from adacomp.compressors.base import Compressor
-from adacomp.routes import Bucket, Route
+from adacomp.error_feedback import LossScale
+from adacomp.routes import RouteTable
 
-if TYPE_CHECKING:
-    from adacomp.policies.base import Policy
+STATE_KEY = "adacomp"  # the one extra key in the wrapped optimizer's torch state dict
 
 
-class StateMixin:
-    """``state_dict`` / ``load_state_dict`` / ``snapshot`` / ``restore``. Needs ``inner``,
-    ``params``, ``steps``, ``policy``, the route tables and ``_reset_step`` from the optimizer."""
+class ComponentState:
+    """``state_dict`` / ``load_state_dict`` / ``snapshot`` / ``restore`` over the route table."""
 
-    inner: torch.optim.Optimizer
-    params: list[tuple[str, Tensor]]
-    steps: int
-    policy: Policy
-    buckets: list[Bucket]
-    _routes: dict[str, Route]
-    _compressors: dict[str, Compressor]
+    def __init__(self, inner: torch.optim.Optimizer, table: RouteTable, loss_scale: LossScale,
+                 policy: Callable[[], Any], steps: Callable[[], int], set_steps: Callable[[int], None]):
+        self.inner = inner
+        self.table = table
+        self.loss_scale = loss_scale
+        self._policy = policy
+        self._steps = steps
+        self._set_steps = set_steps
 
-    def _components(self) -> dict[str, Any]:
-        """Stateful components by stable key; routes are numbered in sorted key order so the
-        numbering is the same on every rank and across restarts with the same config."""
+    def components(self, include_policy: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for n, c in self._compressors.items():
+        for n, c in self.table.compressors.items():
             out[f"compressor/{n}"] = c
-        for b in self.buckets:
+        for b in self.table.buckets:
             if b.fused_compressor is not None:
-                out[f"compressor/bucket{b.index}"] = b.fused_compressor
-        for i, r in enumerate(sorted(self._routes)):
-            out[f"memory/{i}"] = self._routes[r].memory
-            out[f"communicator/{i}"] = self._routes[r].communicator
-        out["policy"] = self.policy
+                out[f"compressor/{b.fused_key}"] = b.fused_compressor
+        for key, r in sorted(self.table.routes.items()):
+            out[f"memory/{key}"] = r.memory
+            out[f"communicator/{key}"] = r.communicator
+        if include_policy:
+            out["policy"] = self._policy()
         return out
 
     def adacomp_state_dict(self, include_policy: bool = True) -> dict[str, Any]:
-        return {"steps": self.steps,
-                "components": {k: c.state_dict() for k, c in self._components().items()
-                               if include_policy or k != "policy"}}
+        return {"steps": self._steps(), "overrides": self.table.overrides_state(),
+                "loss_scale": self.loss_scale.state_dict(),
+                "components": {k: c.state_dict() for k, c in self.components(include_policy).items()}}
 
     def load_adacomp_state_dict(self, state: dict[str, Any]) -> None:
-        comps = self._components()
+        overrides = RouteTable.overrides_from_state(state.get("overrides", {}))
+        if overrides != self.table.overrides:
+            self.table.set_overrides(overrides)
+        comps = self.components()
         unknown = sorted(set(state["components"]) - set(comps))
         if unknown:
             raise ValueError(f"checkpoint has state for {unknown[:5]} which this optimizer does not have; "
@@ -62,33 +69,48 @@ class StateMixin:
             if k == "policy" and k not in state["components"]:
                 continue  # snapshots leave the policy alone: it is the one exploring
             c.load_state_dict(state["components"].get(k, {}))
-        self.steps = int(state["steps"])
-        self._reset_step()
+        self.loss_scale.load_state_dict(state.get("loss_scale", {}))
+        self._set_steps(int(state["steps"]))
 
     def state_dict(self) -> dict[str, Any]:
-        """Wrapped optimizer state plus every compressor, memory, communicator and policy state."""
-        return {"optimizer": self.inner.state_dict(), "adacomp": self.adacomp_state_dict()}
+        """The wrapped optimizer's torch state dict (``state``, ``param_groups``) plus one extra
+        key, ``"adacomp"``, with every compressor, memory, communicator and policy state."""
+        sd = self.inner.state_dict()
+        sd[STATE_KEY] = self.adacomp_state_dict()
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "optimizer" not in state_dict or "adacomp" not in state_dict:
-            raise ValueError("expected a DistributedOptimizer.state_dict() with keys 'optimizer' and 'adacomp'")
-        self.inner.load_state_dict(state_dict["optimizer"])
-        self.load_adacomp_state_dict(state_dict["adacomp"])
+        """Accepts :meth:`state_dict`'s format, a plain torch optimizer state dict (compression
+        state then starts fresh, with a warning) and the older ``{"optimizer", "adacomp"}`` one."""
+        if "optimizer" in state_dict and STATE_KEY in state_dict and "param_groups" not in state_dict:
+            torch_sd, ours = state_dict["optimizer"], state_dict[STATE_KEY]
+        elif "param_groups" in state_dict and "state" in state_dict:
+            torch_sd = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+            ours = state_dict.get(STATE_KEY)
+        else:
+            raise ValueError("expected an optimizer state dict (keys 'state' and 'param_groups', plus "
+                             f"'{STATE_KEY}' when written by adacomp); got keys {sorted(state_dict)[:6]}")
+        self.inner.load_state_dict(torch_sd)
+        if ours is None:
+            warnings.warn("loaded a plain torch optimizer state dict: error-feedback residuals, thresholds, "
+                          "factors and policy state start fresh", stacklevel=3)
+            return
+        self.load_adacomp_state_dict(ours)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, params: list[tuple[str, Tensor]]) -> dict[str, Any]:
         """An in-memory copy of parameters, optimizer, compressor and memory state (for MOO
         exploration). The policy's own state is not included: restoring must not undo the
         policy's record of what it explored."""
-        return {"params": {n: p.detach().clone() for n, p in self.params},
+        return {"params": {n: p.detach().clone() for n, p in params},
                 "state": copy.deepcopy({"optimizer": self.inner.state_dict(),
-                                        "adacomp": self.adacomp_state_dict(include_policy=False)})}
+                                        STATE_KEY: self.adacomp_state_dict(include_policy=False)})}
 
-    def restore(self, snap: dict[str, Any]) -> None:
+    def restore(self, params: list[tuple[str, Tensor]], snap: dict[str, Any]) -> None:
         """Put back exactly what :meth:`snapshot` saw (bitwise)."""
         with torch.no_grad():
-            for n, p in self.params:
+            for n, p in params:
                 p.copy_(snap["params"][n])
         self.load_state_dict(copy.deepcopy(snap["state"]))
 
 
-__all__ = ["StateMixin"]
+__all__ = ["ComponentState", "STATE_KEY"]

@@ -3,22 +3,21 @@ parameters are grouped into fusion buckets.
 
 Split out of ``optimizer.py`` so the rules that *decide* a parameter's path (``layers`` globs,
 ``min_numel``, per-parameter overrides, ``memory: auto``) live apart from the code that *moves*
-gradients. :class:`RoutingMixin` keeps its tables as attributes of the optimizer
-(``_routes``, ``_route_of``, ``_compressors``, ``buckets``, ``_bucket_of``, ``_prev_route_of``,
-``_overrides``) because policies and tests read them there.
+gradients. :class:`RouteTable` is an object the optimizer owns (composition): the step engine
+reads its buckets, policies turn its knobs through the optimizer's host protocol.
 """
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from torch import Tensor
 
 from adacomp import communicators, compressors, fusion, memories
-from adacomp.communicators.base import Communicator, Entry
+from adacomp.communicators.base import Communicator
 from adacomp.compressors.base import Compressor
 from adacomp.config import ComponentSpec, Config, check_offload
 from adacomp.errors import ConfigError, IncompatibleComponentsError
@@ -51,10 +50,7 @@ class Bucket:
     route: Route
     communicator: Communicator
     fused_compressor: Compressor | None = None  # set when compressing the flattened bucket
-    ready: int = 0
-    pending: Any = None
-    entries: list[Entry] = field(default_factory=list)
-    job: Future | None = None  # offloaded compression in flight
+    fused_key: str = ""  # memory / state key when fused
 
 
 def spec_key(*specs: ComponentSpec) -> str:
@@ -88,103 +84,126 @@ def resolve_spec(config: Config, overrides: dict[str, Any], name: str, numel: in
     return comp, mem, comm, offload
 
 
-class RoutingMixin:
-    """Route / bucket tables of :class:`~adacomp.optimizer.DistributedOptimizer` and the knobs
-    policies turn (density, communicator, per-parameter route). Needs ``config``, ``params``,
-    ``_overrides`` and ``_launched_any`` from the optimizer."""
+class RouteTable:
+    """Which compressor / memory / communicator each parameter uses, and the fusion buckets.
 
-    config: Config
-    params: list[tuple[str, Tensor]]
-    _overrides: dict[str, dict[str, Any]]
-    _launched_any: bool
+    One job: the tables and the knobs policies turn (density, communicator, per-parameter route).
+    It never moves a gradient; the step engine reads ``buckets`` / ``bucket_of`` each round.
+    Routing overrides (``set_route``) are kept in ``overrides`` and saved with the optimizer's
+    state, so a resumed run re-applies them *before* component state is loaded.
+    """
 
-    def _spec_for(self, name: str, numel: int) -> Specs:
-        return resolve_spec(self.config, self._overrides, name, numel)
+    def __init__(self, config: Config, params: list[tuple[str, Tensor]]):
+        self.config = config
+        self.params = params
+        self.overrides: dict[str, dict[str, Any]] = {}
+        self.routes: dict[str, Route] = {}
+        self.route_of: dict[str, Route] = {}
+        self.compressors: dict[str, Compressor] = {}
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[str, Bucket] = {}
+        self.build()
 
-    def _build_routes(self) -> None:
-        """(Re)build routes, per-parameter compressors and buckets; keeps memories of unchanged routes."""
-        old_routes = getattr(self, "_routes", {})
-        old_comps = getattr(self, "_compressors", {})
-        self._routes: dict[str, Route] = {}
-        self._route_of: dict[str, Route] = {}
-        self._compressors: dict[str, Compressor] = {}
+    def spec_for(self, name: str, numel: int) -> Specs:
+        return resolve_spec(self.config, self.overrides, name, numel)
+
+    def build(self) -> None:
+        """(Re)build routes, per-parameter compressors and buckets; keeps the memories and
+        compressors of parameters whose route did not change."""
+        old_routes, old_comps, old_route_of = self.routes, self.compressors, self.route_of
+        routes: dict[str, Route] = {}
+        route_of: dict[str, Route] = {}
+        comps: dict[str, Compressor] = {}
         items: list[fusion.Item] = []
         dense_by_route: dict[str, int] = {}
         sent_by_route: dict[str, int] = {}
         for name, p in self.params:
-            comp, mem, comm, offload = self._spec_for(name, p.numel())
+            comp, mem, comm, offload = self.spec_for(name, p.numel())
             if offload:
                 try:
                     check_offload(comp, comm, "offload")
                 except ConfigError as exc:
                     raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
             key = spec_key(comp, mem, comm) + ("+offload" if offload else "")
-            route = self._routes.get(key) or old_routes.get(key)
+            route = routes.get(key) or old_routes.get(key)
             if route is None:
                 route = Route(key, comp, memories.get(mem.name, **mem.params),
                               communicators.get(comm.name, **comm.params), mem, comm, offload)
-            self._routes[key] = route
-            self._route_of[name] = route
-            prev = old_comps.get(name)
-            prev_route = getattr(self, "_prev_route_of", {}).get(name)
+            routes[key] = route
+            route_of[name] = route
+            prev, prev_route = old_comps.get(name), old_route_of.get(name)
             if prev is not None and prev_route is not None and prev_route.key == key:
-                self._compressors[name] = prev
+                comps[name] = prev
             else:
-                self._compressors[name] = compressors.get(comp.name, **comp.params)
+                comps[name] = compressors.get(comp.name, **comp.params)
                 route.memory.reset(name)
+                if prev_route is not None and prev_route.key != key:
+                    prev_route.memory.reset(name)
             try:
-                route.communicator.check(self._compressors[name])
-                route.memory.check(self._compressors[name])
+                route.communicator.check(comps[name])
+                route.memory.check(comps[name])
             except IncompatibleComponentsError as exc:
                 raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
             except ValueError as exc:
                 raise IncompatibleComponentsError(f"parameter {name}", str(exc)) from None
             dense = p.numel() * p.element_size()
-            sent = self._compressors[name].payload_bytes(p.shape, p.element_size())
+            sent = comps[name].payload_bytes(p.shape, p.element_size())
             items.append(fusion.Item(name, key, sent))
             dense_by_route[key] = dense_by_route.get(key, 0) + dense
             sent_by_route[key] = sent_by_route.get(key, 0) + sent
-        self._prev_route_of = dict(self._route_of)
-        self._plan_buckets(items, dense_by_route, sent_by_route)
+        self.routes, self.route_of, self.compressors = routes, route_of, comps
+        old_fused = {b.key: b.fused_compressor for b in self.buckets if b.fused_compressor is not None}
+        self._plan_buckets(items, dense_by_route, sent_by_route, old_fused)
 
     def _plan_buckets(self, items: list[fusion.Item], dense_by_route: dict[str, int],
-                      sent_by_route: dict[str, int]) -> None:
+                      sent_by_route: dict[str, int], old_fused: dict[str, Compressor]) -> None:
         """Group parameters into buckets; with ``compressed_buffer`` a route's cap is scaled by
-        its compression rate (ACP-SGD §IV-B) so compressed buckets span as many layers."""
+        its compression rate (ACP-SGD §IV-B) so compressed buckets span as many layers. A fused
+        bucket is keyed by its route and members, so its compressor and residual survive a
+        re-plan that leaves it unchanged and start fresh when its members change."""
         cap = self.config.fusion.bucket_mb * 2 ** 20
         caps = {k: cap * (sent_by_route[k] / dense_by_route[k] if self.config.fusion.compressed_buffer
                           and dense_by_route[k] else 1.0) for k in dense_by_route}
         plan = fusion.plan(items, caps)
-        self.buckets: list[Bucket] = []
-        self._bucket_of: dict[str, Bucket] = {}
+        buckets: list[Bucket] = []
+        bucket_of: dict[str, Bucket] = {}
+        live_keys: dict[int, set[str]] = {}
         for i, names in enumerate(plan):
-            route = self._route_of[names[0]]
+            route = self.route_of[names[0]]
             b = Bucket(i, names, route, route.communicator)
             comp_cls = compressors.registry.cls(route.compressor.name)
             if comp_cls.granularity == "bucket" or (self.config.fusion.fuse_before_compress
                                                     and route.compressor.name != "none"):
-                b.fused_compressor = compressors.get(route.compressor.name, **route.compressor.params)
-            self.buckets.append(b)
+                b.fused_key = fused_key(route.key, names)
+                b.fused_compressor = old_fused.get(b.fused_key) or compressors.get(
+                    route.compressor.name, **route.compressor.params)
+                live_keys.setdefault(id(route.memory), set()).add(b.fused_key)
+            buckets.append(b)
             for n in names:
-                self._bucket_of[n] = b
-        self._dirty = False
+                bucket_of[n] = b
+        for old in self.buckets:  # residuals of fused buckets that no longer exist
+            if old.fused_compressor is not None and old.fused_key not in live_keys.get(id(old.route.memory), set()):
+                old.route.memory.reset(old.fused_key)
+        self.buckets, self.bucket_of = buckets, bucket_of
 
-    # --- public knobs for policies ---------------------------------------------------------------
+    # --- lookups ---------------------------------------------------------------------------------
     def compressor_for(self, name: str) -> Compressor:
         """The compressor instance that handles parameter ``name`` (or its bucket when fused)."""
-        b = self._bucket_of[name]
-        return b.fused_compressor or self._compressors[name]
-
-    def route_of(self, name: str) -> Route:
-        return self._route_of[name]
+        b = self.bucket_of[name]
+        return b.fused_compressor or self.compressors[name]
 
     def is_fused(self, name: str) -> bool:
         """True when ``name``'s gradient is compressed as part of its flattened bucket."""
-        return self._bucket_of[name].fused_compressor is not None
+        return self.bucket_of[name].fused_compressor is not None
 
-    def bucket_of(self, name: str) -> Bucket:
-        return self._bucket_of[name]
+    def unique_compressors(self) -> list[Compressor]:
+        seen: dict[int, Compressor] = {}
+        for c in list(self.compressors.values()) + [b.fused_compressor for b in self.buckets
+                                                    if b.fused_compressor is not None]:
+            seen.setdefault(id(c), c)
+        return list(seen.values())
 
+    # --- knobs for policies ----------------------------------------------------------------------
     def set_communicator(self, bucket_index: int, communicator: Communicator) -> None:
         """Use ``communicator`` for one bucket from the next step on (all ranks must do the same)."""
         b = self.buckets[bucket_index]
@@ -206,16 +225,38 @@ class RoutingMixin:
     def set_route(self, name: str, compressor: ComponentSpec | None = None,
                   memory: ComponentSpec | None = None, communicator: ComponentSpec | None = None,
                   offload: bool | None = None) -> None:
-        """Override one parameter's route from the next step on (buckets are re-planned).
-        ``offload``: compress on the CPU worker thread (needs an offloadable communicator)."""
-        if self._launched_any:
-            raise RuntimeError("set_route() must be called between steps, not during backward")
-        over = self._overrides.setdefault(name, {})
+        """Override one parameter's route (buckets are re-planned)."""
+        if name not in {n for n, _ in self.params}:
+            raise KeyError(f"set_route: no parameter named {name!r}")
+        over = self.overrides.setdefault(name, {})
         for key, spec in (("compressor", compressor), ("memory", memory), ("communicator", communicator),
                           ("offload", offload)):
             if spec is not None:
                 over[key] = spec
-        self._build_routes()
+        self.build()
+
+    def set_overrides(self, overrides: dict[str, dict[str, Any]]) -> None:
+        """Replace every override at once (checkpoint restore) and rebuild."""
+        self.overrides = {n: dict(o) for n, o in overrides.items()}
+        self.build()
+
+    def overrides_state(self) -> dict[str, dict[str, Any]]:
+        """Overrides as plain data (specs as dicts) for a checkpoint."""
+        return {n: {k: (v.as_dict() if isinstance(v, ComponentSpec) else v) for k, v in o.items()}
+                for n, o in self.overrides.items()}
+
+    @staticmethod
+    def overrides_from_state(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for n, o in state.items():
+            out[n] = {k: (ComponentSpec(v["name"], {a: b for a, b in v.items() if a != "name"}) if isinstance(v, dict) else v) for k, v in o.items()}
+        return out
 
 
-__all__ = ["Bucket", "Route", "RoutingMixin", "resolve_spec", "spec_key"]
+def fused_key(route_key: str, names: list[str]) -> str:
+    """Stable memory / state key of a fused bucket: its members, independent of bucket order."""
+    digest = hashlib.sha1(json.dumps([route_key, names]).encode()).hexdigest()[:12]
+    return f"bucket:{names[0]}:{len(names)}:{digest}"
+
+
+__all__ = ["Bucket", "Route", "RouteTable", "fused_key", "resolve_spec", "spec_key"]

@@ -90,8 +90,7 @@ def internals(opt: Any) -> dict[str, int]:
     tensors, nbytes = count(state)
     return {"state_tensors": tensors, "state_bytes": nbytes,
             "state_entries": sum(len(v) if isinstance(v, dict) else 1 for v in state["components"].values()),
-            "pending_handles": sum(b.pending is not None for b in opt.buckets),
-            "pending_entries": sum(len(b.entries) for b in opt.buckets),
+            **opt.engine.in_flight(),
             "backend_pending": len(getattr(opt.backend, "_pending", [])),
             "history": len(opt.history)}
 

@@ -15,6 +15,7 @@ from adacomp.backends.base import Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.communicators.fuse import flatten, unflatten
 from adacomp.compressors.base import Compressor
+from adacomp.error_feedback import commit_rounds
 
 
 @dataclass
@@ -75,7 +76,6 @@ class AllreduceCommunicator(Communicator):
         out = []
         with env.stats.timing("compress"):
             for e, mean in zip(p.entries, means):
-                if e.compressor.rounds > 1:
-                    e.memory.update(e.tensor, e.name, e.compressor, mean, e.ctx)
+                commit_rounds(e, mean)
                 out.append(e.compressor.decompress(mean, e.ctx).view(e.tensor.shape))
         return out

@@ -20,29 +20,13 @@ from torch import Tensor
 
 from adacomp.backends.base import Backend
 from adacomp.compressors.base import Compressor
+from adacomp.error_feedback import Entry, commit
 from adacomp.errors import IncompatibleComponentsError
-from adacomp.memories.base import Memory
 from adacomp.metrics import StepStats
 from adacomp.registry import Registry
 
 registry: Registry["Communicator"] = Registry("communicator", "adacomp.communicators")
 register = registry.register
-
-
-@dataclass
-class Entry:
-    """One tensor travelling through a communicator.
-
-    ``tensor`` is the error-compensated gradient in its original shape; ``payload`` / ``ctx`` are
-    filled by :meth:`Communicator.compress_entries`.
-    """
-
-    name: str
-    tensor: Tensor
-    compressor: Compressor
-    memory: Memory
-    payload: list[Tensor] | None = None
-    ctx: Any = None
 
 
 @dataclass
@@ -95,9 +79,7 @@ class Communicator:
 
     @staticmethod
     def compress_one(e: Entry) -> None:
-        e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
-        if e.compressor.rounds == 1:  # the residual is what *this* rank did not send
-            e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
+        commit(e)  # the error-feedback cycle lives in adacomp.error_feedback
 
     # Shared helpers ---------------------------------------------------------------------------
     def compress_entries(self, entries: list[Entry], env: CommEnv) -> None:

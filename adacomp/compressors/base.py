@@ -85,6 +85,11 @@ class Compressor:
         """Called once after every optimizer step with the number of completed steps. Compressors
         whose behaviour depends on the iteration (interleaving, threshold reuse) override it."""
 
+    def rescale(self, factor: float) -> None:
+        """The loss scale changed by ``factor`` (:class:`adacomp.error_feedback.LossScale`).
+        Nothing to do for compressors whose state is scale-free (counters, seeds, directions);
+        one that keeps a gradient-unit value across steps (a reused threshold) overrides this."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

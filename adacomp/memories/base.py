@@ -4,6 +4,7 @@ per tensor name and checkpointable.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -40,6 +41,21 @@ class Memory:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"memory {self.name!r} is stateless but got state keys {sorted(state)}")
+
+    def snapshot(self) -> Any:
+        """Everything needed to undo one round (a non-finite step); a copy unless a subclass
+        knows it never modifies stored tensors in place."""
+        return copy.deepcopy(self.state_dict())
+
+    def restore(self, snap: Any) -> None:
+        self.load_state_dict(copy.deepcopy(snap))
+
+    def rescale(self, factor: float) -> None:
+        """Multiply stored state by ``factor`` (the loss scale changed; see
+        :class:`adacomp.error_feedback.LossScale`). Stateless memories have nothing to do."""
+        if self.state_dict():
+            raise NotImplementedError(f"memory {self.name!r} keeps state but cannot follow a changing "
+                                      "loss scale; implement rescale()")
 
 
 def get(name: str, **params: Any) -> Memory:
@@ -98,6 +114,17 @@ class ResidualMemory(Memory):
             self.residuals.clear()
         else:
             self.residuals.pop(name, None)
+
+    def snapshot(self) -> Any:
+        # compensate / update never write into a stored residual (update replaces it), so
+        # references are a faithful snapshot at no copy cost.
+        return dict(self.residuals)
+
+    def restore(self, snap: Any) -> None:
+        self.residuals = dict(snap)
+
+    def rescale(self, factor: float) -> None:
+        self.residuals = {k: v * factor for k, v in self.residuals.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}

@@ -90,6 +90,10 @@ class DGCMemory(Memory):
             self.velocity.pop(name, None)
             self.accumulated.pop(name, None)
 
+    def rescale(self, factor: float) -> None:
+        self.velocity = {k: v * factor for k, v in self.velocity.items()}
+        self.accumulated = {k: v * factor for k, v in self.accumulated.items()}
+
     def state_dict(self) -> dict[str, Any]:
         return {"velocity": {k: v.detach().clone() for k, v in self.velocity.items()},
                 "accumulated": {k: v.detach().clone() for k, v in self.accumulated.items()}}

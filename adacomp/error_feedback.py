@@ -1,0 +1,146 @@
+"""The error-feedback cycle, in one place: compensate -> compress -> update.
+
+* :func:`entries` compensates a bucket's gradients with what earlier steps did not send
+  (``memory.compensate``) and wraps them as communicator entries;
+* :func:`commit` compresses one entry and, for single-round compressors, updates the memory from
+  the payload this rank actually sent. Communicators call it (through
+  ``Communicator.precompress``), multi-round ones call :func:`commit_rounds` with the last round's
+  mean once the rounds are done;
+* :class:`Rollback` keeps the state a round may change (memories, compressors, policy) so a
+  non-finite round can be undone bitwise on every rank;
+* :class:`LossScale` keeps residuals in the units of the current loss scale: when a
+  ``GradScaler``'s scale changes, stored residuals are multiplied by the ratio once, so error
+  feedback carries the same unscaled amount as a run without loss scaling (with power-of-two
+  scales the multiplication is exact).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from adacomp.compressors.base import Compressor
+from adacomp.memories.base import Memory, NoneMemory
+
+if TYPE_CHECKING:
+    from adacomp.routes import Bucket
+
+_NO_MEMORY = NoneMemory()
+
+
+@dataclass
+class Entry:
+    """One tensor travelling through a communicator.
+
+    ``tensor`` is the error-compensated gradient in its original shape; ``payload`` / ``ctx`` are
+    filled by :func:`commit`. The payload travels; ``ctx`` stays on this rank.
+    """
+
+    name: str
+    tensor: Tensor
+    compressor: Compressor
+    memory: Memory
+    payload: list[Tensor] | None = None
+    ctx: Any = None
+
+
+def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor],
+            used: list[bool] | None = None) -> list[Entry]:
+    """Error-compensated entries of bucket ``b`` (one per parameter, or one fused entry).
+
+    ``used[i]`` False marks a parameter this rank did not use in the round: it contributes
+    zeros and its residual is left alone (a rank that did not touch a parameter owes it nothing
+    new). A joined rank (uneven inputs) passes all False and sends only zeros."""
+    mem = b.route.memory
+    if b.fused_compressor is not None:
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+        if used is not None and not any(used):
+            return [Entry(b.fused_key, flat, b.fused_compressor, _NO_MEMORY)]
+        return [Entry(b.fused_key, mem.compensate(flat, b.fused_key), b.fused_compressor, mem)]
+    out = []
+    for i, (n, g) in enumerate(zip(b.names, grads)):
+        m = mem if used is None or used[i] else _NO_MEMORY
+        out.append(Entry(n, m.compensate(g, n), compressors[n], m))
+    return out
+
+
+def commit(e: Entry) -> None:
+    """Compress ``e``; a single-round compressor's residual is what *this* rank did not send."""
+    e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
+    if e.compressor.rounds == 1:
+        e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
+
+
+def commit_rounds(e: Entry, mean: list[Tensor]) -> None:
+    """Multi-round compressors (PowerSGD, ACP-SGD): the residual is measured against the
+    approximation every rank applies, built from the last round's mean payload."""
+    if e.compressor.rounds > 1:
+        e.memory.update(e.tensor, e.name, e.compressor, mean, e.ctx)
+
+
+class _Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Rollback:
+    """State a round may change, kept so a non-finite round leaves everything bitwise as it was.
+
+    Memories provide a cheap ``snapshot()`` (references to tensors they replace rather than
+    modify); compressors and the policy are small or rare enough to copy."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, Any, Callable[[Any, Any], None]]] = []
+
+    def keep(self, memories: list[Memory], others: list[_Stateful]) -> None:
+        self._saved = [(m, m.snapshot(), lambda obj, s: obj.restore(s)) for m in memories]
+        self._saved += [(o, copy.deepcopy(o.state_dict()), lambda obj, s: obj.load_state_dict(copy.deepcopy(s)))
+                        for o in others]
+
+    def restore(self) -> None:
+        for obj, saved, put in self._saved:
+            put(obj, saved)
+
+    def clear(self) -> None:
+        self._saved = []
+
+
+class LossScale:
+    """Follows a ``torch.amp.GradScaler`` so residuals stay right when its scale changes.
+
+    Gradients arrive multiplied by the scale ``s``; residuals are kept in the same units. At the
+    start of a round, if ``s`` differs from the scale the residuals were stored under, every
+    memory (and compressor keeping gradient-unit state) is multiplied by ``s_new / s_old``."""
+
+    def __init__(self, scaler: Any = None):
+        self.scaler = scaler
+        self.units: float | None = None  # the scale stored residuals are expressed in
+
+    def current(self) -> float:
+        if self.scaler is None or not self.scaler.is_enabled():
+            return 1.0
+        return float(self.scaler.get_scale())
+
+    def sync(self, memories: list[Memory], compressors: list[Compressor]) -> None:
+        if self.scaler is None:
+            return
+        s = self.current()
+        if self.units is not None and s != self.units:
+            ratio = s / self.units
+            for m in memories:
+                m.rescale(ratio)
+            for c in compressors:
+                c.rescale(ratio)
+        self.units = s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"units": self.units}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.units = state.get("units")
+
+
+__all__ = ["Entry", "LossScale", "Rollback", "commit", "commit_rounds", "entries"]

@@ -1,0 +1,371 @@
+"""The step engine: from gradient hooks to averaged ``p.grad``, with DDP's contract.
+
+One gradient's path (docs/architecture.md draws it):
+
+1. a post-accumulate-grad hook on the parameter fires inside backward (:meth:`StepEngine._on_grad`);
+   the first hook of a backward pass queues :meth:`StepEngine._on_backward_end` on the autograd
+   engine, as DDP's reducer does;
+2. when every gradient of its fusion bucket is in, buckets are launched strictly in bucket-index
+   order (:meth:`StepEngine._launch_ready`): :func:`adacomp.error_feedback.entries` compensates,
+   the communicator compresses (:func:`adacomp.error_feedback.commit`) and starts its collective;
+3. at the end of the last backward pass of a round the callback launches what is left (buckets
+   of parameters nobody used), one small *vote* allreduce (non-finite flag, which parameters any
+   rank used, which ranks are still active under ``join``), finishes every bucket in order and
+   writes the averaged gradients (:meth:`StepEngine._finish_round`).
+
+So when ``loss.backward()`` returns, every parameter's ``.grad`` holds the average, and
+``optimizer.step()`` only steps. A *round* is the backward passes up to one communication:
+``backward_passes_per_step`` passes, or the passes outside ``no_sync()`` blocks. All per-round
+bookkeeping lives in one :class:`RoundState`, replaced as a whole each round.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from adacomp import error_feedback, watchdog
+from adacomp.backends.base import Backend, Handle
+from adacomp.communicators.base import CommEnv
+from adacomp.error_feedback import LossScale, Rollback
+from adacomp.errors import NonFiniteGradientError
+from adacomp.metrics import StepStats
+from adacomp.offload import OffloadWorker
+from adacomp.routes import Bucket, RouteTable
+
+NONFINITE_MODES = ("propagate", "skip", "raise")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """``backward_passes_per_step`` (passes per round), ``sum`` (op=Sum instead of Average),
+    ``nonfinite`` (see :data:`NONFINITE_MODES` and docs/config.md)."""
+
+    backward_passes_per_step: int = 1
+    sum: bool = False
+    nonfinite: str = "propagate"
+
+
+@dataclass
+class RoundState:
+    """Everything one round knows; a new object per round, so nothing leaks across rounds."""
+
+    stats: StepStats
+    env: CommEnv
+    active: bool = True  # False: this rank has joined (uneven inputs) and only shadows
+    passes: int = 0  # finished backward passes in this round
+    used: set[str] = field(default_factory=set)  # parameters whose hook fired in this round
+    ready: list[int] = field(default_factory=list)  # per bucket: gradients in
+    pending: list[Any] = field(default_factory=list)  # per bucket: the communicator's handle
+    jobs: list[Future | None] = field(default_factory=list)  # per bucket: offloaded compression
+    sparse: set[str] = field(default_factory=set)  # parameters whose gradient arrived sparse
+    nonfinite: list[str] = field(default_factory=list)
+    next_launch: int = 0
+    launched: bool = False
+    callback_queued: bool = False
+
+
+@dataclass
+class Vote:
+    """The outcome of a round's vote allreduce, identical on every rank."""
+
+    nonfinite: bool
+    used_by_any: list[bool]
+    active_ranks: list[int]
+
+
+class StepEngine:
+    """Hooks, in-order launch / finish, writing gradients, and the non-finite vote."""
+
+    def __init__(self, table: RouteTable, backend: Backend, options: EngineOptions,
+                 stateful: Callable[[], tuple[list[Any], list[Any]]], loss_scale: LossScale,
+                 on_first_round: Callable[[], None] | None = None):
+        self.table = table
+        self.backend = backend
+        self.options = options
+        self.loss_scale = loss_scale
+        self._stateful = stateful  # (memories, other stateful components) a round may change
+        self._on_first_round = on_first_round
+        self.offload = OffloadWorker()
+        self.rollback = Rollback()
+        self.state: RoundState | None = None
+        self.step_stats: StepStats = StepStats(step=0)
+        self.step_index = 0
+        self.synced = False  # gradients hold a finished round's averages
+        self.skip_update = False  # nonfinite: skip voted this step
+        self.no_sync_depth = 0
+        self.joined = False  # inside join(): this rank has no more data
+        self.last_vote: Vote | None = None
+        self._index = {n: i for i, (n, _) in enumerate(table.params)}
+        self._param = dict(table.params)
+        self._hooks: list[Any] = []
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def attach(self, params: list[tuple[str, Tensor]]) -> None:
+        for n, p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(n)))
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.offload.stop()
+
+    def reindex(self) -> None:
+        """The parameter list grew (``add_param_group``)."""
+        self._index = {n: i for i, (n, _) in enumerate(self.table.params)}
+        self._param = dict(self.table.params)
+
+    def _make_hook(self, name: str) -> Callable[[Tensor], None]:
+        def hook(p: Tensor) -> None:
+            self._on_grad(name)
+        return hook
+
+    def _on_grad(self, name: str) -> None:
+        st = self.state or self._begin_round()
+        self.synced = False
+        st.used.add(name)
+        if not st.callback_queued:
+            st.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self.no_sync_depth or st.passes + 1 < self.options.backward_passes_per_step:
+            return  # local accumulation; this pass does not communicate
+        b = self.table.bucket_of[name]
+        st.ready[b.index] += 1
+        if st.ready[b.index] == len(b.names):
+            with watchdog.guard(self.backend):
+                if b.route.offload:
+                    self._submit(st, b)
+                self._launch_ready(st)
+
+    def _on_backward_end(self) -> None:
+        st = self.state
+        if st is None:
+            return
+        st.callback_queued = False
+        if self.no_sync_depth:
+            return
+        st.passes += 1
+        if st.passes >= self.options.backward_passes_per_step:
+            self.finish()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally; the first one outside communicates."""
+        self.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.no_sync_depth -= 1
+
+    # --- a round ----------------------------------------------------------------------------------
+    def _begin_round(self, active: bool = True) -> RoundState:
+        if self._on_first_round is not None:  # one collective, at the same point on every rank
+            check, self._on_first_round = self._on_first_round, None
+            check()
+        n = len(self.table.buckets)
+        st = RoundState(self.step_stats, CommEnv(self.backend, self.step_stats, self.step_index), active=active,
+                        ready=[0] * n, pending=[None] * n, jobs=[None] * n)
+        if active:
+            memories, others = self._stateful()
+            self.loss_scale.sync(memories, self.table.unique_compressors())
+            self.rollback.keep(memories, others)
+        self.state = st
+        return st
+
+    def _grads(self, st: RoundState, b: Bucket) -> tuple[list[Tensor], list[bool]]:
+        """This rank's gradients of bucket ``b`` (zeros for parameters it did not use) and which
+        it used; sparse gradients are densified (Horovod's ``sparse_as_dense``)."""
+        grads, used = [], []
+        for n in b.names:
+            p = self._param[n]
+            g = p.grad
+            u = st.active and n in st.used and g is not None
+            if not u:
+                g = torch.zeros_like(p)
+            else:
+                if g.is_sparse:  # type: ignore[union-attr]
+                    st.sparse.add(n)
+                    g = g.to_dense()  # type: ignore[union-attr]
+                if not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
+                    # a sum is one cheap pass and is NaN/Inf whenever g holds one; a finite but
+                    # overflowing sum is confirmed with the exact test before anything is reported
+                    st.nonfinite.append(n)
+            grads.append(g)
+            used.append(u)
+        return grads, used
+
+    def _submit(self, st: RoundState, b: Bucket) -> None:
+        grads, used = self._grads(st, b)
+        st.jobs[b.index] = self.offload.submit(b, grads, self.table.compressors, used, self.backend.size())
+
+    def _launch_ready(self, st: RoundState, block: bool = False) -> None:
+        """Launch ready buckets in index order; an offloaded bucket whose compression is still
+        running stops the walk unless ``block`` (then it is waited for)."""
+        buckets = self.table.buckets
+        while st.next_launch < len(buckets):
+            b = buckets[st.next_launch]
+            job = st.jobs[b.index]
+            if st.ready[b.index] != len(b.names) or (job is not None and not block and not job.done()):
+                return
+            self._launch(st, b)
+            st.next_launch += 1
+
+    def _launch(self, st: RoundState, b: Bucket) -> None:
+        st.launched = True
+        st.env.bucket_index = b.index
+        job = st.jobs[b.index]
+        if job is not None:
+            entries, dt = job.result()  # re-raises a failure of the worker here
+            st.jobs[b.index] = None
+            st.stats.extra["offload_s"] = st.stats.extra.get("offload_s", 0.0) + dt
+        else:
+            grads, used = self._grads(st, b)
+            with st.stats.timing("compress"):
+                entries = error_feedback.entries(b, grads, self.table.compressors,
+                                                 None if all(used) else used)
+        st.pending[b.index] = b.communicator.start(entries, st.env)
+
+    def finish(self) -> None:
+        """Finish the round in flight (if any): launch what is left, vote, finish every bucket in
+        order, write the averaged gradients. Called at the end of backward, or by ``step()`` /
+        ``synchronize()`` after fewer passes than ``backward_passes_per_step`` (Horovod)."""
+        st = self.state
+        if st is None:
+            return
+        with watchdog.guard(self.backend):
+            try:
+                self._finish_round(st)
+            finally:
+                self.state = None
+
+    def _finish_round(self, st: RoundState) -> None:
+        for b in self.table.buckets[st.next_launch:]:  # parameters nobody used count as ready
+            if st.ready[b.index] != len(b.names):
+                st.ready[b.index] = len(b.names)
+                if b.route.offload:
+                    self._submit(st, b)
+        self._launch_ready(st, block=True)
+        vote_handle = self._start_vote(st)
+        outs: list[list[Tensor]] = []
+        for b in self.table.buckets:
+            st.env.bucket_index = b.index
+            t0 = time.perf_counter()
+            outs.append(b.communicator.finish(st.pending[b.index], st.env))
+            st.stats.bucket_sync_s[b.index] = time.perf_counter() - t0
+        vote = self._read_vote(vote_handle.wait())
+        self.last_vote = vote
+        if not st.active:
+            return  # a joined rank only shadowed the collectives
+        if vote.nonfinite:
+            self.rollback.restore()
+            if self.options.nonfinite == "raise":
+                self._raise_nonfinite(st)
+            self.skip_update = self.options.nonfinite == "skip"
+            st.stats.extra["nonfinite"] = 1.0
+        self.rollback.clear()
+        for b, bucket_outs in zip(self.table.buckets, outs):
+            self._write(st, b, bucket_outs, vote)
+        self.synced = True
+
+    # --- the vote ---------------------------------------------------------------------------------
+    def _start_vote(self, st: RoundState) -> Handle:
+        n, world = len(self.table.params), self.backend.size()
+        flag = torch.zeros(1 + n + world)
+        flag[0] = 1.0 if st.nonfinite else 0.0
+        if st.used:
+            flag[[1 + self._index[u] for u in st.used]] = 1.0
+        if st.active:
+            flag[1 + n + self.backend.rank()] = 1.0
+        return self.backend.allreduce_async(flag, average=False)
+
+    def _read_vote(self, total: Tensor) -> Vote:
+        n = len(self.table.params)
+        vals = total.tolist()
+        return Vote(vals[0] > 0, [v > 0 for v in vals[1:1 + n]], [r for r, v in enumerate(vals[1 + n:]) if v > 0])
+
+    def _raise_nonfinite(self, st: RoundState) -> None:
+        where = self.backend.allgather_object(st.nonfinite[:5])
+        bad = {r: names for r, names in enumerate(where) if names}
+        raise NonFiniteGradientError(
+            "non-finite gradient (NaN or Inf) on " + "; ".join(f"rank {r}: {', '.join(n)}" for r, n in bad.items())
+            + ". Every component state was left as before this step. Use loss scaling (torch.amp.GradScaler, "
+            "with `nonfinite: propagate`, the default) or lower the learning rate; `nonfinite: skip` drops such steps.")
+
+    # --- writing gradients ------------------------------------------------------------------------
+    def _write(self, st: RoundState, b: Bucket, outs: list[Tensor], vote: Vote) -> None:
+        """Install the averaged gradients, as DDP does: a parameter no rank used keeps its
+        ``.grad`` (None stays None); results are handed over without a copy when dtype and device
+        match (DDP's ``gradient_as_bucket_view``). After a non-finite vote, gradients that went
+        through a compressor are set to NaN on every rank, so GradScaler (or any finite check)
+        sees the same non-finite step everywhere; uncompressed ones hold the plain average."""
+        if b.fused_compressor is not None:
+            flat, off = outs[0].reshape(-1), 0
+            outs = []
+            for n in b.names:
+                numel = self._param[n].numel()
+                outs.append(flat[off:off + numel])
+                off += numel
+        poison = vote.nonfinite and b.route.compressor.name != "none"
+        scale = float(self.backend.size()) if self.options.sum else 1.0
+        for n, out in zip(b.names, outs):
+            if not vote.used_by_any[self._index[n]]:
+                continue
+            p = self._param[n]
+            g = p.grad
+            out = out.view(p.shape)
+            if n in st.sparse:
+                p.grad = out.to(p.dtype).to_sparse(g.sparse_dim())  # type: ignore[union-attr]
+                g = None
+            elif g is None or g.is_sparse:
+                p.grad = out if (out.dtype == p.dtype and out.device == p.device and out.is_contiguous()) \
+                    else out.to(device=p.device, dtype=p.dtype).clone()
+            elif out.data_ptr() != g.data_ptr():
+                if out.dtype == g.dtype and out.device == g.device and out.is_contiguous():
+                    p.grad = out
+                else:
+                    g.copy_(out)
+            g = p.grad
+            if poison:
+                g.fill_(float("nan"))  # type: ignore[union-attr]
+            elif scale != 1.0:
+                g.mul_(scale)  # type: ignore[union-attr]
+
+    # --- step boundaries --------------------------------------------------------------------------
+    def end_step(self, steps: int) -> StepStats:
+        """The optimizer stepped (or skipped): start a fresh statistics record."""
+        stats = self.step_stats
+        self.step_index = steps
+        self.step_stats = StepStats(step=steps)
+        self.synced = False
+        self.skip_update = False
+        return stats
+
+    def shadow_round(self) -> Vote:
+        """One round of a rank that has joined: zeros in every bucket, residuals untouched,
+        the same collectives as the active ranks' round."""
+        if self.state is not None:
+            raise RuntimeError("join: this rank left its training loop in the middle of a step "
+                               "(a backward without its step); finish the step before leaving the join block")
+        st = self._begin_round(active=False)
+        for b in self.table.buckets:
+            st.ready[b.index] = len(b.names)
+        self.finish()
+        assert self.last_vote is not None
+        return self.last_vote
+
+    def in_flight(self) -> dict[str, int]:
+        """Handles and offload jobs of the round in flight (0 between rounds), for soak tests."""
+        st = self.state
+        if st is None:
+            return {"pending_handles": 0, "jobs": 0}
+        return {"pending_handles": sum(p is not None for p in st.pending),
+                "jobs": sum(j is not None for j in st.jobs)}
+
+
+__all__ = ["EngineOptions", "NONFINITE_MODES", "RoundState", "StepEngine", "Vote"]
