@@ -1,0 +1,311 @@
+"""Training habits give DDP's parameters exactly (``compressor: none``), and for compressed configs
+the same result as that config without the habit. Every test runs real DDP and adacomp side by side
+in the same 2 gloo processes (tests/parity.py holds the worker code)."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from tests._dist import run_workers
+from tests.parity import COMPRESSED, MLP, NONE, Run, equal, init, max_rel, rank
+
+STEPS = 6
+OVERFLOW_STEP = 3  # rank 1's loss becomes inf at this step
+
+
+# --- AMP ------------------------------------------------------------------------------------------
+def _amp_run(cfg: dict | None, dtype: torch.dtype | None, scaler_on: bool, overflow: bool,
+             skip_overflow_step: bool = False) -> tuple[dict, list]:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2, enabled=scaler_on)
+    run = Run(cfg, grad_scaler=scaler if cfg is not None else None)
+    unchanged = []
+    for s in range(STEPS):
+        if skip_overflow_step and s == OVERFLOW_STEP:
+            continue
+        run.opt.zero_grad()
+        before = copy.deepcopy(run.opt.adacomp_state_dict()) if cfg is not None and s == OVERFLOW_STEP else None
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = run.loss(rank(), s)
+        if overflow and s == OVERFLOW_STEP and rank() == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if before is not None:  # the non-finite round left every component state as it was
+            after = run.opt.adacomp_state_dict()
+            unchanged.append(_same_state(before, after))
+        scaler.step(run.opt)
+        scaler.update()
+    return run.params(), unchanged
+
+
+def _same_state(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _amp_worker(dtype_name: str) -> dict:
+    init()
+    dtype = getattr(torch, dtype_name)
+    out: dict = {}
+    ddp, _ = _amp_run(None, dtype, True, True)
+    ours, unchanged = _amp_run(NONE, dtype, True, True)
+    out["none"] = (equal(ddp, ours), all(unchanged) and len(unchanged) == 1)
+    for name, cfg in COMPRESSED.items():
+        # loss scaling (scale moving up and down, one overflow) vs no scaler and no overflow step
+        scaled, unchanged = _amp_run(cfg, None, True, True)
+        plain, _ = _amp_run(cfg, None, False, False, skip_overflow_step=True)
+        out[name] = (max_rel(scaled, plain), all(unchanged) and len(unchanged) == 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_amp_gradscaler_with_overflow_on_one_rank(dtype: str) -> None:
+    for r, res in enumerate(run_workers(_amp_worker, 2, dtype, timeout=600)):
+        assert res["none"] == (True, True), (r, res["none"])
+        for name in COMPRESSED:
+            rel, unchanged = res[name]
+            assert unchanged, (r, name, "a non-finite round changed component state")
+            # topk / dgc are bitwise (power-of-two scales are exact); the low-rank methods'
+            # orthogonalisation divides by norms, exact too with epsilon 0
+            assert rel == 0.0, (r, name, rel)
+
+
+# --- clipping, schedulers, optimizers ---------------------------------------------------------------
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+}
+
+
+def _clip_sched_run(cfg: dict | None, make_opt, max_norm: float) -> tuple[dict, list[float]]:
+    run = Run(cfg, make_opt=make_opt)
+    sched = torch.optim.lr_scheduler.StepLR(run.opt, step_size=2, gamma=0.5)
+    norms = []
+    for s in range(STEPS):
+        run.opt.zero_grad()
+        run.loss(rank(), s).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)))
+        run.opt.step()
+        sched.step()
+    return run.params(), norms
+
+
+def _applied_norm_run(cfg: dict, max_norm: float) -> list[float]:
+    """Plain SGD: the applied update / lr is the gradient the optimizer used."""
+    run = Run(cfg, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    applied = []
+    for s in range(STEPS):
+        run.opt.zero_grad()
+        run.loss(rank(), s).backward()
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
+        before = [p.detach().clone() for p in run.model.parameters()]
+        run.opt.step()
+        applied.append(float(torch.sqrt(sum(((b - p.detach()) / 0.1).square().sum()
+                                            for b, p in zip(before, run.model.parameters())))))
+    return applied
+
+
+def _clip_worker() -> dict:
+    init()
+    out: dict = {}
+    for name, make in OPTIMIZERS.items():
+        ddp, dn = _clip_sched_run(None, make, 0.05)
+        ours, on = _clip_sched_run(NONE, make, 0.05)
+        out[name] = (equal(ddp, ours), dn == on)
+    for name, cfg in COMPRESSED.items():
+        out["applied_" + name] = max(_applied_norm_run(cfg, 0.05))
+    return out
+
+
+def test_clipping_after_backward_schedulers_and_optimizers_match_ddp() -> None:
+    for r, res in enumerate(run_workers(_clip_worker, 2, timeout=600)):
+        for name in OPTIMIZERS:
+            assert res[name] == (True, True), (r, name, res[name])
+        for name in COMPRESSED:  # clipping acted on the averaged gradient that was applied
+            assert res["applied_" + name] <= 0.05 * (1 + 1e-4), (r, name, res["applied_" + name])
+
+
+# --- parameters: unused, frozen, tied, add_param_group ---------------------------------------------
+def _params_run(cfg: dict | None) -> tuple[dict, bool, bool]:
+    run = Run(cfg, model_kw={"tied": True, "branch": True})
+    frozen_at = None
+    for s in range(STEPS):
+        if s == 3:  # freeze a layer mid-training (on every rank)
+            run.base.fc1.weight.requires_grad_(False)
+            frozen_at = run.base.fc1.weight.detach().clone()
+        run.opt.zero_grad()
+        run.loss(rank(), s, use_branch=s % 2 == 0).backward()
+        run.opt.step()
+    never_none = run.base.never.weight.grad is None and run.base.never.bias.grad is None
+    frozen_kept = frozen_at is not None and torch.equal(frozen_at, run.base.fc1.weight.detach())
+    return run.params(), never_none, frozen_kept
+
+
+def _add_group_run(cfg: dict | None) -> dict:
+    run = Run(cfg, opt_params=lambda m: list(m.fc1.parameters()))
+    for s in range(STEPS):
+        if s == 2:
+            run.opt.add_param_group({"params": list(run.base.fc2.parameters()) + list(run.base.fc3.parameters()),
+                                     "lr": 0.05})
+        run.opt.zero_grad()
+        run.loss(rank(), s).backward()
+        run.opt.step()
+    return run.params()
+
+
+def _params_worker() -> dict:
+    init()
+    ddp, ddp_none, ddp_frozen = _params_run(None)
+    ours, ours_none, ours_frozen = _params_run(NONE)
+    out = {"unused": (equal(ddp, ours), ours_none, ours_frozen, ddp_none),
+           "add_group": equal(_add_group_run(None), _add_group_run(NONE))}
+    for name, cfg in COMPRESSED.items():
+        _, none_kept, frozen_kept = _params_run(cfg)
+        out[name] = (none_kept, frozen_kept)
+    return out
+
+
+def test_unused_frozen_tied_parameters_and_add_param_group_match_ddp() -> None:
+    for r, res in enumerate(run_workers(_params_worker, 2, timeout=600)):
+        same, never_none, frozen_kept, ddp_never_none = res["unused"]
+        assert same and never_none and frozen_kept, (r, res["unused"])
+        assert ddp_never_none  # DDP leaves globally unused parameters' grad None too
+        assert res["add_group"], r
+        for name in COMPRESSED:
+            assert res[name] == (True, True), (r, name, res[name])
+
+
+# --- accumulation: no_sync and backward_passes_per_step ---------------------------------------------
+def _accum_run(cfg: dict | None, how: str) -> dict:
+    run = Run(cfg, backward_passes_per_step=2 if how == "passes" else 1) if cfg is not None else Run(cfg)
+    for s in range(STEPS):
+        run.opt.zero_grad()
+        if how == "no_sync":
+            with run.no_sync():
+                run.loss(rank(), 2 * s).backward()
+        else:
+            run.loss(rank(), 2 * s).backward()
+        run.loss(rank(), 2 * s + 1).backward()
+        run.opt.step()
+    return run.params()
+
+
+def _accum_worker() -> dict:
+    init()
+    ddp = _accum_run(None, "no_sync")
+    out = {"none": (equal(ddp, _accum_run(NONE, "no_sync")), equal(ddp, _accum_run(NONE, "passes")))}
+    for name, cfg in COMPRESSED.items():
+        out[name] = equal(_accum_run(cfg, "no_sync"), _accum_run(cfg, "passes"))
+    return out
+
+
+def test_accumulation_with_no_sync_and_backward_passes_match_ddp() -> None:
+    for r, res in enumerate(run_workers(_accum_worker, 2, timeout=600)):
+        assert res["none"] == (True, True), (r, res["none"])
+        for name in COMPRESSED:
+            assert res[name], (r, name)
+
+
+# --- uneven inputs: join --------------------------------------------------------------------------
+def _join_run(cfg: dict | None) -> tuple[dict, int]:
+    run = Run(cfg)
+    n = 5 if rank() == 0 else 3
+    with run.join():
+        for s in range(n):
+            run.opt.zero_grad()
+            run.loss(rank(), s).backward()
+            run.opt.step()
+    residual_ok = 1
+    return run.params(), residual_ok
+
+
+def _join_worker() -> dict:
+    init()
+    ddp, _ = _join_run(None)
+    ours, _ = _join_run(NONE)
+    out: dict = {"none": equal(ddp, ours)}
+    for name, cfg in COMPRESSED.items():
+        params, _ = _join_run(cfg)
+        out[name] = params
+    return out
+
+
+def test_uneven_inputs_with_join_match_ddp_and_never_hang() -> None:
+    res = run_workers(_join_worker, 2, timeout=600)
+    for r in range(2):
+        assert res[r]["none"], r
+    for name in COMPRESSED:  # every rank ends with the last joiner's parameters
+        assert equal(res[0][name], res[1][name]), name
+
+
+# --- sparse embeddings, torch.compile -------------------------------------------------------------
+def _plain_run(cfg: dict | None, model_kw: dict | None = None, compile_backend: str | None = None) -> dict:
+    run = Run(cfg, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), model_kw=model_kw,
+              compile_backend=compile_backend)
+    for s in range(STEPS):
+        run.opt.zero_grad()
+        run.loss(rank(), s).backward()
+        run.opt.step()
+    return run.params()
+
+
+def _sparse_compile_worker() -> dict:
+    init()
+    out = {"sparse": equal(_plain_run(None, {"embedding": True}), _plain_run(NONE, {"embedding": True})),
+           "compile": equal(_plain_run(None), _plain_run(NONE, compile_backend="aot_eager"))}
+    for name in ("topk", "powersgd"):
+        out[name] = equal(_plain_run(COMPRESSED[name]), _plain_run(COMPRESSED[name], compile_backend="aot_eager"))
+    return out
+
+
+def test_sparse_embeddings_and_torch_compile_match_ddp() -> None:
+    for r, res in enumerate(run_workers(_sparse_compile_worker, 2, timeout=600)):
+        assert res["sparse"], r
+        assert res["compile"], r
+        assert res["topk"] and res["powersgd"], (r, res)
+
+
+# --- checkpoint / resume with rerouted tensors -----------------------------------------------------
+def _resume_worker(cfg: dict) -> tuple[bool, bool]:
+    init()
+    from adacomp.config import ComponentSpec
+
+    def train(run: Run, steps: range) -> None:
+        for s in steps:
+            if s == 1:  # what a policy does between steps (ByteComp / L-GreCo reroute tensors)
+                run.opt.set_route("fc2.weight", compressor=ComponentSpec("none"), memory=ComponentSpec("none"),
+                                  communicator=ComponentSpec("allreduce"))
+            run.opt.zero_grad()
+            run.loss(rank(), s).backward()
+            run.opt.step()
+
+    full = Run(cfg)
+    train(full, range(STEPS))
+    first = Run(cfg)
+    train(first, range(3))
+    ckpt = copy.deepcopy({"model": first.base.state_dict(), "opt": first.opt.state_dict()})
+    resumed = Run(cfg)
+    resumed.base.load_state_dict(ckpt["model"])
+    resumed.opt.load_state_dict(ckpt["opt"])
+    train(resumed, range(3, STEPS))
+    plain = torch.optim.SGD(MLP().parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:  # a plain torch checkpoint loads with a warning
+        warnings.simplefilter("always")
+        resumed.opt.load_state_dict(plain.state_dict())
+    return equal(full.params(), resumed.params()), any("plain torch" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("method", ["topk", "powersgd"])
+def test_resume_of_a_rerouted_run_is_bitwise(method: str) -> None:
+    for r, (same, warned) in enumerate(run_workers(_resume_worker, 2, COMPRESSED[method], timeout=600)):
+        assert same, r
+        assert warned, r
