@@ -8,7 +8,7 @@ STAMP := .cache/install.stamp
 # torch first, pinned: the CPU build of 2.13.0 is on local disk; an unpinned torch would pull a CUDA build.
 $(STAMP): setup.py
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[all,test]"
 	@mkdir -p .cache && touch $(STAMP)
 
 install: $(STAMP)

@@ -249,3 +249,53 @@ def test_gradients_kept_in_place_across_steps_stay_correct() -> None:
             opt.step()
         results.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
     assert torch.equal(results[0], results[1])
+
+
+def test_wrapping_twice_is_refused_and_step_hooks_work() -> None:
+    m, opt = _opt()
+    with pytest.raises(ValueError, match="already wrapped"):
+        adacomp.DistributedOptimizer(opt, m.named_parameters(), backend=LocalBackend())
+    with pytest.raises(ValueError, match="already wrapped"):
+        adacomp.DistributedOptimizer(opt.inner, m.named_parameters(), backend=LocalBackend())
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    _loss(m).backward()
+    opt.step()
+    assert calls == ["pre", "post"]
+    opt.remove_hooks()  # after detaching, the plain optimizer may be wrapped again
+    adacomp.DistributedOptimizer(opt.inner, m.named_parameters(), backend=LocalBackend())
+
+
+def test_state_dict_is_torch_format_plus_one_key() -> None:
+    m, opt = _opt({"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"}})
+    _loss(m).backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert set(sd) == {"state", "param_groups", "adacomp"}
+    plain = torch.optim.SGD(DigitsCNN().parameters(), lr=0.1)
+    plain.load_state_dict({k: v for k, v in sd.items() if k != "adacomp"})  # the reverse direction
+
+
+def _different_seeds(broadcast: bool) -> str:
+    adacomp.init()
+    torch.manual_seed(adacomp.rank())  # a forgotten broadcast: every rank has its own weights
+    m = DigitsCNN()
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
+    if broadcast:  # Horovod's order: build the optimizer, then broadcast
+        adacomp.broadcast_parameters(m.state_dict(), root_rank=0)
+    try:
+        _loss(m).backward()
+    except adacomp.CommunicationError as exc:
+        return str(exc)
+    opt.step()
+    return "ok"
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_different_initial_weights_are_detected_at_first_backward(broadcast: bool) -> None:
+    for msg in run_workers(_different_seeds, 2, broadcast):
+        if broadcast:
+            assert msg == "ok"
+        else:
+            assert "different initial weights" in msg and "broadcast_parameters" in msg and "[1]" in msg, msg

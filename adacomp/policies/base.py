@@ -7,13 +7,44 @@ same decision must be applied on every rank: decide on rank 0 and broadcast
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
 
 from adacomp.metrics import StepStats
 from adacomp.registry import Registry
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from adacomp.backends.base import Backend
+    from adacomp.config import ComponentSpec, Config
     from adacomp.optimizer import DistributedOptimizer
+
+
+class Host(Protocol):
+    """What a policy may use of the optimizer it is attached to (DistributedOptimizer implements
+    it): read the configuration, parameters, routes and buckets; turn the knobs between steps;
+    snapshot / restore for exploration. Nothing else of the optimizer is a policy's business."""
+
+    config: "Config"
+    backend: "Backend"
+    params: list[tuple[str, "Tensor"]]
+    steps: int
+    steps_per_epoch: int | None
+    backward_passes_per_step: int
+
+    @property
+    def buckets(self) -> list[Any]: ...
+    def parameter(self, name: str) -> "Tensor": ...
+    def compressor_for(self, name: str) -> Any: ...
+    def route_of(self, name: str) -> Any: ...
+    def bucket_of(self, name: str) -> Any: ...
+    def is_fused(self, name: str) -> bool: ...
+    def set_communicator(self, bucket_index: int, communicator: Any) -> None: ...
+    def set_density(self, density: float, names: Iterable[str] | None = None) -> None: ...
+    def set_route(self, name: str, compressor: "ComponentSpec | None" = None, memory: "ComponentSpec | None" = None,
+                  communicator: "ComponentSpec | None" = None, offload: bool | None = None) -> None: ...
+    def snapshot(self) -> dict[str, Any]: ...
+    def restore(self, snap: dict[str, Any]) -> None: ...
 
 registry: Registry["Policy"] = Registry("policy", "adacomp.policies")
 register = registry.register
