@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from adacomp.config import Config, load as load_config
+from adacomp import ddp
 from adacomp.context import current as backend, init, shutdown
 from adacomp.errors import (AdacompError, CommunicationError, ConfigError, IncompatibleComponentsError,
                             NonFiniteGradientError)
@@ -37,5 +38,5 @@ def local_rank() -> int:
 
 __all__ = ["AdacompError", "Average", "CommunicationError", "Config", "ConfigError", "DistributedOptimizer",
            "IncompatibleComponentsError", "NonFiniteGradientError", "Sum", "backend", "broadcast_object",
-           "broadcast_optimizer_state", "broadcast_parameters", "init", "load_config", "local_rank", "rank",
+           "broadcast_optimizer_state", "broadcast_parameters", "ddp", "init", "load_config", "local_rank", "rank",
            "shutdown", "size"]

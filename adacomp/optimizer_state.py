@@ -28,9 +28,11 @@ STATE_KEY = "adacomp"  # the one extra key in the wrapped optimizer's torch stat
 class ComponentState:
     """``state_dict`` / ``load_state_dict`` / ``snapshot`` / ``restore`` over the route table."""
 
-    def __init__(self, inner: torch.optim.Optimizer, table: RouteTable, loss_scale: LossScale,
-                 policy: Callable[[], Any], steps: Callable[[], int], set_steps: Callable[[int], None]):
-        self.inner = inner
+    def __init__(self, inner: torch.optim.Optimizer | None, table: RouteTable, loss_scale: LossScale,
+                 policy: Callable[[], Any], steps: Callable[[], int], set_steps: Callable[[int], None],
+                 extra: Callable[[], dict[str, Any]] | None = None):
+        self.inner = inner  # None for the DDP hook: DDP users checkpoint their own optimizer
+        self._extra = extra
         self.table = table
         self.loss_scale = loss_scale
         self._policy = policy
@@ -47,7 +49,9 @@ class ComponentState:
         for key, r in sorted(self.table.routes.items()):
             out[f"memory/{key}"] = r.memory
             out[f"communicator/{key}"] = r.communicator
-        if include_policy:
+        if self._extra is not None:
+            out.update(self._extra())
+        if include_policy and self._policy() is not None:
             out["policy"] = self._policy()
         return out
 
@@ -75,6 +79,7 @@ class ComponentState:
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's torch state dict (``state``, ``param_groups``) plus one extra
         key, ``"adacomp"``, with every compressor, memory, communicator and policy state."""
+        assert self.inner is not None
         sd = self.inner.state_dict()
         sd[STATE_KEY] = self.adacomp_state_dict()
         return sd
@@ -90,6 +95,7 @@ class ComponentState:
         else:
             raise ValueError("expected an optimizer state dict (keys 'state' and 'param_groups', plus "
                              f"'{STATE_KEY}' when written by adacomp); got keys {sorted(state_dict)[:6]}")
+        assert self.inner is not None
         self.inner.load_state_dict(torch_sd)
         if ours is None:
             warnings.warn("loaded a plain torch optimizer state dict: error-feedback residuals, thresholds, "
@@ -101,6 +107,7 @@ class ComponentState:
         """An in-memory copy of parameters, optimizer, compressor and memory state (for MOO
         exploration). The policy's own state is not included: restoring must not undo the
         policy's record of what it explored."""
+        assert self.inner is not None
         return {"params": {n: p.detach().clone() for n, p in params},
                 "state": copy.deepcopy({"optimizer": self.inner.state_dict(),
                                         STATE_KEY: self.adacomp_state_dict(include_policy=False)})}

@@ -118,34 +118,17 @@ class RouteTable:
         dense_by_route: dict[str, int] = {}
         sent_by_route: dict[str, int] = {}
         for name, p in self.params:
-            comp, mem, comm, offload = self.spec_for(name, p.numel())
-            if offload:
-                try:
-                    check_offload(comp, comm, "offload")
-                except ConfigError as exc:
-                    raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
-            key = spec_key(comp, mem, comm) + ("+offload" if offload else "")
-            route = routes.get(key) or old_routes.get(key)
-            if route is None:
-                route = Route(key, comp, memories.get(mem.name, **mem.params),
-                              communicators.get(comm.name, **comm.params), mem, comm, offload)
-            routes[key] = route
+            key, route = self._route(name, p, routes, old_routes)
             route_of[name] = route
             prev, prev_route = old_comps.get(name), old_route_of.get(name)
             if prev is not None and prev_route is not None and prev_route.key == key:
                 comps[name] = prev
             else:
-                comps[name] = compressors.get(comp.name, **comp.params)
+                comps[name] = compressors.get(route.compressor.name, **route.compressor.params)
                 route.memory.reset(name)
                 if prev_route is not None and prev_route.key != key:
                     prev_route.memory.reset(name)
-            try:
-                route.communicator.check(comps[name])
-                route.memory.check(comps[name])
-            except IncompatibleComponentsError as exc:
-                raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
-            except ValueError as exc:
-                raise IncompatibleComponentsError(f"parameter {name}", str(exc)) from None
+            self._check(name, route, comps[name])
             dense = p.numel() * p.element_size()
             sent = comps[name].payload_bytes(p.shape, p.element_size())
             items.append(fusion.Item(name, key, sent))
@@ -154,6 +137,46 @@ class RouteTable:
         self.routes, self.route_of, self.compressors = routes, route_of, comps
         old_fused = {b.key: b.fused_compressor for b in self.buckets if b.fused_compressor is not None}
         self._plan_buckets(items, dense_by_route, sent_by_route, old_fused)
+
+    def _route(self, name: str, p: Tensor, routes: dict[str, Route],
+               old_routes: dict[str, Route]) -> tuple[str, Route]:
+        """The route of one parameter: reused from ``routes`` / ``old_routes`` when its specs
+        match, otherwise built (its memory and communicator are shared by every parameter
+        with the same specs). Registers it in ``routes``."""
+        comp, mem, comm, offload = self.spec_for(name, p.numel())
+        if offload:
+            try:
+                check_offload(comp, comm, "offload")
+            except ConfigError as exc:
+                raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
+        key = spec_key(comp, mem, comm) + ("+offload" if offload else "")
+        route = routes.get(key) or old_routes.get(key)
+        if route is None:
+            route = Route(key, comp, memories.get(mem.name, **mem.params),
+                          communicators.get(comm.name, **comm.params), mem, comm, offload)
+        routes[key] = route
+        return key, route
+
+    @staticmethod
+    def _check(name: str, route: Route, compressor: Compressor) -> None:
+        try:
+            route.communicator.check(compressor)
+            route.memory.check(compressor)
+        except IncompatibleComponentsError as exc:
+            raise IncompatibleComponentsError(f"parameter {name}", exc.reason) from None
+        except ValueError as exc:
+            raise IncompatibleComponentsError(f"parameter {name}", str(exc)) from None
+
+    def ensure(self, name: str, p: Tensor) -> Route:
+        """Route a parameter first seen after construction, without planning buckets (the DDP
+        hook meets parameters bucket by bucket; DDP owns the buckets there)."""
+        if name not in self.route_of:
+            _, route = self._route(name, p, self.routes, {})
+            comp = compressors.get(route.compressor.name, **route.compressor.params)
+            self._check(name, route, comp)
+            self.route_of[name], self.compressors[name] = route, comp
+            self.params.append((name, p))
+        return self.route_of[name]
 
     def _plan_buckets(self, items: list[fusion.Item], dense_by_route: dict[str, int],
                       sent_by_route: dict[str, int], old_fused: dict[str, Compressor]) -> None:
