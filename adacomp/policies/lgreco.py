@@ -26,6 +26,7 @@ from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import k_for
 from adacomp.metrics import StepStats
 from adacomp.policies.base import Policy, register
+from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from adacomp.optimizer import DistributedOptimizer
@@ -213,6 +214,7 @@ class LGreCoPolicy(Policy):
     # --- wiring -------------------------------------------------------------------------------------
     def attach(self, optimizer: "DistributedOptimizer") -> None:
         super().attach(optimizer)
+        self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         self.layers = []
         for name, p in optimizer.params:
             comp = optimizer.compressor_for(name)
@@ -262,8 +264,9 @@ class LGreCoPolicy(Policy):
         s = optimizer.steps
         if s < max(self.warmup, 1) or (s - self.warmup) % self._period(optimizer) != 0:
             return
-        result = self.decide(optimizer) if optimizer.backend.rank() == 0 else None
-        result = optimizer.backend.broadcast_object(result, root=0)
+        # rank 0 decides on a helper thread while the others wait in short progress broadcasts:
+        # the error simulations of a 100M-element layer outlast a collective timeout (issue 21)
+        result = self.rendezvous.decide("the per-layer assignment", lambda: self.decide(optimizer))
         self.apply(optimizer, result["assignment"])
         self.history.append({k: v for k, v in result.items() if k != "assignment"})
         self._acc.clear()
