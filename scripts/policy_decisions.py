@@ -14,7 +14,6 @@ replaces the section between the markers in docs/results/adaptive.md (the rest i
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,11 +57,11 @@ def arm(model_name: str, policy: str, args: argparse.Namespace) -> dict[str, Any
         times.append(time.perf_counter() - t0)
     pol = opt.policy
     rv = pol.rendezvous
-    others = [t for i, t in enumerate(times) if i != decide_at]
+    before = times[:decide_at]  # min: the first step also pays one-off allocations
     out = {"model": model_name, "policy": policy, "tensors": len(list(model.parameters())),
            "decision_s": rv.decision_s, "max_wait_s": rv.max_wait_s, "rounds": rv.rounds,
            "waits": [(w, round(s, 3)) for w, s in rv.waits], "step_s": times,
-           "decision_step_extra_s": times[decide_at] - statistics.median(others),
+           "decision_step_extra_s": times[decide_at] - min(before) if before else None,
            "profile_s": getattr(pol, "profile_s", None)}
     if policy == "bytecomp":
         out["outcome"] = f"{sum(o != 'none' for o in pol.plan.values())}/{len(pol.plan)} tensors compressed"
@@ -91,7 +90,7 @@ def worker(args: argparse.Namespace) -> None:
                 rows.append({**r0, "rank1_max_wait_s": r1["max_wait_s"], "rank1_rounds": r1["rounds"]})
                 print(f"{model_name} {policy}: decision {r0['decision_s']:.3f} s, rank-1 max wait "
                       f"{r1['max_wait_s']:.3f} s ({r1['rounds']} progress rounds), decision step +"
-                      f"{r0['decision_step_extra_s']:.2f} s, {r0['outcome']}; rank-1 waits {r1['waits']}", flush=True)
+                      f"{r0['decision_step_extra_s'] or 0:.2f} s, {r0['outcome']}; rank-1 waits {r1['waits']}", flush=True)
     if be.rank() == 0 and not args.no_write:
         write(rows, args)
     be.barrier()
@@ -109,16 +108,18 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
              "used to wait for in one broadcast). *rank-1 max wait*: the longest time rank 1 spent inside a "
              "single collective of the policy (progress broadcasts arrive at least every 2 s = 0.05 x "
              "timeout, so this stays far below the 60 s collective timeout however long rank 0 works). "
-             "*decision step +s*: the deciding step's time minus the median of the other steps, i.e. the "
-             "one-off cost of profiling + probing + deciding; for bytecomp, *profile s* is the shared "
+             "*decision step +s*: the deciding step's time minus the fastest step before it, i.e. the "
+             "one-off cost of profiling + probing + deciding (flexible re-decides every step from its "
+             "probe: no single deciding step); for bytecomp, *profile s* is the shared "
              "compression profile inside it. During bytecomp's `profile_steps` the only per-step overhead "
              "is one timestamp per gradient (post-accumulate hook), and those steps run uncompressed.", "",
              "| model | tensors | policy | decision s | rank-1 max wait s | progress rounds | decision step +s "
              "| profile s | outcome |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         prof = f"{r['profile_s']:.2f}" if r["profile_s"] is not None else "-"
+        extra = f"{r['decision_step_extra_s']:.2f}" if r["decision_step_extra_s"] is not None else "-"
         lines.append(f"| {r['model']} | {r['tensors']} | {r['policy']} | {r['decision_s']:.3f} | "
-                     f"{r['rank1_max_wait_s']:.3f} | {r['rank1_rounds']} | {r['decision_step_extra_s']:.2f} | "
+                     f"{r['rank1_max_wait_s']:.3f} | {r['rank1_rounds']} | {extra} | "
                      f"{prof} | {r['outcome']} |")
     lines += ["", END]
     path = Path(args.out)
