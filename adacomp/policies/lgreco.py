@@ -162,12 +162,15 @@ def topk_errors(comp: Compressor, densities: list[float], grad: Tensor) -> tuple
     """Exact Top-k errors for every density from one sort: the error of keeping the k largest
     magnitudes is the sum of the remaining squares (same numbers as :func:`simulate_error`)."""
     sq = grad.detach().float().reshape(-1).square().sort(descending=True).values
-    tail = sq.flip(0).cumsum(0).flip(0).tolist() + [0.0]   # tail[k] = sum of squares after the top k
+    tail = sq.flip(0).cumsum(0).flip(0)   # tail[k] = sum of squares after the top k
+    # read only the entries needed: .tolist() of a 38M-element layer holds the GIL for seconds and
+    # stalls the rank's progress broadcasts (issue 21)
     sim = copy.deepcopy(comp)
     errs, sizes = [], []
     for d in densities:
         sim.set_density(d)
-        errs.append(float(tail[k_for(sq.numel(), d)]))
+        k = k_for(sq.numel(), d)
+        errs.append(float(tail[k]) if k < sq.numel() else 0.0)
         sizes.append(int(sim.payload_bytes(grad.shape, grad.element_size())))
     return errs, sizes
 

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from adacomp import watchdog
 from adacomp.errors import CommunicationError
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ class Rendezvous:
         """Run the collective ``fn(*args, **kwargs)``, timed; a failure names the policy."""
         t0 = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            with watchdog.activity(self.backend, f"policy {self.policy!r}: {what}"):
+                return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised with the policy's context
             raise self._error(what, time.perf_counter() - t0, exc) from exc
         finally:
