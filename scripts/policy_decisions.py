@@ -14,6 +14,7 @@ replaces the section between the markers in docs/results/adaptive.md (the rest i
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -24,13 +25,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- policy-decisions: begin -->", "<!-- policy-decisions: end -->"
+NOTE = "Before issue 21, bytecomp timed every candidate size 100 times on rank 0 before broadcasting (one Top-k of VGG-16's 103M-element layer takes about 1.2 s here, so minutes), and lgreco / moo broadcast only after deciding: rank 1 sat in one `broadcast_object` for the whole decision (lgreco: 36 s on GPT-2 in this run, close to the 60 s timeout; its first version here also held the GIL for 9 s in a 38M-element `.tolist()`, now gone). bytecomp now profiles a few sizes (at most 4M elements, extrapolated beyond) within 2 s per rank, split across the ranks; its decision stays under 0.2 s for GPT-2's 148 tensors. lgreco's decision itself is still long on these models (sorting every layer plus the DP), but no rank waits more than about 2 s in one collective. With gloo on loopback, communication is nearly free, so bytecomp compresses few or no tensors here."
 
-# policy -> (config, steps to run, 0-based index of the deciding step)
-POLICIES: dict[str, tuple[dict[str, Any], int, int]] = {
-    "bytecomp": ({"name": "bytecomp", "profile_steps": 3}, 4, 2),
-    "lgreco": ({"name": "lgreco", "warmup": 2, "period": 1000}, 3, 1),
-    "moo": ({"name": "moo", "c_high": 0.1, "c_low": 0.01, "factor": 10.0, "explore_steps": 1}, 4, 2),
-    "flexible": ({"name": "flexible"}, 2, 0),
+# policy -> (config, steps to run: the decision happens in the last but one)
+POLICIES: dict[str, tuple[dict[str, Any], int]] = {
+    "bytecomp": ({"name": "bytecomp", "profile_steps": 3}, 4),
+    "lgreco": ({"name": "lgreco", "warmup": 2, "period": 1000}, 3),
+    "moo": ({"name": "moo", "c_high": 0.1, "c_low": 0.01, "factor": 10.0, "explore_steps": 1}, 4),
+    "flexible": ({"name": "flexible"}, 2),
 }
 
 
@@ -43,7 +45,7 @@ def arm(model_name: str, policy: str, args: argparse.Namespace) -> dict[str, Any
         torch.manual_seed(0)
         model = build(model_name, **kw)
     data = synthetic_batch(model, args.batch, seed=adacomp.rank())
-    pcfg, steps, decide_at = POLICIES[policy]
+    pcfg, steps = POLICIES[policy]
     cfg = {"compressor": {"name": "topk", "density": 0.01}, "communicator": {"name": "allgather"},
            "fusion": {"fuse_before_compress": False}, "policy": pcfg}
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
@@ -57,11 +59,10 @@ def arm(model_name: str, policy: str, args: argparse.Namespace) -> dict[str, Any
         times.append(time.perf_counter() - t0)
     pol = opt.policy
     rv = pol.rendezvous
-    before = times[:decide_at]  # min: the first step also pays one-off allocations
     out = {"model": model_name, "policy": policy, "tensors": len(list(model.parameters())),
            "decision_s": rv.decision_s, "max_wait_s": rv.max_wait_s, "rounds": rv.rounds,
            "waits": [(w, round(s, 3)) for w, s in rv.waits], "step_s": times,
-           "decision_step_extra_s": times[decide_at] - min(before) if before else None,
+           "decision_step_extra_s": getattr(pol, "overhead_s", None),
            "profile_s": getattr(pol, "profile_s", None)}
     if policy == "bytecomp":
         out["outcome"] = f"{sum(o != 'none' for o in pol.plan.values())}/{len(pol.plan)} tensors compressed"
@@ -84,6 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     for model_name in args.models:
         for policy in args.policies:
             mine = arm(model_name, policy, args)
+            gc.collect()  # the previous arm's model and optimizer state must go before the next one
             every = be.allgather_object(mine)
             if be.rank() == 0:
                 r0, r1 = every[0], every[1]
@@ -108,10 +110,10 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
              "used to wait for in one broadcast). *rank-1 max wait*: the longest time rank 1 spent inside a "
              "single collective of the policy (progress broadcasts arrive at least every 2 s = 0.05 x "
              "timeout, so this stays far below the 60 s collective timeout however long rank 0 works). "
-             "*decision step +s*: the deciding step's time minus the fastest step before it, i.e. the "
-             "one-off cost of profiling + probing + deciding (flexible re-decides every step from its "
-             "probe: no single deciding step); for bytecomp, *profile s* is the shared "
-             "compression profile inside it. During bytecomp's `profile_steps` the only per-step overhead "
+             "*decision step +s* (bytecomp): rank 0's whole one-off cost in the deciding step (sharing "
+             "traces, the alpha / beta probe, the shared compression profile = *profile s*, the decision); "
+             "for lgreco and moo the decision time is that cost; flexible re-decides every step from its "
+             "allgathered probe, on every rank, so no rank waits for another's work. During bytecomp's `profile_steps` the only per-step overhead "
              "is one timestamp per gradient (post-accumulate hook), and those steps run uncompressed.", "",
              "| model | tensors | policy | decision s | rank-1 max wait s | progress rounds | decision step +s "
              "| profile s | outcome |", "|---|---|---|---|---|---|---|---|---|"]
@@ -121,7 +123,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         lines.append(f"| {r['model']} | {r['tensors']} | {r['policy']} | {r['decision_s']:.3f} | "
                      f"{r['rank1_max_wait_s']:.3f} | {r['rank1_rounds']} | {extra} | "
                      f"{prof} | {r['outcome']} |")
-    lines += ["", END]
+    lines += ["", NOTE, "", END]
     path = Path(args.out)
     text = path.read_text() if path.exists() else ""
     if BEGIN in text and END in text:

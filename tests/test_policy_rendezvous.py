@@ -37,11 +37,11 @@ def _huge_bytecomp_worker() -> dict:
         model = OneHugeLayer()
     cfg = {"compressor": {"name": "topk", "density": 0.001}, "memory": {"name": "none"},
            "communicator": {"name": "allgather"}, "fusion": {"bucket_mb": 0},
-           "policy": {"name": "bytecomp", "profile_steps": 3}}  # alpha / beta measured, as a user would
+           "policy": {"name": "bytecomp", "profile_steps": 2}}  # alpha / beta measured, as a user would
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters(), config=cfg)
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(adacomp.rank()))
-    for _ in range(3):
+    for _ in range(3):  # two profiling steps, the decision, one step on the plan
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
@@ -65,47 +65,54 @@ def test_plan_for_a_100m_element_tensor_without_long_collective_waits():
     assert r1["decision_s"] == r0["decision_s"] > 0
 
 
-def _slow_decision_worker(mode: str) -> dict:
-    """Collective timeout 2 s; rank 0's decision takes 4 s ('slow'), raises ('error') or rank 0
-    never joins the broadcast ('hung')."""
+def _decision_modes_worker() -> dict:
+    """Collective timeout 2 s, three decisions in turn: rank 0 works 4 s ('slow'), raises
+    ('error'), then never joins the broadcast ('hung', last: it breaks the group)."""
     import adacomp
     from adacomp.policies.rendezvous import Rendezvous
     be = adacomp.init(backend="torch", timeout_s=2.0)
-    rv = Rendezvous(be, "bytecomp", timeout_s=2.0)
+    out: dict[str, dict] = {}
+    for mode in ("slow", "error", "hung"):
+        rv = Rendezvous(be, "bytecomp", timeout_s=2.0)
 
-    def decision() -> dict:
-        if mode == "error":
-            raise ValueError("no plan")
-        time.sleep(4.0)
-        return {"plan": "ok"}
-    try:
-        if mode == "hung" and be.rank() == 0:
-            time.sleep(5.0)  # busy without the progress loop: what every policy did before issue 21
-            return {"error": None}
-        result = rv.decide("the plan decision", decision)
-    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-        return {"error": f"{type(exc).__name__}: {exc}", "max_wait_s": rv.max_wait_s}
-    out = {"result": result, "rounds": rv.rounds, "waits": list(rv.waits), "max_wait_s": rv.max_wait_s,
-           "decision_s": rv.decision_s, "interval_s": rv.interval_s}
-    adacomp.shutdown()
+        def decision() -> dict:
+            if mode == "error":
+                raise ValueError("no plan")
+            time.sleep(4.0)
+            return {"plan": "ok"}
+        try:
+            if mode == "hung" and be.rank() == 0:
+                time.sleep(5.0)  # busy without the progress loop: what every policy did before issue 21
+                out[mode] = {"error": None}
+                continue
+            result = rv.decide("the plan decision", decision)
+        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+            out[mode] = {"error": f"{type(exc).__name__}: {exc}", "max_wait_s": rv.max_wait_s}
+            continue
+        out[mode] = {"result": result, "rounds": rv.rounds, "waits": list(rv.waits), "max_wait_s": rv.max_wait_s,
+                     "decision_s": rv.decision_s, "interval_s": rv.interval_s}
     return out
 
 
-def test_decision_longer_than_the_collective_timeout_keeps_the_job_alive():
-    r0, r1 = run_workers(_slow_decision_worker, 2, "slow", timeout=120)
+@pytest.fixture(scope="module")
+def modes() -> list[dict]:
+    return run_workers(_decision_modes_worker, 2, timeout=120)
+
+
+def test_decision_longer_than_the_collective_timeout_keeps_the_job_alive(modes):
+    r0, r1 = modes[0]["slow"], modes[1]["slow"]
     assert r0["result"] == r1["result"] == {"plan": "ok"}
     assert r1["decision_s"] >= 4.0 > 2.0  # longer than the collective timeout ...
     assert r1["rounds"] >= 4 and r1["interval_s"] == pytest.approx(0.1)
     assert r1["max_wait_s"] < 1.0, r1["waits"]  # ... yet no single collective waited long
 
 
-def test_a_failed_decision_is_reported_on_every_rank():
-    r0, r1 = run_workers(_slow_decision_worker, 2, "error", timeout=120)
-    for r in (r0, r1):
+def test_a_failed_decision_is_reported_on_every_rank(modes):
+    for r in (modes[0]["error"], modes[1]["error"]):
         assert "policy 'bytecomp'" in r["error"] and "no plan" in r["error"], r["error"]
 
 
-def test_a_rank_that_stops_answering_is_named_with_the_policy():
-    _, r1 = run_workers(_slow_decision_worker, 2, "hung", timeout=120)
-    assert r1["error"].startswith("CommunicationError: policy 'bytecomp': the plan decision failed on rank 1")
-    assert "collective timeout 2 s" in r1["error"]
+def test_a_rank_that_stops_answering_is_named_with_the_policy(modes):
+    err = modes[1]["hung"]["error"]
+    assert err.startswith("CommunicationError: policy 'bytecomp': the plan decision failed on rank 1"), err
+    assert "collective timeout 2 s" in err

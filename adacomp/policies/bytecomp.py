@@ -224,7 +224,8 @@ class ByteCompPolicy(Policy):
       model (§4.3 times every size 100 times: minutes for a 100M-element tensor on a CPU, issue 21).
 
     ``rendezvous.max_wait_s`` is the longest this rank waited in one collective of the decision,
-    ``rendezvous.decision_s`` rank 0's decision time, ``profile_s`` the profiling time.
+    ``rendezvous.decision_s`` rank 0's decision time, ``profile_s`` the compression profiling time,
+    ``overhead_s`` the whole one-off cost of the deciding step (traces, probe, profile, decision).
     """
 
     def __init__(self, profile_steps: int = 100, repeats: int = 100, alpha: float = 0.0, beta: float = 0.0,
@@ -245,7 +246,7 @@ class ByteCompPolicy(Policy):
             raise ValueError(f"profile_max_numel must be an integer >= 1024, got {profile_max_numel!r}")
         self.polish_budget_s, self.profile_budget_s = float(polish_budget_s), float(profile_budget_s)
         self.profile_max_numel = profile_max_numel
-        self.profile_s = 0.0
+        self.profile_s = self.overhead_s = 0.0
         self.profile_steps, self.repeats, self.alpha, self.beta = profile_steps, repeats, float(alpha), float(beta)
         self.divisible, self.offload, self.polish = bool(divisible), offload, bool(polish)
         self.plan: dict[str, str] = {}
@@ -313,6 +314,7 @@ class ByteCompPolicy(Policy):
         if optimizer.steps != self.profile_steps:
             return
         backend, rv = optimizer.backend, self.rendezvous
+        start = time.perf_counter()
         traces = rv.call("sharing ready-time traces", backend.allgather_object, self.profile())
         ready = {n: float(np.mean([t[n] for t in traces if n in t])) for n in traces[0]}
         alpha, beta = self.alpha, self.beta
@@ -328,7 +330,9 @@ class ByteCompPolicy(Policy):
         self.profile_s = time.perf_counter() - t0
         result = rv.decide("the plan decision", lambda: self.decide_from(ready, alpha, beta, backend.size(), points))
         self.apply(optimizer, result["plan"])
-        self.predicted = {**result["predicted"], "profile_s": self.profile_s, "max_wait_s": rv.max_wait_s}
+        self.overhead_s = time.perf_counter() - start  # the decision step's one-off cost on this rank
+        self.predicted = {**result["predicted"], "profile_s": self.profile_s, "overhead_s": self.overhead_s,
+                          "max_wait_s": rv.max_wait_s}
         for h in self._handles:
             h.remove()
         self._handles = []
