@@ -96,6 +96,7 @@ class Watchdog:
         self._beats = 0
         self._pid = os.getpid()
         self.lost: Lost | None = None
+        self.activity = ""  # what the main thread is blocked in, for the exit message (see activity())
         self._stop = threading.Event()
         self._lost_event = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"adacomp-watchdog-{self.rank}", daemon=True)
@@ -140,7 +141,8 @@ class Watchdog:
         # blocked in a collective, end the process so that no survivor hangs.
         if self._stop.wait(GRACE_FRACTION * self.timeout_s):
             return
-        print(f"adacomp watchdog: {self.lost.message(self.rank, self.timeout_s)}; exiting with code "
+        doing = f" while this rank was in {self.activity}" if self.activity else ""
+        print(f"adacomp watchdog: {self.lost.message(self.rank, self.timeout_s)}{doing}; exiting with code "
               f"{EXIT_CODE}", file=sys.stderr, flush=True)
         os._exit(EXIT_CODE)
 
@@ -208,6 +210,21 @@ def stop(backend: Any) -> None:
 
 
 @contextlib.contextmanager
+def activity(backend: Any, what: str) -> Iterator[None]:
+    """Name what the main thread is doing (e.g. "policy 'bytecomp': the plan decision") so that
+    the watchdog's exit message says it, should the process be ended while blocked inside."""
+    wd = getattr(backend, "watchdog", None)
+    if wd is None:
+        yield
+        return
+    before, wd.activity = wd.activity, what
+    try:
+        yield
+    finally:
+        wd.activity = before
+
+
+@contextlib.contextmanager
 def guard(backend: Any) -> Iterator[None]:
     """Re-raise communication failures inside the block as errors naming the lost rank."""
     wd = getattr(backend, "watchdog", None)
@@ -224,4 +241,4 @@ def guard(backend: Any) -> Iterator[None]:
         raise new from exc
 
 
-__all__ = ["EXIT_CODE", "Lost", "Watchdog", "guard", "start", "stop"]
+__all__ = ["EXIT_CODE", "Lost", "Watchdog", "activity", "guard", "start", "stop"]

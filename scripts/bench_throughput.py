@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """End-to-end throughput: samples/s per compressor x communicator, with the step split into
-compute / compress / communicate, on a ~6M-parameter MLP.
+compute / compress / communicate, on a ~6M-parameter MLP or a zoo model (``--model resnet50 |
+vgg16 | gpt2_small | lstm_lm``: adacomp.models, synthetic batches).
 
 Every valid (compressor, communicator) pair is measured: pairs are formed from the registries and
 kept when ``adacomp.config.load`` accepts them (an impossible pair raises
@@ -9,10 +10,12 @@ powersgd / acpsgd rank 4, qsgd 4 bits. All arms run inside one launch, each with
 DistributedOptimizer; data are fixed random batches (throughput does not depend on their values).
 
     python scripts/bench_throughput.py                        # spawns --np 2 workers itself
+    python scripts/bench_throughput.py --model gpt2_small --batch 2 --compressors none topk
     adacomp run -np 4 -- python scripts/bench_throughput.py   # or torchrun / mpirun / horovodrun
 
 The world size is the launcher's. Rows of other world sizes already in throughput.csv are kept, so
 running at 2 and then at 4 workers gives one table and one figure with both (make_results.sh does).
+A zoo model writes throughput_<model>.{csv,md,png} so the MLP tables are left alone.
 Time split (from ``opt.last_stats``): compress = compress + decompress + error feedback; communicate
 = time in collectives or waiting for them (what backward did not hide); compute = the rest.
 """
@@ -77,20 +80,40 @@ def valid_pairs(names: list[str], comms: list[str], density: float) -> list[dict
     return out
 
 
-def measure(pair: dict[str, Any], args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-    """Median [step, compress, comm, bytes, dense bytes] seconds / bytes of this rank."""
-    import adacomp
-    from adacomp.models import MLP
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The benchmarked model, identical on every rank (seed 0, without touching the global RNG)."""
+    from adacomp.models import build
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = MLP(args.inputs, args.width, args.depth)
+        if args.model == "mlp":
+            return build("mlp", inputs=args.inputs, width=args.width, depth=args.depth)
+        if args.model in ("resnet50", "vgg16"):
+            return build(args.model, image_size=args.image_size)
+        return build(args.model)
+
+
+def batch_for(model: torch.nn.Module, args: argparse.Namespace, rank: int) -> Any:
+    """This rank's fixed batch (values do not matter for throughput)."""
+    from adacomp.models import Synthetic, synthetic_batch
+    if args.model == "mlp":
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(args.batch, args.inputs, generator=g)
+        return Synthetic(x, torch.randint(0, 10, (args.batch,), generator=g), F.cross_entropy)
+    return synthetic_batch(model, args.batch, seed=rank)
+
+
+def measure(pair: dict[str, Any], args: argparse.Namespace, rank: int) -> list[float]:
+    """Median [step, compress, comm, bytes, dense bytes] seconds / bytes of this rank."""
+    import adacomp
+    model = build_model(args)
+    data = batch_for(model, args, rank)
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                        config=pair["config"])
     rows = []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        data.loss(model).backward()
         opt.step()
         dt = time.perf_counter() - t0
         st = opt.last_stats
@@ -108,14 +131,10 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = adacomp.rank(), adacomp.size()
     pairs = valid_pairs(args.compressors or compressors.names(), args.communicators or communicators.names(),
                         args.density)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.inputs, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
-    from adacomp.models import MLP
-    nparams = sum(p.numel() for p in MLP(args.inputs, args.width, args.depth).parameters())
+    nparams = sum(p.numel() for p in build_model(args).parameters())
     rows, t_all = [], time.perf_counter()
     for i, pair in enumerate(pairs):
-        mine = torch.tensor(measure(pair, args, x, y), dtype=torch.float64)
+        mine = torch.tensor(measure(pair, args, rank), dtype=torch.float64)
         every = be.allgather(mine.view(1, -1), sizes=[1] * world).view(world, -1)
         slow = every[int(every[:, 0].argmax())]  # the job moves at its slowest rank's pace
         step, comp, comm = float(slow[0]), float(slow[1]), float(slow[2])
@@ -142,7 +161,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    csv_path = out / "throughput.csv"
+    stem = "throughput" if args.model == "mlp" else f"throughput_{args.model}"
+    csv_path = out / f"{stem}.csv"
     worlds = {r["world"] for r in rows}
     keep = []
     if csv_path.exists():
@@ -159,8 +179,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
     if not allrows:
         raise SystemExit(f"--report-only: no rows in {csv_path}")
-    plot(allrows, out / "throughput.png")
-    lines = [f"MLP {args.inputs}-{'-'.join([str(args.width)] * args.depth)}-10 ({allrows[0]['params'] / 1e6:.1f}M "
+    plot(allrows, out / f"{stem}.png")
+    what = (f"MLP {args.inputs}-{'-'.join([str(args.width)] * args.depth)}-10" if args.model == "mlp" else
+            f"{args.model} (adacomp.models, synthetic batches"
+            + (f", {args.image_size}x{args.image_size} images)" if args.model in ("resnet50", "vgg16") else ")"))
+    lines = [f"{what} ({allrows[0]['params'] / 1e6:.1f}M "
              f"parameters), batch {args.batch} per worker, median of {args.steps} steps after {args.warmup} "
              f"warm-up, slowest rank; density {args.density:g} where a compressor has one, rank 4 (powersgd, "
              "acpsgd), 4 bits (qsgd). Every (compressor, communicator) pair that config validation accepts.",
@@ -171,7 +194,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
              f"The machine is shared (load average {os.getloadavg()[0]:.1f} when this was written), so compress "
              "and compute times are inflated and noisy.",
              "Each world size's table is kept in throughput.csv and names the command that measured it.", "",
-             "![throughput](throughput.png)", ""]
+             f"![throughput]({stem}.png)", ""]
     for world in sorted({r["world"] for r in allrows}):
         sub = [r for r in allrows if r["world"] == world]
         dense = next((r for r in sub if r["compressor"] == "none" and r["communicator"] == "allreduce"), None)
@@ -185,7 +208,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                          f"| {r['step_ms']:.1f} | {r['compute_ms']:.1f} | {r['compress_ms']:.1f} | {r['comm_ms']:.1f} "
                          f"| {r['bytes_per_step'] / 1024:.0f} | {ratio:.0f}x |")
         lines.append("")
-    write_result(str(out / "throughput.md"), "Throughput per compressor x communicator x world size", lines)
+    write_result(str(out / f"{stem}.md"), "Throughput per compressor x communicator x world size", lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -218,6 +241,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--np", type=int, default=2, help="workers to spawn when not started by a launcher")
+    from adacomp.models import ZOO
+    ap.add_argument("--model", default="mlp", choices=["mlp", *sorted(ZOO)], help="mlp (sized by --inputs/--width/--depth) "
+                    "or a zoo model: resnet50, vgg16, gpt2_small, lstm_lm")
+    ap.add_argument("--image-size", type=int, default=64, help="resnet50 / vgg16 input resolution (224 in the papers)")
     ap.add_argument("--inputs", type=int, default=1024)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=2)

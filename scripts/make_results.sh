@@ -42,6 +42,7 @@ step throughput-x4  "${RUN[@]}" -np 4 -- "$PY" scripts/bench_throughput.py
 step convergence    "${RUN[@]}" -np 2 -- "$PY" scripts/convergence.py
 step netem          "$PY" scripts/netem_experiment.py
 optional adaptive          scripts/adaptive.py
+optional policy-decisions  scripts/policy_decisions.py   # appends its section to adaptive.md: after adaptive.py
 optional adaptive-network  scripts/adaptive_network.py
 optional soak              scripts/soak.py
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,6 +165,22 @@ def test_empirical_time_and_size_grid():
     assert size_grid([5, 5, 7]) == [5, 7]
     g = size_grid(list(range(1, 1000)), points=12)
     assert len(g) <= 12 and g[0] == 1 and g[-1] == 999
+
+
+def test_large_sizes_are_extrapolated_not_timed():
+    """Issue 21: sizes above profile_max_numel are replaced by three points up to it, and the
+    model's tail beyond the largest point is the least-squares slope of the larger half."""
+    assert size_grid([10, 1000, 100_000_000], max_numel=4096) == [10, 1000, 1024, 2048, 4096]
+    f = EmpiricalTime([100, 200, 400, 800, 1600], [1.0, 2.0, 3.0, 5.0, 9.0])
+    xs, ys = np.array([400, 800, 1600.0]), np.array([3.0, 5.0, 9.0])
+    slope = np.polyfit(xs, ys, 1)[0]
+    assert f(2600) == pytest.approx(9.0 + slope * 1000)
+    from adacomp import compressors
+    from adacomp.policies.timeline import fit_times, measure_compressor
+    pts = measure_compressor(compressors.get("topk", density=0.01), [4096, 1 << 16], repeats=3, feedback=True)
+    assert [p[0] for p in pts] == [4 * 4096, 4 * (1 << 16)] and all(p[1] > 0 and p[2] > 0 for p in pts)
+    c, d = fit_times(pts)
+    assert c(4 * 100_000_000) >= c(4 * (1 << 16)) > 0
 
 
 def test_policy_routes_a_real_optimizer():

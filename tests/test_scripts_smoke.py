@@ -85,6 +85,14 @@ def test_throughput_script(tmp_path):
     assert "## 2 workers" in (tmp_path / "throughput.md").read_text()
 
 
+def test_throughput_script_zoo_model(tmp_path):
+    _launch("bench_throughput.py", "--model", "lstm_lm", "--batch", "1", "--steps", "1", "--warmup", "1",
+            "--compressors", "none", "--communicators", "allreduce", "--out-dir", str(tmp_path))
+    md = (tmp_path / "throughput_lstm_lm.md").read_text()
+    assert "lstm_lm (adacomp.models" in md and "| none |  | allreduce |" in md
+    assert not (tmp_path / "throughput.csv").exists()  # the MLP tables are left alone
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
 def test_netem_experiment_script(tmp_path):
     out = _run([sys.executable, "scripts/netem_experiment.py", "--hosts", "2", "--bandwidths", "200mbit",

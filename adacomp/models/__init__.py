@@ -1,4 +1,10 @@
-"""Small models for the built-in job, tests and benchmarks."""
+"""Models for the built-in job, tests and benchmarks.
+
+Small ones (``cnn``, ``mlp``, ``charlstm``) for the built-in job and fast tests; the zoo
+(``resnet50``, ``vgg16``, ``gpt2_small``, ``lstm_lm``: realistic tensor counts and sizes, no
+torchvision) for benchmarks and policy stress tests, each with ``synthetic_batch`` (see
+:func:`adacomp.models.synthetic.synthetic_batch`).
+"""
 from __future__ import annotations
 
 import torch
@@ -39,8 +45,14 @@ class MLP(nn.Module):
 
 
 from adacomp.models.charlstm import CharLSTM  # noqa: E402 - defined after the small models above
+from adacomp.models.gpt import GPT2Small  # noqa: E402
+from adacomp.models.lstm_lm import LSTMLM  # noqa: E402
+from adacomp.models.resnet import ResNet50  # noqa: E402
+from adacomp.models.synthetic import Synthetic, synthetic_batch  # noqa: E402,F401 - re-exported
+from adacomp.models.vgg import VGG16  # noqa: E402
 
-MODELS = {"cnn": DigitsCNN, "mlp": MLP, "charlstm": CharLSTM}
+ZOO: dict[str, type[nn.Module]] = {"resnet50": ResNet50, "vgg16": VGG16, "gpt2_small": GPT2Small, "lstm_lm": LSTMLM}
+MODELS: dict[str, type[nn.Module]] = {"cnn": DigitsCNN, "mlp": MLP, "charlstm": CharLSTM, **ZOO}
 
 
 def build(name: str, **kwargs: int) -> nn.Module:

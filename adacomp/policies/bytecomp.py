@@ -12,6 +12,7 @@ on the optimizer's CPU worker thread (``offload``).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -22,8 +23,9 @@ from adacomp.config import ComponentSpec
 from adacomp.metrics import StepStats
 from adacomp.policies.base import Policy, register
 from adacomp.policies.timeline import (ALL_OPTIONS, CPU_A2A, CPU_AG, DEVICE_A2A, DEVICE_AG, NONE, CostModel,
-                                       Option, TensorProfile, cost_model, profile_compressor, simulate,
-                                       size_grid)
+                                       Option, Point, TensorProfile, cost_model, fit_times, measure_compressor,
+                                       simulate, size_grid)
+from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from adacomp.optimizer import DistributedOptimizer
@@ -110,10 +112,13 @@ def decide_offload(tensors: Sequence[TensorProfile], model: CostModel, S: Sequen
 
 
 def refine(tensors: Sequence[TensorProfile], model: CostModel, S: Sequence[Option],
-           options: Sequence[Option], candidates: set[int] | None = None, sweeps: int = 2) -> list[Option]:
+           options: Sequence[Option], candidates: set[int] | None = None, sweeps: int = 2,
+           deadline: float = math.inf) -> list[Option]:
     """adacomp's addition after Alg. 2 (not in the paper): up to ``sweeps`` passes that try every
     option on one tensor at a time (Alg. 1's order) and keep any that lowers F(S). It can revisit
-    Alg. 1's early choices and put on the CPU a tensor Alg. 1 left dense; it never makes F worse."""
+    Alg. 1's early choices and put on the CPU a tensor Alg. 1 left dense; it never makes F worse.
+    It stops early at ``deadline`` (a ``time.perf_counter()`` value): the polish is optional work
+    and must not push the decision past the paper's range (issue 21)."""
     S = list(S)
     f = simulate(tensors, S, model).iteration_s
     cand = range(len(tensors)) if candidates is None else candidates
@@ -121,6 +126,8 @@ def refine(tensors: Sequence[TensorProfile], model: CostModel, S: Sequence[Optio
     for _ in range(sweeps):
         improved = False
         for i in order:
+            if time.perf_counter() > deadline:
+                return S
             for o in options:
                 if o == S[i]:
                     continue
@@ -134,10 +141,12 @@ def refine(tensors: Sequence[TensorProfile], model: CostModel, S: Sequence[Optio
 
 
 def decide(tensors: Sequence[TensorProfile], model: CostModel, divisible: bool = False, offload: bool = True,
-           candidates: set[int] | None = None, polish: bool = True) -> tuple[list[Option], dict[str, float]]:
+           candidates: set[int] | None = None, polish: bool = True,
+           polish_budget_s: float = math.inf) -> tuple[list[Option], dict[str, float]]:
     """Alg. 1, then Alg. 2 when ``offload``; with ``polish`` (adacomp's addition) the result and a
-    compress-all start are each improved by :func:`refine` and the better one kept. Returns the
-    strategy and the predicted iteration times of it, compress-all (device) and compress-none."""
+    compress-all start are each improved by :func:`refine` (each within half of
+    ``polish_budget_s``) and the better one kept. Returns the strategy and the predicted iteration
+    times of it, compress-all (device) and compress-none."""
     t0 = time.perf_counter()
     dev_opts = (DEVICE_AG, DEVICE_A2A) if divisible else (DEVICE_AG,)
     S = decide_device(tensors, model, dev_opts, candidates)
@@ -150,7 +159,9 @@ def decide(tensors: Sequence[TensorProfile], model: CostModel, divisible: bool =
         opts = (NONE, *dev_opts, *(cpu_opts if offload else ()))
         # refine Alg. 2's answer, and also refine a second start (compress-all): Alg. 1's
         # largest-first greedy can lock in a big tensor whose compression only pays alone
-        starts = [refine(tensors, model, S, opts, candidates), refine(tensors, model, every, opts, candidates)]
+        half = polish_budget_s / 2
+        starts = [refine(tensors, model, S, opts, candidates, deadline=time.perf_counter() + half),
+                  refine(tensors, model, every, opts, candidates, deadline=time.perf_counter() + half)]
         S = min(starts, key=lambda s: simulate(tensors, s, model).iteration_s)
     dt = time.perf_counter() - t0
     out = {"plan_s": simulate(tensors, S, model).iteration_s,
@@ -190,8 +201,10 @@ class ByteCompPolicy(Policy):
 
     The first ``profile_steps`` steps run uncompressed (§4.3: traces "without GC") while hooks
     record when each gradient becomes ready; then every rank shares its trace, alpha / beta are
-    measured with :class:`adacomp.netmodel.NetworkProbe` (unless given), rank 0 profiles the
-    compressor (``repeats`` runs per size, §4.3), runs :func:`decide` and broadcasts the plan.
+    measured with :class:`adacomp.netmodel.NetworkProbe` (unless given), the ranks profile the
+    compressor on a few sizes (each rank a share of them, up to ``repeats`` runs per size, §4.3)
+    and share the points, rank 0 fits the time models, runs :func:`decide` and broadcasts the
+    plan while the other ranks wait in short progress broadcasts (:mod:`adacomp.policies.rendezvous`).
     Compressed tensors use the configured compressor and memory; the indivisible scheme uses the
     configured communicator when it can be offloaded (``allgather`` / ``allgather_fast``), else
     ``allgather``; the others go dense on allreduce. Options map to routes as:
@@ -204,11 +217,20 @@ class ByteCompPolicy(Policy):
     * ``offload``: ``auto`` runs Alg. 2 only when gradients live on a GPU (on a CPU-only run the
       "device" is the CPU and the worker thread competes with it for the same cores); ``on`` /
       ``off`` force it.
-    * ``polish``: run :func:`refine` after Alg. 2 (adacomp's addition).
+    * ``polish``: run :func:`refine` after Alg. 2 (adacomp's addition), for at most
+      ``polish_budget_s`` seconds.
+    * ``profile_budget_s``: seconds each rank may spend timing compression (its share of the
+      sizes); ``profile_max_numel``: larger tensors are not timed but extrapolated from the fitted
+      model (§4.3 times every size 100 times: minutes for a 100M-element tensor on a CPU, issue 21).
+
+    ``rendezvous.max_wait_s`` is the longest this rank waited in one collective of the decision,
+    ``rendezvous.decision_s`` rank 0's decision time, ``profile_s`` the compression profiling time,
+    ``overhead_s`` the whole one-off cost of the deciding step (traces, probe, profile, decision).
     """
 
     def __init__(self, profile_steps: int = 100, repeats: int = 100, alpha: float = 0.0, beta: float = 0.0,
-                 divisible: bool = False, offload: str = "auto", polish: bool = True):
+                 divisible: bool = False, offload: str = "auto", polish: bool = True,
+                 polish_budget_s: float = 0.5, profile_budget_s: float = 2.0, profile_max_numel: int = 1 << 22):
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 2:
             raise ValueError(f"profile_steps must be an integer >= 2, got {profile_steps!r}")
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -217,6 +239,14 @@ class ByteCompPolicy(Policy):
             raise ValueError(f"alpha and beta must be >= 0 (0 = measure), got alpha={alpha}, beta={beta}")
         if offload not in ("auto", "on", "off"):
             raise ValueError(f"offload must be 'auto', 'on' or 'off', got {offload!r}")
+        for key, v in (("polish_budget_s", polish_budget_s), ("profile_budget_s", profile_budget_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"{key} must be a number of seconds > 0, got {v!r}")
+        if isinstance(profile_max_numel, bool) or not isinstance(profile_max_numel, int) or profile_max_numel < 1024:
+            raise ValueError(f"profile_max_numel must be an integer >= 1024, got {profile_max_numel!r}")
+        self.polish_budget_s, self.profile_budget_s = float(polish_budget_s), float(profile_budget_s)
+        self.profile_max_numel = profile_max_numel
+        self.profile_s = self.overhead_s = 0.0
         self.profile_steps, self.repeats, self.alpha, self.beta = profile_steps, repeats, float(alpha), float(beta)
         self.divisible, self.offload, self.polish = bool(divisible), offload, bool(polish)
         self.plan: dict[str, str] = {}
@@ -227,6 +257,7 @@ class ByteCompPolicy(Policy):
 
     def attach(self, optimizer: "DistributedOptimizer") -> None:
         super().attach(optimizer)
+        self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         cfg = optimizer.config
         from adacomp import communicators, compressors
         comm = cfg.communicator
@@ -282,41 +313,72 @@ class ByteCompPolicy(Policy):
         self._step_end.append(time.perf_counter())
         if optimizer.steps != self.profile_steps:
             return
-        backend = optimizer.backend
-        traces = backend.allgather_object(self.profile())
+        backend, rv = optimizer.backend, self.rendezvous
+        start = time.perf_counter()
+        traces = rv.call("sharing ready-time traces", backend.allgather_object, self.profile())
         ready = {n: float(np.mean([t[n] for t in traces if n in t])) for n in traces[0]}
         alpha, beta = self.alpha, self.beta
         if not (alpha or beta) and backend.size() > 1:
             from adacomp.netmodel import NetworkProbe
-            est = NetworkProbe().probe(backend, optimizer.steps)
+            est = rv.call("network probe", NetworkProbe().probe, backend, optimizer.steps)
             alpha, beta = est.alpha, est.beta
-        result = None
-        if backend.rank() == 0:
-            result = self.decide_from(ready, alpha, beta, backend.size())
-        result = backend.broadcast_object(result, root=0)
+        t0 = time.perf_counter()
+        points = self.profile_share(backend.rank(), backend.size())
+        if backend.size() > 1:
+            every = rv.call("sharing compression profiles", backend.allgather_object, points)
+            points = {res: [p for share in every for p in share.get(res, [])] for res in points}
+        self.profile_s = time.perf_counter() - t0
+        result = rv.decide("the plan decision", lambda: self.decide_from(ready, alpha, beta, backend.size(), points))
         self.apply(optimizer, result["plan"])
-        self.predicted = result["predicted"]
+        self.overhead_s = time.perf_counter() - start  # the decision step's one-off cost on this rank
+        self.predicted = {**result["predicted"], "profile_s": self.profile_s, "overhead_s": self.overhead_s,
+                          "max_wait_s": rv.max_wait_s}
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    def decide_from(self, ready: dict[str, float], alpha: float, beta: float, world: int) -> dict[str, Any]:
+    def _device(self) -> Any:
+        return self.optimizer.params[0][1].device
+
+    def profile_share(self, rank: int, world: int) -> dict[str, list[Point]]:
+        """This rank's share of the compression profile: the (resource, size) jobs ``rank::world``
+        (sizes ascending, so every rank gets a similar mix), each resource within
+        ``profile_budget_s`` split by its share of the jobs."""
         opt = self.optimizer
-        tensors, forward_s = self.tensors(ready)
+        device = self._device()
+        resources = ("device",) if device.type == "cpu" else ("device", "cpu")
+        numels = [opt.parameter(n).numel() for n in self.candidates]
+        grid = size_grid(numels, max_numel=self.profile_max_numel)
+        jobs = [(res, n) for res in resources for n in grid]
+        mine = jobs[rank::world]
         from adacomp import compressors
         comp = opt.config.compressor
-        device = opt.params[0][1].device
-        numels = [int(t.nbytes // 4) for t in tensors if t.name in self.candidates]
         fb = uses_feedback(opt.config)
-        ctime, dtime = profile_compressor(compressors.get(comp.name, **comp.params), size_grid(numels),
-                                          device, self.repeats, feedback=fb)
-        cctime, cdtime = (ctime, dtime) if device.type == "cpu" else profile_compressor(
-            compressors.get(comp.name, **comp.params), size_grid(numels), "cpu", self.repeats, feedback=fb)
+        out: dict[str, list[Point]] = {res: [] for res in resources}
+        for res in resources:
+            sizes = [n for r, n in mine if r == res]
+            if sizes:
+                out[res] = measure_compressor(compressors.get(comp.name, **comp.params), sizes,
+                                              device if res == "device" else "cpu", self.repeats, feedback=fb,
+                                              budget_s=self.profile_budget_s * len(sizes) / len(mine))
+        return out
+
+    def decide_from(self, ready: dict[str, float], alpha: float, beta: float, world: int,
+                    points: dict[str, list[Point]] | None = None) -> dict[str, Any]:
+        """The plan from traces, the network model and compression profile ``points`` (measured
+        here on one rank when not given)."""
+        opt = self.optimizer
+        tensors, forward_s = self.tensors(ready)
+        device = self._device()
+        if points is None:
+            points = self.profile_share(0, 1)
+        ctime, dtime = fit_times(points["device"])
+        cctime, cdtime = fit_times(points["cpu"]) if "cpu" in points else (ctime, dtime)
         model = cost_model(world, alpha, beta, {"device": ctime, "cpu": cctime},
                            {"device": dtime, "cpu": cdtime}, forward_s)
         offload = self.offload == "on" or (self.offload == "auto" and device.type == "cuda")
         cand = {i for i, t in enumerate(tensors) if t.name in self.candidates}
-        S, predicted = decide(tensors, model, self.divisible, offload, cand, self.polish)
+        S, predicted = decide(tensors, model, self.divisible, offload, cand, self.polish, self.polish_budget_s)
         return {"plan": {t.name: str(o) for t, o in zip(tensors, S) if t.name in self.candidates},
                 "predicted": {**predicted, "alpha": alpha, "beta": beta}}
 

@@ -28,6 +28,7 @@ from adacomp.communicators.base import Communicator
 from adacomp.compressors.sparse import k_for
 from adacomp.metrics import StepStats
 from adacomp.policies.base import Policy, register
+from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from adacomp.optimizer import Bucket, DistributedOptimizer
@@ -70,6 +71,9 @@ class FlexiblePolicy(Policy):
     # -------------------------------------------------------------- setup
     def attach(self, optimizer: "DistributedOptimizer") -> None:
         super().attach(optimizer)
+        # every rank computes the same choice from the allgathered probe (no rank decides alone, so
+        # no rank waits for another's work); the probe's collectives are timed for issue 21's audit
+        self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         backend = optimizer.backend
         current = backend.allreduce_algorithm or "ring"  # gloo's allreduce is a ring
         if backend.set_allreduce_algorithm(current):
@@ -134,7 +138,7 @@ class FlexiblePolicy(Policy):
     def update(self, optimizer: "DistributedOptimizer", probe: bool = False) -> None:
         """Probe if due, then re-choose every bucket's collective if any input changed."""
         if probe or self.probe.due(self._calls):
-            self.probe.probe(optimizer.backend, self._calls)
+            self.rendezvous.call("network probe", self.probe.probe, optimizer.backend, self._calls)
         est = self.probe.last
         sizes = {b.index: self.bucket_bytes(optimizer, b) for b in optimizer.buckets}
         inputs = (est.alpha, est.beta, tuple(sorted((i, s["values"]) for i, s in sizes.items() if s)))

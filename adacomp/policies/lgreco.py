@@ -26,6 +26,7 @@ from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import k_for
 from adacomp.metrics import StepStats
 from adacomp.policies.base import Policy, register
+from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from adacomp.optimizer import DistributedOptimizer
@@ -161,12 +162,15 @@ def topk_errors(comp: Compressor, densities: list[float], grad: Tensor) -> tuple
     """Exact Top-k errors for every density from one sort: the error of keeping the k largest
     magnitudes is the sum of the remaining squares (same numbers as :func:`simulate_error`)."""
     sq = grad.detach().float().reshape(-1).square().sort(descending=True).values
-    tail = sq.flip(0).cumsum(0).flip(0).tolist() + [0.0]   # tail[k] = sum of squares after the top k
+    tail = sq.flip(0).cumsum(0).flip(0)   # tail[k] = sum of squares after the top k
+    # read only the entries needed: .tolist() of a 38M-element layer holds the GIL for seconds and
+    # stalls the rank's progress broadcasts (issue 21)
     sim = copy.deepcopy(comp)
     errs, sizes = [], []
     for d in densities:
         sim.set_density(d)
-        errs.append(float(tail[k_for(sq.numel(), d)]))
+        k = k_for(sq.numel(), d)
+        errs.append(float(tail[k]) if k < sq.numel() else 0.0)
         sizes.append(int(sim.payload_bytes(grad.shape, grad.element_size())))
     return errs, sizes
 
@@ -213,6 +217,7 @@ class LGreCoPolicy(Policy):
     # --- wiring -------------------------------------------------------------------------------------
     def attach(self, optimizer: "DistributedOptimizer") -> None:
         super().attach(optimizer)
+        self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         self.layers = []
         for name, p in optimizer.params:
             comp = optimizer.compressor_for(name)
@@ -262,8 +267,9 @@ class LGreCoPolicy(Policy):
         s = optimizer.steps
         if s < max(self.warmup, 1) or (s - self.warmup) % self._period(optimizer) != 0:
             return
-        result = self.decide(optimizer) if optimizer.backend.rank() == 0 else None
-        result = optimizer.backend.broadcast_object(result, root=0)
+        # rank 0 decides on a helper thread while the others wait in short progress broadcasts:
+        # the error simulations of a 100M-element layer outlast a collective timeout (issue 21)
+        result = self.rendezvous.decide("the per-layer assignment", lambda: self.decide(optimizer))
         self.apply(optimizer, result["assignment"])
         self.history.append({k: v for k, v in result.items() if k != "assignment"})
         self._acc.clear()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from adacomp.metrics import StepStats
 from adacomp.policies.base import Policy, register
+from adacomp.policies.rendezvous import Rendezvous
 from adacomp.policies.flexible import FlexiblePolicy
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ class MOOPolicy(Policy):
 
     def attach(self, optimizer: "DistributedOptimizer") -> None:
         super().attach(optimizer)
+        self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         if self.switching:
             self.flex.attach(optimizer)
         else:
@@ -176,8 +178,7 @@ class MOOPolicy(Policy):
         self._since += 1
         if self._since % self.check_every:
             return
-        msg = self._triggers(optimizer) if optimizer.backend.rank() == 0 else None
-        msg = optimizer.backend.broadcast_object(msg, 0)
+        msg = self.rendezvous.decide("the trigger check", lambda: self._triggers(optimizer))
         if msg and msg["action"] == "explore":
             self._start_exploration(optimizer)
         elif msg and msg["action"] == "reoptimise":
@@ -232,8 +233,9 @@ class MOOPolicy(Policy):
             self._set(optimizer, self.candidates[self._cand])
             return
         self._snap = None
-        c_opt = self._optimise(optimizer) if optimizer.backend.rank() == 0 else None
-        self._apply(optimizer, optimizer.backend.broadcast_object(c_opt, 0), "exploration")
+        # NSGA-II runs on rank 0 while the others wait in short progress broadcasts (issue 21)
+        self._apply(optimizer, self.rendezvous.decide("the density optimisation", lambda: self._optimise(optimizer)),
+                    "exploration")
 
     def _optimise(self, optimizer: "DistributedOptimizer") -> float:
         r = self.results

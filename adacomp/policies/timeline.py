@@ -26,6 +26,7 @@ decompress-aggregate-recompress of one 1/N part, then allgather), Table 2 / Fig.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
@@ -60,12 +61,20 @@ class EmpiricalTime:
         if x.size == 1:
             v = float(y[0] * nbytes / x[0]) if x[0] > 0 else float(y[0])
         elif nbytes > x[-1]:
-            slope = (y[-1] - y[-2]) / max(x[-1] - x[-2], 1e-30)
-            v = float(y[-1] + max(slope, 0.0) * (nbytes - x[-1]))
+            v = float(y[-1] + self.tail_slope() * (nbytes - x[-1]))
         else:
             v = float(np.interp(nbytes, x, y))
         self._cache[nbytes] = v
         return v
+
+    def tail_slope(self) -> float:
+        """Seconds per byte beyond the largest measured size: least squares over the larger half of
+        the points (at least two), so one noisy point does not set the cost of a 100M-element tensor."""
+        k = max(2, (self.x.size + 1) // 2)
+        x, y = self.x[-k:], self.y[-k:]
+        xc = x - x.mean()
+        denom = float(np.dot(xc, xc))
+        return max(float(np.dot(xc, y - y.mean())) / denom, 0.0) if denom > 0 else 0.0
 
 
 def alltoall(M: float, N: int, alpha: float, beta: float) -> float:
@@ -82,41 +91,71 @@ def cost_model(world: int, alpha: float, beta: float, compress: dict[str, Callab
                      lambda M: alltoall(M, world, alpha, beta), compress, decompress, forward_s)
 
 
-def profile_compressor(comp: Compressor, numels: Sequence[int], device: torch.device | str = "cpu",
-                       repeats: int = 100, dtype: torch.dtype = torch.float32,
-                       feedback: bool = False) -> tuple[EmpiricalTime, EmpiricalTime]:
-    """(compress, decompress) time models: each size run ``repeats`` times and averaged (§4.3).
+Point = tuple[float, float, float]   # (dense bytes, compress seconds, decompress seconds)
+
+
+def measure_compressor(comp: Compressor, numels: Sequence[int], device: torch.device | str = "cpu",
+                       repeats: int = 100, dtype: torch.dtype = torch.float32, feedback: bool = False,
+                       budget_s: float = math.inf) -> list[Point]:
+    """Timed compress / decompress per size, averaged over up to ``repeats`` runs (§4.3 runs 100).
+
     Decompression is timed per payload (the simulator multiplies by the number of payloads).
     ``feedback`` counts the error-feedback update (``g - decompress(compress(g))``, what residual
-    memory does after every compression) as part of compression."""
-    sizes, ct, dt = [], [], []
+    memory does after every compression) as part of compression. ``budget_s`` bounds the whole
+    measurement (adacomp's deviation, issue 21): each size gets an equal share and stops repeating
+    once its share is spent (always one timed run), so a few large sizes cannot take minutes."""
+    out: list[Point] = []
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    for n in sorted(set(int(x) for x in numels)):
+    sizes = sorted(set(int(x) for x in numels))
+    share = budget_s / max(len(sizes), 1)
+    for n in sizes:
         g = torch.randn(n, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+        start = time.perf_counter()
         payload, ctx = comp.compress(g, "profile")  # warm-up (allocations, first-call costs)
         comp.decompress(payload, ctx)
         sync()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
+        c = d = 0.0
+        runs = 0
+        while runs < repeats and (runs == 0 or time.perf_counter() - start < share):
+            t0 = time.perf_counter()
             payload, ctx = comp.compress(g, "profile")
             if feedback:
                 g.sub(comp.decompress(payload, ctx).view_as(g))
-        sync()
-        t1 = time.perf_counter()
-        for _ in range(repeats):
+            sync()
+            t1 = time.perf_counter()
             comp.decompress(payload, ctx)
-        sync()
-        t2 = time.perf_counter()
-        sizes.append(n * g.element_size())
-        ct.append((t1 - t0) / repeats)
-        dt.append((t2 - t1) / repeats)
-    return EmpiricalTime(sizes, ct), EmpiricalTime(sizes, dt)
+            sync()
+            c, d, runs = c + t1 - t0, d + time.perf_counter() - t1, runs + 1
+        out.append((float(n * g.element_size()), c / runs, d / runs))
+    return out
 
 
-def size_grid(numels: Sequence[int], points: int = 12) -> list[int]:
-    """At most ``points`` sizes spanning ``numels`` (log-spaced), to profile instead of every size."""
+def fit_times(points: Sequence[Point]) -> tuple[EmpiricalTime, EmpiricalTime]:
+    """(compress, decompress) models through measured points (piecewise linear, a least-squares
+    linear tail beyond the largest: see :class:`EmpiricalTime`)."""
+    pts = sorted(points)
+    return (EmpiricalTime([p[0] for p in pts], [p[1] for p in pts]),
+            EmpiricalTime([p[0] for p in pts], [p[2] for p in pts]))
+
+
+def profile_compressor(comp: Compressor, numels: Sequence[int], device: torch.device | str = "cpu",
+                       repeats: int = 100, dtype: torch.dtype = torch.float32, feedback: bool = False,
+                       budget_s: float = math.inf) -> tuple[EmpiricalTime, EmpiricalTime]:
+    """(compress, decompress) time models from :func:`measure_compressor` (§4.3)."""
+    return fit_times(measure_compressor(comp, numels, device, repeats, dtype, feedback, budget_s))
+
+
+def size_grid(numels: Sequence[int], points: int = 12, max_numel: int | None = None) -> list[int]:
+    """At most ``points`` sizes spanning ``numels`` (log-spaced), to profile instead of every size.
+
+    With ``max_numel``, sizes above it are not measured: ``max_numel`` itself and two smaller
+    points stand in for them, and :class:`EmpiricalTime`'s linear tail extrapolates (compression
+    cost is close to linear in size at that scale; timing one 100M-element Top-k 100 times on a CPU
+    takes minutes, issue 21)."""
     distinct = sorted(set(int(n) for n in numels if n > 0))
+    if max_numel is not None and distinct and distinct[-1] > max_numel:
+        distinct = sorted({n for n in distinct if n <= max_numel} | {max_numel, max_numel // 2, max_numel // 4})
     if len(distinct) <= points:
         return distinct
     idx = np.unique(np.round(np.geomspace(1, len(distinct), points)).astype(int) - 1)
