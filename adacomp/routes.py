@@ -135,7 +135,7 @@ class RouteTable:
             dense_by_route[key] = dense_by_route.get(key, 0) + dense
             sent_by_route[key] = sent_by_route.get(key, 0) + sent
         self.routes, self.route_of, self.compressors = routes, route_of, comps
-        old_fused = {b.key: b.fused_compressor for b in self.buckets if b.fused_compressor is not None}
+        old_fused = {b.fused_key: b.fused_compressor for b in self.buckets if b.fused_compressor is not None}
         self._plan_buckets(items, dense_by_route, sent_by_route, old_fused)
 
     def _route(self, name: str, p: Tensor, routes: dict[str, Route],

@@ -181,17 +181,18 @@ class StepEngine:
     def _grads(self, st: RoundState, b: Bucket) -> tuple[list[Tensor], list[bool]]:
         """This rank's gradients of bucket ``b`` (zeros for parameters it did not use) and which
         it used; sparse gradients are densified (Horovod's ``sparse_as_dense``)."""
-        grads, used = [], []
+        grads: list[Tensor] = []
+        used: list[bool] = []
         for n in b.names:
             p = self._param[n]
             g = p.grad
             u = st.active and n in st.used and g is not None
-            if not u:
+            if g is None or not u:
                 g = torch.zeros_like(p)
             else:
-                if g.is_sparse:  # type: ignore[union-attr]
+                if g.is_sparse:
                     st.sparse.add(n)
-                    g = g.to_dense()  # type: ignore[union-attr]
+                    g = g.to_dense()
                 if not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
                     # a sum is one cheap pass and is NaN/Inf whenever g holds one; a finite but
                     # overflowing sum is confirmed with the exact test before anything is reported

@@ -106,3 +106,17 @@ def test_policies_do_not_import_the_optimizer_at_run_time() -> None:
     for m, deps in graph.items():
         if m.startswith("adacomp.policies"):
             assert "adacomp.optimizer" not in deps and "adacomp.step_engine" not in deps, m
+
+
+# The middle layer's modules are type-checked (mypy, strict about None and attributes).
+TYPED = ["adacomp/optimizer.py", "adacomp/step_engine.py", "adacomp/routes.py", "adacomp/error_feedback.py",
+         "adacomp/optimizer_state.py", "adacomp/offload.py", "adacomp/ddp.py", "adacomp/policies/base.py"]
+
+
+def test_middle_layer_type_checks() -> None:
+    import subprocess
+    import sys
+    root = PKG.parent
+    res = subprocess.run([sys.executable, "-m", "mypy", *TYPED, "--ignore-missing-imports",
+                          "--follow-imports=silent", "--no-error-summary"], cwd=root, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

@@ -299,3 +299,24 @@ def test_different_initial_weights_are_detected_at_first_backward(broadcast: boo
             assert msg == "ok"
         else:
             assert "different initial weights" in msg and "broadcast_parameters" in msg and "[1]" in msg, msg
+
+
+def test_rerouting_keeps_fused_bucket_state_and_trains() -> None:
+    """A route change re-plans buckets: a fused (bucket-granularity) compressor whose bucket kept
+    its members keeps its state; a parameter moved to another route leaves the fused bucket."""
+    from adacomp.config import ComponentSpec
+    cfg = {"compressor": {"name": "gtopk", "density": 0.1}, "communicator": {"name": "allgather"}, "min_numel": 0,
+           "fusion": {"bucket_mb": 0.01}}
+    m, opt = _opt(cfg)
+    _loss(m).backward()
+    opt.step()
+    fused_before = {b.fused_key: b.fused_compressor for b in opt.buckets if b.fused_compressor is not None}
+    opt.set_route("fc1.weight", compressor=ComponentSpec("none"), memory=ComponentSpec("none"),
+                  communicator=ComponentSpec("allreduce"))
+    assert not opt.is_fused("fc1.weight")
+    kept = [b for b in opt.buckets if b.fused_key in fused_before]
+    assert kept and all(b.fused_compressor is fused_before[b.fused_key] for b in kept)
+    opt.zero_grad()
+    _loss(m).backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in m.parameters())
