@@ -238,12 +238,12 @@ class OkTopkCommunicator(Communicator):
         """This owner's reduced values passing the global threshold, and every owner's count."""
         fresh = self._due(key, k, env.step)
         if fresh:
-            self._estimate(key, k, mags, backend, env.step)
+            self._estimate(key, k, mags, backend, env)
         sel, counts = self._count(key, mags, backend)
         if not fresh:
             verdict = judge(self.threshold[key], sum(counts), k)
             if verdict.reestimate:
-                self._estimate(key, k, mags, backend, env.step)
+                self._estimate(key, k, mags, backend, env)
                 sel, counts = self._count(key, mags, backend)
                 env.stats.extra["oktopk_reestimated"] = env.stats.extra.get("oktopk_reestimated", 0.0) + 1.0
             else:
@@ -255,12 +255,15 @@ class OkTopkCommunicator(Communicator):
         return (last is None or self.estimated_k.get(key) != k or step - last >= self.period
                 or step < last or key not in self.threshold)
 
-    def _estimate(self, key: str, k: int, mags: Tensor, backend: Backend, step: int) -> None:
+    def _estimate(self, key: str, k: int, mags: Tensor, backend: Backend, env: CommEnv) -> None:
         """Exact global k-th largest: each owner's top ``min(k, u_j)`` magnitudes suffice."""
         top = torch.topk(mags, min(k, mags.numel()), sorted=False).values if mags.numel() else mags
         everyone = backend.allgather(top.contiguous())
+        extra = env.stats.extra
+        extra["oktopk_recv_elems"] = extra.get("oktopk_recv_elems", 0.0) + float(everyone.numel() - top.numel())
+        env.stats.bytes_sent += top.numel() * top.element_size()
         self.threshold[key] = kth_largest(everyone, k)
-        self.estimated_at[key], self.estimated_k[key] = step, k
+        self.estimated_at[key], self.estimated_k[key] = env.step, k
 
     def _count(self, key: str, mags: Tensor, backend: Backend) -> tuple[Tensor, list[int]]:
         sel = torch.ge(mags, self.threshold[key])
