@@ -102,6 +102,7 @@ def test_traffic_is_about_k_not_p_times_k(world):
     ok = tensors(run_workers(_worker, world, {"name": "oktopk", "density": DENSITY},
                              {"name": "oktopk", "period": 32}, steps))
     ag = tensors(run_workers(_worker, world, {"name": "oktopk", "density": DENSITY}, {"name": "allgather"}, steps))
+    recv_steps: list[float] = []
     for step in range(steps):
         nnz = sum(int(torch.count_nonzero(t)) for t in ok[0][step][1])
         nnz_ag = sum(int(torch.count_nonzero(t)) for t in ag[0][step][1])
@@ -111,14 +112,17 @@ def test_traffic_is_about_k_not_p_times_k(world):
             assert nnz_ag > 3 * K  # the union of 4 local selections
         for r in range(world):
             recv = ok[r][step][3]["oktopk_recv_elems"]
-            if step > 0:  # not an estimation step: no magnitudes allgather
-                assert recv <= 2.5 * K, (r, step, recv, K)
+            # step 0 adds the first global estimation (~2k magnitudes); allgather on 4 ranks: 3k pairs
+            assert recv <= (3.1 if step == 0 else 2.5) * K, (r, step, recv, K)
+        if step > 0:  # after the first estimation
+            recv_steps.append(sum(ok[r][step][3]["oktopk_recv_elems"] for r in range(world)) / world)
         for i in range(len(SHAPES)):
             lhs = sum(ok[r][step][2][i] for r in range(world)) + world * ok[0][step][1][i]
             rhs = sum(ok[r][step][0][i] for r in range(world))
             torch.testing.assert_close(lhs, rhs, rtol=1e-12, atol=1e-12)
             for r in range(1, world):
                 torch.testing.assert_close(ok[r][step][1][i], ok[0][step][1][i], rtol=0, atol=0)
+    assert sum(recv_steps) / len(recv_steps) <= 2.2 * K, (recv_steps, K)
 
 
 def test_oktopk_is_its_own_default_communicator():

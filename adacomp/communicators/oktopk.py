@@ -10,11 +10,15 @@ it is replicated, so every rank receives about k elements instead of P x k. Per 
    rank j; one alltoall sends each rank's selected (value, index) pairs to the owners, and owner j
    sums what it received (a sparse sum: no dense buffer);
 3. **global threshold**: owners keep the reduced values whose magnitude passes one global
-   threshold. It is estimated exactly (the k-th largest reduced magnitude over all regions: each
-   owner contributes its top ``min(k, u_j)`` magnitudes to one allgather) every ``period`` steps
+   threshold. It is estimated (the k-th largest reduced magnitude over all regions: each owner
+   contributes its top ``min(u_j, 2k/P)`` magnitudes to one allgather, which is exact while no
+   region holds more than twice its share of the global top-k) every ``period`` steps
    and reused in between, with the count-band correction of :mod:`adacomp.compressors._band`
    decided on the global count (the same number on every rank, so every rank takes the same
-   branch);
+   branch). Outside the hard band [k/2, 2k] the threshold is re-chosen *by counts*: each owner
+   counts its values at 33 multiples (0.25x-4x) of the reused threshold, one allgather of those
+   counts, and the multiple nearest k is used at once (the magnitudes estimation only when no
+   multiple lands in the band);
 4. **allgather** of the owners' selections (about k pairs in all), averaged over ranks.
 
 Regions are **balanced**: every ``rebalance`` steps each rank proposes the P-1 boundaries that cut
@@ -30,17 +34,20 @@ the residuals equals the sum of the compensated gradients).
 
 Collective order per bucket, identical on every rank (it depends only on the step, the bucket
 shapes and counts every rank knows): [re-balancing allreduce], count alltoall, data alltoall,
-[estimation allgather], count allgather, [hard-band re-estimation allgather, count allgather],
-data allgather. ``start`` blocks on the small count alltoall; everything after the data alltoall
-runs in ``finish``.
+[estimation allgather], count allgather, [hard band: grid-count allgather, or estimation
+allgather + count allgather], data allgather. ``start`` blocks on the small count alltoall;
+everything after the data alltoall runs in ``finish``. ``stats.extra["oktopk_recv_elems"]``
+counts the gradient elements (pairs and magnitudes) a rank receives from the others; the small
+count exchanges are not included.
 
 Deviations: regions are re-balanced by averaging boundary proposals (the paper balances on the
 owners' counts); the paper's destination rotation to avoid endpoint congestion is left to the
-backend's alltoall; the exact global estimation moves up to P x k magnitudes every ``period``
-steps (values only); the authors' code may differ in when it re-estimates.
+backend's alltoall; a global estimation moves about 2k magnitudes (values only) every
+``period`` steps and whenever the global count leaves [k/2, 2k].
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +57,17 @@ from torch import Tensor
 from adacomp.backends.base import Backend
 from adacomp.communicators.allgather import layout, pack, unpack
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
-from adacomp.compressors._band import judge
+from adacomp.compressors._band import HARD_HIGH, HARD_LOW, judge
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import k_for
+
+#: an owner contributes at most ESTIMATE_SHARE * k / P magnitudes to a global estimation (adacomp's
+#: choice: 2 keeps the estimate exact under balanced regions while moving ~2k values, not P x k)
+ESTIMATE_SHARE = 2.0
+#: multiples of a reused global threshold counted when the global count leaves [k/2, 2k]:
+#: 2^(j/8) for j = -16..16, i.e. 0.25x-4x in steps of ~9 % (adacomp's choice: 33 counts per owner
+#: instead of ~2k magnitudes, and fine enough to land near k)
+GRID = tuple(2.0 ** (j / 8) for j in range(-16, 17))
 
 
 def equal_bounds(numel: int, world: int) -> list[int]:
@@ -243,9 +258,12 @@ class OkTopkCommunicator(Communicator):
         if not fresh:
             verdict = judge(self.threshold[key], sum(counts), k)
             if verdict.reestimate:
+                env.stats.extra["oktopk_reestimated"] = env.stats.extra.get("oktopk_reestimated", 0.0) + 1.0
+                found = self._regrid(key, k, mags, backend)
+                if found is not None:
+                    return found
                 self._estimate(key, k, mags, backend, env)
                 sel, counts = self._count(key, mags, backend)
-                env.stats.extra["oktopk_reestimated"] = env.stats.extra.get("oktopk_reestimated", 0.0) + 1.0
             else:
                 self.threshold[key] = verdict.threshold
         return sel, counts
@@ -256,14 +274,36 @@ class OkTopkCommunicator(Communicator):
                 or step < last or key not in self.threshold)
 
     def _estimate(self, key: str, k: int, mags: Tensor, backend: Backend, env: CommEnv) -> None:
-        """Exact global k-th largest: each owner's top ``min(k, u_j)`` magnitudes suffice."""
-        top = torch.topk(mags, min(k, mags.numel()), sorted=False).values if mags.numel() else mags
+        """Global k-th largest from each owner's top ``min(u_j, ceil(ESTIMATE_SHARE * k / P))``
+        magnitudes: exact while no region holds more than twice its share of the global top-k
+        (balanced regions), a lower threshold otherwise, which the count band then corrects."""
+        m = min(mags.numel(), math.ceil(ESTIMATE_SHARE * k / backend.size()))
+        top = torch.topk(mags, m, sorted=False).values if m else mags[:0]
         everyone = backend.allgather(top.contiguous())
         extra = env.stats.extra
         extra["oktopk_recv_elems"] = extra.get("oktopk_recv_elems", 0.0) + float(everyone.numel() - top.numel())
         env.stats.bytes_sent += top.numel() * top.element_size()
         self.threshold[key] = kth_largest(everyone, k)
         self.estimated_at[key], self.estimated_k[key] = env.step, k
+
+    def _regrid(self, key: str, k: int, mags: Tensor, backend: Backend) -> tuple[Tensor, list[int]] | None:
+        """Re-estimation by counts: every owner counts its reduced values at ``GRID`` multiples of
+        the reused threshold, one allgather of those P x len(GRID) counts gives every rank the
+        same table, and the multiple whose total is nearest k (in ratio) inside [k/2, 2k] becomes
+        the threshold. None when no multiple lands in the band (then the magnitudes estimation)."""
+        base = self.threshold[key]
+        cands = [base * r for r in GRID]
+        mine = torch.tensor([int(torch.count_nonzero(torch.ge(mags, c))) for c in cands], dtype=torch.int64)
+        table = backend.allgather(mine.view(1, -1), sizes=[1] * backend.size()).view(backend.size(), -1)
+        totals = table.sum(0).tolist()
+        best, score = None, math.inf
+        for j, total in enumerate(totals):
+            if HARD_LOW * k <= total <= HARD_HIGH * k and abs(math.log(max(total, 1) / k)) < score:
+                best, score = j, abs(math.log(max(total, 1) / k))
+        if best is None:
+            return None
+        self.threshold[key] = cands[best]
+        return torch.ge(mags, cands[best]), [int(c) for c in table[:, best].tolist()]
 
     def _count(self, key: str, mags: Tensor, backend: Backend) -> tuple[Tensor, list[int]]:
         sel = torch.ge(mags, self.threshold[key])
