@@ -329,7 +329,8 @@ class OkTopkCommunicator(Communicator):
     @staticmethod
     def _means(p: _Pending, g_idx: Tensor, g_vals: Tensor, world: int) -> list[Tensor]:
         out = []
-        cuts = torch.searchsorted(g_idx, torch.tensor(p.offsets + [2 ** 62], dtype=torch.int64)).tolist()
+        cuts = torch.searchsorted(g_idx, torch.tensor(p.offsets + [2 ** 62], dtype=torch.int64,
+                                                  device=g_idx.device)).tolist()
         for i, e in enumerate(p.entries):
             acc = torch.zeros(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device)
             lo, hi = cuts[i], cuts[i + 1]
