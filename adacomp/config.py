@@ -282,6 +282,7 @@ def from_dict(data: Any) -> Config:
         data = {}
     cfg = _parse_dataclass(Config, data, "")
     _check_layers(cfg)
+    _default_communicators(cfg, data)
     check_pair(cfg.compressor, cfg.communicator, "communicator", cfg.memory, "memory")
     for i, layer in enumerate(cfg.layers):
         check_pair(layer.compressor or cfg.compressor, layer.communicator or cfg.communicator,
@@ -290,6 +291,23 @@ def from_dict(data: Any) -> Config:
             check_offload(layer.compressor or cfg.compressor, layer.communicator or cfg.communicator,
                           f"layers[{i}].offload")
     return cfg
+
+
+def _default_communicator(compressor: ComponentSpec) -> ComponentSpec | None:
+    """The communicator a compressor class names as its own (``default_communicator``), if any."""
+    from adacomp import compressors
+    name = getattr(compressors.registry.cls(compressor.name), "default_communicator", None)
+    return ComponentSpec(name) if name else None
+
+
+def _default_communicators(cfg: Config, data: Any) -> None:
+    """Where the config names no communicator, use the compressor's own (``oktopk`` -> its sparse
+    allreduce) instead of ``allreduce``; an explicit ``communicator`` always wins."""
+    if isinstance(data, Mapping) and "communicator" not in data:
+        cfg.communicator = _default_communicator(cfg.compressor) or cfg.communicator
+    for layer in cfg.layers:
+        if layer.compressor is not None and layer.communicator is None:
+            layer.communicator = _default_communicator(layer.compressor)
 
 
 def check_offload(compressor_spec: ComponentSpec, communicator_spec: ComponentSpec, path: str) -> None:

@@ -15,7 +15,7 @@ KEY_DOCS: dict[str, str] = {
     "backend": "Transport. `auto` follows the launcher (torchrun / `adacomp run` -> torch, mpirun -> mpi, horovodrun -> horovod, none -> local).",
     "compressor": "Default compressor for every parameter (registry name + parameters).",
     "memory": "Error-feedback memory. `auto`: `residual` for biased compressors, `none` otherwise.",
-    "communicator": "How payloads travel; must fit the compressor (checked at load time).",
+    "communicator": "How payloads travel; must fit the compressor (checked at load time). When omitted: the compressor's own communicator where it names one (`oktopk` -> `oktopk`), else `allreduce`.",
     "fusion": "Tensor fusion.",
     "fusion.bucket_mb": "Bucket size in MiB; 0 sends each tensor on its own.",
     "fusion.compressed_buffer": "Scale the bucket size by each route's compression rate (ACP-SGD §IV-B): compressed buckets span as many layers as dense ones, keeping overlap with backward. `false`: compressed bytes count against `bucket_mb`.",

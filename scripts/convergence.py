@@ -5,7 +5,8 @@ Tasks: ``digits`` (scikit-learn's 8x8 digits, DigitsCNN, SGD + momentum) and ``t
 character-level LSTM on scikit-learn's data set descriptions, adacomp.data_text; next-character
 accuracy, gradients clipped to norm 1 after averaging). Arms: every registered compressor; those with
 a ``density`` at 0.01 and 0.1, powersgd / acpsgd at rank 4, qsgd at 4 bits, the rest (none, fp16,
-efsignsgd) once; each on the first fitting communicator of allreduce, allgather_fast, allgather;
+efsignsgd) once; each on the first fitting communicator of allreduce, allgather_fast, allgather,
+plus a row on the compressor's own ``default_communicator`` where it has one (oktopk);
 memory ``auto`` (residual error feedback for biased compressors). All arms run inside ONE launch:
 each worker loops over the arms, building a fresh model (fixed seed) and DistributedOptimizer per arm.
 
@@ -61,6 +62,9 @@ def arms(names: list[str], densities: list[float], rank: int, bits: int) -> list
                 raise RuntimeError(f"no communicator fits compressor {name!r} with {s}")
             label = name + "".join(f" {k}={v:g}" for k, v in s.items())
             out.append({"label": label, "compressor": name, "params": s, "communicator": comm})
+            own = getattr(compressors.registry.cls(name), "default_communicator", None)
+            if own and own != comm:  # the method's own communicator too (oktopk: its sparse allreduce)
+                out.append({"label": f"{label} +{own}", "compressor": name, "params": s, "communicator": own})
     return out
 
 

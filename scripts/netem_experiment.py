@@ -9,7 +9,8 @@ Ctrl-C. Needs root; otherwise it says so and exits 0 without measuring.
     python scripts/netem_experiment.py                       # 4 hosts, 100mbit then 1gbit
     python scripts/netem_experiment.py --bandwidths 20mbit --arms dense artopk
 
-Arms: dense (none + allreduce), topk 1% + allgather, AR-Topk (configs/artopk.yaml), ACP-SGD
+Arms: dense (none + allreduce), topk 1% + allgather, topk 1% + alltoall, Ok-Topk 1% on its sparse
+allreduce (oktopk + oktopk), AR-Topk (configs/artopk.yaml), ACP-SGD
 (configs/acpsgd.yaml), flexible (configs/flexible.yaml) and moo (configs/moo.yaml, exploration
 shortened to ``--moo-explore-steps`` real steps per candidate; measured after it finished).
 
@@ -50,6 +51,9 @@ ARMS = {
     # ByteComp's divisible scheme: each rank receives ~2 payloads per tensor instead of N-1
     "topk_alltoall": {"compressor": {"name": "topk", "density": 0.01}, "memory": {"name": "residual"},
                       "communicator": {"name": "alltoall"}},
+    # Ok-Topk's sparse allreduce: each rank receives ~k pairs instead of (N-1) k
+    "oktopk": {"compressor": {"name": "oktopk", "density": 0.01}, "memory": {"name": "residual"},
+               "communicator": {"name": "oktopk"}},
     "artopk": "configs/artopk.yaml",
     "acpsgd": "configs/acpsgd.yaml",
     "flexible": "configs/flexible.yaml",

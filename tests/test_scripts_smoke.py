@@ -79,8 +79,8 @@ def test_throughput_script(tmp_path):
             "--compressors", "none", "topk", "--out-dir", str(tmp_path))
     rows = (tmp_path / "throughput.csv").read_text().splitlines()
     # none fits allreduce / allgather / allgather_fast / alltoall, topk fits allgather /
-    # allgather_fast / alltoall / artopk
-    assert len(rows) == 1 + 8, rows
+    # allgather_fast / alltoall / artopk / oktopk
+    assert len(rows) == 1 + 9, rows
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert "## 2 workers" in (tmp_path / "throughput.md").read_text()
 

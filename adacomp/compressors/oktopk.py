@@ -8,21 +8,21 @@ flattened gradient of a whole fusion bucket), estimated as the exact k-th larges
 slowly. ``period`` = 32 is the re-estimation interval of the authors' VGG / LSTM scripts (128 for
 BERT).
 
-Deviations (the design rule "a compressor never calls a collective" and no second round in the
-sparse communicators):
+Ok-Topk's *global* phase (split the index space into balanced regions reduced on their owners,
+a global threshold, an allgather of about k values) needs collectives, which a compressor never
+calls: it lives in the ``oktopk`` communicator (:mod:`adacomp.communicators.oktopk`), this
+compressor's default. With ``allgather`` instead, the ranks' local selections are summed and the
+aggregate holds up to P * k non-zeros.
 
-* Only Ok-Topk's *local* threshold is implemented. Ok-Topk's global phase (split the index space
-  into regions, reduce each region on one rank, select the global top-k of the reduced values with
-  a second, global threshold and allgather it) needs extra collectives; here the communicator
-  (``allgather``) sums the local selections, so the aggregate holds up to P * k non-zeros instead of
-  about k. Each rank estimates its threshold on its own data, as Ok-Topk's local phase does.
-* The authors' code also nudges a reused threshold by x1.012 when the count leaves [2k/3, 5k/4],
-  and starts with dense warm-up iterations; both are left out (the paper describes plain reuse).
-* At least one element is always sent.
+Count-band correction (:mod:`adacomp.compressors._band`): after a reused threshold selects ``c``
+elements, ``c`` outside [2k/3, 5k/4] nudges the next step's threshold by x1.012 (the authors'
+code), and ``c`` outside [k/2, 2k] re-estimates at once (exact top-k this step), so the density
+stays within 0.5x-2x of the target when the gradient's scale or the residual drifts. The authors'
+dense warm-up iterations are left out. At least one element is always sent.
 
 State (``state_dict``): the step counter, and per bucket name its threshold and the step of its
 last estimation. Payload ``[values, indices]`` of variable size; biased: pair with ``residual``.
-Communicators: ``allgather``.
+Communicators: ``oktopk`` (default), ``allgather``.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from adacomp.compressors._band import judge
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 from adacomp.compressors.topk import topk_indices
@@ -42,6 +43,8 @@ class OkTopkCompressor(SparseCompressor):
     between exact re-estimations (Ok-Topk's tau', 32); 1 makes it an exact top-k every step."""
 
     granularity: ClassVar[str] = "bucket"
+    #: used when the config names no communicator (config.from_dict)
+    default_communicator: ClassVar[str] = "oktopk"
 
     def __init__(self, density: float = 0.01, period: int = 32):
         super().__init__(density)
@@ -72,14 +75,17 @@ class OkTopkCompressor(SparseCompressor):
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
         ws = self._workspace()
-        if self.due(name):
-            idx = topk_indices(flat.float(), k, ws)  # exactly the k largest at an estimation step
-            self._threshold[name] = float(ws.magnitudes(flat).index_select(0, idx).min())
-            self._estimated_at[name] = self._step
-            return idx
-        a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
-        idx = ThresholdCounter(a, strict=False, workspace=ws).select(self._threshold[name], self._density)
-        return idx if idx.numel() else a.argmax().view(1)
+        if not self.due(name):
+            a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+            idx = ThresholdCounter(a, strict=False, workspace=ws).select(self._threshold[name], self._density)
+            verdict = judge(self._threshold[name], idx.numel(), k)
+            if not verdict.reestimate:
+                self._threshold[name] = verdict.threshold
+                return idx if idx.numel() else a.argmax().view(1)
+        idx = topk_indices(flat.float(), k, ws)  # exactly the k largest at an estimation step
+        self._threshold[name] = float(ws.magnitudes(flat).index_select(0, idx).min())
+        self._estimated_at[name] = self._step
+        return idx
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self._step, "threshold": dict(self._threshold), "estimated_at": dict(self._estimated_at)}

@@ -42,7 +42,9 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
     real total error of the answer never exceeds ``budget``; the price is that a solution within
     ``L * budget / steps`` of the budget may be missed. ``DP[l, b]`` is the least size of layers
     ``0..l`` with discretised error exactly ``b``; ties go to the smaller error. Raises ValueError
-    when no assignment fits (the caller keeps its current one). O(L * C * steps) time.
+    when no assignment fits (the caller keeps its current one). When rounding up makes the DP
+    infeasible although the least-error assignment fits the budget (a tie such as budget ==
+    minimum total error), that assignment is returned. O(L * C * steps) time.
     """
     err = np.asarray(errors, dtype=np.float64)
     size = np.asarray(sizes, dtype=np.float64)
@@ -83,6 +85,9 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
             choice[layer, better] = c
         dp = new
     if not np.isfinite(dp).any():
+        fallback = _most_accurate(err, size, budget)
+        if fallback is not None:
+            return fallback
         raise ValueError(f"no assignment has total error <= budget {budget:g}; the smallest possible "
                          f"total error is {err.min(axis=1).sum():g}")
     b = int(np.argmin(dp))                              # line 25: first (smallest error) minimum
@@ -92,6 +97,19 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
         out[layer] = c
         b -= int(ticks[layer, c])
     return out
+
+
+def _most_accurate(err: np.ndarray, size: np.ndarray, budget: float) -> list[int] | None:
+    """The least-error choice per layer (ties: smaller size) when its real total error fits the
+    budget. Rounding every layer's error *up* can push that total past ``steps`` ticks although it
+    equals the budget (e.g. budget = the uniform default's error, the most accurate in every
+    layer), so the DP alone would wrongly call it infeasible. The relative 1e-12 absorbs the
+    order in which the caller summed the same errors."""
+    best = err.min(axis=1, keepdims=True)
+    if float(best.sum()) > budget * (1.0 + 1e-12):
+        return None
+    masked = np.where(err <= best, size, np.inf)
+    return [int(c) for c in np.argmin(masked, axis=1)]
 
 
 # --- the knob each compressor family exposes ------------------------------------------------------
