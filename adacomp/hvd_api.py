@@ -38,6 +38,10 @@ class HorovodInternalError(CommunicationError):
     """A collective failed in the transport (Horovod's name for it)."""
 
 
+class ScalarTensorError(ValueError, IndexError):
+    """A 0-d tensor where rows are needed (Horovod raises IndexError there; ValueError reads better)."""
+
+
 # ------------------------------------------------------------------------------------------------
 # Lifecycle and identity
 # ------------------------------------------------------------------------------------------------
@@ -147,15 +151,15 @@ def gloo_enabled() -> bool:
 
 def mpi_threads_supported() -> bool:
     """Whether MPI was initialised with MPI_THREAD_MULTIPLE. Like Horovod, asking before
-    ``init()`` is an error; a job not on MPI answers False."""
+    ``init()`` or in a job that does not use MPI is a ValueError."""
     name = _backend_name()
     if name is None:
         raise ValueError("adacomp has not been initialized; use adacomp.init()")
     if name == "horovod":
         import horovod.torch as hvd
         return bool(hvd.mpi_threads_supported())
-    if name != "mpi":
-        return False
+    if name != "mpi":  # Horovod raises here too when its MPI is not in use
+        raise ValueError(f"MPI is not in use (backend {name!r}); launch with mpirun to use the MPI backend")
     from mpi4py import MPI
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
@@ -241,8 +245,8 @@ def _scale(t: Tensor, factor: float) -> None:
 def _reduce_into(work: Tensor, op: str, prescale: float, postscale: float) -> AsyncHandle:
     """Start reducing ``work`` in place across ranks; the handle's result is ``work``."""
     be = context.current()
-    if work.dtype == torch.bool and op in (Average, Sum, Product):
-        raise ValueError(f"a bool tensor cannot be reduced with op {op!r}; use Min / Max or cast it first")
+    if work.dtype == torch.bool:  # Horovod has no bool reductions either
+        raise ValueError("a bool tensor cannot be allreduced; cast it first (e.g. t.to(torch.uint8))")
     _scale(work, prescale)
     with torch.no_grad():
         handle = be.allreduce_async(work, average=False) if op in (Average, Sum) else be.reduce_async(work, op)
@@ -340,10 +344,10 @@ def allgather_async(tensor: Tensor, name: str | None = None, process_set: Any = 
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
     _check_tensor(tensor, "allgather_async")
     check_process_set(process_set)
-    work = tensor.detach()
-    if work.dim() == 0:
-        work = work.reshape(1)  # Horovod gathers a scalar as one row
-    return AsyncHandle(context.current().allgather_async(work))
+    if tensor.dim() == 0:
+        raise ScalarTensorError("allgather needs a tensor with at least one dimension (rows along dim 0); "
+                                "use tensor.reshape(1)")
+    return AsyncHandle(context.current().allgather_async(tensor.detach()))
 
 
 def allgather(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> Tensor:
@@ -429,8 +433,8 @@ def reducescatter_async(tensor: Tensor, name: str | None = None, op: Any = Avera
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> AsyncHandle:
     """Start reducing ``tensor`` over ranks and keep this rank's block of rows (dim 0)."""
-    if op not in (Average, Sum):
-        raise ValueError(f"reducescatter supports op=Average or Sum, got {op!r}")
+    if op not in (Average, Sum):  # Horovod fails the same way, from its background thread
+        raise HorovodInternalError(f"reducescatter supports op=adacomp.Average or Sum, got {op!r}")
     _check_tensor(tensor, "reducescatter_async")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (rows along dim 0)")
@@ -439,8 +443,8 @@ def reducescatter_async(tensor: Tensor, name: str | None = None, op: Any = Avera
     rows = _scatter_rows(int(tensor.shape[0]), be.size())
     start = sum(rows[:be.rank()])
     mine = slice(start, start + rows[be.rank()])
-    return AsyncHandle(_reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)._handle,
-                       lambda out: out[mine].clone())
+    reduced = _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)
+    return AsyncHandle(reduced._handle, lambda out: reduced._finish(out)[mine].clone())
 
 
 def reducescatter(tensor: Tensor, name: str | None = None, compression: Any = Compression.none,

@@ -63,11 +63,17 @@ class DistributedOptimizer(RoutingMixin, HookMixin, StateMixin, torch.optim.Opti
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  config: Any = None, backward_passes_per_step: int = 1, op: str = Average,
-                 gradient_predivide_factor: float = 1.0, backend: Backend | None = None):
+                 gradient_predivide_factor: float = 1.0, backend: Backend | None = None,
+                 compression: Any = None, sparse_as_dense: bool = False, groups: Any = None,  # horovod kwargs
+                 num_groups: int = 0, process_set: Any = None):  # horovod kwargs
         # Deliberately not calling Optimizer.__init__: we share the inner optimizer's groups/state.
         self.inner = optimizer
         self.defaults = optimizer.defaults
         self.config: Config = load(config)
+        from adacomp.hvd_compat import apply_optimizer_kwargs  # horovod kwargs
+        self.config = apply_optimizer_kwargs(  # horovod kwargs
+            self.config, [p for g in optimizer.param_groups for p in g["params"]], compression=compression,
+            sparse_as_dense=sparse_as_dense, groups=groups, num_groups=num_groups, op=op, process_set=process_set)
         if op not in (Average, Sum):
             raise ValueError(f"op must be adacomp.Average or adacomp.Sum, got {op!r}")
         if gradient_predivide_factor <= 0:
