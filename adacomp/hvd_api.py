@@ -242,8 +242,10 @@ def _scale(t: Tensor, factor: float) -> None:
         t.copy_((t.double() * factor).trunc())
 
 
-def _reduce_into(work: Tensor, op: str, prescale: float, postscale: float) -> AsyncHandle:
-    """Start reducing ``work`` in place across ranks; the handle's result is ``work``."""
+def _reduce_into(work: Tensor, op: str, prescale: float, postscale: float,
+                 result: Tensor | None = None) -> AsyncHandle:
+    """Start reducing ``work`` in place across ranks; the handle's result is ``result`` (the
+    caller's tensor object, of which ``work`` is the ``.data``) or ``work``."""
     be = context.current()
     if work.dtype == torch.bool:  # Horovod has no bool reductions either
         raise ValueError("a bool tensor cannot be allreduced; cast it first (e.g. t.to(torch.uint8))")
@@ -254,7 +256,7 @@ def _reduce_into(work: Tensor, op: str, prescale: float, postscale: float) -> As
 
     def finish(out: Tensor) -> Tensor:
         _scale(work, post)
-        return work
+        return work if result is None else result
     return AsyncHandle(handle, finish)
 
 
@@ -275,7 +277,7 @@ def allreduce_async_(tensor: Tensor, average: bool | None = None, name: str | No
     op = _resolve_op(op, average)
     _check_tensor(tensor, "allreduce_async_")
     check_process_set(process_set)
-    return _reduce_into(tensor.data, op, prescale_factor, postscale_factor)
+    return _reduce_into(tensor.data, op, prescale_factor, postscale_factor, result=tensor)
 
 
 def allreduce(tensor: Tensor, average: bool | None = None, name: str | None = None,
@@ -367,7 +369,7 @@ def broadcast_async_(tensor: Tensor, root_rank: int, name: str | None = None,
     check_process_set(process_set)
     _check_root(root_rank)
     with torch.no_grad():
-        return AsyncHandle(context.current().broadcast_async(tensor.data, root=root_rank))
+        return AsyncHandle(context.current().broadcast_async(tensor.data, root=root_rank), lambda _out: tensor)
 
 
 def broadcast_async(tensor: Tensor, root_rank: int, name: str | None = None,
