@@ -290,6 +290,22 @@ def models_fresh_state(rank: int) -> None:
     assert all(p.grad is not None and not p.grad.any() for p in opt.param_groups[0]["params"])
 
 
+def sync_batch_norm(backend: str) -> None:
+    """torch's SyncBatchNorm on the torch backend; on Horovod's, an error naming Horovod's own."""
+    CHECKS[0] += 1
+    if backend == "torch":
+        bn = adacomp.SyncBatchNorm(4).eval()
+        if not (isinstance(bn, torch.nn.SyncBatchNorm) and bn(torch.randn(3, 4)).shape == (3, 4)):
+            FAILURES.append("SyncBatchNorm on the torch backend")
+        return
+    try:
+        adacomp.SyncBatchNorm(4)
+        FAILURES.append("SyncBatchNorm on the horovod backend did not refuse")
+    except RuntimeError as exc:
+        if "horovod.torch.SyncBatchNorm" not in str(exc):
+            FAILURES.append(f"SyncBatchNorm error does not name the alternative: {exc}")
+
+
 def _round(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """fp16 transport: Horovod averages in half precision, adacomp in the gradient's own dtype after
     the half-precision sum, so agreement is to half precision."""
@@ -310,6 +326,7 @@ def main() -> int:
         assert adacomp.backend().name == backend, adacomp.backend()
         collectives(rank)
         models_and_optimizers(rank)
+        sync_batch_norm(backend)
         adacomp.shutdown()
         assert not adacomp.is_initialized()
     if FAILURES:
