@@ -280,14 +280,36 @@ def allreduce_async_(tensor: Tensor, average: bool | None = None, name: str | No
     return _reduce_into(tensor.data, op, prescale_factor, postscale_factor, result=tensor)
 
 
+class _Allreduce(torch.autograd.Function):
+    """Differentiable allreduce, as Horovod's: the gradient is allreduced with the same op and
+    factors (every rank must then run backward through it)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, op: str, prescale: float, postscale: float) -> Tensor:  # type: ignore[override]
+        ctx.args = (op, prescale, postscale)
+        return synchronize(allreduce_async(tensor, None, None, op, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        op, prescale, postscale = ctx.args
+        return synchronize(allreduce_async(grad.contiguous(), None, None, op, prescale, postscale)), None, None, None
+
+
 def allreduce(tensor: Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Tensor:
     """Average (default) or ``op``-reduce ``tensor`` over all ranks; returns a new tensor.
-    ``compression`` (``adacomp.Compression.fp16``) casts for the transfer, as Horovod does."""
+    ``compression`` (``adacomp.Compression.fp16``) casts for the transfer, as Horovod does.
+    Differentiable for ``Average`` / ``Sum`` when ``tensor`` requires grad."""
+    op = _resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
-                                      process_set))
+    if compressed.requires_grad and torch.is_grad_enabled() and op in (Average, Sum):
+        _check_tensor(compressed, "allreduce")
+        check_process_set(process_set)
+        out = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor,
+                                          process_set))
     return compression.decompress(out, ctx)
 
 

@@ -103,6 +103,11 @@ def collectives(rank: int) -> None:
         both(f"allreduce op={op}", lambda m: m.allreduce(x["f"](), op=getattr(m, op)))
         both(f"allreduce op={op} scaled", lambda m: m.allreduce(x["f"](), op=getattr(m, op), prescale_factor=2.0,
                                                                 postscale_factor=0.25))
+    def differentiable(m: Any) -> Any:
+        w = x["f"]().requires_grad_()
+        (m.allreduce(w * w, op=m.Sum) * (x["f"]() + 1)).sum().backward()  # a contiguous upstream gradient
+        return w.grad
+    both("allreduce backward", differentiable)
     both("allreduce int average", lambda m: m.allreduce(x["i"]()))
     both("allreduce int prescale", lambda m: m.allreduce(x["i"](), op=m.Sum, prescale_factor=0.5))
     both("allreduce int max", lambda m: m.allreduce(x["i"](), op=m.Max))
