@@ -34,6 +34,7 @@ def test_torch_backend_results_and_reinit() -> None:
     assert run_workers(_selfcheck, 2, timeout=240) == [32, 32]
 
 
+@pytest.mark.slow
 def test_mpi_backend_results_and_reinit() -> None:
     proc = mpirun(2, WORKER, "selfcheck", timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
