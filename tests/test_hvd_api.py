@@ -41,6 +41,23 @@ def test_mpi_backend_results_and_reinit() -> None:
     assert proc.stdout.count("HVD_SELFCHECK_OK 32") == 2, proc.stdout[-3000:]
 
 
+@pytest.mark.slow
+def test_torchrun_results_and_reinit() -> None:
+    """torchrun keeps the rendezvous store in its agent: init() after shutdown() must still meet."""
+    import os
+    import sys
+
+    from tests._dist import run_launcher
+    from tests.backend_worker import FOREIGN_ENV
+    from tests.test_backend_horovod import ROOT
+    env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = run_launcher([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         WORKER, "selfcheck"], str(ROOT), env, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("HVD_SELFCHECK_OK 32") == 2, proc.stdout[-3000:]
+
+
 def _cfg(**kw):
     return adacomp.load_config(kw or None)
 

@@ -24,6 +24,14 @@ _ALLTOALL_BITS = {torch.int16: torch.float16}
 _REDUCE_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
 
 
+_GENERATION = "ADACOMP_TORCH_GENERATION"
+
+
+def _agent_store() -> bool:
+    """torchrun (elastic) hosts the rendezvous store in its agent, not in rank 0."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def _free_port() -> int:
     """A port that is free on this host now (rank 0 hosts the rendezvous store)."""
     with socket.socket() as s:
@@ -52,14 +60,24 @@ class TorchBackend(Backend):
                     f"backend 'torch' needs the env:// rendezvous variables {missing}; launch with "
                     "`torchrun --nproc_per_node N script.py` or `adacomp run -np N -- python script.py`")
             pg_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            generation = int(os.environ.get(_GENERATION, "0"))
+            if _agent_store() and generation:
+                # torchrun's agent store outlives our groups and still holds the keys of the
+                # previous one: rendezvous again under a fresh prefix of it.
+                base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                     int(os.environ["WORLD_SIZE"]), False, timeout=timeout)
+                dist.init_process_group(pg_backend, store=dist.PrefixStore(f"adacomp/gen{generation}", base),
+                                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                        timeout=timeout)
+            else:
+                dist.init_process_group(pg_backend, timeout=timeout)
             self._owns_group = True
         self._rank = dist.get_rank()
         self._size = dist.get_world_size()
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
         self._next_port: int | None = None
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        if self._owns_group and self._size > 1 and not agent_store:  # torchrun's agent store outlives us
+        if self._owns_group and self._size > 1 and not _agent_store():
             # shutdown() then init() (Horovod allows it) must not meet rank 0's previous rendezvous
             # store, which may still listen on MASTER_PORT while a faster rank reconnects. So every
             # group agrees now on the port its successor will use (shutdown() installs it).
@@ -174,3 +192,7 @@ class TorchBackend(Backend):
             self._owns_group = False
             if self._next_port is not None:
                 os.environ["MASTER_PORT"] = str(self._next_port)
+            # The next group of this process is one generation later (the same on every rank,
+            # since every rank calls init / shutdown alike); the environment is where env://
+            # rendezvous state lives anyway.
+            os.environ[_GENERATION] = str(int(os.environ.get(_GENERATION, "0")) + 1)
