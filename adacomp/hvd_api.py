@@ -19,6 +19,7 @@ Differences, and why:
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from typing import Any, Callable, Sequence
 
@@ -92,12 +93,8 @@ def _backend_name() -> str | None:
 
 
 def mpi_built() -> bool:
-    """True when the MPI backend can be used here (mpi4py importable)."""
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True when the MPI backend can be used here (mpi4py installed)."""
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_built() -> bool:

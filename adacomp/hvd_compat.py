@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from adacomp.config import ComponentSpec, Config, from_dict
+from adacomp.config import Config, from_dict
 from adacomp.errors import ConfigError
 
 Average = "average"
