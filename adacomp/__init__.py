@@ -12,31 +12,20 @@ from __future__ import annotations
 
 from adacomp.config import Config, load as load_config
 from adacomp import ddp
-from adacomp.context import current as backend, init, shutdown
+from adacomp.context import current as backend
 from adacomp.errors import (AdacompError, CommunicationError, ConfigError, IncompatibleComponentsError,
                             NonFiniteGradientError)
+from adacomp.hvd_api import *  # noqa: F401,F403 - Horovod's module-level API (rank, allreduce, ...)
+from adacomp.hvd_api import __all__ as _hvd_api_all
+from adacomp.hvd_compat import (Compression, SyncBatchNorm, apply_optimizer_kwargs, global_process_set,
+                                resolve_compression)
 from adacomp.optimizer import Average, DistributedOptimizer, Sum
 from adacomp.sync import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
 
-
-def rank() -> int:
-    """This process's rank in the job."""
-    return backend().rank()
-
-
-def size() -> int:
-    """Number of processes in the job."""
-    return backend().size()
-
-
-def local_rank() -> int:
-    """Rank among the processes on this machine."""
-    return backend().local_rank()
-
-
-__all__ = ["AdacompError", "Average", "CommunicationError", "Config", "ConfigError", "DistributedOptimizer",
-           "IncompatibleComponentsError", "NonFiniteGradientError", "Sum", "backend", "broadcast_object",
-           "broadcast_optimizer_state", "broadcast_parameters", "ddp", "init", "load_config", "local_rank", "rank",
-           "shutdown", "size"]
+__all__ = sorted({"AdacompError", "CommunicationError", "Compression", "Config", "ConfigError",
+                  "DistributedOptimizer", "IncompatibleComponentsError", "NonFiniteGradientError",
+                  "SyncBatchNorm", "apply_optimizer_kwargs", "backend", "broadcast_object",
+                  "broadcast_optimizer_state", "broadcast_parameters", "global_process_set", "load_config",
+                  "resolve_compression", "ddp", *_hvd_api_all})

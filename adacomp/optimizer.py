@@ -30,13 +30,12 @@ from adacomp.compressors.base import Compressor
 from adacomp.config import ComponentSpec, Config, load
 from adacomp.errors import CommunicationError, ConfigError
 from adacomp.error_feedback import LossScale
+from adacomp.hvd_compat import Average, Sum, apply_optimizer_kwargs
 from adacomp.metrics import StepStats
 from adacomp.optimizer_state import ComponentState
 from adacomp.routes import Bucket, Route, RouteTable
 from adacomp.step_engine import EngineOptions, StepEngine
 
-Average = "average"
-Sum = "sum"
 
 _WRAPPED = "_adacomp_wrapped_by"  # marks an optimizer that a DistributedOptimizer already wraps
 
@@ -70,7 +69,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
                  config: Any = None, backward_passes_per_step: int = 1, op: str = Average,
                  gradient_predivide_factor: float = 1.0, backend: Backend | None = None,
-                 grad_scaler: Any = None):
+                 grad_scaler: Any = None, compression: Any = None, sparse_as_dense: bool = False,
+                 groups: Any = None, num_groups: int = 0, process_set: Any = None):
         if isinstance(optimizer, DistributedOptimizer) or getattr(optimizer, _WRAPPED, None) is not None:
             raise ValueError("this optimizer is already wrapped by an adacomp.DistributedOptimizer; wrapping it "
                              "again would send every gradient twice. Wrap the plain torch optimizer once "
@@ -78,6 +78,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _init_optimizer_hooks(self)
         self.inner = optimizer
         self.config: Config = load(config)
+        self.config = apply_optimizer_kwargs(  # Horovod's keywords (compression=, groups=, ...)
+            self.config, [p for g in optimizer.param_groups for p in g["params"]], compression=compression,
+            sparse_as_dense=sparse_as_dense, groups=groups, num_groups=num_groups, op=op, process_set=process_set)
         if op not in (Average, Sum):
             raise ValueError(f"op must be adacomp.Average or adacomp.Sum, got {op!r}")
         if gradient_predivide_factor <= 0:

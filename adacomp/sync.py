@@ -1,4 +1,8 @@
-"""Start-of-training synchronisation: make every rank begin from rank ``root_rank``'s state."""
+"""Start-of-training synchronisation: make every rank begin from rank ``root_rank``'s state.
+
+Inputs and effects follow Horovod's ``broadcast_parameters`` / ``broadcast_optimizer_state`` /
+``broadcast_object`` so Horovod scripts keep working after ``import adacomp as hvd``.
+"""
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -9,19 +13,35 @@ from torch import Tensor
 from adacomp import context
 from adacomp.backends.base import Backend
 
+Params = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]] | Iterable[Tensor]
 
-def broadcast_parameters(params: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], root_rank: int = 0,
-                         backend: Backend | None = None) -> None:
-    """Overwrite ``params`` (a state_dict or named_parameters) in place with root's values.
+
+def _as_tensor_list(params: Params) -> list[Tensor]:
+    """Tensors of a state_dict (sorted by name, as Horovod does), of ``named_parameters()`` or of a
+    plain parameter list (both in the given order, which must be the same on every rank)."""
+    if isinstance(params, Mapping):
+        items = [v for _, v in sorted(params.items(), key=lambda kv: kv[0])]
+    elif isinstance(params, (Tensor, str, bytes)) or not isinstance(params, Iterable):
+        raise ValueError(f"invalid params of type {type(params).__name__}: expected a state_dict, "
+                         "model.named_parameters() or a list of tensors such as list(model.parameters())")
+    else:
+        items = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    bad = [type(t).__name__ for t in items if not isinstance(t, Tensor)]
+    if bad and not isinstance(params, Mapping):
+        raise ValueError(f"broadcast_parameters expects tensors (or (name, tensor) pairs), got {bad[:3]}")
+    return [t for t in items if isinstance(t, Tensor)]
+
+
+def broadcast_parameters(params: Params, root_rank: int = 0, backend: Backend | None = None) -> None:
+    """Overwrite ``params`` in place with root's values: a state_dict, ``named_parameters()`` or a
+    list of tensors (``list(model.parameters())``), the three inputs Horovod accepts.
 
     Tensors are fused per dtype into one broadcast each, so a model costs a few collectives.
     """
     be = backend or context.current()
-    items = sorted(params.items() if isinstance(params, Mapping) else list(params), key=lambda kv: kv[0])
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for _, t in items:
-        if isinstance(t, Tensor):
-            by_dtype.setdefault(t.dtype, []).append(t)
+    for t in _as_tensor_list(params):
+        by_dtype.setdefault(t.dtype, []).append(t)
     for dtype in sorted(by_dtype, key=str):
         tensors = by_dtype[dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -33,19 +53,54 @@ def broadcast_parameters(params: Mapping[str, Tensor] | Iterable[tuple[str, Tens
                 off += t.numel()
 
 
+def _sparse_param_ids(model: torch.nn.Module | None) -> set[int]:
+    if model is None:
+        return set()
+    return {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+            for p in m.parameters()}
+
+
+def initialise_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None) -> None:
+    """Give a fresh optimizer its state (Adam's moments, momentum buffers) as Horovod does: zero
+    gradients for every trainable parameter, then one step of the plain torch optimizer. The zero
+    step leaves parameters unchanged unless the optimizer decays weights, and then equally on every
+    rank. Gradients stay zero tensors afterwards (not None), as under Horovod."""
+    sparse = _sparse_param_ids(model)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                        isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    optimizer.step()
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              backend: Backend | None = None) -> None:
-    """Give every rank root's optimizer state (momentum buffers, step counts, hyper-parameters).
+                              model: torch.nn.Module | None = None, backend: Backend | None = None) -> None:
+    """Give every rank root's optimizer state (moments, momentum buffers, step counts and the
+    hyper-parameters of every param group). A fresh optimizer is first initialised with
+    :func:`initialise_state`, so a newly created Adam has state on every rank; ``model`` marks
+    sparse embeddings, as in Horovod.
 
     For a :class:`~adacomp.DistributedOptimizer` only the wrapped optimizer's state is sent:
     error-feedback residuals are per rank by design.
     """
     be = backend or context.current()
     inner = getattr(optimizer, "inner", optimizer)
+    if isinstance(inner, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (its state is not per parameter); "
+                         "broadcast the model with broadcast_parameters and let each rank start L-BFGS fresh")
+    if not inner.state_dict()["state"]:
+        initialise_state(inner, model)
     state = be.broadcast_object(inner.state_dict() if be.rank() == root_rank else None, root=root_rank)
     inner.load_state_dict(state)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, backend: Backend | None = None) -> Any:
-    """Pickle-able ``obj`` from root to every rank."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, backend: Backend | None = None,
+                     process_set: Any = None) -> Any:
+    """Pickle-able ``obj`` from root to every rank. ``name`` is accepted for Horovod compatibility
+    (collectives are matched by order here, not by name)."""
+    from adacomp.hvd_compat import check_process_set
+    check_process_set(process_set)
     return (backend or context.current()).broadcast_object(obj, root=root_rank)

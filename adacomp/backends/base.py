@@ -16,12 +16,26 @@ from torch import Tensor
 
 
 class Handle:
-    """Result of an async collective. ``wait()`` blocks and returns the output tensor."""
+    """Result of an async collective. ``wait()`` blocks and returns the output tensor.
 
-    def __init__(self, wait_fn: Callable[[], Tensor]):
+    ``poll()`` answers "would ``wait()`` return without blocking?" (Horovod's ``hvd.poll``). A
+    transport that can ask without blocking passes ``poll_fn``; without one, ``poll()`` completes
+    the operation first, so a ``while not poll(h)`` loop always ends and never sees a wrong answer.
+    """
+
+    def __init__(self, wait_fn: Callable[[], Tensor], poll_fn: Callable[[], bool] | None = None):
         self._wait_fn = wait_fn
+        self._poll_fn = poll_fn
         self._result: Tensor | None = None
         self._done = False
+
+    def poll(self) -> bool:
+        if self._done:
+            return True
+        if self._poll_fn is None:
+            self.wait()
+            return True
+        return bool(self._poll_fn())
 
     def wait(self) -> Tensor:
         if not self._done:
@@ -83,6 +97,23 @@ class Backend(ABC):
         before any collective starts. ``recv_splits`` must be the true counts: Horovod checks it
         (ValueError on ``wait()``); gloo / MPI trust it, and a wrong value fails in the transport
         (or times out), so pass None when unsure."""
+
+    def reduce_async(self, tensor: Tensor, op: str) -> Handle:
+        """Element-wise ``op`` (``min``, ``max`` or ``product``) over ranks, in place; the result
+        is also what ``wait()`` returns. This generic version gathers every rank's copy (world x
+        the bytes of an allreduce) and reduces locally; transports with a native reduction
+        override it. Used by the Horovod-style module API, not by gradient communication."""
+        reducer = REDUCERS.get(op)
+        if reducer is None:
+            raise ValueError(f"reduce op {op!r} is not supported; valid choices: {', '.join(sorted(REDUCERS))}")
+        gathered = self.allgather_async(tensor.detach().reshape(1, -1), sizes=[1] * self.size())
+
+        def wait() -> Tensor:
+            rows = gathered.wait()
+            with torch.no_grad():
+                tensor.copy_(reducer(rows).reshape(tensor.shape))
+            return tensor
+        return Handle(wait)
 
     @abstractmethod
     def broadcast_object(self, obj: Any, root: int = 0) -> Any: ...
@@ -172,6 +203,14 @@ class LocalBackend(Backend):
 
     def barrier(self) -> None:
         return None
+
+
+# Element-wise reductions over the ranks' rows of a (world, n) tensor, for Backend.reduce_async.
+REDUCERS: dict[str, Callable[[Tensor], Tensor]] = {
+    "min": lambda rows: rows.amin(dim=0),
+    "max": lambda rows: rows.amax(dim=0),
+    "product": lambda rows: rows.prod(dim=0, dtype=rows.dtype),
+}
 
 
 def check_splits(splits: Sequence[int], world: int, what: str) -> list[int]:

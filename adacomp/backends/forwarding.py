@@ -40,6 +40,9 @@ class ForwardingBackend(Backend):
     def alltoall_splits(self, splits: list[int]) -> list[int]:
         return self.inner.alltoall_splits(splits)
 
+    def reduce_async(self, tensor: Tensor, op: str) -> Handle:
+        return self.inner.reduce_async(tensor, op)
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.inner.broadcast_object(obj, root)
 

@@ -98,7 +98,7 @@ class HorovodBackend(Backend):
         return hvd.synchronize(handle)
 
     def _handle(self, handle: Any, what: str, finish: Callable[[Tensor], Tensor]) -> Handle:
-        return Handle(lambda: finish(self._sync(handle, what)))
+        return Handle(lambda: finish(self._sync(handle, what)), lambda: self._hvd.poll(handle))
 
     # -------------------------------------------------------------------------- collectives
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
@@ -117,6 +117,14 @@ class HorovodBackend(Backend):
                 tensor.copy_(out)
             return tensor
         return self._handle(handle, "allreduce", finish)
+
+    def reduce_async(self, tensor: Tensor, op: str) -> Handle:
+        """Horovod's native ``Min`` / ``Max`` / ``Product`` (bfloat16 falls back to the generic path)."""
+        native = {"min": "Min", "max": "Max", "product": "Product"}.get(op)
+        if native is None or tensor.dtype == torch.bfloat16:
+            return super().reduce_async(tensor, op)
+        handle = self._hvd.allreduce_async_(tensor.detach(), name=self._name(op), op=getattr(self._hvd, native))
+        return self._handle(handle, op, lambda _out: tensor)
 
     def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
         if sizes is not None and (len(sizes) != self.size() or sizes[self.rank()] != tensor.shape[0]):

@@ -135,7 +135,7 @@ class MPIBackend(Backend):
         def wait() -> Tensor:
             self._wait(request, what)
             return finish()
-        return Handle(wait)
+        return Handle(wait, request.Test)  # Test() on a completed request stays True
 
     # -------------------------------------------------------------------------- collectives
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Any
 
 import torch
@@ -20,6 +21,22 @@ from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits
 # alltoall only moves bytes, so a dtype the transport lacks (gloo and NCCL have no int16) travels
 # as a same-width dtype it has; the view is exact and free.
 _ALLTOALL_BITS = {torch.int16: torch.float16}
+_REDUCE_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
+
+
+_GENERATION = "ADACOMP_TORCH_GENERATION"
+
+
+def _agent_store() -> bool:
+    """torchrun (elastic) hosts the rendezvous store in its agent, not in rank 0."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def _free_port() -> int:
+    """A port that is free on this host now (rank 0 hosts the rendezvous store)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def _pad_rows(t: Tensor, rows: int) -> Tensor:
@@ -43,11 +60,30 @@ class TorchBackend(Backend):
                     f"backend 'torch' needs the env:// rendezvous variables {missing}; launch with "
                     "`torchrun --nproc_per_node N script.py` or `adacomp run -np N -- python script.py`")
             pg_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            generation = int(os.environ.get(_GENERATION, "0"))
+            if _agent_store() and generation:
+                # torchrun's agent store outlives our groups and still holds the keys of the
+                # previous one: rendezvous again under a fresh prefix of it.
+                base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                     int(os.environ["WORLD_SIZE"]), False, timeout=timeout)
+                dist.init_process_group(pg_backend, store=dist.PrefixStore(f"adacomp/gen{generation}", base),
+                                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                        timeout=timeout)
+            else:
+                dist.init_process_group(pg_backend, timeout=timeout)
             self._owns_group = True
         self._rank = dist.get_rank()
         self._size = dist.get_world_size()
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+        self._next_port: int | None = None
+        if self._owns_group and self._size > 1 and not _agent_store():
+            # shutdown() then init() (Horovod allows it) must not meet rank 0's previous rendezvous
+            # store, which may still listen on MASTER_PORT while a faster rank reconnects. So every
+            # group agrees now on the port its successor will use (shutdown() installs it).
+            box = [_free_port() if self._rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self._next_port = int(box[0])
 
     def rank(self) -> int:
         return self._rank
@@ -70,7 +106,7 @@ class TorchBackend(Backend):
                 else:
                     tensor.floor_divide_(size)
             return tensor
-        return Handle(wait)
+        return Handle(wait, work.is_completed)
 
     def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
         if sizes is None:
@@ -87,7 +123,7 @@ class TorchBackend(Backend):
             if all(s == rows for s in sizes):
                 return torch.cat(outs)
             return torch.cat([o[:s] for o, s in zip(outs, sizes)])
-        return Handle(wait)
+        return Handle(wait, work.is_completed)
 
     def allgather_sizes(self, n: int) -> list[int]:
         t = torch.tensor([n], dtype=torch.int64)
@@ -109,7 +145,7 @@ class TorchBackend(Backend):
         def wait() -> Tensor:
             work.wait()
             return out
-        return Handle(wait)
+        return Handle(wait, work.is_completed)
 
     def alltoall_splits(self, splits: list[int]) -> list[int]:
         # CPU counts: gloo serves CPU tensors in the "cpu:gloo,cuda:nccl" group (as allgather_sizes).
@@ -124,7 +160,18 @@ class TorchBackend(Backend):
         def wait() -> Tensor:
             work.wait()
             return tensor
-        return Handle(wait)
+        return Handle(wait, work.is_completed)
+
+    def reduce_async(self, tensor: Tensor, op: str) -> Handle:
+        """Native MIN / MAX / PRODUCT reductions (the generic version gathers every rank's copy)."""
+        if op not in _REDUCE_OPS:
+            return super().reduce_async(tensor, op)  # the generic version names the valid ops
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], async_op=True)
+
+        def wait() -> Tensor:
+            work.wait()
+            return tensor
+        return Handle(wait, work.is_completed)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         box = [obj if self._rank == root else None]
@@ -143,3 +190,9 @@ class TorchBackend(Backend):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+            if self._next_port is not None:
+                os.environ["MASTER_PORT"] = str(self._next_port)
+            # The next group of this process is one generation later (the same on every rank,
+            # since every rank calls init / shutdown alike); the environment is where env://
+            # rendezvous state lives anyway.
+            os.environ[_GENERATION] = str(int(os.environ.get(_GENERATION, "0")) + 1)

@@ -1,0 +1,508 @@
+"""Horovod's module-level torch API on adacomp's backends, so ``import adacomp as hvd`` runs a
+Horovod script unchanged under ``adacomp run``, torchrun, mpirun or horovodrun.
+
+Semantics follow ``horovod.torch`` 0.28 (tests/test_hvd_api.py compares both on the same inputs):
+``allreduce`` averages by default and returns a new tensor, ``allreduce_`` works in place, the
+``*_async`` forms return a handle for :func:`poll` / :func:`synchronize`, and ``prescale_factor``
+/ ``postscale_factor`` multiply before / after the reduction.
+
+Differences, and why:
+
+* ``name=`` is accepted but not used for matching: adacomp's transports (gloo, MPI) match
+  collectives by *order*, so every rank must issue them in the same order (DESIGN.md). Horovod
+  scripts already do, because Horovod needs it to avoid deadlock too.
+* ``join()`` is a barrier that returns the last rank to arrive; unlike Horovod, a joined rank
+  does not keep serving the others' allreduces with zeros, so call it only once every rank is
+  done with collectives (the end of an epoch), as the Horovod examples do.
+* ``process_set`` accepts only the global set; sub-communicators are refused with a clear error.
+* ``Adasum`` is refused (see :data:`ADASUM_HINT`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from adacomp import context
+from adacomp.backends.base import Handle
+from adacomp.errors import CommunicationError
+from adacomp.hvd_compat import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product, Sum,
+                                 check_process_set, global_process_set)
+
+_OPS = (Average, Sum, Min, Max, Product)
+
+
+class HorovodInternalError(CommunicationError):
+    """A collective failed in the transport (Horovod's name for it)."""
+
+
+class ScalarTensorError(ValueError, IndexError):
+    """A 0-d tensor where rows are needed (Horovod raises IndexError there; ValueError reads better)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Lifecycle and identity
+# ------------------------------------------------------------------------------------------------
+init = context.init
+shutdown = context.shutdown
+is_initialized = context.is_initialized
+
+
+def size() -> int:
+    return context.current().size()
+
+
+def rank() -> int:
+    return context.current().rank()
+
+
+def local_rank() -> int:
+    return context.current().local_rank()
+
+
+def local_size() -> int:
+    """Processes on this host (learnt at ``init()``)."""
+    return context.topology().local_size
+
+
+def cross_rank() -> int:
+    """This host's position among hosts (rank among processes with the same ``local_rank``)."""
+    return context.topology().cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts (processes that share this ``local_rank``)."""
+    return context.topology().cross_size
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of processes."""
+    topo = context.topology()
+    return topo.local_size * topo.cross_size == size()
+
+
+# ------------------------------------------------------------------------------------------------
+# What this installation can do (the *_built / *_enabled queries answer for adacomp's transports)
+# ------------------------------------------------------------------------------------------------
+def _backend_name() -> str | None:
+    be = context._current  # noqa: SLF001 - a query must not start a context
+    return None if be is None else getattr(be, "name", None)
+
+
+def mpi_built() -> bool:
+    """True when the MPI backend can be used here (mpi4py installed)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def gloo_built() -> bool:
+    """True when torch.distributed has gloo (the torch backend's CPU transport)."""
+    import torch.distributed as dist
+    return bool(dist.is_available() and dist.is_gloo_available())
+
+
+def nccl_built() -> int:
+    """NCCL version as an int (e.g. 21805) when torch has NCCL, else 0 (Horovod's convention)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()
+    return major * 10000 + minor * 100 + patch
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def mpi_enabled() -> bool:
+    """True when the running job talks over MPI (mpirun launch, or Horovod's MPI controller)."""
+    name = _backend_name()
+    if name == "horovod":
+        import horovod.torch as hvd
+        return bool(hvd.mpi_enabled())
+    return name == "mpi"
+
+
+def gloo_enabled() -> bool:
+    """True when the running job talks over gloo (torch backend, or Horovod's Gloo controller)."""
+    name = _backend_name()
+    if name == "horovod":
+        import horovod.torch as hvd
+        return bool(hvd.gloo_enabled())
+    return name == "torch"
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI was initialised with MPI_THREAD_MULTIPLE. Like Horovod, asking before
+    ``init()`` or in a job that does not use MPI is a ValueError."""
+    name = _backend_name()
+    if name is None:
+        raise ValueError("adacomp has not been initialized; use adacomp.init()")
+    if name == "horovod":
+        import horovod.torch as hvd
+        return bool(hvd.mpi_threads_supported())
+    if name != "mpi":  # Horovod raises here too when its MPI is not in use
+        raise ValueError(f"MPI is not in use (backend {name!r}); launch with mpirun to use the MPI backend")
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+# ------------------------------------------------------------------------------------------------
+# Handles
+# ------------------------------------------------------------------------------------------------
+class AsyncHandle:
+    """What the ``*_async`` functions return; pass it to :func:`poll` or :func:`synchronize`."""
+
+    def __init__(self, handle: Handle, finish: Callable[[Any], Any] = lambda out: out):
+        self._handle = handle
+        self._finish = finish
+        self._synchronized = False
+
+    def poll(self) -> bool:
+        return self._handle.poll()
+
+    def synchronize(self) -> Any:
+        if self._synchronized:  # Horovod forgets a handle once synchronized
+            return None
+        self._synchronized = True
+        try:
+            return self._finish(self._handle.wait())
+        except CommunicationError:
+            raise
+        except RuntimeError as exc:
+            raise HorovodInternalError(str(exc)) from exc
+
+
+def poll(handle: AsyncHandle) -> bool:
+    """True when :func:`synchronize` on ``handle`` would return without blocking."""
+    _check_handle(handle)
+    return handle.poll()
+
+
+def synchronize(handle: AsyncHandle) -> Any:
+    """Wait for ``handle`` and return its result (None if it was already synchronized)."""
+    _check_handle(handle)
+    return handle.synchronize()
+
+
+def _check_handle(handle: Any) -> None:
+    if not isinstance(handle, AsyncHandle):
+        raise TypeError(f"expected a handle returned by an adacomp *_async function, got {type(handle).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Allreduce family
+# ------------------------------------------------------------------------------------------------
+def _resolve_op(op: Any, average: bool | None) -> str:
+    """Horovod's rules: ``op`` wins, ``average`` is the deprecated spelling, mixing them is an error."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average; pass only one of them (op=adacomp.Average "
+                         "or adacomp.Sum)")
+    if op is None:
+        op = Average if average is None or average else Sum
+    if op == Adasum:
+        raise NotImplementedError(ADASUM_HINT)
+    if op not in _OPS:
+        raise ValueError(f"unknown reduction op {op!r}; valid choices: adacomp.Average, Sum, Min, Max, Product")
+    return op
+
+
+def _check_tensor(tensor: Any, what: str) -> None:
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: tensor is required to be contiguous; call .contiguous() first")
+
+
+def _scale(t: Tensor, factor: float) -> None:
+    """``t *= factor`` in place; integers are scaled in float64 and truncated toward zero, which is
+    what Horovod does to integer tensors (so ``Average`` of ints rounds toward zero)."""
+    if factor == 1.0:
+        return
+    if t.is_floating_point() or t.is_complex():
+        t.mul_(factor)
+    else:
+        t.copy_((t.double() * factor).trunc())
+
+
+def _reduce_into(work: Tensor, op: str, prescale: float, postscale: float,
+                 result: Tensor | None = None) -> AsyncHandle:
+    """Start reducing ``work`` in place across ranks; the handle's result is ``result`` (the
+    caller's tensor object, of which ``work`` is the ``.data``) or ``work``."""
+    be = context.current()
+    if work.dtype == torch.bool:  # Horovod has no bool reductions either
+        raise ValueError("a bool tensor cannot be allreduced; cast it first (e.g. t.to(torch.uint8))")
+    _scale(work, prescale)
+    with torch.no_grad():
+        handle = be.allreduce_async(work, average=False) if op in (Average, Sum) else be.reduce_async(work, op)
+    post = postscale / be.size() if op == Average else postscale
+
+    def finish(out: Tensor) -> Tensor:
+        _scale(work, post)
+        return work if result is None else result
+    return AsyncHandle(handle, finish)
+
+
+def allreduce_async(tensor: Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = global_process_set) -> AsyncHandle:
+    """Start an out-of-place allreduce; ``synchronize(handle)`` returns the reduced copy."""
+    op = _resolve_op(op, average)
+    _check_tensor(tensor, "allreduce_async")
+    check_process_set(process_set)
+    return _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)
+
+
+def allreduce_async_(tensor: Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = global_process_set) -> AsyncHandle:
+    """Start an in-place allreduce of ``tensor``."""
+    op = _resolve_op(op, average)
+    _check_tensor(tensor, "allreduce_async_")
+    check_process_set(process_set)
+    return _reduce_into(tensor.data, op, prescale_factor, postscale_factor, result=tensor)
+
+
+class _Allreduce(torch.autograd.Function):
+    """Differentiable allreduce, as Horovod's: the gradient is allreduced with the same op and
+    factors (every rank must then run backward through it)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, op: str, prescale: float, postscale: float) -> Tensor:  # type: ignore[override]
+        ctx.args = (op, prescale, postscale)
+        return synchronize(allreduce_async(tensor, None, None, op, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        op, prescale, postscale = ctx.args
+        return synchronize(allreduce_async(grad.contiguous(), None, None, op, prescale, postscale)), None, None, None
+
+
+def allreduce(tensor: Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Tensor:
+    """Average (default) or ``op``-reduce ``tensor`` over all ranks; returns a new tensor.
+    ``compression`` (``adacomp.Compression.fp16``) casts for the transfer, as Horovod does.
+    Differentiable for ``Average`` / ``Sum`` when ``tensor`` requires grad."""
+    op = _resolve_op(op, average)
+    compressed, ctx = compression.compress(tensor)
+    if compressed.requires_grad and torch.is_grad_enabled() and op in (Average, Sum):
+        _check_tensor(compressed, "allreduce")
+        check_process_set(process_set)
+        out = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor,
+                                          process_set))
+    return compression.decompress(out, ctx)
+
+
+def allreduce_(tensor: Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = global_process_set) -> Tensor:
+    """In-place allreduce; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
+
+
+def grouped_allreduce_async(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
+                            op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: Any = global_process_set) -> AsyncHandle:
+    """Start allreducing every tensor of ``tensors`` (out of place); the result is a list."""
+    handles = [allreduce_async(t, average, name, op, prescale_factor, postscale_factor, process_set)
+               for t in tensors]
+    return _group(handles)
+
+
+def grouped_allreduce_async_(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
+                             op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: Any = global_process_set) -> AsyncHandle:
+    handles = [allreduce_async_(t, average, name, op, prescale_factor, postscale_factor, process_set)
+               for t in tensors]
+    return _group(handles)
+
+
+def grouped_allreduce(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
+                      compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[Tensor]:
+    """Allreduce a list of tensors (one call for the group); returns new tensors."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_allreduce_async([c for c, _ in pairs], average, name, op, prescale_factor,
+                                               postscale_factor, process_set))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+def grouped_allreduce_(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
+                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Any = global_process_set) -> list[Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+def _group(handles: list[AsyncHandle]) -> AsyncHandle:
+    def wait() -> Any:
+        return [h.synchronize() for h in handles]
+    return AsyncHandle(Handle(wait, lambda: all(h.poll() for h in handles)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Allgather, broadcast, alltoall, reducescatter
+# ------------------------------------------------------------------------------------------------
+def allgather_async(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> AsyncHandle:
+    """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
+    _check_tensor(tensor, "allgather_async")
+    check_process_set(process_set)
+    if tensor.dim() == 0:
+        raise ScalarTensorError("allgather needs a tensor with at least one dimension (rows along dim 0); "
+                                "use tensor.reshape(1)")
+    return AsyncHandle(context.current().allgather_async(tensor.detach()))
+
+
+def allgather(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> Tensor:
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def _check_root(root_rank: int) -> None:
+    n = size()
+    if not isinstance(root_rank, int) or not 0 <= root_rank < n:
+        raise ValueError(f"root_rank must be a rank in [0, {n}), got {root_rank!r}")
+
+
+def broadcast_async_(tensor: Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = global_process_set) -> AsyncHandle:
+    """Start overwriting ``tensor`` in place with ``root_rank``'s value."""
+    _check_tensor(tensor, "broadcast_async_")
+    check_process_set(process_set)
+    _check_root(root_rank)
+    with torch.no_grad():
+        return AsyncHandle(context.current().broadcast_async(tensor.data, root=root_rank), lambda _out: tensor)
+
+
+def broadcast_async(tensor: Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = global_process_set) -> AsyncHandle:
+    """Out-of-place broadcast: the result is a new tensor, ``tensor`` is left alone."""
+    _check_tensor(tensor, "broadcast_async")
+    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+
+
+def broadcast(tensor: Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = global_process_set) -> Tensor:
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_(tensor: Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = global_process_set) -> Tensor:
+    synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return tensor
+
+
+def _splits_list(tensor: Tensor, splits: Any) -> list[int]:
+    n = size()
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension (rows along dim 0)")
+    if splits is None:
+        if tensor.shape[0] % n:
+            raise ValueError(f"alltoall without splits divides dim 0 ({tensor.shape[0]} rows) equally among "
+                             f"{n} ranks, which needs a multiple of {n}; pass splits=[rows per rank]")
+        return [tensor.shape[0] // n] * n
+    values = splits.tolist() if isinstance(splits, Tensor) else list(splits)
+    return [int(v) for v in values]
+
+
+def alltoall_async(tensor: Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = global_process_set) -> AsyncHandle:
+    """Start sending rows ``splits[j]`` of ``tensor`` to rank j (equal shares without ``splits``).
+    The result is ``(output, received_splits)`` (int32 rows from each rank)."""
+    _check_tensor(tensor, "alltoall_async")
+    check_process_set(process_set)
+    be = context.current()
+    counts = _splits_list(tensor, splits)
+    from adacomp.backends.base import check_alltoall
+    check_alltoall(tensor, counts, None, be.size())
+    received = be.alltoall_splits(counts)
+    handle = be.alltoall_async(tensor.detach(), counts, recv_splits=received)
+    return AsyncHandle(handle, lambda out: (out, torch.tensor(received, dtype=torch.int32)))
+
+
+def alltoall(tensor: Tensor, splits: Any = None, name: str | None = None,
+             process_set: Any = global_process_set) -> Any:
+    """Horovod's return convention: ``output`` alone without ``splits``, else ``(output, received_splits)``."""
+    out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return out if splits is None else (out, received)
+
+
+def _scatter_rows(n_rows: int, world: int) -> list[int]:
+    """Rows each rank receives from reducescatter: equal shares, the first ranks take one extra."""
+    base, extra = divmod(n_rows, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+def reducescatter_async(tensor: Tensor, name: str | None = None, op: Any = Average,
+                        process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> AsyncHandle:
+    """Start reducing ``tensor`` over ranks and keep this rank's block of rows (dim 0)."""
+    if op not in (Average, Sum):  # Horovod fails the same way, from its background thread
+        raise HorovodInternalError(f"reducescatter supports op=adacomp.Average or Sum, got {op!r}")
+    _check_tensor(tensor, "reducescatter_async")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension (rows along dim 0)")
+    check_process_set(process_set)
+    be = context.current()
+    rows = _scatter_rows(int(tensor.shape[0]), be.size())
+    start = sum(rows[:be.rank()])
+    mine = slice(start, start + rows[be.rank()])
+    reduced = _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)
+    return AsyncHandle(reduced._handle, lambda out: reduced._finish(out)[mine].clone())
+
+
+def reducescatter(tensor: Tensor, name: str | None = None, compression: Any = Compression.none,
+                  op: Any = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Tensor:
+    compressed, ctx = compression.compress(tensor)
+    out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor, postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+# ------------------------------------------------------------------------------------------------
+# Objects, barrier, join
+# ------------------------------------------------------------------------------------------------
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
+    """Every rank's pickle-able ``obj``, in rank order."""
+    check_process_set(process_set)
+    return context.current().allgather_object(obj)
+
+
+def barrier(process_set: Any = global_process_set) -> None:
+    check_process_set(process_set)
+    context.current().barrier()
+
+
+def join(device: int = -1) -> int:
+    """Wait until every rank called ``join()``; returns the rank that arrived last (see module
+    docstring for how this differs from Horovod's)."""
+    arrivals = context.current().allgather_object(time.time())
+    return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
+
+
+__all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum",
+           "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+           "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+           "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built",
+           "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
+           "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized",
+           "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+           "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown",
+           "size", "synchronize"]

@@ -1,0 +1,190 @@
+"""Horovod's optimizer-side surface mapped onto adacomp: ``Compression``, the extra
+``DistributedOptimizer`` keywords, process sets and ``SyncBatchNorm``.
+
+Each Horovod keyword either maps onto the config (``compression`` -> the compressor registry,
+``groups`` -> fusion buckets) or is refused with an error that names what to use instead, so a
+Horovod script never silently trains differently from what it asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from adacomp.config import Config, from_dict
+from adacomp.errors import ConfigError
+
+Average = "average"
+Sum = "sum"
+Min = "min"
+Max = "max"
+Product = "product"
+Adasum = "adasum"
+ADASUM_HINT = ("op=Adasum is not implemented by adacomp; use op=adacomp.Average (Horovod's default), "
+               "and a compressor from the config (e.g. compressor: {name: topk}) to save bandwidth")
+
+
+# ------------------------------------------------------------------------------------------------
+# Compression: Horovod's two built-in compressors, each naming the registry entry it maps onto
+# ------------------------------------------------------------------------------------------------
+class NoneCompressor:
+    """No compression (Horovod's default)."""
+
+    registry_name = "none"
+
+    @staticmethod
+    def compress(tensor: Tensor) -> tuple[Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Tensor, ctx: Any) -> Tensor:
+        return tensor
+
+
+class FP16Compressor:
+    """Floating tensors travel as float16 and come back in their own dtype; others unchanged.
+    In the optimizer this is the registry's ``fp16`` compressor."""
+
+    registry_name = "fp16"
+
+    @staticmethod
+    def compress(tensor: Tensor) -> tuple[Tensor, Any]:
+        return (tensor.to(torch.float16) if tensor.is_floating_point() else tensor), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: Tensor, ctx: Any) -> Tensor:
+        return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
+
+
+class Compression:
+    """``adacomp.Compression.none`` / ``.fp16``, as ``hvd.Compression``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+def _compression_name(compression: Any) -> str:
+    name = getattr(compression, "registry_name", None)
+    if isinstance(compression, str):
+        name = compression
+    if name is None:
+        raise ValueError(f"compression={compression!r} is not supported; use adacomp.Compression.none or "
+                         "adacomp.Compression.fp16, or name any compressor in the config "
+                         "(compressor: {name: topk, density: 0.01})")
+    return name
+
+
+def resolve_compression(config: Config, compression: Any) -> Config:
+    """The config with Horovod's ``compression=`` applied. ``Compression.none`` changes nothing;
+    ``fp16`` (or a registry name) becomes the top-level compressor for every tensor (``min_numel``
+    0, as Horovod compresses all gradients). Naming a compressor in both places is an error."""
+    if compression is None:
+        return config
+    name = _compression_name(compression)
+    if name == "none":
+        return config
+    if config.compressor.name != "none":
+        raise ConfigError("compressor", f"both compression={name!r} (DistributedOptimizer keyword) and the "
+                                        f"config's compressor {config.compressor.name!r} name a compressor; "
+                                        "keep one of them")
+    data = config.to_dict()
+    data["compressor"] = {"name": name}
+    data["min_numel"] = 0
+    return from_dict(data)
+
+
+# ------------------------------------------------------------------------------------------------
+# Process sets
+# ------------------------------------------------------------------------------------------------
+class _GlobalProcessSet:
+    """Every rank; the only process set adacomp supports."""
+
+    process_set_id = 0
+
+    def __repr__(self) -> str:
+        return "adacomp.global_process_set"
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def check_process_set(process_set: Any) -> None:
+    """Refuse anything but the global process set (adacomp reduces over every rank)."""
+    if process_set is None or process_set is global_process_set:
+        return
+    if getattr(process_set, "process_set_id", None) == 0:  # horovod.torch.global_process_set
+        return
+    raise ValueError(f"process_set={process_set!r} is not supported: adacomp communicates over all ranks. "
+                     "Use adacomp.global_process_set (the default), or launch a separate job per group")
+
+
+# ------------------------------------------------------------------------------------------------
+# DistributedOptimizer keywords
+# ------------------------------------------------------------------------------------------------
+def _groups_to_bucket_mb(groups: int, params: list[Tensor]) -> float:
+    """Fusion cap that yields about ``groups`` buckets of the dense gradient bytes."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    return max(total / groups, 1.0) / 2 ** 20
+
+
+def apply_optimizer_kwargs(config: Config, params: Iterable[Tensor], *, compression: Any = None,
+                           sparse_as_dense: bool = False, groups: Any = None, num_groups: int = 0,
+                           op: Any = Average, process_set: Any = global_process_set) -> Config:
+    """Validate Horovod's extra ``DistributedOptimizer`` keywords and return the config they imply.
+
+    * ``compression``: see :func:`resolve_compression`.
+    * ``groups`` (int): about that many fusion buckets, via ``fusion.bucket_mb``; ``num_groups``
+      is its deprecated spelling (Horovod warns the same way). Explicit tensor lists are refused.
+    * ``sparse_as_dense``: must be a bool. adacomp sends every gradient densely, which is what
+      ``True`` asks for; sparse gradients themselves are not supported either way.
+    * ``op=Adasum`` and sub-``process_set`` are refused with the alternative to use.
+    """
+    if op == Adasum:
+        raise NotImplementedError(ADASUM_HINT)
+    check_process_set(process_set)
+    if not isinstance(sparse_as_dense, bool):
+        raise ValueError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    config = resolve_compression(config, compression)
+    if groups is None or groups == 0:
+        return config
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
+        if isinstance(groups, (list, tuple)):
+            raise ValueError("groups as explicit lists of tensors is not supported by adacomp; pass groups=<number "
+                             "of groups> or set fusion.bucket_mb in the config (tensors of one bucket travel "
+                             "together)")
+        raise ValueError(f"groups should be a non-negative integer or a list of lists of torch.Tensor, got {groups!r}")
+    fusion = dataclasses.replace(config.fusion, bucket_mb=_groups_to_bucket_mb(groups, list(params)),
+                                 compressed_buffer=False)
+    return dataclasses.replace(config, fusion=fusion)
+
+
+# ------------------------------------------------------------------------------------------------
+# SyncBatchNorm
+# ------------------------------------------------------------------------------------------------
+class SyncBatchNorm(torch.nn.SyncBatchNorm):
+    """Batch norm with statistics over all ranks: torch's ``SyncBatchNorm`` on the torch backend's
+    process group. Other backends have no process group for it, so construction fails there with
+    the alternative to use (``horovod.torch.SyncBatchNorm`` under horovodrun)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from adacomp import context
+        be = context.current()
+        name = getattr(be, "name", "")
+        if be.size() > 1 and name != "torch":
+            alt = ("horovod.torch.SyncBatchNorm" if name == "horovod"
+                   else "the torch backend (launch with `adacomp run` or torchrun)")
+            raise RuntimeError(f"adacomp.SyncBatchNorm needs the torch backend's process group; the running backend "
+                               f"is {name!r}. Use {alt}, or torch.nn.BatchNorm (per-rank statistics)")
+        super().__init__(*args, **kwargs)
+
+
+__all__ = ["ADASUM_HINT", "Adasum", "Average", "Compression", "FP16Compressor", "Max", "Min", "NoneCompressor",
+           "Product", "Sum", "SyncBatchNorm", "apply_optimizer_kwargs", "check_process_set", "global_process_set",
+           "resolve_compression"]
