@@ -106,7 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loss_scale = LossScale(grad_scaler)
         self.engine = StepEngine(
             self.table, self.backend,
-            EngineOptions(backward_passes_per_step, op == Sum, self.config.nonfinite),
+            EngineOptions(backward_passes_per_step, op == Sum, self.config.nonfinite, bool(sparse_as_dense)),
             self._round_state, self.loss_scale,
             on_first_round=self._check_weights if weights_differ else None)
         self.engine.attach(self.params)

@@ -44,11 +44,13 @@ NONFINITE_MODES = ("propagate", "skip", "raise")
 @dataclass(frozen=True)
 class EngineOptions:
     """``backward_passes_per_step`` (passes per round), ``sum`` (op=Sum instead of Average),
-    ``nonfinite`` (see :data:`NONFINITE_MODES` and docs/config.md)."""
+    ``nonfinite`` (see :data:`NONFINITE_MODES` and docs/config.md), ``sparse_as_dense``. Sparse
+    gradients always travel dense; without ``sparse_as_dense`` they are handed back sparse."""
 
     backward_passes_per_step: int = 1
     sum: bool = False
     nonfinite: str = "propagate"
+    sparse_as_dense: bool = False  # Horovod's flag: hand sparse gradients back dense
 
 
 @dataclass
@@ -320,7 +322,7 @@ class StepEngine:
             p = self._param[n]
             g = p.grad
             out = out.view(p.shape)
-            if n in st.sparse:
+            if n in st.sparse and not self.options.sparse_as_dense:
                 p.grad = out.to(p.dtype).to_sparse(g.sparse_dim())  # type: ignore[union-attr]
                 g = None
             elif g is None or g.is_sparse:

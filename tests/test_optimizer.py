@@ -320,3 +320,14 @@ def test_rerouting_keeps_fused_bucket_state_and_trains() -> None:
     _loss(m).backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_travel_dense_and_come_back_as_asked(sparse_as_dense: bool) -> None:
+    emb = torch.nn.Embedding(20, 4, sparse=True)
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(),
+                                       backend=LocalBackend(), sparse_as_dense=sparse_as_dense)
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    assert emb.weight.grad.is_sparse != sparse_as_dense
+    assert torch.equal(emb.weight.grad.to_dense()[2], torch.full((4,), 2.0))
+    opt.step()
