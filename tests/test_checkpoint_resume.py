@@ -41,6 +41,12 @@ METHODS: dict[str, tuple[str, str, dict[str, Any]]] = {
                                          "switching": False, "pop_size": 8, "generations": 3}}),
     "lgreco": ("policy", "lgreco", {"compressor": {"name": "topk", "density": 0.05}, **_SPARSE,
                                     "policy": {"name": "lgreco", "period": 3, "steps": 1000}}),
+    # ByteComp reroutes tensors at its decision (step 4 here): overrides are saved and re-applied first
+    "bytecomp": ("policy", "bytecomp", {"compressor": {"name": "topk", "density": 0.05}, **_SPARSE,
+                                        "policy": {"name": "bytecomp", "profile_steps": 4, "repeats": 2,
+                                                   "alpha": 1e-4, "beta": 1e-7}}),
+    "flexible": ("policy", "flexible", {"compressor": {"name": "topk", "density": 0.05}, **_SPARSE,
+                                        "policy": {"name": "flexible"}}),
 }
 STEPS_BEFORE, STEPS_AFTER = 7, 4   # moo decides at step 5 (2 candidates x 2 steps); lgreco at 3, 6, 9
 
