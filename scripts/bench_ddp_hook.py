@@ -62,32 +62,26 @@ def main() -> None:
         m.load_state_dict(ref.state_dict())
         return m
 
+    def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], float]:
+        def step() -> float:
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            return time.perf_counter() - t0
+        return step
+
     def ddp_arm(register: Callable[[DDP], None] | None) -> Callable[[], float]:
         model = DDP(copy(), bucket_cap_mb=args.bucket_mb)
         if register is not None:
             register(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step() -> float:
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            return time.perf_counter() - t0
-        return step
+        return timed_step(model, torch.optim.SGD(model.parameters(), lr=0.01))
 
     def opt_arm(cfg: dict) -> Callable[[], float]:
         model = copy()
-        opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
-                                           config={**cfg, "fusion": {"bucket_mb": args.bucket_mb}})
-
-        def step() -> float:
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            return time.perf_counter() - t0
-        return step
+        return timed_step(model, adacomp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+            config={**cfg, "fusion": {"bucket_mb": args.bucket_mb}}))
 
     def adacomp_hook(cfg: dict) -> Callable[[DDP], None]:
         def register(model: DDP) -> None:

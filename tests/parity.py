@@ -104,6 +104,14 @@ class Run:
         x, y = batch(rank, step, embedding=self.base.emb is not None)
         return F.cross_entropy(self.model(x, **kw), y)
 
+    def train(self, steps: Iterator[int] | range) -> "Run":
+        """One plain step per index: zero_grad, backward on batch (rank, step), step."""
+        for s in steps:
+            self.opt.zero_grad()
+            self.loss(rank(), s).backward()
+            self.opt.step()
+        return self
+
     def params(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.base.state_dict().items()}
 

@@ -42,29 +42,11 @@ def _hook_run(cfg: dict, steps: int, delays: bool = False) -> dict:
     return run.params()
 
 
-def _opt_run(cfg: dict, steps: int) -> dict:
-    run = Run(cfg)
-    for s in range(steps):
-        run.opt.zero_grad()
-        run.loss(rank(), s).backward()
-        run.opt.step()
-    return run.params()
-
-
-def _ddp_run(steps: int) -> dict:
-    run = Run(None)
-    for s in range(steps):
-        run.opt.zero_grad()
-        run.loss(rank(), s).backward()
-        run.opt.step()
-    return run.params()
-
-
 def _same_worker() -> dict:
     init()
-    out = {"none_vs_ddp": equal(_hook_run(NONE, STEPS), _ddp_run(STEPS))}
+    out = {"none_vs_ddp": equal(_hook_run(NONE, STEPS), Run(None).train(range(STEPS)).params())}
     for name, cfg in METHODS.items():
-        out[name] = max_rel(_hook_run(cfg, STEPS), _opt_run(cfg, STEPS))
+        out[name] = max_rel(_hook_run(cfg, STEPS), Run(cfg).train(range(STEPS)).params())
     return out
 
 

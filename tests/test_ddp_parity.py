@@ -151,15 +151,9 @@ def _params_run(cfg: dict | None) -> tuple[dict, bool, bool]:
 
 
 def _add_group_run(cfg: dict | None) -> dict:
-    run = Run(cfg, opt_params=lambda m: list(m.fc1.parameters()))
-    for s in range(STEPS):
-        if s == 2:
-            run.opt.add_param_group({"params": list(run.base.fc2.parameters()) + list(run.base.fc3.parameters()),
-                                     "lr": 0.05})
-        run.opt.zero_grad()
-        run.loss(rank(), s).backward()
-        run.opt.step()
-    return run.params()
+    run = Run(cfg, opt_params=lambda m: list(m.fc1.parameters())).train(range(2))
+    run.opt.add_param_group({"params": list(run.base.fc2.parameters()) + list(run.base.fc3.parameters()), "lr": 0.05})
+    return run.train(range(2, STEPS)).params()
 
 
 def _params_worker() -> dict:
@@ -249,13 +243,8 @@ def test_uneven_inputs_with_join_match_ddp_and_never_hang() -> None:
 
 # --- sparse embeddings, torch.compile -------------------------------------------------------------
 def _plain_run(cfg: dict | None, model_kw: dict | None = None, compile_backend: str | None = None) -> dict:
-    run = Run(cfg, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), model_kw=model_kw,
-              compile_backend=compile_backend)
-    for s in range(STEPS):
-        run.opt.zero_grad()
-        run.loss(rank(), s).backward()
-        run.opt.step()
-    return run.params()
+    return Run(cfg, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), model_kw=model_kw,
+               compile_backend=compile_backend).train(range(STEPS)).params()
 
 
 def _sparse_compile_worker() -> dict:
