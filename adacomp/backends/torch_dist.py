@@ -29,6 +29,19 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, pad])
 
 
+def _elastic_store(timeout: datetime.timedelta) -> tuple[Any, int, int]:
+    """Under ``torchrun --max-restarts N`` the workers of every restart attempt share the agent's
+    store; the process group's keys of a failed attempt are still there and the new group's gloo
+    ``connectFullMesh`` may read them and fail. Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` gives each attempt its own namespace. ``(None, -1, -1)``
+    outside torchelastic (plain env:// is then used)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None, -1, -1
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"adacomp/attempt{int(attempt)}/", store), rank, world
+
+
 class TorchBackend(Backend):
     """torch.distributed with the default process group (created here unless one exists)."""
 
@@ -43,7 +56,12 @@ class TorchBackend(Backend):
                     f"backend 'torch' needs the env:// rendezvous variables {missing}; launch with "
                     "`torchrun --nproc_per_node N script.py` or `adacomp run -np N -- python script.py`")
             pg_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            store, rank, world = _elastic_store(timeout)
+            if store is None:
+                dist.init_process_group(pg_backend, timeout=timeout)
+            else:
+                dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world, timeout=timeout)
             self._owns_group = True
         self._rank = dist.get_rank()
         self._size = dist.get_world_size()
