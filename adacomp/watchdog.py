@@ -150,7 +150,11 @@ class Watchdog:
         now = time.monotonic()
         self._seen = {r: ("", now) for r in self._peers}
         self._moved = {r: (-1, now) for r in self._peers}  # last progress count and when it changed
-        self._last_tick = now
+        self._last_tick = self._last_ok = now
+        self._inflight_since: float | None = None
+        self._io_error: BaseException | None = None
+        self._snapshot: tuple[int, list[Any], list[int]] = (0, [], [])
+        self._judged = 0
         self._bye: set[int] = set()
         self._beats = 0
         self._pid = os.getpid()
@@ -158,32 +162,70 @@ class Watchdog:
         self._stop = threading.Event()
         self._lost_event = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"adacomp-watchdog-{self.rank}", daemon=True)
+        self._io_thread = threading.Thread(target=self._io, name=f"adacomp-watchdog-io-{self.rank}", daemon=True)
+        self._io_thread.start()
         self._thread.start()
 
     def _put(self, kind: str, rank: int, value: str) -> None:
         name = f"{kind}/{rank}"
         self._store.set(self._sign.key(name), self._sign.sign(name, value))
 
-    # --- the thread ------------------------------------------------------------------------------
-    def _tick(self) -> None:
+    # --- the threads -----------------------------------------------------------------------------
+    # Two daemon threads: one talks to the store (a call to a host that stopped answering may block
+    # for good), the other judges from what it last heard and when, so a hung call is itself news.
+    def _io(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._io_once()
+
+    def _io_once(self) -> None:
         self._beats += 1
-        now = time.monotonic()
-        if now - self._last_tick > max(self.stale_s / 2, 3 * self.interval_s):
-            # This process was frozen (SIGSTOP, swap): its view is old, not its peers' heartbeats.
-            self._seen = {r: (v, now) for r, (v, _) in self._seen.items()}
-            self._moved = {r: (p, now) for r, (p, _) in self._moved.items()}
-        self._last_tick = now
+        self._inflight_since = time.monotonic()
         try:
             self._put("hb", self.rank, f"{self._beats}:{self.progress}")
             beats = self._store.multi_get([self._sign.key(f"hb/{r}") for r in self._peers])
             byes = [r for r in self._peers if r not in self._bye and self._store.check([self._sign.key(f"bye/{r}")])
                     and self._sign.verify(f"bye/{r}", self._store.get(self._sign.key(f"bye/{r}"))) is not None]
         except Exception as exc:  # noqa: BLE001 - the store is rank 0's
-            if 0 not in self._bye:
-                silent = now - self._seen.get(0, ("", now))[1] if self.rank != 0 else 0.0
-                if silent >= self.stale_s:
-                    self._declare(Lost(0, silent, self._store_failure(exc)))
+            self._io_error = exc
+        else:
+            self._io_error = None
+            self._snapshot = (self._snapshot[0] + 1, beats, byes)
+            self._last_ok = time.monotonic()
+        finally:
+            self._inflight_since = None
+
+    def _tick(self) -> None:
+        try:
+            self._judge()
+        finally:
+            self._last_tick = time.monotonic()
+
+    def _judge(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick > max(self.stale_s / 2, 3 * self.interval_s):
+            # This process was frozen (SIGSTOP, swap) between two ticks: its view is old, not its
+            # peers' heartbeats.
+            self._seen = {r: (v, now) for r, (v, _) in self._seen.items()}
+            self._moved = {r: (p, now) for r, (p, _) in self._moved.items()}
+            self._last_ok = now
+            if self._inflight_since is not None:
+                self._inflight_since = now
+        if 0 not in self._bye and self.rank != 0:
+            since = self._inflight_since
+            if since is not None and now - since >= self.stale_s:
+                where = f"{self.address[0]}:{self.address[1]}"
+                self._declare(Lost(0, now - self._last_ok,
+                                   f"this rank lost its connection to rank 0's heartbeat store at {where}: a call "
+                                   f"got no answer for {now - since:.1f} s (a network outage, or rank 0's host "
+                                   "or process froze)"))
+                return
+            if self._io_error is not None and now - self._last_ok >= self.stale_s:
+                self._declare(Lost(0, now - self._last_ok, self._store_failure(self._io_error)))
+                return
+        seq, beats, byes = self._snapshot
+        if seq == self._judged:
             return
+        self._judged = seq
         self._bye.update(byes)
         for r, b in zip(self._peers, beats):
             value = self._sign.verify(f"hb/{r}", b)
@@ -257,7 +299,8 @@ class Watchdog:
         rank when every heartbeat stays fresh; ``exc`` itself otherwise."""
         if not _is_comm_error(exc) or self._stop.is_set():
             return exc
-        self._lost_event.wait(self.stale_s + 2 * self.interval_s)
+        # a store call that hangs on a silent host takes up to timeout_s itself before it fails
+        self._lost_event.wait(self.stale_s + GRACE_FRACTION * self.timeout_s + 2 * self.interval_s)
         lost = self.lost
         if lost is not None:
             err = CommunicationError(f"{lost.message(self.rank, self.timeout_s)}. Transport said: {exc}")
@@ -280,8 +323,9 @@ class Watchdog:
         working read its goodbye before the store goes and do not take rank 0 for dead."""
         if self._stop.is_set() or os.getpid() != self._pid:  # a forked child owns no watchdog
             return
-        with contextlib.suppress(Exception):
-            self._put("bye", self.rank, "1")
+        if self.lost is None:  # with a silent store the goodbye could block for good
+            with contextlib.suppress(Exception):
+                self._put("bye", self.rank, "1")
         if self.rank == 0 and self.lost is None:
             linger = time.monotonic() + 2 * self.interval_s
             deadline = time.monotonic() + self.timeout_s
