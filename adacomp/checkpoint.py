@@ -136,10 +136,17 @@ def atomic_save(obj: Any, path: PathLike) -> Path:
 
 
 def _config_hash(optimizer: Any, config_hash: str | None) -> str | None:
+    """What the state means: the resolved config without ``train`` (epochs, output directory and
+    the like may change between a run and its resumption; compressor, memory, communicator,
+    fusion and policy may not)."""
     if config_hash is not None:
         return config_hash
     cfg = getattr(optimizer, "config", None)
-    return cfg.hash() if hasattr(cfg, "hash") else None
+    if not hasattr(cfg, "to_dict"):
+        return None
+    d = cfg.to_dict()
+    d.pop("train", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _backend(optimizer: Any, backend: Any) -> Any:

@@ -180,3 +180,18 @@ def test_three_torchrun_restarts_resume_bitwise(tmp_path) -> None:
     assert attempts == [(0, 0), (1, 4), (2, 8), (3, 12)], (attempts, out[-6000:])
     assert runs["uninterrupted"][0] == [(0, 0)]
     assert finals == runs["uninterrupted"][1], "the restarted run differs from the uninterrupted one"
+
+
+def test_adacomp_train_resumes_from_its_checkpoint_set(tmp_path) -> None:
+    """``adacomp train --checkpoint DIR``: a 2-epoch run continues where the 1-epoch run ended."""
+    from adacomp import checkpoint
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    steps = []
+    for epochs in (1, 2):
+        proc = run_launcher([sys.executable, "-m", "adacomp.cli", "train", "--workers", "2", "--epochs", str(epochs),
+                             "--out", str(out), "--checkpoint", str(ckpt), "--checkpoint-every", "7"],
+                            cwd=str(ROOT), env=_env(), timeout=HANG_GUARD_S, merge_stderr=True)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        steps.append(json.loads((out / "metrics.json").read_text())["steps"])
+        assert checkpoint.read_header(checkpoint.latest(ckpt) / "rank1.pt")["step"] == steps[0] * epochs
+    assert steps[1] == steps[0]  # the second run trained only the second epoch
