@@ -1,15 +1,23 @@
 """``adacomp run -np N -- python script.py ...``: start N workers on this machine.
 
-For the torch backend the workers get the env:// rendezvous variables torchrun would set; their
+For the torch backend the workers get the env:// rendezvous variables torchrun would set plus a
+per-job secret (``ADACOMP_JOB_TOKEN``: only the job's ranks may write the watchdog's keys); their
 output is prefixed with ``[rank]``; the first worker that fails stops the others (each worker runs in
 its own process group, so its children go too) and ``adacomp run`` exits with that worker's code,
-naming it. ``--backend mpi`` / ``--backend horovod`` hand over to ``mpirun`` / ``horovodrun``.
+naming it. SIGINT / SIGTERM / SIGHUP sent to ``adacomp run`` are forwarded to every worker (a
+worker polling :class:`adacomp.checkpoint.Preemption` then writes one checkpoint set and exits with
+76, which is not a failure); whatever is left after ``--signal-grace`` seconds is killed. If
+``adacomp run`` itself dies, even by SIGKILL, the kernel kills its workers (Linux
+``PR_SET_PDEATHSIG``), so no orphan keeps training. ``--backend mpi`` / ``--backend horovod`` hand
+over to ``mpirun`` / ``horovodrun``.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -72,8 +80,34 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
         p.wait()
 
 
-def worker_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:
+PREEMPTED_EXIT_CODE = 76  # adacomp.preemption's: a worker stopped on request after saving
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TOKEN_ENV = "ADACOMP_JOB_TOKEN"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel to SIGKILL the worker when ``adacomp run`` dies (Linux).
+    Resolved before the fork, so the child only makes one system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+def worker_env(rank: int, world: int, port: int, addr: str = "127.0.0.1", token: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if token is not None:
+        env[TOKEN_ENV] = token
     env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "ADACOMP_BACKEND": "torch",
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))})
@@ -81,8 +115,9 @@ def worker_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dic
 
 
 def run_local(command: Sequence[str], np: int, netem: bool = False, grace_s: float = 5.0,
-              out: IO[str] | None = None) -> int:
-    """Run ``command`` on ``np`` local workers; return 0 or the first failing worker's exit code."""
+              out: IO[str] | None = None, signal_grace_s: float = 30.0) -> int:
+    """Run ``command`` on ``np`` local workers; return 0 or the first failing worker's exit code
+    (76 when the workers stopped for a forwarded signal after saving a checkpoint set)."""
     out = out or sys.stdout
     addr = "127.0.0.1"
     wrap = None
@@ -101,33 +136,54 @@ def run_local(command: Sequence[str], np: int, netem: bool = False, grace_s: flo
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+    preexec = _die_with_parent()
     for r in range(np):
         argv = list(command) if wrap is None else wrap(r, list(command))
-        env = worker_env(r, np, port, addr)
+        env = worker_env(r, np, port, addr, token)
         env.update(extra_env)
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True, preexec_fn=preexec)
         procs.append(p)
         t = threading.Thread(target=_pump, args=(p.stdout, r, out, lock), daemon=True)
         t.start()
         pumps.append(t)
 
-    def on_signal(signum: int, _frame: object) -> None:
-        _stop(procs, grace_s)
-        raise SystemExit(128 + signum)
+    forwarded: list[int] = []  # signals passed on to the workers, in order
+    deadline = [float("inf")]
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum: int, _frame: object) -> None:
+        """Pass the signal on (the workers decide: stop, or checkpoint then stop); a second one
+        or ``signal_grace_s`` without an exit escalates to SIGKILL."""
+        if forwarded:
+            deadline[0] = 0.0
+        else:
+            deadline[0] = time.monotonic() + signal_grace_s
+            # no lock here: the main thread may hold it when the signal arrives
+            sys.stderr.write(f"adacomp run: got {signal.Signals(signum).name}; forwarding it to the workers\n")
+        forwarded.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, on_signal) for s in FORWARDED_SIGNALS}
     code = 0
     try:
         alive = set(range(np))
         while alive:
+            if time.monotonic() >= deadline[0]:
+                _stop(procs, 0.0)
             for r in sorted(alive):
                 rc = procs[r].poll()
                 if rc is None:
                     continue
                 alive.discard(r)
-                if rc != 0:
+                if rc != 0 and code == 0:
                     code = rc if rc > 0 else 128 - rc
+                if rc != 0 and not forwarded and rc != PREEMPTED_EXIT_CODE:
                     with lock:
                         out.write(f"adacomp run: rank {r} exited with code {rc}; stopping the other "
                                   f"{len(alive)} rank(s)\n")
@@ -165,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch: workers started here with env:// rendezvous; mpi: mpirun; horovod: horovodrun")
     parser.add_argument("--netem", action="store_true",
                         help="run worker i inside emulated host i (after `adacomp netem up`)")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="after a worker fails: seconds between SIGTERM to the others and SIGKILL")
+    parser.add_argument("--signal-grace", type=float, default=30.0,
+                        help="after forwarding SIGINT/SIGTERM/SIGHUP: seconds the workers get to checkpoint "
+                             "and exit before SIGKILL (default 30)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python script.py args...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -174,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.np < 1:
         parser.error(f"-np must be >= 1, got {args.np}")
     if args.backend == "torch":
-        return run_local(command, args.np, netem=args.netem, grace_s=args.grace)
+        return run_local(command, args.np, netem=args.netem, grace_s=args.grace, signal_grace_s=args.signal_grace)
     builder = mpirun_command if args.backend == "mpi" else horovodrun_command
     try:
         full = builder(command, args.np)

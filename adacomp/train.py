@@ -32,6 +32,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, help="override train.workers")
     p.add_argument("--epochs", type=int, help="override train.epochs")
     p.add_argument("--out", help="override train.out_dir")
+    p.add_argument("--checkpoint", help="checkpoint set directory: resume from its latest set, save there on "
+                                        "SIGTERM / SIGUSR1 (then exit 76) and every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoint sets (0: only on signal)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -56,9 +59,12 @@ def _evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple
     return acc, loss
 
 
-def run_worker(cfg: Any) -> dict[str, Any]:
-    """One worker's training loop; returns the metrics (rank 0 also writes them)."""
+def run_worker(cfg: Any, ckpt_dir: str | None = None, ckpt_every: int = 0) -> dict[str, Any]:
+    """One worker's training loop; returns the metrics (rank 0 also writes them). With ``ckpt_dir``
+    it resumes from the latest checkpoint set there and, on a pre-emption signal, writes one set
+    at the next step boundary on every rank and exits with ``PREEMPTED_EXIT_CODE``."""
     import adacomp
+    from adacomp import checkpoint
     from adacomp.data import digits, shard
     from adacomp.models import build
     from adacomp.netem_schedule import report_step
@@ -77,17 +83,28 @@ def run_worker(cfg: Any) -> dict[str, Any]:
     steps_per_epoch = max(1, per_rank // tc.batch_size)
     total = steps_per_epoch * tc.epochs
     opt.steps_per_epoch = steps_per_epoch  # policies whose period is "one epoch" (lgreco) read it
+    start = 0
+    preempt = None
+    if ckpt_dir:
+        extra = checkpoint.load_set(ckpt_dir, model, opt)
+        start = int(extra["step"]) if extra else 0
+        preempt = checkpoint.Preemption()
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=total, desc=f"train {cfg.compressor.name}/{cfg.communicator.name} x{world}",
+        bar = tqdm(total=total, initial=start, desc=f"train {cfg.compressor.name}/{cfg.communicator.name} x{world}",
                    unit="step", file=sys.stdout, mininterval=0.5, dynamic_ncols=False, ncols=100)
     records: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
     t_start = time.perf_counter()
     for epoch in range(tc.epochs):
+        if (epoch + 1) * steps_per_epoch <= start:
+            continue  # finished before the checkpoint set was written
         idx = shard(len(y), rank, world, epoch, tc.seed)
         for s in range(steps_per_epoch):
+            done = epoch * steps_per_epoch + s  # global steps finished before this one
+            if done < start:
+                continue  # resumed: the data order is a function of (epoch, seed), so skipping is exact
             j = idx[s * tc.batch_size:(s + 1) * tc.batch_size]
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -107,10 +124,26 @@ def run_worker(cfg: Any) -> dict[str, Any]:
                 bar.update(1)
                 if len(records) % tc.log_every == 0:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}")
+            if preempt is not None:
+                if preempt.should_stop():
+                    checkpoint.save_set(ckpt_dir, model, opt, step=done + 1)
+                    if rank == 0:
+                        print(f"\npre-empted: checkpoint set for step {done + 1} in {ckpt_dir}; rerun the same "
+                              f"command to resume", flush=True)
+                    adacomp.shutdown()
+                    raise SystemExit(checkpoint.PREEMPTED_EXIT_CODE)
+                if ckpt_every and (done + 1) % ckpt_every == 0:
+                    checkpoint.save_set(ckpt_dir, model, opt, step=done + 1)
         acc, tloss = _evaluate(model, xt, yt)
         evals.append({"epoch": epoch + 1, "step": len(records), "test_acc": acc, "test_loss": tloss})
     if bar is not None:
         bar.close()
+    if preempt is not None:
+        preempt.close()
+        if records:  # the finished run is a set too: a later, longer run continues from it
+            checkpoint.save_set(ckpt_dir, model, opt, step=total)
+    if not records:
+        raise RuntimeError(f"nothing to train: the checkpoint set in {ckpt_dir} is already at step {start} of {total}")
     metrics = summarise(cfg, records, evals, world)
     if rank == 0:
         out = Path(tc.out_dir)
@@ -191,12 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     cfg = _config(args)
     from adacomp.backends import detect
+    if args.checkpoint_every < 0:
+        raise SystemExit(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.worker or detect() != "local" or cfg.train.workers == 1:
-        run_worker(cfg)
+        run_worker(cfg, args.checkpoint, args.checkpoint_every)
         return 0
     from adacomp.launch import run_local
     cmd = [sys.executable, "-m", "adacomp.train", "--worker", "--config", os.path.abspath(args.config),
            "--workers", str(cfg.train.workers), "--epochs", str(cfg.train.epochs), "--out", cfg.train.out_dir]
+    if args.checkpoint:
+        cmd += ["--checkpoint", os.path.abspath(args.checkpoint), "--checkpoint-every", str(args.checkpoint_every)]
     return run_local(cmd, cfg.train.workers)
 
 

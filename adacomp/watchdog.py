@@ -5,30 +5,42 @@ Why: when a peer process dies, gloo fails the pending collective with "Connectio
 Launchers (``adacomp run``, torchrun, mpirun) stop the job when a *local* worker dies, but a
 worker whose peer vanished on another machine, or whose launcher is gone, must find out by itself.
 
-How: every rank runs one daemon thread that bumps a heartbeat counter ``hb/<rank>`` in a small
+How: every rank runs one daemon thread that bumps a heartbeat counter in a small
 ``torch.distributed.TCPStore`` hosted by rank 0 (its address travels by one ``broadcast_object`` at
-start, so it works with every backend) and reads everyone else's counter. A peer whose counter has
-not moved for ``0.6 * timeout_s`` (measured on *this* rank's monotonic clock, so no clock
-agreement is needed) is *lost*; a store that stops answering means rank 0 (its host) is lost.
+start, so it works with every backend) and reads everyone else's. A peer whose counter has not
+moved for ``timeout_s`` (measured on *this* rank's monotonic clock, so no clock agreement is
+needed) is *lost*; a store that stops answering means rank 0 is lost (its process, when the store
+refuses connections) or this rank lost its connection to it (when the store times out).
+
+Privacy: the store listens on the job's master address only (``ADACOMP_WATCHDOG_ADDR`` or
+``MASTER_ADDR``; a socket bound there is handed to the store), and every key lives under a prefix
+derived from a per-job secret, with each value signed by an HMAC of that secret: ``adacomp run``
+puts it in ``ADACOMP_JOB_TOKEN``; without it rank 0 draws one and sends it over the job's own
+process group. Someone who reaches the port but lacks the secret can neither hide a dead rank
+nor fake a lost one.
 
 * :func:`guard` wraps communication: a collective error is re-raised as
-  :class:`~adacomp.errors.CommunicationError` naming the lost rank (it waits up to
-  ``0.6 * timeout_s`` for the dead peer's heartbeat to go stale); other errors pass unchanged.
+  :class:`~adacomp.errors.CommunicationError` naming the lost rank (it waits up to ``timeout_s``
+  for the dead peer's heartbeat to go stale) -- or, when every heartbeat is fresh, naming the
+  rank that is alive but stuck (its count of guarded calls stopped behind the others').
 * If the main thread stays blocked (MPI, or a collective still inside its own timeout), the
   thread prints the same message to stderr and ends the process with :data:`EXIT_CODE` after
-  ``0.3 * timeout_s`` more, so every survivor is gone within about ``timeout_s``.
+  ``0.3 * timeout_s`` more -- unless the lost rank's heartbeat came back meanwhile: a freeze
+  shorter than ``timeout_s`` (SIGSTOP, a swapping host) never ends the job, and a rank whose own
+  thread was frozen re-baselines its view instead of declaring everyone lost.
 * :func:`stop` (also run at interpreter exit) says goodbye (``bye/<rank>``) so a rank that finishes
   early is not taken for dead; rank 0 keeps the store up until every peer said goodbye or was lost.
-
-The heartbeat says a process is alive, not that it makes progress: a live but stuck peer is caught
-by the backend's collective timeout (``timeout_s``) instead.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import datetime
+import hashlib
+import hmac
 import os
+import secrets
+import socket
 import sys
 import threading
 import time
@@ -38,11 +50,14 @@ from typing import Any, Iterator
 from adacomp.errors import CommunicationError
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when restarted from its last checkpoint
-STALE_FRACTION = 0.6
+STALE_FRACTION = 1.0  # a freeze shorter than timeout_s must never end the job
 GRACE_FRACTION = 0.3
+TOKEN_ENV = "ADACOMP_JOB_TOKEN"
 # Error texts of transports that mean "a peer went away" (gloo, c10d, MPI via our backend).
 _COMM_HINTS = ("connection", "closed by peer", "reset by peer", "broken pipe", "timed out", "timeout",
                "gloo", "socket", "peer", "nccl", "mpi")
+# Store errors that mean "nobody listens there any more" (the host is up, the process is gone).
+_REFUSED_HINTS = ("connection refused", "connection reset", "broken pipe", "closed by peer", "econnrefused")
 
 
 @dataclass(frozen=True)
@@ -54,8 +69,8 @@ class Lost:
     def message(self, me: int, timeout_s: float) -> str:
         return (f"rank {self.rank} is lost ({self.why}; no heartbeat for {self.silent_s:.1f} s, limit "
                 f"{STALE_FRACTION * timeout_s:.1f} s = {STALE_FRACTION} x timeout_s) - seen by rank {me}. "
-                f"Expected every rank to stay alive; check rank {self.rank}'s log (killed? out of memory?) "
-                "and restart from the last checkpoint, or raise timeout_s if it was only slow")
+                f"Expected every rank to stay alive; check rank {self.rank}'s log (killed? out of memory? "
+                "network?) and restart from the last checkpoint, or raise timeout_s if it was only slow")
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -64,6 +79,36 @@ def _is_comm_error(exc: BaseException) -> bool:
     if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):
         return True
     return isinstance(exc, RuntimeError) and any(h in str(exc).lower() for h in _COMM_HINTS)
+
+
+def _listen_socket(addr: str) -> socket.socket:
+    """A listening TCP socket on ``addr`` (the job's master address) only, on a free port: the
+    TCPStore server otherwise listens on every interface."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.bind(sockaddr)
+    sock.listen(128)
+    return sock
+
+
+class _Signer:
+    """Keys under a prefix only the job knows; values carry an HMAC so forged ones are ignored."""
+
+    def __init__(self, token: str):
+        self._key = hashlib.sha256(f"adacomp-watchdog:{token}".encode()).digest()
+        self.prefix = "wd-" + hmac.new(self._key, b"prefix", hashlib.sha256).hexdigest()[:32] + "/"
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def sign(self, name: str, value: str) -> str:
+        return value + "." + hmac.new(self._key, f"{name}={value}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def verify(self, name: str, raw: Any) -> str | None:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        value, _, mac = text.rpartition(".")
+        good = hmac.new(self._key, f"{name}={value}".encode(), hashlib.sha256).hexdigest()[:32]
+        return value if hmac.compare_digest(mac, good) else None
 
 
 class Watchdog:
@@ -77,21 +122,39 @@ class Watchdog:
         self.interval_s = interval_s if interval_s is not None else min(1.0, self.timeout_s / 10)
         self.stale_s = STALE_FRACTION * self.timeout_s
         store_timeout = datetime.timedelta(seconds=max(self.timeout_s, 1.0))
-        server = None
+        server = listener = None
+        env_token = os.environ.get(TOKEN_ENV) or None
         if self.rank == 0:
             addr = os.environ.get("ADACOMP_WATCHDOG_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-            server = TCPStore(addr, 0, None, True, timeout=store_timeout, wait_for_workers=False)
-            where = (addr, server.port)
+            listener = _listen_socket(addr)
+            port = listener.getsockname()[1]
+            server = TCPStore(addr, port, None, True, timeout=store_timeout, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+            # The launcher's token stays in the environment; a drawn one goes over the process group.
+            where = (addr, port, None if env_token else secrets.token_hex(16),
+                     hashlib.sha256((env_token or "").encode()).hexdigest())
         else:
             where = None
-        addr, port = backend.broadcast_object(where, 0)
-        self._server = server  # rank 0 keeps the listening store alive
+        addr, port, drawn, fingerprint = backend.broadcast_object(where, 0)
+        if drawn is None and hashlib.sha256((env_token or "").encode()).hexdigest() != fingerprint:
+            raise CommunicationError(f"rank {self.rank}'s {TOKEN_ENV} differs from rank 0's; expected every rank "
+                                     "of the job to get the same one from its launcher")
+        self._sign = _Signer(drawn or env_token or "")
+        self.address = (addr, port)
+        self._listener, self._server = listener, server  # rank 0 keeps the listening store alive
         self._store = TCPStore(addr, port, None, False, timeout=store_timeout)
-        self._store.set(f"hb/{self.rank}", "0")
+        self.progress = 0  # guarded communication calls of the main thread (see guard)
+        self._put("hb", self.rank, "0:0")
         backend.barrier()  # every hb key exists before anyone reads them (get() would block)
         self._peers = [r for r in range(self.size) if r != self.rank]
         now = time.monotonic()
         self._seen = {r: ("", now) for r in self._peers}
+        self._moved = {r: (-1, now) for r in self._peers}  # last progress count and when it changed
+        self._last_tick = self._last_ok = now
+        self._inflight_since: float | None = None
+        self._io_error: BaseException | None = None
+        self._snapshot: tuple[int, list[Any], list[int]] = (0, [], [])
+        self._judged = 0
         self._bye: set[int] = set()
         self._beats = 0
         self._pid = os.getpid()
@@ -100,30 +163,96 @@ class Watchdog:
         self._stop = threading.Event()
         self._lost_event = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"adacomp-watchdog-{self.rank}", daemon=True)
+        self._io_thread = threading.Thread(target=self._io, name=f"adacomp-watchdog-io-{self.rank}", daemon=True)
+        self._io_thread.start()
         self._thread.start()
 
-    # --- the thread ------------------------------------------------------------------------------
-    def _tick(self) -> None:
+    def _put(self, kind: str, rank: int, value: str) -> None:
+        name = f"{kind}/{rank}"
+        self._store.set(self._sign.key(name), self._sign.sign(name, value))
+
+    # --- the threads -----------------------------------------------------------------------------
+    # Two daemon threads: one talks to the store (a call to a host that stopped answering may block
+    # for good), the other judges from what it last heard and when, so a hung call is itself news.
+    def _io(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._io_once()
+
+    def _io_once(self) -> None:
         self._beats += 1
-        now = time.monotonic()
+        self._inflight_since = time.monotonic()
         try:
-            self._store.set(f"hb/{self.rank}", str(self._beats))
-            beats = self._store.multi_get([f"hb/{r}" for r in self._peers])
-            byes = [r for r in self._peers if r not in self._bye and self._store.check([f"bye/{r}"])]
-        except Exception as exc:  # noqa: BLE001 - the store is rank 0's: it vanished with rank 0
-            if 0 not in self._bye:
-                silent = now - self._seen.get(0, ("", now))[1] if self.rank != 0 else 0.0
-                if silent >= self.stale_s:
-                    self._declare(Lost(0, silent, f"its heartbeat store stopped answering: {exc}"))
+            self._put("hb", self.rank, f"{self._beats}:{self.progress}")
+            beats = self._store.multi_get([self._sign.key(f"hb/{r}") for r in self._peers])
+            byes = [r for r in self._peers if r not in self._bye and self._store.check([self._sign.key(f"bye/{r}")])
+                    and self._sign.verify(f"bye/{r}", self._store.get(self._sign.key(f"bye/{r}"))) is not None]
+        except Exception as exc:  # noqa: BLE001 - the store is rank 0's
+            self._io_error = exc
+        else:
+            self._io_error = None
+            self._snapshot = (self._snapshot[0] + 1, beats, byes)
+            self._last_ok = time.monotonic()
+        finally:
+            self._inflight_since = None
+
+    def _tick(self) -> None:
+        try:
+            self._judge()
+        finally:
+            self._last_tick = time.monotonic()
+
+    def _judge(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick > max(self.stale_s / 2, 3 * self.interval_s):
+            # This process was frozen (SIGSTOP, swap) between two ticks: its view is old, not its
+            # peers' heartbeats.
+            self._seen = {r: (v, now) for r, (v, _) in self._seen.items()}
+            self._moved = {r: (p, now) for r, (p, _) in self._moved.items()}
+            self._last_ok = now
+            if self._inflight_since is not None:
+                self._inflight_since = now
+        if 0 not in self._bye and self.rank != 0:
+            since = self._inflight_since
+            if since is not None and now - since >= self.stale_s:
+                where = f"{self.address[0]}:{self.address[1]}"
+                self._declare(Lost(0, now - self._last_ok,
+                                   f"this rank lost its connection to rank 0's heartbeat store at {where}: a call "
+                                   f"got no answer for {now - since:.1f} s (a network outage, or rank 0's host "
+                                   "or process froze)"))
+                return
+            if self._io_error is not None and now - self._last_ok >= self.stale_s:
+                self._declare(Lost(0, now - self._last_ok, self._store_failure(self._io_error)))
+                return
+        seq, beats, byes = self._snapshot
+        if seq == self._judged:
             return
+        self._judged = seq
         self._bye.update(byes)
         for r, b in zip(self._peers, beats):
-            value = b.decode() if isinstance(b, bytes) else str(b)
+            value = self._sign.verify(f"hb/{r}", b)
+            if value is None:  # a forged or damaged value: ignored, the rank's clock keeps running
+                value = self._seen[r][0]
             if value != self._seen[r][0]:
                 self._seen[r] = (value, now)
+                progress = int(value.partition(":")[2] or 0)
+                if progress != self._moved[r][0]:
+                    self._moved[r] = (progress, now)
+                if self.lost is not None and self.lost.rank == r:  # it came back before the deadline
+                    self.lost = None
+                    self._lost_event.clear()
             elif r not in self._bye and now - self._seen[r][1] >= self.stale_s:
-                self._declare(Lost(r, now - self._seen[r][1], "its process stopped"))
+                self._declare(Lost(r, now - self._seen[r][1],
+                                   "its heartbeat stopped: the process died or froze, or its network "
+                                   "connection was lost"))
                 return
+
+    def _store_failure(self, exc: BaseException) -> str:
+        text = str(exc).lower()
+        where = f"{self.address[0]}:{self.address[1]}"
+        if any(h in text for h in _REFUSED_HINTS):
+            return f"its process stopped: its heartbeat store at {where} refuses connections ({exc})"
+        return (f"this rank lost its connection to rank 0's heartbeat store at {where} ({exc}); a network "
+                "outage, or rank 0's host is gone")
 
     def _declare(self, lost: Lost) -> None:
         if self.lost is None:
@@ -133,35 +262,61 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._tick()
-            if self.lost is not None:
-                break
-        if self.lost is None:
-            return
-        # Give the main thread the chance to raise the error itself (guard / check); if it is
-        # blocked in a collective, end the process so that no survivor hangs.
-        if self._stop.wait(GRACE_FRACTION * self.timeout_s):
-            return
-        doing = f" while this rank was in {self.activity}" if self.activity else ""
-        print(f"adacomp watchdog: {self.lost.message(self.rank, self.timeout_s)}{doing}; exiting with code "
-              f"{EXIT_CODE}", file=sys.stderr, flush=True)
-        os._exit(EXIT_CODE)
+            if self.lost is None:
+                continue
+            # Give the main thread the chance to raise the error itself (guard / check), and the
+            # lost rank the chance to come back; if neither happens, end the process so that no
+            # survivor hangs in a collective.
+            grace_end = time.monotonic() + GRACE_FRACTION * self.timeout_s
+            while self.lost is not None and time.monotonic() < grace_end:
+                if self._stop.wait(self.interval_s):
+                    return
+                self._tick()
+            lost = self.lost
+            if lost is None:
+                continue
+            doing = f" while this rank was in {self.activity}" if self.activity else ""
+            print(f"adacomp watchdog: {lost.message(self.rank, self.timeout_s)}{doing}; exiting with code "
+                  f"{EXIT_CODE}", file=sys.stderr, flush=True)
+            os._exit(EXIT_CODE)
 
     # --- the main thread ---------------------------------------------------------------------------
     def check(self) -> None:
         """Raise :class:`CommunicationError` if a peer is already known to be lost (cheap)."""
-        if self.lost is not None:
-            raise CommunicationError(self.lost.message(self.rank, self.timeout_s))
+        lost = self.lost
+        if lost is not None:
+            raise CommunicationError(lost.message(self.rank, self.timeout_s))
+
+    def stuck(self) -> list[tuple[int, int, float]]:
+        """Peers alive by heartbeat whose guarded-call count is behind this rank's and has not
+        changed for ``stale_s / 2``: ``(rank, its count, seconds since it last changed)``."""
+        now = time.monotonic()
+        return [(r, p, now - t) for r, (p, t) in sorted(self._moved.items())
+                if r not in self._bye and 0 <= p < self.progress and now - self._seen[r][1] < self.stale_s
+                and now - t >= self.stale_s / 2]  # not merely one heartbeat behind
 
     def explain(self, exc: BaseException) -> BaseException:
         """The error to raise for ``exc``: one naming the lost rank when ``exc`` is a communication
-        failure and a peer stops heartbeating within ``stale_s``; ``exc`` itself otherwise."""
+        failure and a peer stops heartbeating within ``stale_s``, or naming the live but stuck
+        rank when every heartbeat stays fresh; ``exc`` itself otherwise."""
         if not _is_comm_error(exc) or self._stop.is_set():
             return exc
-        self._lost_event.wait(self.stale_s + 2 * self.interval_s)
-        if self.lost is None:
+        # a store call that hangs on a silent host takes up to timeout_s itself before it fails
+        self._lost_event.wait(self.stale_s + GRACE_FRACTION * self.timeout_s + 2 * self.interval_s)
+        lost = self.lost
+        if lost is not None:
+            err = CommunicationError(f"{lost.message(self.rank, self.timeout_s)}. Transport said: {exc}")
+            err.lost_rank = lost.rank  # type: ignore[attr-defined]
+            return err
+        stuck = self.stuck()
+        if not stuck:
             return exc
-        err = CommunicationError(f"{self.lost.message(self.rank, self.timeout_s)}. Transport said: {exc}")
-        err.lost_rank = self.lost.rank  # type: ignore[attr-defined]
+        names = ", ".join(f"rank {r} (at call {p}, unchanged for {s:.1f} s)" for r, p, s in stuck)
+        err = CommunicationError(f"{names} alive (heartbeat fresh) but stuck: its main thread stopped "
+                                 f"communicating while rank {self.rank} is at call {self.progress} - seen by rank "
+                                 f"{self.rank}. Expected every rank to reach the same collective; look for a "
+                                 f"deadlock, an endless loop or a rank-dependent branch there. Transport said: {exc}")
+        err.stuck_ranks = [r for r, _, _ in stuck]  # type: ignore[attr-defined]
         return err
 
     def stop(self) -> None:
@@ -170,14 +325,16 @@ class Watchdog:
         working read its goodbye before the store goes and do not take rank 0 for dead."""
         if self._stop.is_set() or os.getpid() != self._pid:  # a forked child owns no watchdog
             return
-        with contextlib.suppress(Exception):
-            self._store.set(f"bye/{self.rank}", "1")
+        if self.lost is None:  # with a silent store the goodbye could block for good
+            with contextlib.suppress(Exception):
+                self._put("bye", self.rank, "1")
         if self.rank == 0 and self.lost is None:
             linger = time.monotonic() + 2 * self.interval_s
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline and self.lost is None:
                 with contextlib.suppress(Exception):
-                    if self._store.check([f"bye/{r}" for r in self._peers]) and time.monotonic() >= linger:
+                    if self._store.check([self._sign.key(f"bye/{r}") for r in self._peers]) \
+                            and time.monotonic() >= linger:
                         break
                 time.sleep(self.interval_s / 2)
         self._stop.set()
@@ -232,6 +389,7 @@ def guard(backend: Any) -> Iterator[None]:
         yield
         return
     wd.check()
+    wd.progress += 1  # the main thread reached another collective (read by stuck-rank detection)
     try:
         yield
     except BaseException as exc:  # noqa: BLE001 - re-raised, translated or not

@@ -46,6 +46,20 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, pad])
 
 
+def _elastic_store(timeout: datetime.timedelta, generation: int) -> tuple[Any, int, int]:
+    """Under torchrun the rendezvous store lives in the agent and outlives our process groups:
+    the workers of every restart attempt (``--max-restarts N``) and every ``shutdown()`` /
+    ``init()`` generation share it, and a new group's gloo ``connectFullMesh`` may read the old
+    group's keys and fail. Prefixing the keys with ``TORCHELASTIC_RESTART_COUNT`` and the
+    generation gives each group its own namespace. ``(None, -1, -1)`` outside torchelastic
+    (plain env:// is then used)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None and not (_agent_store() and generation):
+        return None, -1, -1
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"adacomp/attempt{int(attempt or 0)}/gen{generation}/", store), rank, world
+
+
 class TorchBackend(Backend):
     """torch.distributed with the default process group (created here unless one exists)."""
 
@@ -61,17 +75,11 @@ class TorchBackend(Backend):
                     "`torchrun --nproc_per_node N script.py` or `adacomp run -np N -- python script.py`")
             pg_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             timeout = datetime.timedelta(seconds=timeout_s)
-            generation = int(os.environ.get(_GENERATION, "0"))
-            if _agent_store() and generation:
-                # torchrun's agent store outlives our groups and still holds the keys of the
-                # previous one: rendezvous again under a fresh prefix of it.
-                base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                     int(os.environ["WORLD_SIZE"]), False, timeout=timeout)
-                dist.init_process_group(pg_backend, store=dist.PrefixStore(f"adacomp/gen{generation}", base),
-                                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                        timeout=timeout)
-            else:
+            store, rank, world = _elastic_store(timeout, int(os.environ.get(_GENERATION, "0")))
+            if store is None:
                 dist.init_process_group(pg_backend, timeout=timeout)
+            else:
+                dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world, timeout=timeout)
             self._owns_group = True
         self._rank = dist.get_rank()
         self._size = dist.get_world_size()

@@ -1,0 +1,202 @@
+"""Checkpoint sets: every rank loads the same step of the same set or every rank fails, naming
+files, ranks and steps; damaged files are refused with the path and the cause; a set resumes on
+another world size (4 -> 2 -> 1 -> 2) keeping what the averaged update still owes. Real gloo
+processes throughout (tests/_dist.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import run_workers
+from tests.test_checkpoint_resume import _tiny, train_steps
+
+TOPK = {"compressor": {"name": "topk", "density": 0.05}, "memory": {"name": "residual"},
+        "communicator": {"name": "allgather"}, "min_numel": 512}
+DGC = {"compressor": {"name": "dgc", "density": 0.05, "sample_ratio": 0.1}, "memory": {"name": "dgc", "momentum": 0.9},
+       "communicator": {"name": "allgather"}, "min_numel": 512}
+CONFIGS = {"topk": TOPK, "dgc": DGC}
+
+
+def _build(cfg: dict[str, Any]):
+    import adacomp
+    from adacomp.models import DigitsCNN
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    momentum = 0.0 if cfg["memory"]["name"] == "dgc" else 0.9
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum),
+                                       model.named_parameters(), config=cfg)
+    adacomp.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, opt
+
+
+def _error(fn, *args: Any, **kwargs: Any) -> str:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test inspects type and text
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# --- sets of 2 ranks ---------------------------------------------------------------------------
+def _mixed_steps_job(directory: str) -> dict[str, str]:
+    """The per-rank save-on-signal habit: rank 0's file is of step 10, rank 1's of step 20."""
+    import adacomp
+    from adacomp import checkpoint
+    adacomp.init()
+    rank = adacomp.rank()
+    model, opt = _build(TOPK)
+    train_steps(model, opt, 0, 2, rank)
+    path = checkpoint.rank_path(Path(directory) / "mixed.pt", rank)
+    checkpoint.save(path, model, opt, step=10 if rank == 0 else 20)
+    out = {"mixed": _error(checkpoint.load, path, model, opt)}
+    # the DDP habit: every rank loads rank 0's file
+    opt.backend.barrier()
+    out["rank0_file"] = _error(checkpoint.load, checkpoint.rank_path(Path(directory) / "mixed.pt", 0), model, opt)
+    # a proper set, then one flipped bit in rank 1's file
+    sdir = checkpoint.save_set(Path(directory) / "set", model, opt, step=30)
+    opt.backend.barrier()
+    if rank == 0:
+        p = sdir / "rank1.pt"
+        raw = bytearray(p.read_bytes())
+        raw[-100] ^= 0x04
+        p.write_bytes(bytes(raw))
+    opt.backend.barrier()
+    out["flipped"] = _error(checkpoint.load_set, Path(directory) / "set", model, opt)
+    out["rank1_file"] = str(sdir / "rank1.pt")
+    adacomp.shutdown()
+    return out
+
+
+def test_mixed_steps_other_ranks_files_and_flipped_bits_are_refused_on_every_rank(tmp_path) -> None:
+    per_rank = run_workers(_mixed_steps_job, 2, str(tmp_path), timeout=240)
+    for r in per_rank:
+        msg = r["mixed"]
+        assert msg.startswith("CheckpointError") and "different steps" in msg, msg
+        assert "rank 0:" in msg and "step 10" in msg and "rank 1:" in msg and "step 20" in msg, msg
+        assert "mixed.rank0.pt" in msg and "mixed.rank1.pt" in msg, msg
+        assert "CheckpointError" in r["rank0_file"] and "rank 1: " in r["rank0_file"], r["rank0_file"]
+        assert "is rank 0's file but rank 1 loads it" in r["rank0_file"], r["rank0_file"]
+        assert "CheckpointError" in r["flipped"] and "rank 1:" in r["flipped"], r["flipped"]
+        assert r["rank1_file"] in r["flipped"] and "corrupted" in r["flipped"], r["flipped"]
+
+
+# --- damaged single files ----------------------------------------------------------------------
+def test_damaged_files_are_refused_naming_the_path_and_the_cause(tmp_path) -> None:
+    from adacomp import checkpoint
+    model, opt = _tiny()
+    good = checkpoint.save(tmp_path / "good.pt", model, opt, step=3)
+    raw = good.read_bytes()
+    cases = {"empty.pt": (b"", "is empty"), "truncated.pt": (raw[: len(raw) - 40], "truncated"),
+             "junk.pt": (b"\x00garbage" * 50, "is not an adacomp checkpoint"),
+             "cut_header.pt": (raw[:30], "damaged header"),
+             "flipped.pt": (raw[:-10] + bytes([raw[-10] ^ 1]) + raw[-9:], "corrupted")}
+    for name, (data, cause) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(checkpoint.CheckpointError) as info:
+            checkpoint.read(tmp_path / name)
+        assert str(tmp_path / name) in str(info.value) and cause in str(info.value), str(info.value)
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "plain.pt")  # the wrong kind of file
+    with pytest.raises(checkpoint.CheckpointError, match="plain torch.save file"):
+        checkpoint.read(tmp_path / "plain.pt")
+    assert checkpoint.read(good)["header"]["step"] == 3
+
+
+def test_a_set_is_published_only_when_complete_and_old_sets_are_pruned(tmp_path) -> None:
+    from adacomp import checkpoint
+    model, opt = _tiny()
+    assert checkpoint.load_set(tmp_path, model, opt) is None  # nothing yet: start from scratch
+    for step in (1, 2, 3):
+        checkpoint.save_set(tmp_path, model, opt, step=step, keep=2, epoch=step * 10)
+    assert sorted(p.name.split("-")[1] for p in tmp_path.glob("step-*")) == ["0000000002", "0000000003"]
+    extra = checkpoint.load_set(tmp_path, model, opt)
+    assert extra == {"step": 3, "epoch": 30}
+    checkpoint.latest(tmp_path).joinpath("manifest.json").unlink()  # a set whose manifest is gone
+    with pytest.raises(checkpoint.CheckpointError, match="latest"):
+        checkpoint.load_set(tmp_path, model, opt)
+
+
+# --- another world size ------------------------------------------------------------------------
+def _world_job(plan: list[tuple[str | None, str | None, int]]) -> list[dict[str, dict[str, Any]]]:
+    """For each ``(src, dst, steps)`` and method: build a fresh model and optimizer, load
+    ``src/<method>`` (any world size) if given, train ``steps``, save a set of this world size in
+    ``dst/<method>`` if given; returns the optimizer state right after loading and at the end."""
+    import copy
+
+    import adacomp
+    from adacomp import checkpoint
+    adacomp.init()
+    rank = adacomp.rank()
+    results = []
+    for src, dst, steps in plan:
+        out: dict[str, dict[str, Any]] = {}
+        for method, cfg in CONFIGS.items():
+            model, opt = _build(cfg)
+            loaded, step = None, 0
+            if src is not None:
+                extra = checkpoint.load_set(Path(src) / method, model, opt)
+                step = int(extra["step"])
+                loaded = copy.deepcopy(opt.state_dict())  # torch's state_dict shares live buffers
+            train_steps(model, opt, step, steps, 100 + rank)
+            if dst is not None:
+                checkpoint.save_set(Path(dst) / method, model, opt, step=step + steps)
+            out[method] = {"loaded": loaded, "saved": copy.deepcopy(opt.state_dict()), "step": step}
+            opt.remove_hooks()
+        results.append(out)
+    adacomp.shutdown()
+    return results
+
+
+def _assert_owed_equal(before: list[dict[str, Any]], after: list[dict[str, Any]], what: str) -> None:
+    from adacomp.checkpoint import owed
+    a, b = owed(before), owed(after)
+    assert a and set(a) == set(b), (what, sorted(a), sorted(b))
+    nonzero = False
+    for k in a:
+        nonzero |= bool(a[k].abs().sum() > 0)
+        torch.testing.assert_close(b[k].to(torch.float64), a[k].to(torch.float64), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, k=k: f"{what}: {k}: {m}")
+    assert nonzero, f"{what}: every residual is zero; the test would prove nothing"
+
+
+def _wrapped(state: dict[str, Any]) -> dict[str, Any]:
+    """The wrapped optimizer's part of a DistributedOptimizer state (all but "adacomp")."""
+    return {k: v for k, v in state.items() if k != "adacomp"}
+
+
+def test_resume_on_another_world_size_keeps_what_the_averaged_update_owes(tmp_path) -> None:
+    """4 -> 2, 1 -> 2 (two gloo processes), 2 -> 1 (this process, the local backend)."""
+    from tests.test_checkpoint_resume import state_diff
+    four, two, one = (str(tmp_path / n) for n in ("w4", "w2", "w1"))
+    w1 = _world_job([(None, one, 2)])                                              # this process
+    w4 = [r[0] for r in run_workers(_world_job, 4, [(None, four, 3)], timeout=300)]
+    w2 = run_workers(_world_job, 2, [(four, two, 2), (one, None, 0)], timeout=300)  # 4 -> 2, 1 -> 2
+    back = _world_job([(two, None, 0)])                                            # 2 -> 1
+    chains = ((w4, [r[0] for r in w2], "4 -> 2"), ([w1[0]], [r[1] for r in w2], "1 -> 2"),
+              ([r[0] for r in w2], [back[0]], "2 -> 1"))
+    for m in CONFIGS:
+        for old, new, what in chains:
+            _assert_owed_equal([r[m]["saved"] for r in old], [r[m]["loaded"] for r in new], f"{m} {what}")
+            # every new rank starts from the same state, and the wrapped optimizer's is carried over
+            for r in new:
+                assert state_diff(r[m]["loaded"], new[0][m]["loaded"]) == [], (m, what)
+                assert state_diff(_wrapped(r[m]["loaded"]), _wrapped(old[0][m]["saved"])) == [], (m, what)
+        assert [r[0][m]["step"] for r in w2] == [3, 3] and [r[1][m]["step"] for r in w2] == [2, 2]
+        assert back[0][m]["step"] == 5
+
+
+def test_reshard_rule_on_plain_states() -> None:
+    """The rule itself: memory residuals averaged, communicator parts re-split, the rest from s % W."""
+    from adacomp.checkpoint import reshard
+    old = [{"state": {"r": r}, "adacomp": {"steps": 5, "components": {
+        "memory/0": {"residuals": {"w": torch.full((3,), float(r + 1))}},
+        "communicator/0": {"residuals": {"w": torch.arange(3.0) + 3 * r}}}}} for r in range(2)]
+    one = reshard(old, 1, 0)
+    assert torch.equal(one["adacomp"]["components"]["memory/0"]["residuals"]["w"], torch.full((3,), 1.5))
+    assert torch.equal(one["adacomp"]["components"]["communicator/0"]["residuals"]["w"], torch.arange(6.0))
+    three = [reshard(old, 3, s) for s in range(3)]
+    assert [t["state"]["r"] for t in three] == [0, 1, 0]
+    parts = [t["adacomp"]["components"]["communicator/0"]["residuals"]["w"] for t in three]
+    assert torch.equal(torch.cat(parts), torch.arange(6.0)) and [p.numel() for p in parts] == [2, 2, 2]
