@@ -26,5 +26,5 @@ setup(
         # Horovod 0.28.1 needs a C++17 patch for current PyTorch: `make horovod` builds and caches it.
         "horovod": [],
     },
-    entry_points={"console_scripts": ["adacomp=adacomp.cli:main"]},
+    entry_points={"console_scripts": ["adacomp=adacomp.tools.cli:main"]},
 )

@@ -11,16 +11,17 @@
 from __future__ import annotations
 
 from adacomp.config import Config, load as load_config
-from adacomp import ddp
-from adacomp.context import current as backend
+from adacomp.engine import ddp
+from adacomp.runtime import checkpoint
+from adacomp.runtime.context import current as backend
 from adacomp.errors import (AdacompError, CommunicationError, ConfigError, IncompatibleComponentsError,
                             NonFiniteGradientError)
-from adacomp.hvd_api import *  # noqa: F401,F403 - Horovod's module-level API (rank, allreduce, ...)
-from adacomp.hvd_api import __all__ as _hvd_api_all
-from adacomp.hvd_compat import (Compression, SyncBatchNorm, apply_optimizer_kwargs, global_process_set,
+from adacomp.runtime.hvd_api import *  # noqa: F401,F403 - Horovod's module-level API (rank, allreduce, ...)
+from adacomp.runtime.hvd_api import __all__ as _hvd_api_all
+from adacomp.runtime.hvd_compat import (Compression, SyncBatchNorm, apply_optimizer_kwargs, global_process_set,
                                 resolve_compression)
-from adacomp.optimizer import Average, DistributedOptimizer, Sum
-from adacomp.sync import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from adacomp.engine.optimizer import Average, DistributedOptimizer, Sum
+from adacomp.runtime.sync import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,4 @@ __all__ = sorted({"AdacompError", "CommunicationError", "Compression", "Config",
                   "DistributedOptimizer", "IncompatibleComponentsError", "NonFiniteGradientError",
                   "SyncBatchNorm", "apply_optimizer_kwargs", "backend", "broadcast_object",
                   "broadcast_optimizer_state", "broadcast_parameters", "global_process_set", "load_config",
-                  "resolve_compression", "ddp", *_hvd_api_all})
+                  "resolve_compression", "ddp", "checkpoint", *_hvd_api_all})

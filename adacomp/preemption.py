@@ -4,7 +4,7 @@ Why not save in the signal handler: signals reach ranks at different moments (or
 so per-rank handlers write files of different steps -- a set that must not be resumed. Here the
 handler only sets a flag; the training loop polls :meth:`Preemption.should_stop` at every step
 boundary, which allreduces the flag (one int per step), so all ranks learn of it after the same
-step, write one set with :func:`adacomp.checkpoint.save_set` and exit with
+step, write one set with :func:`adacomp.runtime.checkpoint.save_set` and exit with
 :data:`PREEMPTED_EXIT_CODE`::
 
     with checkpoint.Preemption() as pre:                    # SIGTERM, SIGUSR1 by default
@@ -68,7 +68,8 @@ class Preemption:
     def should_stop(self) -> bool:
         """Collective (every rank calls it after the same step): True on every rank iff any rank
         got a signal. Call it between steps, never inside one."""
-        from adacomp import context, watchdog
+        from adacomp.runtime import context
+        from adacomp.runtime import watchdog
         backend = self._backend or context.current()
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int64)
         if backend.size() > 1:

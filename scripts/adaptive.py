@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _worker(rank: int, world: int, port: int, job: str, spec: dict, q) -> None:
-    from adacomp.launch import worker_env
+    from adacomp.runtime.launch import worker_env
     os.environ.update(worker_env(rank, world, port))
     os.environ.update(spec.get("env", {}))  # e.g. an emulated network (adacomp.backends.shaped)
     torch.set_num_threads(1)
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, job: str, spec: dict, q) -> None:
 
 
 def spawn(job: str, spec: dict, world: int) -> dict:
-    from adacomp.launch import free_port
+    from adacomp.runtime.launch import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -61,7 +61,7 @@ def spawn(job: str, spec: dict, world: int) -> dict:
 # --- 1. L-GreCo ---------------------------------------------------------------------------------
 def lgreco_job(spec: dict) -> dict:
     import adacomp
-    from adacomp.data import digits, shard
+    from adacomp.datasets.digits import digits, shard
     from adacomp.models import build
     adacomp.init("torch")
     rank, world = adacomp.rank(), adacomp.size()
@@ -216,9 +216,9 @@ def bytecomp_section(world: int, quick: bool) -> list[str]:
 # --- 3. Decision time and optimality ------------------------------------------------------------
 def decision_section(quick: bool) -> list[str]:
     from adacomp.config import load
-    from adacomp.data import digits
+    from adacomp.datasets.digits import digits
     from adacomp.models import build
-    from adacomp.plan_cmd import make_plan
+    from adacomp.tools.plan_cmd import make_plan
     from adacomp.policies.bytecomp import brute_force, decide
     torch.manual_seed(0)
     model = build("mlp", inputs=64, width=256, depth=149)  # 150 linear layers = 300 tensors

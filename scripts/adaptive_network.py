@@ -63,7 +63,7 @@ class AlgorithmShapedBackend(ShapedBackend):
 
 def worker(args: argparse.Namespace) -> dict | None:
     import adacomp
-    from adacomp.data import digits, shard
+    from adacomp.datasets.digits import digits, shard
 
     base = adacomp.init("torch")
     phases = CONFIGS[args.config]

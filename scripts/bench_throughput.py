@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         report([], args)
         return 0
-    from adacomp.launch import worker_or_spawn
+    from adacomp.runtime.launch import worker_or_spawn
     return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
 
 

@@ -2,7 +2,7 @@
 """Convergence suite: every compressor on two real offline tasks, accuracy vs dense.
 
 Tasks: ``digits`` (scikit-learn's 8x8 digits, DigitsCNN, SGD + momentum) and ``text`` (a
-character-level LSTM on scikit-learn's data set descriptions, adacomp.data_text; next-character
+character-level LSTM on scikit-learn's data set descriptions, adacomp.datasets.text; next-character
 accuracy, gradients clipped to norm 1 after averaging). Arms: every registered compressor; those with
 a ``density`` at 0.01 and 0.1, powersgd / acpsgd at rank 4, qsgd at 4 bits, the rest (none, fp16,
 efsignsgd) once; each on the first fitting communicator of allreduce, allgather_fast, allgather,
@@ -75,13 +75,13 @@ class Task:
     def __init__(self, name: str, seed: int):
         self.name = name
         if name == "digits":
-            from adacomp.data import digits
+            from adacomp.datasets.digits import digits
             from adacomp.models import DigitsCNN
             self.x, self.y, self.xt, self.yt = digits(seed=seed)
             self.factory: Callable[[], torch.nn.Module] = DigitsCNN
             self.lr, self.clip, self.desc = 0.05, 0.0, "DigitsCNN on scikit-learn digits (1437 train / 360 test)"
         elif name == "text":
-            from adacomp.data_text import char_sequences
+            from adacomp.datasets.text import char_sequences
             from adacomp.models.charlstm import CharLSTM
             self.x, self.y, self.xt, self.yt, corpus = char_sequences(seq_len=64, seed=seed)
             vocab = len(corpus.vocab)
@@ -108,7 +108,7 @@ class Task:
 def run_arm(task: Task, arm: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Train one arm from the same seed; returns curves and summary (identical models on all ranks)."""
     import adacomp
-    from adacomp.data import shard
+    from adacomp.datasets.digits import shard
     rank, world = adacomp.rank(), adacomp.size()
     with torch.random.fork_rng(devices=[]):  # seeded init without leaving the global RNG changed
         torch.manual_seed(args.seed)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.clear()
             os.environ.update(old_env)
         return 0
-    from adacomp.launch import worker_or_spawn
+    from adacomp.runtime.launch import worker_or_spawn
     return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
 
 

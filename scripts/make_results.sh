@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-RUN=("$PY" -m adacomp.cli run)
+RUN=("$PY" -m adacomp.tools.cli run)
 START=$SECONDS
 DONE=()
 

@@ -177,7 +177,8 @@ def run_arm(name: str, be: Backend, args: argparse.Namespace, x: torch.Tensor, y
 
 def worker(args: argparse.Namespace) -> None:
     import adacomp
-    from adacomp import netem, netmodel
+    from adacomp import netmodel
+    from adacomp.netem import hosts as netem
     be = adacomp.init()
     torch.set_num_threads(1)
     rank, world = be.rank(), be.size()
@@ -305,7 +306,7 @@ def plot(rows: list[dict[str, Any]], bandwidths: list[str], path: Path) -> None:
 
 def in_host(args: argparse.Namespace, command: list[str]) -> int:
     """Trampoline run by ``adacomp run`` for every rank: re-exec ``command`` inside host RANK."""
-    from adacomp import netem
+    from adacomp.netem import hosts as netem
     rank = int(os.environ["RANK"])
     env = dict(os.environ, MASTER_ADDR=args.master_addr, **netem.worker_env(args.prefix))
     os.execvpe("ip", netem.wrap_command(rank % args.hosts, command, args.prefix), env)
@@ -313,8 +314,8 @@ def in_host(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def drive(args: argparse.Namespace, worker_argv: list[str]) -> int:
-    from adacomp import netem
-    from adacomp.launch import run_local
+    from adacomp.netem import hosts as netem
+    from adacomp.runtime.launch import run_local
     try:
         netem.require_root()
     except netem.NetemError as exc:

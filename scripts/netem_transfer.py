@@ -80,7 +80,7 @@ def rate_mbit(result: dict, skip_s: float = 0.5, until_s: float | None = None) -
 def probe(src: int, dst: int, seconds: float, prefix: str, port: int, interval: float) -> dict:
     # imported here: server / client start fast without torch (pulled in by the adacomp package)
     sys.path.insert(0, REPO)
-    from adacomp import netem
+    from adacomp.netem import hosts as netem
     me = [sys.executable, os.path.abspath(__file__)]
     addr = netem.host_address(dst, prefix)
     srv = subprocess.Popen(netem.wrap_command(dst, [*me, "server", "--bind", addr, "--port", str(port),

@@ -265,7 +265,7 @@ def divisible(backend: str) -> int:
     import adacomp
     adacomp.init(backend=backend)
     digest = divisible_digest()
-    everyone = adacomp.context.current().allgather_object(digest)
+    everyone = adacomp.runtime.context.current().allgather_object(digest)
     if len(set(everyone)) != 1:
         raise AssertionError(f"ranks ended with different parameters: {everyone}")
     print(f"DIVISIBLE_DIGEST rank={adacomp.rank()} {digest}", flush=True)

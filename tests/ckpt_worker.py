@@ -51,7 +51,7 @@ def _digest(model, opt) -> str:
 
 def preempt(args: argparse.Namespace) -> int:
     import adacomp
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     from tests.test_checkpoint_resume import train_steps
     adacomp.init(config=CFG)
     rank = adacomp.rank()
@@ -77,7 +77,7 @@ def preempt(args: argparse.Namespace) -> int:
 
 def elastic(args: argparse.Namespace) -> int:
     import adacomp
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     from tests.test_checkpoint_resume import train_steps
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     adacomp.init(config=CFG)
@@ -104,7 +104,7 @@ def elastic(args: argparse.Namespace) -> int:
 
 def write_faults(args: argparse.Namespace) -> int:
     import adacomp
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     adacomp.init(config=CFG)
     rank = adacomp.rank()
     torch.manual_seed(0)

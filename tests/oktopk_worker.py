@@ -37,7 +37,7 @@ def run(backend: str) -> str:
     adacomp.init(backend=backend)
     try:
         d = digest()
-        everyone = adacomp.context.current().allgather_object(d)
+        everyone = adacomp.runtime.context.current().allgather_object(d)
         if len(set(everyone)) != 1:
             raise AssertionError(f"ranks ended with different parameters: {everyone}")
         print(f"OKTOPK_DIGEST rank={adacomp.rank()} {d}", flush=True)

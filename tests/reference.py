@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adacomp.data import digits, shard
+from adacomp.datasets.digits import digits, shard
 from adacomp.models import DigitsCNN
 
 

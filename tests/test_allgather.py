@@ -49,7 +49,7 @@ def available(specs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
 def _comm_worker(plan: list[tuple[str, list[tuple[str, dict]]]], steps: int) -> list:
     import adacomp.backends
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.metrics import StepStats
+    from adacomp.engine.metrics import StepStats
     backend = adacomp.backends.create("torch")
     rank = backend.rank()
     out = []

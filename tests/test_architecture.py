@@ -105,12 +105,12 @@ def test_policies_do_not_import_the_optimizer_at_run_time() -> None:
     graph = import_graph()
     for m, deps in graph.items():
         if m.startswith("adacomp.policies"):
-            assert "adacomp.optimizer" not in deps and "adacomp.step_engine" not in deps, m
+            assert "adacomp.engine.optimizer" not in deps and "adacomp.engine.step_engine" not in deps, m
 
 
 # The middle layer's modules are type-checked (mypy, strict about None and attributes).
-TYPED = ["adacomp/optimizer.py", "adacomp/step_engine.py", "adacomp/routes.py", "adacomp/error_feedback.py",
-         "adacomp/optimizer_state.py", "adacomp/offload.py", "adacomp/ddp.py", "adacomp/policies/base.py"]
+TYPED = ["adacomp/engine/optimizer.py", "adacomp/engine/step_engine.py", "adacomp/engine/routes.py", "adacomp/engine/error_feedback.py",
+         "adacomp/engine/optimizer_state.py", "adacomp/engine/offload.py", "adacomp/engine/ddp.py", "adacomp/policies/base.py"]
 
 
 def test_middle_layer_type_checks() -> None:

@@ -46,7 +46,7 @@ def _artopk_worker(selections: list[str]) -> dict:
     import adacomp
     from adacomp import memories
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.metrics import StepStats
+    from adacomp.engine.metrics import StepStats
 
     backend = adacomp.init("torch")
     out: dict = {}

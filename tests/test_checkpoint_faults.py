@@ -40,7 +40,7 @@ def _env() -> dict[str, str]:
 
 
 def _adacomp_run(*args: str) -> list[str]:
-    return [sys.executable, "-m", "adacomp.cli", "run", "-np", "2", "--", sys.executable, WORKER, *args]
+    return [sys.executable, "-m", "adacomp.tools.cli", "run", "-np", "2", "--", sys.executable, WORKER, *args]
 
 
 # --- write failures ----------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def _finish(proc: subprocess.Popen, lines: list[str]) -> tuple[int, str]:
 
 
 def _assert_consistent_set(ckpt: Path, out: str) -> int:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     sdir = checkpoint.latest(ckpt)
     assert sdir is not None, out
     headers = [checkpoint.read(sdir / f"rank{r}.pt")["header"] for r in (0, 1)]  # checksums verified
@@ -121,7 +121,7 @@ def _assert_consistent_set(ckpt: Path, out: str) -> int:
 
 
 def test_sigterm_to_one_worker_gives_one_consistent_set_and_a_clean_exit(tmp_path) -> None:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     ckpt = tmp_path / "ckpt"
     proc, lines = _start(_adacomp_run("preempt", "--dir", str(ckpt)))
     pid = int(_read_until(proc, lines, r"\[1\] rank 1 pid (\d+) starts")[1])
@@ -143,7 +143,7 @@ def test_sigterm_to_one_worker_gives_one_consistent_set_and_a_clean_exit(tmp_pat
 
 
 def test_a_signal_to_adacomp_run_is_forwarded_and_preempts_the_job(tmp_path) -> None:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     ckpt = tmp_path / "ckpt"
     proc, lines = _start(_adacomp_run("preempt", "--dir", str(ckpt), "--signals", "SIGHUP"))
     _read_until(proc, lines, r"\[1\] rank 1 step 2\b")
@@ -184,11 +184,11 @@ def test_three_torchrun_restarts_resume_bitwise(tmp_path) -> None:
 
 def test_adacomp_train_resumes_from_its_checkpoint_set(tmp_path) -> None:
     """``adacomp train --checkpoint DIR``: a 2-epoch run continues where the 1-epoch run ended."""
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     steps = []
     for epochs in (1, 2):
-        proc = run_launcher([sys.executable, "-m", "adacomp.cli", "train", "--workers", "2", "--epochs", str(epochs),
+        proc = run_launcher([sys.executable, "-m", "adacomp.tools.cli", "train", "--workers", "2", "--epochs", str(epochs),
                              "--out", str(out), "--checkpoint", str(ckpt), "--checkpoint-every", "7"],
                             cwd=str(ROOT), env=_env(), timeout=HANG_GUARD_S, merge_stderr=True)
         assert proc.returncode == 0, proc.stdout[-4000:]

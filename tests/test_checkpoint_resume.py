@@ -115,7 +115,7 @@ def build(method: str, seed: int, **overrides: Any):
 
 def _resume_job(directory: str, methods: list[str]) -> dict[str, dict[str, Any]]:
     import adacomp
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     adacomp.init()
     rank = adacomp.rank()
     out: dict[str, dict[str, Any]] = {}
@@ -161,7 +161,7 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(method: str, resume_result
         assert r["param_diff"] == [], f"{method} {rank}: parameters differ after resuming: {r['param_diff']}"
         assert r["state_diff"] == [], f"{method} {rank}: optimizer state differs after resuming: {r['state_diff']}"
         assert r["steps"][0] == r["steps"][1]
-        from adacomp import checkpoint
+        from adacomp.runtime import checkpoint
         checkpoint.read(r["file"])  # verified; the payload is read with weights_only=True
 
 
@@ -181,7 +181,7 @@ def _leftovers(directory: Path) -> list[str]:
 
 
 def test_failed_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     model, opt = _tiny()
     path = tmp_path / "ck.pt"
     checkpoint.save(path, model, opt, step=1)
@@ -202,7 +202,7 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> N
 
 _KILLED_WRITER = """
 import os, signal, sys, torch
-from adacomp import checkpoint
+from adacomp.runtime import checkpoint
 from tests.test_checkpoint_resume import _tiny
 model, opt = _tiny()
 checkpoint.save(sys.argv[1], model, opt, step=1)
@@ -214,7 +214,7 @@ checkpoint.save(sys.argv[1], model, opt, step=2)
 
 
 def test_writer_killed_before_rename_keeps_the_previous_checkpoint(tmp_path) -> None:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     path = tmp_path / "ck.pt"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path)], cwd=ROOT, env=env,
@@ -230,7 +230,7 @@ def test_writer_killed_before_rename_keeps_the_previous_checkpoint(tmp_path) -> 
 
 
 def test_loading_refuses_foreign_files_clearly(tmp_path) -> None:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     torch.save({"weights": torch.zeros(2)}, tmp_path / "x.pt")
     with pytest.raises(ValueError, match="not an adacomp checkpoint"):
         checkpoint.read(tmp_path / "x.pt")

@@ -44,7 +44,7 @@ def _error(fn, *args: Any, **kwargs: Any) -> str:
 def _mixed_steps_job(directory: str) -> dict[str, str]:
     """The per-rank save-on-signal habit: rank 0's file is of step 10, rank 1's of step 20."""
     import adacomp
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     adacomp.init()
     rank = adacomp.rank()
     model, opt = _build(TOPK)
@@ -85,7 +85,7 @@ def test_mixed_steps_other_ranks_files_and_flipped_bits_are_refused_on_every_ran
 
 # --- damaged single files ----------------------------------------------------------------------
 def test_damaged_files_are_refused_naming_the_path_and_the_cause(tmp_path) -> None:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     model, opt = _tiny()
     good = checkpoint.save(tmp_path / "good.pt", model, opt, step=3)
     raw = good.read_bytes()
@@ -105,7 +105,7 @@ def test_damaged_files_are_refused_naming_the_path_and_the_cause(tmp_path) -> No
 
 
 def test_a_set_is_published_only_when_complete_and_old_sets_are_pruned(tmp_path) -> None:
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     model, opt = _tiny()
     assert checkpoint.load_set(tmp_path, model, opt) is None  # nothing yet: start from scratch
     for step in (1, 2, 3):
@@ -126,7 +126,7 @@ def _world_job(plan: list[tuple[str | None, str | None, int]]) -> list[dict[str,
     import copy
 
     import adacomp
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     adacomp.init()
     rank = adacomp.rank()
     results = []
@@ -150,7 +150,7 @@ def _world_job(plan: list[tuple[str | None, str | None, int]]) -> list[dict[str,
 
 
 def _assert_owed_equal(before: list[dict[str, Any]], after: list[dict[str, Any]], what: str) -> None:
-    from adacomp.checkpoint import owed
+    from adacomp.runtime.checkpoint import owed
     a, b = owed(before), owed(after)
     assert a and set(a) == set(b), (what, sorted(a), sorted(b))
     nonzero = False
@@ -189,7 +189,7 @@ def test_resume_on_another_world_size_keeps_what_the_averaged_update_owes(tmp_pa
 
 def test_reshard_rule_on_plain_states() -> None:
     """The rule itself: memory residuals averaged, communicator parts re-split, the rest from s % W."""
-    from adacomp.checkpoint import reshard
+    from adacomp.runtime.checkpoint import reshard
     old = [{"state": {"r": r}, "adacomp": {"steps": 5, "components": {
         "memory/0": {"residuals": {"w": torch.full((3,), float(r + 1))}},
         "communicator/0": {"residuals": {"w": torch.arange(3.0) + 3 * r}}}}} for r in range(2)]

@@ -4,14 +4,14 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from adacomp import config_doc
+from adacomp.tools import config_doc
 from adacomp.config import Config
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
 
 def test_config_doc_is_up_to_date() -> None:
-    assert DOC.read_text() == config_doc.render(), "run: python -m adacomp.config_doc > docs/config.md"
+    assert DOC.read_text() == config_doc.render(), "run: python -m adacomp.tools.config_doc > docs/config.md"
 
 
 def test_every_key_has_an_explanation() -> None:

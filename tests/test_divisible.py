@@ -89,7 +89,7 @@ def simulate(world: int, steps: int, name: str, params: dict, feedback: bool) ->
 def _divisible_worker(name: str, params: dict, feedback: bool, steps: int) -> list:
     import adacomp.backends
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.metrics import StepStats
+    from adacomp.engine.metrics import StepStats
     backend = adacomp.backends.create("torch")
     comm = communicators.get("alltoall", feedback=feedback)
     comp, mem = compressors.get(name, **params), memories.get("residual")

@@ -38,7 +38,7 @@ def _env() -> dict[str, str]:
 
 def _launcher(name: str) -> list[str]:
     if name == "adacomp run":
-        return [sys.executable, "-m", "adacomp.cli", "run", "-np", "2", "--", sys.executable]
+        return [sys.executable, "-m", "adacomp.tools.cli", "run", "-np", "2", "--", sys.executable]
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     if name == "mpirun":

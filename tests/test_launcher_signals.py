@@ -30,7 +30,7 @@ WORKER = ("import os, signal, sys, time\n"
 
 def _launch(np: int) -> tuple[subprocess.Popen, str]:
     marker = uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "adacomp.cli", "run", "-np", str(np), "--", sys.executable, "-c", WORKER, marker]
+    cmd = [sys.executable, "-m", "adacomp.tools.cli", "run", "-np", str(np), "--", sys.executable, "-c", WORKER, marker]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     seen = 0

@@ -16,7 +16,7 @@ from adacomp.backends.base import LocalBackend
 from adacomp.communicators.allreduce import AllreduceCommunicator
 from adacomp.communicators.base import CommEnv, Entry
 from adacomp.compressors._lowrank import orthogonalize
-from adacomp.metrics import StepStats
+from adacomp.engine.metrics import StepStats
 
 N, M_COLS, R = 64, 48, 4
 

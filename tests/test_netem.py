@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from adacomp import netem, netem_cmd
+from adacomp.netem import hosts as netem
+from adacomp.tools import netem_cmd
 from adacomp.errors import ConfigError
-from adacomp.netem_schedule import ScheduleController, load_schedule, parse_schedule, read_progress, report_step
+from adacomp.netem.schedule import ScheduleController, load_schedule, parse_schedule, read_progress, report_step
 
 PREFIX = "acnt"
 TRANSFER = str(Path(__file__).resolve().parents[1] / "scripts" / "netem_transfer.py")

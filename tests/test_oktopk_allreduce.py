@@ -24,7 +24,7 @@ def _worker(comp: dict, comm: dict, steps: int) -> list:
     import adacomp.backends
     from adacomp import memories
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.metrics import StepStats
+    from adacomp.engine.metrics import StepStats
     backend = adacomp.backends.create("torch")
     rank = backend.rank()
     c = compressors.get(comp["name"], **{k: v for k, v in comp.items() if k != "name"})

@@ -43,7 +43,7 @@ def worker(argv: list[str]) -> int:
     import torch.nn.functional as F
 
     import adacomp
-    from adacomp import watchdog
+    from adacomp.runtime import watchdog
     from adacomp.models import DigitsCNN
 
     torch.set_num_threads(1)
@@ -166,7 +166,7 @@ def test_different_parameter_names_with_same_shapes_fail_at_init_naming_ranks_an
 def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
     """No launcher stops the survivor: the watchdog alone must end it, naming the dead rank (rank 0
     also hosts the heartbeat store, so its death is seen as the store going silent)."""
-    from adacomp.launch import free_port, worker_env
+    from adacomp.runtime.launch import free_port, worker_env
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
     port = free_port()
     procs = []
@@ -185,7 +185,7 @@ def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
 def test_a_rank_that_finishes_early_is_not_taken_for_dead(late: int) -> None:
     """After the last collective one rank works on alone for longer than the heartbeat limit while
     the others exit normally (rank 0 hosts the store): nobody may be declared lost."""
-    from adacomp.launch import free_port, worker_env
+    from adacomp.runtime.launch import free_port, worker_env
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
     port = free_port()
     timeout = 2.0  # heartbeat limit 1.2 s; the late rank works 4 s alone
@@ -200,7 +200,7 @@ def test_a_rank_that_finishes_early_is_not_taken_for_dead(late: int) -> None:
 
 def test_adacomp_run_stops_everyone_and_names_the_rank() -> None:
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
-    code, out = _run_launcher([sys.executable, "-m", "adacomp.cli", "run", "-np", "3", "--grace", "2", "--",
+    code, out = _run_launcher([sys.executable, "-m", "adacomp.tools.cli", "run", "-np", "3", "--grace", "2", "--",
                                *_worker_cmd(marker)], marker)
     assert code != 0, out
     assert "rank 1 exited with code -9" in out, out
@@ -208,7 +208,7 @@ def test_adacomp_run_stops_everyone_and_names_the_rank() -> None:
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_torchrun_stops_everyone_and_names_the_rank() -> None:
-    from adacomp.launch import free_port
+    from adacomp.runtime.launch import free_port
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
     code, out = _run_launcher(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
                                "--monitor_interval", "0.5", *_worker_cmd(marker)[1:]], marker)

@@ -28,12 +28,12 @@ def _run(args: list[str]) -> str:
 
 
 def _launch(script: str, *args: str) -> str:
-    return _run([sys.executable, "-m", "adacomp.cli", "run", "-np", "2", "--",
+    return _run([sys.executable, "-m", "adacomp.tools.cli", "run", "-np", "2", "--",
                  sys.executable, f"scripts/{script}", *args])
 
 
 def test_char_corpus_split_is_seeded_and_disjoint():
-    from adacomp.data_text import char_corpus, char_sequences
+    from adacomp.datasets.text import char_corpus, char_sequences
     x, y, xt, yt, corpus = char_sequences(seq_len=32, seed=3)
     x2, _, xt2, _, _ = char_sequences(seq_len=32, seed=3)
     assert torch.equal(x, x2) and torch.equal(xt, xt2)

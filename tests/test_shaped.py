@@ -14,7 +14,7 @@ import torch
 from adacomp.backends.base import LocalBackend
 from adacomp.backends.shaped import ShapedBackend, wrap_from_env
 from adacomp.errors import ConfigError
-from adacomp.netem_schedule import parse_schedule, report_step
+from adacomp.netem.schedule import parse_schedule, report_step
 from tests._dist import run_workers
 
 ALPHA = 0.03

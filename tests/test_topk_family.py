@@ -143,7 +143,7 @@ def test_method_configs_load(method):
 def _randomk_worker(seed: int) -> list:
     import adacomp.backends
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.metrics import StepStats
+    from adacomp.engine.metrics import StepStats
     backend = adacomp.backends.create("torch")
     rank, world = backend.rank(), backend.size()
     c = compressors.get("randomk", density=0.1, seed=seed)

@@ -28,7 +28,7 @@ Timing (``overlap=``):
   time: use this to add latency on top of bandwidth-capped namespaces (``adacomp netem``).
 
 Alpha and beta may change while training runs: :meth:`set_shape` directly, or a netem schedule
-(:mod:`adacomp.netem_schedule`; its ``latency`` and, with ``emulate_bandwidth``, its ``bandwidth``)
+(:mod:`adacomp.netem.schedule`; its ``latency`` and, with ``emulate_bandwidth``, its ``bandwidth``)
 followed by progress from :meth:`set_step`, from the step file rank 0 writes with ``report_step``,
 or from wall time for ``seconds`` schedules. Results are never changed: only time is added.
 """
@@ -44,8 +44,8 @@ from torch import Tensor
 from adacomp.backends.base import Backend, Handle
 from adacomp.backends.forwarding import ForwardingBackend
 from adacomp.errors import ConfigError
-from adacomp.netem import parse_duration, parse_rate
-from adacomp.netem_schedule import SCHEDULE_ENV, STEP_FILE_ENV, Schedule, load_schedule, read_progress
+from adacomp.netem.hosts import parse_duration, parse_rate
+from adacomp.netem.schedule import SCHEDULE_ENV, STEP_FILE_ENV, Schedule, load_schedule, read_progress
 
 COSTS = ("flat", "table1")
 _STEP_FILE_POLL_S = 0.05  # re-read the progress file at most this often

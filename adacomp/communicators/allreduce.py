@@ -15,7 +15,7 @@ from adacomp.backends.base import Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.communicators.fuse import flatten, unflatten
 from adacomp.compressors.base import Compressor
-from adacomp.error_feedback import commit_rounds
+from adacomp.engine.error_feedback import commit_rounds
 
 
 @dataclass

@@ -20,9 +20,9 @@ from torch import Tensor
 
 from adacomp.backends.base import Backend
 from adacomp.compressors.base import Compressor
-from adacomp.error_feedback import Entry, commit
+from adacomp.engine.error_feedback import Entry, commit
 from adacomp.errors import IncompatibleComponentsError
-from adacomp.metrics import StepStats
+from adacomp.engine.metrics import StepStats
 from adacomp.registry import Registry
 
 registry: Registry["Communicator"] = Registry("communicator", "adacomp.communicators")
@@ -79,7 +79,7 @@ class Communicator:
 
     @staticmethod
     def compress_one(e: Entry) -> None:
-        commit(e)  # the error-feedback cycle lives in adacomp.error_feedback
+        commit(e)  # the error-feedback cycle lives in adacomp.engine.error_feedback
 
     # Shared helpers ---------------------------------------------------------------------------
     def compress_entries(self, entries: list[Entry], env: CommEnv) -> None:

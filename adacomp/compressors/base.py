@@ -86,7 +86,7 @@ class Compressor:
         whose behaviour depends on the iteration (interleaving, threshold reuse) override it."""
 
     def rescale(self, factor: float) -> None:
-        """The loss scale changed by ``factor`` (:class:`adacomp.error_feedback.LossScale`).
+        """The loss scale changed by ``factor`` (:class:`adacomp.engine.error_feedback.LossScale`).
         Nothing to do for compressors whose state is scale-free (counters, seeds, directions);
         one that keeps a gradient-unit value across steps (a reused threshold) overrides this."""
 

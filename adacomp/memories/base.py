@@ -52,7 +52,7 @@ class Memory:
 
     def rescale(self, factor: float) -> None:
         """Multiply stored state by ``factor`` (the loss scale changed; see
-        :class:`adacomp.error_feedback.LossScale`). Stateless memories have nothing to do."""
+        :class:`adacomp.engine.error_feedback.LossScale`). Stateless memories have nothing to do."""
         if self.state_dict():
             raise NotImplementedError(f"memory {self.name!r} keeps state but cannot follow a changing "
                                       "loss scale; implement rescale()")

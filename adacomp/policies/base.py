@@ -1,6 +1,6 @@
 """Policies decide, between steps, what to compress, how much, and with which collective.
 
-A policy observes each finished step's :class:`~adacomp.metrics.StepStats` and may change compressor
+A policy observes each finished step's :class:`~adacomp.engine.metrics.StepStats` and may change compressor
 parameters, communicators or per-layer assignments through the optimizer's public methods. The
 same decision must be applied on every rank: decide on rank 0 and broadcast
 (``optimizer.backend.broadcast_object``) or compute from allreduced inputs.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
 
-from adacomp.metrics import StepStats
+from adacomp.engine.metrics import StepStats
 from adacomp.registry import Registry
 
 if TYPE_CHECKING:
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from adacomp.backends.base import Backend
     from adacomp.config import ComponentSpec, Config
-    from adacomp.optimizer import DistributedOptimizer
+    from adacomp.engine.optimizer import DistributedOptimizer
 
 
 class Host(Protocol):

@@ -20,7 +20,7 @@ import numpy as np
 from torch import Tensor
 
 from adacomp.config import ComponentSpec
-from adacomp.metrics import StepStats
+from adacomp.engine.metrics import StepStats
 from adacomp.policies.base import Policy, register
 from adacomp.policies.timeline import (ALL_OPTIONS, CPU_A2A, CPU_AG, DEVICE_A2A, DEVICE_AG, NONE, CostModel,
                                        Option, Point, TensorProfile, cost_model, fit_times, measure_compressor,
@@ -28,7 +28,7 @@ from adacomp.policies.timeline import (ALL_OPTIONS, CPU_A2A, CPU_AG, DEVICE_A2A,
 from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
-    from adacomp.optimizer import DistributedOptimizer
+    from adacomp.engine.optimizer import DistributedOptimizer
 
 
 # --- Alg. 1: device compression decisions -------------------------------------------------------

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 from adacomp import communicators, netmodel
 from adacomp.communicators.base import Communicator
 from adacomp.compressors.sparse import k_for
-from adacomp.metrics import StepStats
+from adacomp.engine.metrics import StepStats
 from adacomp.policies.base import Policy, register
 from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
-    from adacomp.optimizer import Bucket, DistributedOptimizer
+    from adacomp.engine.optimizer import Bucket, DistributedOptimizer
 
 log = logging.getLogger(__name__)
 KINDS = tuple(netmodel.COLLECTIVES)

@@ -24,12 +24,12 @@ from torch import Tensor
 
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import k_for
-from adacomp.metrics import StepStats
+from adacomp.engine.metrics import StepStats
 from adacomp.policies.base import Policy, register
 from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
-    from adacomp.optimizer import DistributedOptimizer
+    from adacomp.engine.optimizer import DistributedOptimizer
 
 log = logging.getLogger(__name__)
 

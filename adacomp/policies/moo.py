@@ -27,13 +27,13 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
-from adacomp.metrics import StepStats
+from adacomp.engine.metrics import StepStats
 from adacomp.policies.base import Policy, register
 from adacomp.policies.rendezvous import Rendezvous
 from adacomp.policies.flexible import FlexiblePolicy
 
 if TYPE_CHECKING:
-    from adacomp.optimizer import DistributedOptimizer
+    from adacomp.engine.optimizer import DistributedOptimizer
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from adacomp import watchdog
+from adacomp.runtime import watchdog
 from adacomp.errors import CommunicationError
 
 if TYPE_CHECKING:
-    from adacomp.optimizer import DistributedOptimizer
+    from adacomp.engine.optimizer import DistributedOptimizer
 
 T = TypeVar("T")
 PROGRESS_FRACTION = 0.05   # of the collective timeout: one progress broadcast at least this often

@@ -32,16 +32,17 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from adacomp import backends, compressors, error_feedback
+from adacomp import backends, compressors
+from adacomp.engine import error_feedback
 from adacomp.backends.base import Backend
 from adacomp.communicators.base import CommEnv
 from adacomp.compressors.base import Compressor
 from adacomp.config import Config, load
 from adacomp.errors import ConfigError, NonFiniteGradientError
-from adacomp.error_feedback import LossScale, Rollback
-from adacomp.metrics import StepStats
-from adacomp.optimizer_state import ComponentState
-from adacomp.routes import Bucket, RouteTable, fused_key
+from adacomp.engine.error_feedback import LossScale, Rollback
+from adacomp.engine.metrics import StepStats
+from adacomp.engine.optimizer_state import ComponentState
+from adacomp.engine.routes import Bucket, RouteTable, fused_key
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Checkpointable state of :class:`~adacomp.optimizer.DistributedOptimizer`.
+"""Checkpointable state of :class:`~adacomp.engine.optimizer.DistributedOptimizer`.
 
 One job: turn every stateful component (per-parameter and per-bucket compressors, route
 memories and communicators, the policy, the routing overrides, the loss-scale units) into plain
@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from adacomp.error_feedback import LossScale
-from adacomp.routes import RouteTable
+from adacomp.engine.error_feedback import LossScale
+from adacomp.engine.routes import RouteTable
 
 STATE_KEY = "adacomp"  # the one extra key in the wrapped optimizer's torch state dict
 

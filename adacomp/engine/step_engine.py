@@ -6,8 +6,8 @@ One gradient's path (docs/architecture.md draws it):
    the first hook of a backward pass queues :meth:`StepEngine._on_backward_end` on the autograd
    engine, as DDP's reducer does;
 2. when every gradient of its fusion bucket is in, buckets are launched strictly in bucket-index
-   order (:meth:`StepEngine._launch_ready`): :func:`adacomp.error_feedback.entries` compensates,
-   the communicator compresses (:func:`adacomp.error_feedback.commit`) and starts its collective;
+   order (:meth:`StepEngine._launch_ready`): :func:`adacomp.engine.error_feedback.entries` compensates,
+   the communicator compresses (:func:`adacomp.engine.error_feedback.commit`) and starts its collective;
 3. at the end of the last backward pass of a round the callback launches what is left (buckets
    of parameters nobody used), one small *vote* allreduce (non-finite flag, which parameters any
    rank used, which ranks are still active under ``join``), finishes every bucket in order and
@@ -29,14 +29,15 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from adacomp import error_feedback, watchdog
+from adacomp.engine import error_feedback
+from adacomp.runtime import watchdog
 from adacomp.backends.base import Backend, Handle
 from adacomp.communicators.base import CommEnv
-from adacomp.error_feedback import LossScale, Rollback
+from adacomp.engine.error_feedback import LossScale, Rollback
 from adacomp.errors import NonFiniteGradientError
-from adacomp.metrics import StepStats
-from adacomp.offload import OffloadWorker
-from adacomp.routes import Bucket, RouteTable
+from adacomp.engine.metrics import StepStats
+from adacomp.engine.offload import OffloadWorker
+from adacomp.engine.routes import Bucket, RouteTable
 
 NONFINITE_MODES = ("propagate", "skip", "raise")
 

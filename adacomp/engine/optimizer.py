@@ -2,12 +2,12 @@
 
 A thin facade wiring small objects with one job each (docs/architecture.md):
 
-* :class:`~adacomp.routes.RouteTable`: routes, compressors, buckets, the knobs policies turn;
-* :class:`~adacomp.step_engine.StepEngine`: hooks, in-order launch / finish, the vote, writing
+* :class:`~adacomp.engine.routes.RouteTable`: routes, compressors, buckets, the knobs policies turn;
+* :class:`~adacomp.engine.step_engine.StepEngine`: hooks, in-order launch / finish, the vote, writing
   ``p.grad`` at the end of backward; its per-round state is one dataclass;
-* :mod:`adacomp.error_feedback`: compensate -> compress -> update, rollback, loss-scale units;
-* :class:`~adacomp.offload.OffloadWorker`: compression on a CPU thread;
-* :class:`~adacomp.optimizer_state.ComponentState`: checkpoints and snapshots.
+* :mod:`adacomp.engine.error_feedback`: compensate -> compress -> update, rollback, loss-scale units;
+* :class:`~adacomp.engine.offload.OffloadWorker`: compression on a CPU thread;
+* :class:`~adacomp.engine.optimizer_state.ComponentState`: checkpoints and snapshots.
 
 Policies see this object through the small host protocol of :class:`adacomp.policies.base.Host`.
 """
@@ -23,18 +23,20 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from adacomp import context, policies, sync
+from adacomp import policies
+from adacomp.runtime import context
+from adacomp.runtime import sync
 from adacomp.backends.base import Backend
 from adacomp.communicators.base import Communicator
 from adacomp.compressors.base import Compressor
 from adacomp.config import ComponentSpec, Config, load
 from adacomp.errors import CommunicationError, ConfigError
-from adacomp.error_feedback import LossScale
-from adacomp.hvd_compat import Average, Sum, apply_optimizer_kwargs
-from adacomp.metrics import StepStats
-from adacomp.optimizer_state import ComponentState
-from adacomp.routes import Bucket, Route, RouteTable
-from adacomp.step_engine import EngineOptions, StepEngine
+from adacomp.engine.error_feedback import LossScale
+from adacomp.runtime.hvd_compat import Average, Sum, apply_optimizer_kwargs
+from adacomp.engine.metrics import StepStats
+from adacomp.engine.optimizer_state import ComponentState
+from adacomp.engine.routes import Bucket, Route, RouteTable
+from adacomp.engine.step_engine import EngineOptions, StepEngine
 
 
 _WRAPPED = "_adacomp_wrapped_by"  # marks an optimizer that a DistributedOptimizer already wraps

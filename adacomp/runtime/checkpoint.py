@@ -17,7 +17,7 @@ only within one file system), are ``fsync``-ed, renamed over the target, and the
 set's manifest and flips ``latest``; until then ``latest`` names the previous set, which a failed
 save (a full disk, a read-only directory, a rank that died) therefore never touches.
 
-    from adacomp import checkpoint
+    from adacomp.runtime import checkpoint
     checkpoint.save_set("runs/ckpt", model, opt, step=step)          # collective, every N steps
     ...
     extra = checkpoint.load_set("runs/ckpt", model, opt)             # collective; None if no set yet
@@ -154,7 +154,7 @@ def _backend(optimizer: Any, backend: Any) -> Any:
         return backend
     if getattr(optimizer, "backend", None) is not None:
         return optimizer.backend
-    from adacomp import context
+    from adacomp.runtime import context
     return context.current()
 
 
@@ -187,7 +187,7 @@ def read_header(path: PathLike) -> dict[str, Any]:
 def _read(p: Path, payload: bool = True) -> dict[str, Any]:
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist; expected a file written by "
-                                "adacomp.checkpoint.save (one per rank: see rank_path) or a set directory "
+                                "adacomp.runtime.checkpoint.save (one per rank: see rank_path) or a set directory "
                                 "written by save_set")
     if p.is_dir():
         raise _bad(p, "is a directory; load a set directory with checkpoint.load_set")
@@ -202,7 +202,7 @@ def _read(p: Path, payload: bool = True) -> dict[str, Any]:
         raise _bad(p, "is empty (0 bytes): the writer was probably killed or the disk was full; "
                       "load the previous set instead")
     if magic != MAGIC:
-        hint = (" (a plain torch.save file: write checkpoints with adacomp.checkpoint.save)"
+        hint = (" (a plain torch.save file: write checkpoints with adacomp.runtime.checkpoint.save)"
                 if magic.startswith(b"PK") else "")
         raise _bad(p, f"is not an adacomp checkpoint of format {FORMAT_VERSION}: it does not start with "
                       f"{MAGIC!r}{hint}")

@@ -16,7 +16,7 @@ Objects created by :func:`up` (``P`` = prefix, ``i`` = host index):
 :func:`down` deletes exactly the names matching those patterns, so it is idempotent, works after a
 crash, and leaves every other namespace / link alone. No state file is kept: :func:`status` reads
 the live system. The schedule half (YAML -> bandwidth changes over steps, epochs or seconds) is in
-:mod:`adacomp.netem_schedule`.
+:mod:`adacomp.netem.schedule`.
 """
 from __future__ import annotations
 

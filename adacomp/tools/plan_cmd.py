@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     from adacomp.config import ConfigError, load
-    from adacomp.data import digits
+    from adacomp.datasets.digits import digits
     from adacomp.models import build
     cfg = load(args.config)
     if args.steps < 2 or args.repeats < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 
 
 def main(argv: list[str]) -> int:

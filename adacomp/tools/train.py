@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -64,10 +64,10 @@ def run_worker(cfg: Any, ckpt_dir: str | None = None, ckpt_every: int = 0) -> di
     it resumes from the latest checkpoint set there and, on a pre-emption signal, writes one set
     at the next step boundary on every rank and exits with ``PREEMPTED_EXIT_CODE``."""
     import adacomp
-    from adacomp import checkpoint
-    from adacomp.data import digits, shard
+    from adacomp.runtime import checkpoint
+    from adacomp.datasets.digits import digits, shard
     from adacomp.models import build
-    from adacomp.netem_schedule import report_step
+    from adacomp.netem.schedule import report_step
 
     tc = cfg.train
     adacomp.init(config=cfg)
@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker or detect() != "local" or cfg.train.workers == 1:
         run_worker(cfg, args.checkpoint, args.checkpoint_every)
         return 0
-    from adacomp.launch import run_local
-    cmd = [sys.executable, "-m", "adacomp.train", "--worker", "--config", os.path.abspath(args.config),
+    from adacomp.runtime.launch import run_local
+    cmd = [sys.executable, "-m", "adacomp.tools.train", "--worker", "--config", os.path.abspath(args.config),
            "--workers", str(cfg.train.workers), "--epochs", str(cfg.train.epochs), "--out", cfg.train.out_dir]
     if args.checkpoint:
         cmd += ["--checkpoint", os.path.abspath(args.checkpoint), "--checkpoint-every", str(args.checkpoint_every)]

@@ -5,7 +5,7 @@ per-job secret (``ADACOMP_JOB_TOKEN``: only the job's ranks may write the watchd
 output is prefixed with ``[rank]``; the first worker that fails stops the others (each worker runs in
 its own process group, so its children go too) and ``adacomp run`` exits with that worker's code,
 naming it. SIGINT / SIGTERM / SIGHUP sent to ``adacomp run`` are forwarded to every worker (a
-worker polling :class:`adacomp.checkpoint.Preemption` then writes one checkpoint set and exits with
+worker polling :class:`adacomp.runtime.checkpoint.Preemption` then writes one checkpoint set and exits with
 76, which is not a failure); whatever is left after ``--signal-grace`` seconds is killed. If
 ``adacomp run`` itself dies, even by SIGKILL, the kernel kills its workers (Linux
 ``PR_SET_PDEATHSIG``), so no orphan keeps training. ``--backend mpi`` / ``--backend horovod`` hand
@@ -123,7 +123,7 @@ def run_local(command: Sequence[str], np: int, netem: bool = False, grace_s: flo
     wrap = None
     extra_env: dict[str, str] = {}
     if netem:
-        from adacomp import netem as netem_mod
+        from adacomp.netem import hosts as netem_mod
         hosts = len(netem_mod.list_namespaces())
         if hosts == 0:
             raise RuntimeError("--netem needs emulated hosts: run `adacomp netem up --hosts N --bandwidth RATE` first")

@@ -174,7 +174,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     the alternative to use (``horovod.torch.SyncBatchNorm`` under horovodrun)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        from adacomp import context
+        from adacomp.runtime import context
         be = context.current()
         name = getattr(be, "name", "")
         if be.size() > 1 and name != "torch":

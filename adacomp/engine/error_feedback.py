@@ -26,7 +26,7 @@ from adacomp.compressors.base import Compressor
 from adacomp.memories.base import Memory, NoneMemory
 
 if TYPE_CHECKING:
-    from adacomp.routes import Bucket
+    from adacomp.engine.routes import Bucket
 
 _NO_MEMORY = NoneMemory()
 

@@ -16,7 +16,8 @@ from typing import Any, Iterable
 
 from torch import Tensor
 
-from adacomp import communicators, compressors, fusion, memories
+from adacomp import communicators, compressors, memories
+from adacomp.engine import fusion
 from adacomp.communicators.base import Communicator
 from adacomp.compressors.base import Compressor
 from adacomp.config import ComponentSpec, Config, check_offload

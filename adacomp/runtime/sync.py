@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from adacomp import context
+from adacomp.runtime import context
 from adacomp.backends.base import Backend
 
 Params = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]] | Iterable[Tensor]
@@ -101,6 +101,6 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, back
                      process_set: Any = None) -> Any:
     """Pickle-able ``obj`` from root to every rank. ``name`` is accepted for Horovod compatibility
     (collectives are matched by order here, not by name)."""
-    from adacomp.hvd_compat import check_process_set
+    from adacomp.runtime.hvd_compat import check_process_set
     check_process_set(process_set)
     return (backend or context.current()).broadcast_object(obj, root=root_rank)

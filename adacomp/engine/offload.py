@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp import error_feedback
+from adacomp.engine import error_feedback
 from adacomp.compressors.base import Compressor
-from adacomp.error_feedback import Entry
-from adacomp.routes import Bucket
+from adacomp.engine.error_feedback import Entry
+from adacomp.engine.routes import Bucket
 
 
 class OffloadWorker:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import yaml
 
-from adacomp import netem
+from adacomp.netem import hosts as netem
 from adacomp.errors import ConfigError
 
 STEP_FILE_ENV = "ADACOMP_NETEM_STEP_FILE"

@@ -26,10 +26,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from adacomp import context
+from adacomp.runtime import context
 from adacomp.backends.base import Handle
 from adacomp.errors import CommunicationError
-from adacomp.hvd_compat import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product, Sum,
+from adacomp.runtime.hvd_compat import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product, Sum,
                                  check_process_set, global_process_set)
 
 _OPS = (Average, Sum, Min, Max, Product)

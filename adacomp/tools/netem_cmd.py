@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from adacomp import netem
+from adacomp.netem import hosts as netem
 from adacomp.errors import AdacompError
 
 
@@ -54,7 +54,7 @@ def _host(text: str) -> int | None:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from adacomp.netem_schedule import ScheduleController, load_schedule
+    from adacomp.netem.schedule import ScheduleController, load_schedule
     netem.require_root()
     ctl = ScheduleController(load_schedule(args.file), args.prefix, args.step_file, args.poll).start()
     try:

@@ -1,0 +1,1 @@
+"""Offline demo data: scikit-learn's digits, a bundled text corpus."""

@@ -1,0 +1,1 @@
+"""Network emulation: emulated hosts (namespaces + tc tbf) and bandwidth schedules."""
