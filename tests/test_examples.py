@@ -57,7 +57,9 @@ def _run(launcher: str, script: Path, args: list[str]) -> str:
 
 
 def _done_lines(out: str, marker: str) -> list[str]:
-    lines = re.findall(rf"{marker} rank=(\d) size=(\d) (.*)", out)
+    # two ranks share one pipe: a line may be glued to the other rank's line, so stop at the next marker
+    lines = [(r, s, rest.strip()) for r, s, rest in
+             re.findall(rf"{marker} rank=(\d) size=(\d) ((?:(?!{marker})[^\n])*)", out)]
     assert sorted(r for r, _, _ in lines) == ["0", "1"] and all(s == "2" for _, s, _ in lines), out[-3000:]
     assert len({rest for _, _, rest in lines}) == 1, f"ranks disagree on the averaged metric: {lines}"
     return [rest for _, _, rest in lines]
