@@ -82,6 +82,19 @@ class Workspace:
                 self._outputs[key] = buf
         return buf.view(shape)
 
+    def output(self, shape: torch.Size, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An uninitialised dense output with :meth:`zeros`' recycling rule (for callers that
+        overwrite every element, e.g. a quantiser's decode)."""
+        if device.type != "cpu" or numel < RECYCLE_MIN_NUMEL:
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = ("empty", numel, dtype)
+        buf = self._outputs.get(key)
+        if buf is None or _storage_users(buf) != 1:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if _storage_users(buf) is not None:
+                self._outputs[key] = buf
+        return buf.view(shape)
+
     def magnitudes(self, flat: Tensor) -> Tensor:
         """|flat| as float32 in a scratch buffer (one pass, no allocation after the first call)."""
         a = self.scratch("abs", flat.numel(), torch.float32, flat.device)
