@@ -9,7 +9,7 @@ what every kernel here exploits: a group of 8 codes is one 64-bit word (code ``i
 Why this file: the first version expanded every code into ``bits`` separate bytes and summed
 8-wide rows (about 20 memory passes over the codes); unpacking gathered an int64 index per byte.
 Here packing is a few shifts/ors over whole bytes or 64-bit words, and unpacking writes each code
-position with one shift (or one 256-entry table gather for 1-bit codes).
+position with one shift and one mask.
 """
 from __future__ import annotations
 
@@ -74,19 +74,11 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     return by[:, :bits].reshape(-1)[:nbytes]
 
 
-def _code_table(bits: int, device: torch.device) -> Tensor:
-    """(256, 8 // bits) uint8: the codes held by every byte value (bits dividing 8)."""
-    per = 8 // bits
-    byte = torch.arange(256, device=device).unsqueeze(1)
-    shifts = torch.arange(per, device=device) * bits
-    return ((byte >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
-
-
 def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``numel`` codes, as uint8."""
     if bits == 8:
         return packed[:numel]
-    if bits == 4 or bits == 2:  # shifts write each code position straight into place
+    if 8 % bits == 0:  # one shift (and mask) per code position writes it straight into place
         per = 8 // bits
         m = -(-numel // per)
         out = torch.empty(m, per, dtype=torch.uint8, device=packed.device)
@@ -96,9 +88,6 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
             if i < per - 1:
                 out[:, i].bitwise_and_((1 << bits) - 1)
         return out.view(-1)[:numel]
-    if 8 % bits == 0:
-        table = _code_table(bits, packed.device)
-        return table.index_select(0, packed.long()).view(-1)[:numel]
     ngroups = -(-numel // 8)
     by = torch.zeros(ngroups, 8, dtype=torch.uint8, device=packed.device)
     src = packed[:ngroups * bits]

@@ -17,8 +17,9 @@ from adacomp.compressors.sparse import Workspace
 
 __all__ = ["QSGDCompressor", "QuantCtx", "check_bits", "pack_bits", "unpack_bits"]
 
-# Elements quantised per block: every elementwise step of a block runs on data still in L2 cache,
-# so the quantiser reads the gradient once from memory (a multiple of the bucket size is used).
+# Elements quantised per block and thread: every elementwise step of a block runs on data still in
+# L2 cache, so the quantiser reads the gradient once from memory (a multiple of the bucket size is
+# used). Scaled by the thread count so each parallel op still gives every thread this much work.
 CHUNK = 1 << 18
 
 
@@ -119,16 +120,17 @@ class QSGDCompressor(Compressor):
             return tail.norm(dim=1)
         return torch.cat([src[:full * size].view(full, size).norm(dim=1), tail.norm(dim=1)])
 
-    def _blocks(self, size: int, nb: int) -> list[tuple[int, int, int]]:
+    @staticmethod
+    def _blocks(size: int, nb: int, chunk: int) -> list[tuple[int, int, int]]:
         """(lo, hi, first bucket) of the blocks: whole buckets per block (block starts a multiple
         of 8 elements, so each block packs to whole bytes) or, for buckets above CHUNK, pieces of
         one bucket."""
         total = nb * size
-        if size <= CHUNK:
+        if size <= chunk:
             unit = size * 8 // math.gcd(size, 8)
-            step = max(unit, CHUNK // unit * unit)
+            step = max(unit, chunk // unit * unit)
             return [(lo, min(lo + step, total), lo // size) for lo in range(0, total, step)]
-        return [(lo, min(lo + CHUNK, (b + 1) * size), b) for b in range(nb) for lo in range(b * size, (b + 1) * size, CHUNK)]
+        return [(lo, min(lo + chunk, (b + 1) * size), b) for b in range(nb) for lo in range(b * size, (b + 1) * size, chunk)]
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         """Quantise block by block (one read of the gradient, every elementwise step in cache):
@@ -144,7 +146,8 @@ class QSGDCompressor(Compressor):
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         gen = self._gen(src.device)
         ws = self._workspace()
-        blocks = self._blocks(size, nb)
+        chunk = CHUNK * max(1, torch.get_num_threads())
+        blocks = self._blocks(size, nb, chunk)
         width = max(hi - lo for lo, hi, _ in blocks)
         a_buf = ws.scratch("a", width, torch.float32, src.device)
         r_buf = ws.scratch("rnd", width, torch.float32, src.device)
@@ -158,7 +161,7 @@ class QSGDCompressor(Compressor):
             x = src[lo:lo + m]
             torch.abs(x, out=a[:m])
             a[m:].zero_()
-            if size <= CHUNK:
+            if size <= chunk:
                 a.view(-1, size).div_(safe[first:first + (hi - lo) // size].unsqueeze(1))
             else:
                 a.div_(safe[first])
