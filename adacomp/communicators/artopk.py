@@ -156,7 +156,7 @@ class ARTopkCommunicator(Communicator):
                 idx = buf[off:off + k]
                 off += k
                 flat = e.tensor.reshape(-1)
-                v = flat[idx.to(torch.int64)]
+                v = flat.index_select(0, idx)  # int32 indices are accepted: no int64 copy, no advanced indexing
                 e.payload = [v, idx]
                 e.ctx = SparseCtx(e.tensor.shape, flat.numel(), e.tensor.dtype, e.tensor.device)
                 e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
