@@ -263,7 +263,8 @@ def report(args: argparse.Namespace) -> None:
                 cells.append(old + (f"{1e3 * r['step_s']:.0f}" if r else ""))
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += args.notes.split("\\n") if args.notes else []
+    if args.notes:
+        lines += ["", Path(args.notes).read_text().rstrip()]
     write_result(args.out, "Compression cost per method and model", lines)
 
 
@@ -292,7 +293,7 @@ def main() -> None:
     p.add_argument("--before")
     p.add_argument("--backward", required=True)
     p.add_argument("--out", default="docs/results/cost.md")
-    p.add_argument("--notes", default="")
+    p.add_argument("--notes", default="", help="markdown file appended to the report (causes found)")
     args = ap.parse_args()
     if args.cmd == "cell":
         import torch
