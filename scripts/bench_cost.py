@@ -221,11 +221,16 @@ def report(args: argparse.Namespace) -> None:
         f"(`PYTHONPATH=<that checkout>`); load average during the runs: before {before.get('load', 0):.1f}, "
         f"after {after.get('load', 0):.1f} on a shared 2-core machine, so single cells carry noise of tens of percent.",
         "",
-        "Columns: **ms/step** compression time per step; **% of backward** that time over one backward pass "
-        "of the model at the batch given (the share halves when the batch doubles); **held** tensors the "
-        "compressor, memory and communicator keep between steps (residuals, scratch, recycled outputs) over "
-        "the model's gradient bytes; **peak RSS+** growth of the peak resident set during the steps over the "
-        "same; **bytes** this rank sends per step over a dense allreduce's.",
+        "Columns: **ms/step** compression time per step (wall clock); **% of backward** that time over one "
+        "backward pass of the model at the batch given (the share halves when the batch doubles); **held** "
+        "tensors the compressor, memory and communicator keep between steps (residuals, scratch, recycled "
+        "outputs) over the model's gradient bytes, before -> after (after includes the recycled buffers the "
+        "returned means live in: in training they are `p.grad`, replacing the gradients' own storage); "
+        "**peak RSS+** growth of the peak resident set during the steps over the same, before -> after; "
+        "**bytes** this rank sends per step over a dense allreduce's. Wall-clock cells on this machine "
+        "moved by up to 2x between identical reruns (e.g. ResNet-50 adtopk, same code: 0.7-2.2 s/step): "
+        "read the large factors (qsgd, efsignsgd, the tie cases) and the CPU-time table in the notes, not "
+        "single-cell differences of tens of percent.",
         ""]
     for model in MODELS:
         if not any(k[0] == model for k in a):
@@ -245,9 +250,11 @@ def report(args: argparse.Namespace) -> None:
             ms_before = f"{1e3 * o['step_s']:.0f}" if o else ""
             share_before = _pct(o["step_s"] / bws) if o and bws else ""
             share_after = _pct(r["step_s"] / bws) if bws else ""
+            def mem(key: str) -> str:
+                old = f"{_pct(o[key] / o['model_bytes'])} -> " if o else ""
+                return old + _pct(r[key] / r["model_bytes"])
             lines.append(f"| {m} | {ms_before} | {1e3 * r['step_s']:.0f} | {share_before} | {share_after} | "
-                         f"{_pct(r['held_bytes'] / r['model_bytes'])} | "
-                         f"{_pct(r['rss_extra_bytes'] / r['model_bytes'])} | {r['bytes_ratio']:.3f} |")
+                         f"{mem('held_bytes')} | {mem('rss_extra_bytes')} | {r['bytes_ratio']:.3f} |")
         lines.append("")
     counts = sorted({int(k[0][5:]) for k in a if k[0].startswith("split")})
     if counts:
