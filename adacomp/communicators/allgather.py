@@ -32,6 +32,7 @@ from torch import Tensor
 from adacomp.backends.base import Backend, Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
+from adacomp.compressors.sparse import Workspace
 
 ALIGN = 8  # bytes; every segment starts at a multiple of the largest element size
 
@@ -85,29 +86,42 @@ def unpack(buf: Tensor, segs: list[Segment]) -> list[Tensor]:
     return [buf[s.offset:s.offset + s.nbytes].view(s.dtype).reshape(s.shape_for(s.numel)) for s in segs]
 
 
-def _mean_sparse(e: Entry, vals: Tensor, idx: Tensor, world: int) -> Tensor:
+def _mean_sparse(e: Entry, vals: Tensor, idx: Tensor, world: int, ws: Workspace | None = None) -> Tensor:
     """All ranks' values added at their indices into one zero buffer, divided by the world size."""
-    acc = torch.zeros(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device)
+    n = e.tensor.numel()
+    acc = (torch.zeros(n, dtype=e.tensor.dtype, device=e.tensor.device) if ws is None
+           else ws.zeros(torch.Size([n]), n, e.tensor.dtype, e.tensor.device))
     acc.index_add_(0, idx.reshape(-1).to(torch.int64), vals.reshape(-1).to(e.tensor.dtype))
     return acc.div_(world).view(e.tensor.shape)
 
 
-def _mean_decompressed(e: Entry, payloads: list[list[Tensor]]) -> Tensor:
-    """Payloads that cannot be summed: decompress each rank's with this rank's ctx, then average."""
-    acc = sum(e.compressor.decompress(p, e.ctx).reshape(-1) for p in payloads)
-    return (acc / len(payloads)).view(e.tensor.shape)
+def _mean_decompressed(e: Entry, payloads: list[list[Tensor]], ws: Workspace | None = None) -> Tensor:
+    """Payloads that cannot be summed: decompress each rank's with this rank's ctx, then average.
+    The sum goes into a reused buffer (``d0 + d1`` first, then in place): a fresh multi-MB tensor per
+    rank costs more in page faults than the decode itself."""
+    n = e.tensor.numel()
+    if len(payloads) == 1 or ws is None:
+        acc = sum(e.compressor.decompress(p, e.ctx).reshape(-1) for p in payloads)
+        return (acc / len(payloads)).view(e.tensor.shape)
+    first = e.compressor.decompress(payloads[0], e.ctx).reshape(-1)
+    acc = ws.output(torch.Size([n]), n, torch.result_type(first, first), e.tensor.device)
+    torch.add(first, e.compressor.decompress(payloads[1], e.ctx).reshape(-1), out=acc)
+    del first
+    for p in payloads[2:]:
+        acc.add_(e.compressor.decompress(p, e.ctx).reshape(-1))
+    return acc.div_(len(payloads)).view(e.tensor.shape)
 
 
-def aggregate(entries: list[Entry], per_rank: list[list[list[Tensor]]]) -> list[Tensor]:
+def aggregate(entries: list[Entry], per_rank: list[list[list[Tensor]]], ws: Workspace | None = None) -> list[Tensor]:
     """Mean over ranks per entry; ``per_rank[r][i]`` is rank r's payload of entry i."""
     world = len(per_rank)
     out = []
     for i, e in enumerate(entries):
         if e.compressor.sparse:
             out.append(_mean_sparse(e, torch.cat([p[i][0].reshape(-1) for p in per_rank]),
-                                    torch.cat([p[i][1].reshape(-1) for p in per_rank]), world))
+                                    torch.cat([p[i][1].reshape(-1) for p in per_rank]), world, ws))
         else:
-            out.append(_mean_decompressed(e, [p[i] for p in per_rank]))
+            out.append(_mean_decompressed(e, [p[i] for p in per_rank], ws))
     return out
 
 
@@ -117,6 +131,15 @@ def _split_counts(flat: list[Tensor], counts: list[int]) -> list[list[Tensor]]:
         res.append(flat[off:off + c])
         off += c
     return res
+
+
+def _workspace(comm: Communicator) -> Workspace:
+    """The communicator's reused aggregation outputs (created lazily: registry-built instances and
+    unpickled ones alike)."""
+    ws = comm.__dict__.get("workspace")
+    if ws is None:
+        ws = comm.workspace = Workspace()  # type: ignore[attr-defined]
+    return ws
 
 
 def why_not(communicator: str, compressor: Compressor) -> str | None:
@@ -208,7 +231,7 @@ class AllgatherCommunicator(Communicator):
         with env.stats.timing("comm"):
             gathered = p.handle.wait()
         with env.stats.timing("compress"):
-            return aggregate(p.entries, split_gathered(gathered, p.segs, p.totals, p.counts))
+            return aggregate(p.entries, split_gathered(gathered, p.segs, p.totals, p.counts), _workspace(self))
 
 
 @register("allgather_fast")
@@ -247,10 +270,10 @@ class AllgatherFastCommunicator(Communicator):
             out, j = [], 0
             for e, c in zip(p.entries, p.counts):
                 if e.compressor.sparse:
-                    out.append(_mean_sparse(e, cols[j], cols[j + 1], world))
+                    out.append(_mean_sparse(e, cols[j], cols[j + 1], world, _workspace(self)))
                 else:
                     out.append(_mean_decompressed(
                         e, [[cols[j + q][r].reshape(segs[j + q].shape_for(segs[j + q].numel)) for q in range(c)]
-                            for r in range(world)]))
+                            for r in range(world)], _workspace(self)))
                 j += c
             return out

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp.communicators.allgather import _split_counts, gather_payloads, layout, pack, unpack
+from adacomp.communicators.allgather import _split_counts, _workspace, gather_payloads, layout, pack, unpack
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
 
@@ -177,7 +177,9 @@ class AlltoallCommunicator(Communicator):
             gathered = handle.wait()
         env.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         with env.stats.timing("compress"):
-            outs = [torch.empty(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device) for e in p.entries]
+            ws = _workspace(self)  # recycled outputs: fresh multi-MB tensors cost page faults every step
+            outs = [ws.output(torch.Size([e.tensor.numel()]), e.tensor.numel(), e.tensor.dtype, e.tensor.device)
+                    for e in p.entries]
             off = 0
             for r, (rsegs, tot) in enumerate(zip(segs, totals)):
                 counts = [len(e.ctx.parts[r].payload) for e in p.entries]

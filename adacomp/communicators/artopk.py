@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from adacomp.backends.base import Backend, Handle
-from adacomp.communicators.base import CommEnv, Communicator, Entry, register
+from adacomp.communicators.base import CommEnv, Communicator, Entry, register, square_sum
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import SparseCtx, k_for
 
@@ -156,13 +156,13 @@ class ARTopkCommunicator(Communicator):
                 idx = buf[off:off + k]
                 off += k
                 flat = e.tensor.reshape(-1)
-                v = flat[idx.to(torch.int64)]
+                v = flat.index_select(0, idx)  # int32 indices are accepted: no int64 copy, no advanced indexing
                 e.payload = [v, idx]
                 e.ctx = SparseCtx(e.tensor.shape, flat.numel(), e.tensor.dtype, e.tensor.device)
                 e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
                 values.append(v)
                 indices.append(idx)
-                env.stats.add_gain(float(v.float().square().sum()), float(flat.float().square().sum()))
+                env.stats.add_gain(square_sum(v), square_sum(flat))
         dtypes = {v.dtype for v in values}
         if len(dtypes) != 1:
             raise TypeError(f"artopk fuses one bucket's values into one allreduce; they must share a dtype, "

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors.qsgd import pack_bits, unpack_bits
+from adacomp.compressors._bitpack import pack_bits, unpack_bits
+from adacomp.compressors.sparse import Workspace
 
 
 class SignCtx(NamedTuple):
@@ -32,17 +33,30 @@ class EFSignSGDCompressor(Compressor):
     additive = False
     fixed_size = True
 
+    def _workspace(self) -> Workspace:
+        ws = self.__dict__.get("workspace")
+        if ws is None:
+            ws = self.workspace = Workspace()
+        return ws
+
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        """|p| and the sign mask go to reused scratch (no page faults on fresh multi-MB tensors);
+        the scale is the same ``mean`` of the same float32 |p| as before."""
         flat = tensor.reshape(-1)
-        scale = flat.float().abs().mean().reshape(1)
-        signs = pack_bits((flat >= 0).to(torch.uint8), 1)
+        ws = self._workspace()
+        scale = ws.magnitudes(flat).mean().reshape(1)
+        mask = torch.ge(flat, 0, out=ws.scratch("mask", flat.numel(), torch.bool, flat.device))
+        signs = pack_bits(mask, 1)
         return [scale, signs], SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        """``bit * 2s - s`` is exactly ``(2 bit - 1) * s`` (both are +-s in float32)."""
         scale, packed = payload
         c: SignCtx = ctx
+        s = scale.to(c.device).float()
         bits = unpack_bits(packed.to(c.device), 1, c.numel)
-        out = (bits.float() * 2.0 - 1.0) * scale.to(c.device).float()
+        out = self._workspace().output(torch.Size([c.numel]), c.numel, torch.float32, c.device)
+        out.copy_(bits).mul_(2.0 * s).sub_(s)
         return out.to(c.dtype).view(c.shape)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:

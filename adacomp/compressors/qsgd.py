@@ -5,49 +5,22 @@ Used as the quantisation family of L-GreCo (l-greco.txt §5: "quantization using
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits, unpack_levels
 from adacomp.compressors.base import Compressor, Payload, register
+from adacomp.compressors.sparse import Workspace
 
+__all__ = ["QSGDCompressor", "QuantCtx", "check_bits", "pack_bits", "unpack_bits"]
 
-def pack_bits(codes: Tensor, bits: int) -> Tensor:
-    """Pack non-negative integers below ``2**bits`` (any integer or bool dtype) into flat uint8.
-
-    Bit-plane packing, LSB first: every code becomes ``bits`` bits and the bit stream is cut into
-    bytes. Works for any ``bits`` in [1, 8] (3-, 5-, 7-bit codes included) with vector ops only.
-    """
-    flat = codes.reshape(-1).to(torch.uint8)
-    if bits == 8:
-        return flat.clone()
-    if bits == 1:
-        stream = flat
-    else:
-        shifts = torch.arange(bits, device=flat.device, dtype=torch.uint8)
-        stream = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)
-    pad = (-stream.numel()) % 8
-    if pad:
-        stream = torch.cat([stream, stream.new_zeros(pad)])
-    weights = torch.tensor([1 << i for i in range(8)], device=flat.device, dtype=torch.uint8)
-    return (stream.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
-
-
-def _bit_table(device: torch.device) -> Tensor:
-    """(256, 8) uint8: the bits of every byte value, LSB first (one gather unpacks a byte)."""
-    return ((torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1).to(torch.uint8)
-
-
-def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` codes, as uint8."""
-    if bits == 8:
-        return packed[:numel]
-    stream = _bit_table(packed.device)[packed.long()].reshape(-1)[: numel * bits]
-    if bits == 1:
-        return stream
-    shifts = torch.arange(bits, device=packed.device, dtype=torch.uint8)
-    return (stream.view(numel, bits) << shifts).sum(dim=1, dtype=torch.uint8)
+# Elements quantised per block and thread: every elementwise step of a block runs on data still in
+# L2 cache, so the quantiser reads the gradient once from memory (a multiple of the bucket size is
+# used). Scaled by the thread count so each parallel op still gives every thread this much work.
+CHUNK = 1 << 18
 
 
 def check_bits(bits: int, low: int = 2) -> int:
@@ -129,34 +102,101 @@ class QSGDCompressor(Compressor):
         size = min(self.bucket_size, numel) if self.bucket_size else numel
         return max(1, -(-numel // max(size, 1)))
 
+    def _workspace(self) -> Workspace:
+        ws = self.__dict__.get("workspace")
+        if ws is None:
+            ws = self.workspace = Workspace()
+        return ws
+
+    def _norms(self, src: Tensor, n: int, size: int, nb: int) -> Tensor:
+        """Per-bucket l2 norms, each the norm of its zero-padded bucket of ``size`` elements: the
+        whole buckets straight from ``src`` (no padded copy), the last partial one padded alone."""
+        full = n // size
+        if full == nb:
+            return src.view(nb, size).norm(dim=1)
+        tail = torch.zeros(1, size, dtype=torch.float32, device=src.device)
+        tail[0, :n - full * size] = src[full * size:]
+        if full == 0:
+            return tail.norm(dim=1)
+        return torch.cat([src[:full * size].view(full, size).norm(dim=1), tail.norm(dim=1)])
+
+    @staticmethod
+    def _blocks(size: int, nb: int, chunk: int) -> list[tuple[int, int, int]]:
+        """(lo, hi, first bucket) of the blocks: whole buckets per block (block starts a multiple
+        of 8 elements, so each block packs to whole bytes) or, for buckets above CHUNK, pieces of
+        one bucket."""
+        total = nb * size
+        if size <= chunk:
+            unit = size * 8 // math.gcd(size, 8)
+            step = max(unit, chunk // unit * unit)
+            return [(lo, min(lo + step, total), lo // size) for lo in range(0, total, step)]
+        return [(lo, min(lo + chunk, (b + 1) * size), b) for b in range(nb) for lo in range(b * size, (b + 1) * size, chunk)]
+
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
-        flat = tensor.reshape(-1).float()
-        n = flat.numel()
-        size = min(self.bucket_size, n) if self.bucket_size else n  # a bucket never exceeds the tensor
-        size = max(size, 1)
+        """Quantise block by block (one read of the gradient, every elementwise step in cache):
+        ``code = s + sign(v) * floor(s |v| / ||bucket|| + U)``, the same operations, order and random
+        stream as the whole-tensor expression with ``torch.rand(nb * size)`` (uniform_ fills in order)."""
+        src = tensor.reshape(-1)
+        if src.dtype != torch.float32:
+            src = src.float()
+        n = src.numel()
+        size = max(min(self.bucket_size, n) if self.bucket_size else n, 1)  # a bucket never exceeds the tensor
         nb = self._buckets(n)
-        padded = torch.zeros(nb * size, dtype=torch.float32, device=flat.device)
-        padded[:n] = flat
-        rows = padded.view(nb, size)
-        norms = rows.norm(dim=1)
+        norms = self._norms(src, n, size, nb)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-        scaled = rows.abs() / safe.unsqueeze(1) * self.s              # in [0, s]
-        rnd = torch.rand(scaled.shape, generator=self._gen(flat.device), device=flat.device)
-        level = scaled.add_(rnd).floor_().clamp_(max=self.s)     # floor(x + U) rounds x up w.p. frac(x)
-        codes = (torch.where(rows < 0, -level, level).reshape(-1)[:n] + self.s).to(torch.uint8)
+        gen = self._gen(src.device)
+        ws = self._workspace()
+        chunk = CHUNK * max(1, torch.get_num_threads())
+        blocks = self._blocks(size, nb, chunk)
+        width = max(hi - lo for lo, hi, _ in blocks)
+        a_buf = ws.scratch("a", width, torch.float32, src.device)
+        r_buf = ws.scratch("rnd", width, torch.float32, src.device)
+        aligned = all(lo % 8 == 0 for lo, _, _ in blocks)
+        codes_all = None if aligned else torch.empty(n, dtype=torch.uint8, device=src.device)
+        c_buf = ws.scratch("codes", width, torch.uint8, src.device)
+        packed = torch.empty(packed_bytes(n, self.bits), dtype=torch.uint8, device=src.device)
+        for lo, hi, first in blocks:
+            m = max(0, min(hi, n) - lo)  # real elements; the rest is the last bucket's zero padding
+            a, rnd = a_buf[:hi - lo], r_buf[:hi - lo]
+            x = src[lo:lo + m]
+            torch.abs(x, out=a[:m])
+            a[m:].zero_()
+            if size <= chunk:
+                a.view(-1, size).div_(safe[first:first + (hi - lo) // size].unsqueeze(1))
+            else:
+                a.div_(safe[first])
+            a.mul_(self.s)
+            rnd.uniform_(generator=gen)
+            a.add_(rnd).floor_().clamp_(max=self.s)  # floor(x + U) rounds x up w.p. frac(x)
+            if not m:
+                continue
+            # -level where v < 0 (copysign maps v = -0.0 to level -0.0: the same code s)
+            lev = a[:m].copysign_(x).add_(self.s)
+            codes = c_buf[:m] if aligned else codes_all[lo:lo + m]  # type: ignore[index]
+            codes.copy_(lev)
+            if aligned:
+                out = pack_bits(codes, self.bits)
+                b0 = lo * self.bits // 8
+                packed[b0:b0 + out.numel()] = out
+        if not aligned:
+            packed = pack_bits(codes_all, self.bits)  # type: ignore[arg-type]
         ctx = QuantCtx(tensor.shape, n, tensor.dtype, tensor.device, self.bits, self.s, size)
-        return [norms, pack_bits(codes, self.bits)], ctx
+        return [norms, packed], ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        """``(code - s) * (norm / s)`` per bucket, decoded into a reused output buffer."""
         norms, packed = payload
         c: QuantCtx = ctx
-        s = c.s
-        levels = unpack_bits(packed.to(c.device), c.bits, c.numel).float().sub_(s)
-        nb = norms.numel()
-        padded = torch.zeros(nb * c.bucket_size, dtype=torch.float32, device=c.device)
-        padded[: c.numel] = levels
-        out = (padded.view(nb, c.bucket_size) * (norms.to(c.device).float() / s).unsqueeze(1)).reshape(-1)
-        return out[: c.numel].to(c.dtype).view(c.shape)
+        s, size, n = c.s, c.bucket_size, c.numel
+        levels = self._workspace().output(torch.Size([n]), n, torch.float32, c.device)
+        unpack_levels(packed.to(c.device), c.bits, n, s, levels)
+        unit = norms.to(c.device).float() / s
+        full = n // size
+        if full:
+            levels[:full * size].view(full, size).mul_(unit[:full].unsqueeze(1))
+        if full * size < n:
+            levels[full * size:].mul_(unit[full])
+        return levels.to(c.dtype).view(c.shape)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         n = int(torch.Size(shape).numel())

@@ -49,17 +49,22 @@ def _storage_users(t: Tensor) -> int | None:
 
 
 class Workspace:
-    """Per-compressor memory reused across calls; not state (never in ``state_dict``).
+    """Per-compressor (or per-communicator) memory reused across calls; not state (never in
+    ``state_dict``).
 
-    ``scratch`` buffers never leave the compressor. ``zeros`` hands out a dense output as a *view*
-    of a kept buffer and reuses that buffer only once no other tensor shares its storage, so an
+    ``scratch`` buffers never leave their owner. ``zeros`` / ``output`` hand out a dense output as a
+    *view* of a kept buffer and reuse that buffer only once no other tensor shares its storage, so an
     output the caller still holds (a gradient, a list of decompressed tensors) is never rewritten.
-    Only CPU outputs of >= ``RECYCLE_MIN_NUMEL`` elements are recycled (CUDA has a caching allocator).
+    ``POOL`` buffers are kept per shape and dtype: an output installed as ``p.grad`` and held until
+    the next step leaves the other one free. Only CPU outputs of >= ``RECYCLE_MIN_NUMEL`` elements
+    are recycled (CUDA has a caching allocator).
     """
+
+    POOL = 2
 
     def __init__(self) -> None:
         self._scratch: dict[tuple, Tensor] = {}
-        self._outputs: dict[tuple, Tensor] = {}
+        self._outputs: dict[tuple, list[Tensor]] = {}
 
     def scratch(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         key = (tag, dtype, str(device))
@@ -69,17 +74,31 @@ class Workspace:
             self._scratch[key] = buf
         return buf[:numel]
 
+    def _recycled(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, bool]:
+        """A kept buffer nobody else holds (True) or a fresh one, kept while the pool has room."""
+        pool = self._outputs.setdefault(key, [])
+        for buf in pool:
+            if _storage_users(buf) == 1:
+                return buf, True
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        if _storage_users(buf) is not None:
+            if len(pool) >= self.POOL:
+                pool.pop(0)
+            pool.append(buf)
+        return buf, False
+
     def zeros(self, shape: torch.Size, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         if device.type != "cpu" or numel < RECYCLE_MIN_NUMEL:
             return torch.zeros(shape, dtype=dtype, device=device)
-        key = (numel, dtype)
-        buf = self._outputs.get(key)
-        if buf is not None and _storage_users(buf) == 1:
-            buf.zero_()
-        else:  # first call, or the caller still holds the last output: leave it to them
-            buf = torch.zeros(numel, dtype=dtype, device=device)
-            if _storage_users(buf) is not None:
-                self._outputs[key] = buf
+        buf, _ = self._recycled((numel, dtype), numel, dtype, device)
+        return buf.zero_().view(shape)
+
+    def output(self, shape: torch.Size, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An uninitialised dense output with :meth:`zeros`' recycling rule (for callers that
+        overwrite every element, e.g. a quantiser's decode)."""
+        if device.type != "cpu" or numel < RECYCLE_MIN_NUMEL:
+            return torch.empty(shape, dtype=dtype, device=device)
+        buf, _ = self._recycled(("empty", numel, dtype), numel, dtype, device)
         return buf.view(shape)
 
     def magnitudes(self, flat: Tensor) -> Tensor:
