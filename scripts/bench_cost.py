@@ -116,7 +116,7 @@ def cell(model: str, method: str, steps: int) -> dict:
     import torch
     from adacomp import communicators, compressors, memories
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.metrics import StepStats
+    from adacomp.engine.metrics import StepStats
     from _cost_shapes import MirrorBackend
 
     cname, cparams, comm_name, mem_name = METHODS[method]
