@@ -206,11 +206,14 @@ def topk_tails(grad: Tensor, ks: list[int]) -> dict[int, float]:
     Off-CPU tensors are sorted on their device (fast there).
     """
     flat = grad.detach().reshape(-1)
-    n, kmax = flat.numel(), max(ks)
+    n = flat.numel()
+    kmax = max((k for k in ks if k < n), default=0)   # keeping everything leaves nothing out
+    if kmax == 0:
+        return {k: 0.0 for k in ks}
     if flat.device.type != "cpu":
         sq = flat.float().square().sort().values.double()        # ascending
         below = torch.cat([sq.new_zeros(1), sq.cumsum(0)])        # below[p] = sum of sq[:p]
-        return {k: float(below[n - k]) for k in ks}
+        return {k: float(below[max(n - k, 0)]) for k in ks}
     thr = 0.0
     if n > SAMPLE and kmax < n:
         gen = torch.Generator().manual_seed(n)  # own generator: the global RNG stream is the user's
@@ -234,7 +237,7 @@ def topk_tails(grad: Tensor, ks: list[int]) -> dict[int, float]:
         seg = np.add.reduceat(vals.astype(np.float64), starts)      # seg[j]: vals[s_j : s_(j+1)]
         below = dict(zip(starts, np.concatenate(([0.0], np.cumsum(seg)[:-1])).tolist()))
     # k > c only when every non-zero was kept: nothing is left out
-    return {k: rest + (below[c - k] if k <= c else 0.0) for k in ks}
+    return {k: 0.0 if k >= n else rest + (below[c - k] if k <= c else 0.0) for k in ks}
 
 
 def _kept_squares(flat: Tensor, thr: float) -> tuple[np.ndarray, float]:
