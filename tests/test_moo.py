@@ -125,3 +125,55 @@ def test_exploration_restores_bitwise_and_ranks_agree() -> None:
     assert r0["density"] == r1["density"]  # every rank applies rank 0's choice
     assert r0["decisions"][-1]["c"] == r0["density"]
     assert r0["candidates"][-1] <= r0["density"] <= r0["candidates"][0]
+
+
+# --- issue 21: the batched t_sync gives the same numbers, so the same decision -------------------
+def test_batched_t_sync_makes_the_same_choice() -> None:
+    cs = np.array(CANDS)
+    t_comp = list(1e-3 + 2e-3 * cs)
+    inv_gain = list(1.0 / (1.0 - np.exp(-40 * cs)))
+
+    def t_sync(c: float) -> float:
+        return 0.02 * c + 0.01 * np.exp(-((np.log10(c) + 2) ** 2) / 0.05)
+
+    def batch(c: np.ndarray) -> np.ndarray:
+        return 0.02 * c + 0.01 * np.exp(-((np.log10(c) + 2) ** 2) / 0.05)
+
+    one = choose_density(list(cs), t_comp, inv_gain, t_sync, pop_size=20, generations=15)
+    many = choose_density(list(cs), t_comp, inv_gain, t_sync, pop_size=20, generations=15, t_sync_batch=batch)
+    assert one[0] == many[0]
+    assert np.array_equal(one[1], many[1]) and np.array_equal(one[2], many[2])
+
+
+def _predictor_worker() -> list[dict]:
+    import adacomp
+    backend = adacomp.init("torch")
+    out = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48),
+                                    torch.nn.ReLU(), torch.nn.Linear(48, 4))
+        cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"},
+               "min_numel": 100, "fusion": {"bucket_mb": 0.004, "fuse_before_compress": fuse},
+               "policy": {"name": "flexible", "probe_every": 1000, "probe_bytes": 16384}}
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                           named_parameters=model.named_parameters(), config=cfg, backend=backend)
+        flex = opt.policy
+        flex.probe.last = flex.probe.last.__class__(alpha=3e-5, beta=2e-9, overhead_s=0.0, step=0)
+        cs = np.concatenate([np.logspace(-3, -1, 37), [0.5 / 3072, 1.5 / 3072, 1.0]])  # rounding halves too
+        for switching in (True, False):
+            batch = flex.sync_predictor(opt, switching)(cs)
+            scalar = np.array([flex.predict_total(opt, float(c), switching) for c in cs])
+            out.append({"fuse": fuse, "switching": switching, "buckets": len(opt.buckets),
+                        "same": bool(np.array_equal(batch, scalar)), "positive": bool((scalar > 0).all())})
+        opt.remove_hooks()
+    return out
+
+
+def test_sync_predictor_equals_predict_total_bitwise() -> None:
+    """Real 2-rank world (N = 2 makes the alpha-beta terms non-zero), fused and per-tensor buckets."""
+    for rank in run_workers(_predictor_worker, 2):
+        assert len(rank) == 4
+        for r in rank:
+            assert r["same"] and r["positive"], r
+        assert rank[0]["buckets"] > 1

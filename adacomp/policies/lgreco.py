@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -74,15 +75,13 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
             dp[e], choice[0, e] = size[0, c], c
     for layer in range(1, L):                            # lines 14-24, vectorised over e_i
         new = np.full(width, np.inf)
-        for c in range(C):
-            e = ticks[layer, c]
-            if e >= width:
-                continue
-            cand = np.full(width, np.inf)
-            cand[e:] = dp[: width - e] + size[layer, c]
-            better = cand < new
-            new[better] = cand[better]
-            choice[layer, better] = c
+        row = choice[layer]
+        for c in _distinct_ticks(ticks[layer], size[layer], width):
+            e = int(ticks[layer, c])
+            cand = dp[: width - e] + size[layer, c]      # in place on views (issue 21: no full-
+            better = cand < new[e:]                      # width temporaries, no boolean gathers)
+            np.copyto(new[e:], cand, where=better)
+            np.copyto(row[e:], c, where=better)
         dp = new
     if not np.isfinite(dp).any():
         fallback = _most_accurate(err, size, budget)
@@ -97,6 +96,19 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
         out[layer] = c
         b -= int(ticks[layer, c])
     return out
+
+
+def _distinct_ticks(ticks: np.ndarray, size: np.ndarray, width: int) -> list[int]:
+    """Per discretised error below ``width``, the choice of least size (first on ties), in index
+    order. Why: small layers often round all ~100 candidates to one or two ticks, and choices of
+    one tick differ only by a constant, so only the smallest can win a DP cell; skipping the rest
+    leaves every DP value as it was (a choice differs only where two sizes of one tick tie after
+    rounding the sum, which integer byte sizes never do)."""
+    best: dict[int, int] = {}
+    for c, e in enumerate(ticks.tolist()):
+        if e < width and (e not in best or size[c] < size[best[e]]):
+            best[e] = c
+    return sorted(best.values())
 
 
 def _most_accurate(err: np.ndarray, size: np.ndarray, budget: float) -> list[int] | None:
@@ -176,19 +188,84 @@ def simulate_error(comp: Compressor, kind: str, value: float, grad: Tensor, name
     return err, int(sim.payload_bytes(grad.shape, grad.element_size()))
 
 
+SAMPLE = 1 << 16  # magnitudes sampled to place the selection threshold of a large layer
+CHUNK = 1 << 20   # elements squared per pass: a reused 4 MiB buffer stays in cache, no page faults
+
+
+def topk_tails(grad: Tensor, ks: list[int]) -> dict[int, float]:
+    """``{k: sum of the squares of grad outside its k largest magnitudes}``, exact, in float64.
+
+    Why not one sort (issue 21): sorting a 38M-element layer takes seconds, yet only the sums at
+    the ~100 candidate k are needed. A random sample places a threshold that keeps a few percent
+    more than ``max(ks)`` elements; one chunked pass squares the layer and compacts those (zeros
+    never: they add nothing), and only they are sorted (numpy's vectorised float32 sort: faster
+    here than ``torch.sort`` and than a multi-pivot ``numpy.partition``); sums between the
+    ``len - k`` positions give every tail. Every element left out is <= every element kept, so the
+    tails are those of a full sort up to float rounding. Should the sample overestimate the
+    threshold (fewer than ``max(ks)`` kept), a second pass keeps all non-zeros: slower, same sums.
+    Off-CPU tensors are sorted on their device (fast there).
+    """
+    flat = grad.detach().reshape(-1)
+    n = flat.numel()
+    kmax = max((k for k in ks if k < n), default=0)   # keeping everything leaves nothing out
+    if kmax == 0:
+        return {k: 0.0 for k in ks}
+    if flat.device.type != "cpu":
+        sq = flat.float().square().sort().values.double()        # ascending
+        below = torch.cat([sq.new_zeros(1), sq.cumsum(0)])        # below[p] = sum of sq[:p]
+        return {k: float(below[max(n - k, 0)]) for k in ks}
+    thr = 0.0
+    if n > SAMPLE and kmax < n:
+        gen = torch.Generator().manual_seed(n)  # own generator: the global RNG stream is the user's
+        sample = flat[torch.randint(0, n, (SAMPLE,), generator=gen)].float().square()
+        q = kmax / n
+        rank = min(SAMPLE, int(math.ceil(SAMPLE * q + 5.0 * math.sqrt(SAMPLE * q * (1 - q)))) + 1)
+        thr = float(sample.topk(rank, sorted=False).values.min())
+    vals, total = _kept_squares(flat, thr)
+    if thr > 0 and vals.size < kmax:
+        thr = 0.0
+        vals, total = _kept_squares(flat, thr)
+    vals.sort()
+    c = vals.size
+    # the mass left out: nothing when every non-zero was kept, else total minus kept (float64;
+    # the rounding is ~1e-16 of the total, far below L-GreCo's discretisation unit)
+    rest = 0.0 if thr == 0 else max(total - float(np.sum(vals, dtype=np.float64)), 0.0)
+    starts = sorted({0} | {c - k for k in ks if 0 < k <= c}) if c else []
+    below: dict[int, float] = {}
+    if starts:
+        # float64 segment sums; cast first: reduceat(dtype=float64) casts element by element, ~20x slower
+        seg = np.add.reduceat(vals.astype(np.float64), starts)      # seg[j]: vals[s_j : s_(j+1)]
+        below = dict(zip(starts, np.concatenate(([0.0], np.cumsum(seg)[:-1])).tolist()))
+    # k > c only when every non-zero was kept: nothing is left out
+    return {k: 0.0 if k >= n else rest + (below[c - k] if k <= c else 0.0) for k in ks}
+
+
+def _kept_squares(flat: Tensor, thr: float) -> tuple[np.ndarray, float]:
+    """(squares >= ``thr`` (> 0 when ``thr`` is 0), float64 sum of all squares), in one pass of
+    ``CHUNK``-sized pieces through one reused buffer."""
+    n = flat.numel()
+    buf = torch.empty(min(n, CHUNK), dtype=torch.float32)
+    kept, total = [], 0.0
+    for start in range(0, n, CHUNK):
+        piece = flat[start:start + CHUNK]
+        sq = torch.square(piece.float(), out=buf[:piece.numel()]).numpy()
+        total += float(np.sum(sq, dtype=np.float64))
+        kept.append(sq[sq >= thr] if thr > 0 else sq[sq > 0])   # a copy: buf is overwritten next
+    return (np.concatenate(kept) if kept else np.zeros(0, dtype=np.float32)), total
+
+
 def topk_errors(comp: Compressor, densities: list[float], grad: Tensor) -> tuple[list[float], list[int]]:
-    """Exact Top-k errors for every density from one sort: the error of keeping the k largest
-    magnitudes is the sum of the remaining squares (same numbers as :func:`simulate_error`)."""
-    sq = grad.detach().float().reshape(-1).square().sort(descending=True).values
-    tail = sq.flip(0).cumsum(0).flip(0)   # tail[k] = sum of squares after the top k
-    # read only the entries needed: .tolist() of a 38M-element layer holds the GIL for seconds and
-    # stalls the rank's progress broadcasts (issue 21)
-    sim = copy.deepcopy(comp)
+    """Exact Top-k errors for every density: the error of keeping the k largest magnitudes is the
+    sum of the remaining squares (same numbers as :func:`simulate_error`; :func:`topk_tails` says
+    how they are found without sorting the layer)."""
+    n = grad.numel()
+    ks = [k_for(n, d) for d in densities]
+    tails = topk_tails(grad, ks)
+    sim = copy.copy(comp)  # only the density differs; a deep copy would clone its scratch buffers
     errs, sizes = [], []
-    for d in densities:
+    for d, k in zip(densities, ks):
         sim.set_density(d)
-        k = k_for(sq.numel(), d)
-        errs.append(float(tail[k]) if k < sq.numel() else 0.0)
+        errs.append(tails[k] if k < n else 0.0)
         sizes.append(int(sim.payload_bytes(grad.shape, grad.element_size())))
     return errs, sizes
 

@@ -67,8 +67,10 @@ def knee_index(F: Any, X: Any) -> int:
 
 def choose_density(densities: list[float], t_comp: list[float], inv_gain: list[float],
                    t_sync: Callable[[float], float], pop_size: int = 40, generations: int = 40,
-                   seed: int = 1) -> tuple[float, Any, Any]:
-    """NSGA-II over log10(c); returns ``(c_optimal, pareto X, pareto F)``."""
+                   seed: int = 1, t_sync_batch: Callable[[Any], Any] | None = None) -> tuple[float, Any, Any]:
+    """NSGA-II over log10(c); returns ``(c_optimal, pareto X, pareto F)``. ``t_sync_batch``, when
+    given, maps an array of densities to the array of ``t_sync`` values in one call (the same
+    numbers, without a Python call per individual: issue 21)."""
     import numpy as np
     NSGA2, Problem, minimize = _pymoo()
     order = sorted(range(len(densities)), key=lambda i: densities[i])
@@ -82,8 +84,10 @@ def choose_density(densities: list[float], t_comp: list[float], inv_gain: list[f
 
         def _evaluate(self, X: Any, out: dict, *args: Any, **kwargs: Any) -> None:
             x = X[:, 0]
-            out["F"] = np.stack([np.interp(x, xs, tc), np.array([t_sync(10.0 ** v) for v in x]),
-                                 np.interp(x, xs, ig)], axis=1)
+            cs = [10.0 ** v for v in x]  # Python's pow, as before: numpy's may differ in the last bit
+            ts = np.asarray(t_sync_batch(np.array(cs)), dtype=float) if t_sync_batch is not None \
+                else np.array([t_sync(c) for c in cs])
+            out["F"] = np.stack([np.interp(x, xs, tc), ts, np.interp(x, xs, ig)], axis=1)
 
     res = minimize(_CR(), NSGA2(pop_size=pop_size), ("n_gen", generations), seed=seed, verbose=False)
     X, F = np.atleast_2d(res.X), np.atleast_2d(res.F)
@@ -241,7 +245,8 @@ class MOOPolicy(Policy):
         r = self.results
         c, _, F = choose_density([x["c"] for x in r], [x["t_comp"] for x in r],
                                  [1.0 / max(x["gain"], 1e-12) for x in r],
-                                 lambda d: self.flex.predict_total(optimizer, d, self.switching), **self.nsga)
+                                 lambda d: self.flex.predict_total(optimizer, d, self.switching),
+                                 t_sync_batch=self.flex.sync_predictor(optimizer, self.switching), **self.nsga)
         self._front_size = len(F)
         return c
 
