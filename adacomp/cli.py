@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "netem": ("adacomp.netem_cmd", "emulate N hosts with capped bandwidth (root): up | set | down | status"),
     "plan": ("adacomp.plan_cmd", "profile a model and print ByteComp's per-tensor compression plan"),
     "bench": ("adacomp.bench_cmd", "list the benchmark scripts and how to launch them"),
+    "advise": ("adacomp.advise", "probe the link, profile a model, rank methods against bf16 DDP (+ YAML)"),
 }
 
 
