@@ -16,7 +16,7 @@ under ``adacomp.DistributedOptimizer``. Every arm starts from the same weights a
 batches. The clock counts training only: evaluation (every ``--eval-every`` steps, each host
 scores a slice of the test set) is paused out, and the time is the slowest host's.
 
-    python scripts/time_to_accuracy.py                   # reduced size (~12 min on 2 shared cores)
+    python scripts/time_to_accuracy.py                   # reduced size (~13 min on 2 shared cores)
     python scripts/time_to_accuracy.py --size full       # every method, until convergence (hours)
 
 Needs root (namespaces); without it the script says so and measures nothing (exit 0).
@@ -46,9 +46,9 @@ ADACOMP_ARMS = ("topk", "dgc", "gaussiank", "adtopk", "qsgd", "powersgd", "acpsg
                 "lgreco", "bytecomp")
 SIZES: dict[str, dict[str, Any]] = {
     # reduced: what `make results` runs on 2 shared cores; full: the issue's experiment
-    "reduced": {"arms": ["ddp_fp32", "ddp_bf16", "ddp_powersgd", "topk", "powersgd", "acpsgd", "qsgd"],
-                "max_seconds": 25.0, "train_limit": 20000, "test_limit": 2000, "text_windows": 8000,
-                "acc_target": 0.78, "loss_target": 2.6},
+    "reduced": {"arms": ["ddp_fp32", "ddp_bf16", "ddp_powersgd", "topk", "powersgd", "acpsgd"],
+                "max_seconds": 45.0, "train_limit": 20000, "test_limit": 2000, "text_windows": 8000,
+                "acc_target": 0.78, "loss_target": 2.5},
     "full": {"arms": list(DDP_ARMS + ADACOMP_ARMS), "max_seconds": 1800.0, "train_limit": None, "test_limit": None,
              "text_windows": None, "acc_target": 0.90, "loss_target": 1.6},
 }
@@ -102,12 +102,12 @@ def make_tasks(args: argparse.Namespace) -> list[Task]:
         tasks.append(Task("fmnist", x, y, xt, yt, FashionCNN, F.cross_entropy, "test accuracy", args.acc_target,
                           True, 0.05, 32))
     if "text" in args.tasks:
-        x, y, xt, yt, corpus = char_sequences(64, source="fortunes")
+        x, y, xt, yt, corpus = char_sequences(32, source="fortunes")
         if args.text_windows:
             x, y, xt, yt = x[:args.text_windows], y[:args.text_windows], xt[:512], yt[:512]
         vocab = len(corpus.vocab)
         tasks.append(Task("text", x, y, xt, yt, lambda: CharLSTM(vocab, 32, 256), seq_loss, "test loss (nats/char)",
-                          args.loss_target, False, 1.0, 32))
+                          args.loss_target, False, 3e-3, 32))
     return tasks
 
 
@@ -156,7 +156,9 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = task.build()
-    base = torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9 if task.higher else 0.0)
+    # SGD with momentum for the CNN; Adam for the LSTM (plain SGD sat on the unigram plateau for 100s of steps)
+    base = (torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9) if task.higher
+            else torch.optim.Adam(model.parameters(), lr=task.lr))
     opt: Any
     if arm in BASELINES:
         net, opt = ddp_baseline(arm, model), base
@@ -175,8 +177,6 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
             t0 = time.perf_counter()
             opt.zero_grad()
             task.loss(net(task.x[b]), task.y[b]).backward()
-            if not task.higher:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             clock += time.perf_counter() - t0
             nbytes += ddp_bytes(arm, model, step) if arm in BASELINES else int(opt.last_stats.bytes_sent)
