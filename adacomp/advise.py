@@ -56,11 +56,11 @@ FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed._DEFAULT_F
 
 
 def method_config(method: str) -> dict[str, Any]:
-    """The config dict of a built-in method name or of a YAML path (policy forced to static)."""
+    """The config dict of a built-in method, of ``configs/<method>.yaml`` or of a YAML path."""
     import yaml
     spec = METHODS.get(method, method)
     if isinstance(spec, str):
-        path = Path(spec) if Path(spec).is_file() else CONFIGS / spec
+        path = Path(spec) if Path(spec).is_file() else CONFIGS / (spec if spec.endswith(".yaml") else spec + ".yaml")
         if not path.is_file():
             raise ValueError(f"unknown method {method!r}: not a built-in ({', '.join(METHODS)}) and no file {path}")
         cfg = yaml.safe_load(path.read_text())
@@ -376,10 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", help="emulate this link (e.g. 100mbit) instead of the real one")
     ap.add_argument("--latency", help="emulated latency per message (e.g. 0.5ms)")
     args = ap.parse_args(argv)
-    kwargs = parse_kwargs(args.model_arg)
     methods = list(dict.fromkeys([*args.methods, BASELINE, *args.config]))
-    for m in methods:
-        method_config(m)  # bad names fail here, before any process starts
+    try:
+        kwargs = parse_kwargs(args.model_arg)
+        for m in methods:
+            method_config(m)  # bad names fail here, before any process starts
+    except ValueError as exc:
+        print(f"adacomp advise: error: {exc}", file=sys.stderr)
+        return 2
     from adacomp.backends import detect
     if detect() == "local":
         if args.np < 2:
