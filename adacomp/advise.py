@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -164,7 +163,9 @@ def profile_method(method: str, prof: ModelProfile, repeats: int = 5, budget_s: 
         feedback = route.memory_spec.name != "none"
         g = grads[n]
         payload, ctx = comp.compress(g.clone(), n)  # warm-up
-        cs, ds, start = [], [], time.perf_counter()
+        cs: list[float] = []
+        ds: list[float] = []
+        start = time.perf_counter()
         while len(cs) < repeats and (not cs or time.perf_counter() - start < share):
             x = g.clone()
             t0 = time.perf_counter()
@@ -240,11 +241,11 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
         rounds = max(mp.rounds[n] for n in names)
         comm = mp.communicator[first]
         if comm in ALLREDUCE_LIKE:
-            comm_fns[gi] = (lambda M, r=rounds: r * 2 * (world - 1) * alpha + 2 * (world - 1) / world * M * beta)
+            comm_fns[gi] = _allreduce_rounds(rounds, world, alpha, beta)
             dec_s[gi] = sum(mp.decompress_s[n] for n in names)  # one decompression of the mean
         else:
             sizes = alpha * math.log2(world) if comm == "allgather" else 0.0  # the size exchange first
-            comm_fns[gi] = (lambda M, s=sizes: s + netmodel.allgather(M, world, alpha, beta))
+            comm_fns[gi] = _allgather_plus(sizes, world, alpha, beta)
             dec_s[gi] = world * sum(mp.decompress_s[n] for n in names)  # one per rank's payload
         comp_s[gi] = sum(mp.compress_s[n] for n in names)
     # the timeline charges world x decompress(bytes) per compressed group: divide dec_s back
@@ -260,6 +261,16 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
     step = tl.iteration_s + prof.forward_s + prof.optimizer_s + vote
     payload = sum(t.compressed_bytes if o.compressed else t.nbytes for t, o in zip(tensors, options))
     return Prediction(mp.method, step, payload, sum(comp_s.values()))
+
+
+def _allreduce_rounds(rounds: int, world: int, alpha: float, beta: float) -> Callable[[float], float]:
+    """Ring allreduce of ``M`` payload bytes in total, issued as ``rounds`` collectives (PowerSGD: P, Q)."""
+    return lambda M: rounds * 2 * (world - 1) * alpha + 2 * (world - 1) / world * M * beta
+
+
+def _allgather_plus(extra_s: float, world: int, alpha: float, beta: float) -> Callable[[float], float]:
+    """Allgather of ``M`` bytes per rank, after ``extra_s`` (variable-size payloads: a size exchange)."""
+    return lambda M: extra_s + netmodel.allgather(M, world, alpha, beta)
 
 
 def rank_methods(preds: list[Prediction], baseline: str = BASELINE) -> list[tuple[Prediction, float]]:

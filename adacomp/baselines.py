@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist

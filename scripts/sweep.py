@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -72,7 +71,7 @@ def measure(method: str, model_name: str, sb: Any, args: argparse.Namespace) -> 
 
 def worker(args: argparse.Namespace) -> None:
     import adacomp
-    from adacomp.advise import BASELINE, advise, predict, profile_method, profile_model, model_and_loss
+    from adacomp.advise import model_and_loss, predict, profile_method, profile_model
     from adacomp.advise import ModelProfile
     from adacomp.backends.shaped import ShapedBackend
     from adacomp.netem import parse_duration, parse_rate
