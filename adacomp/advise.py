@@ -194,18 +194,18 @@ class Prediction:
 
 
 def _groups(prof: ModelProfile, mp: MethodProfile, bucket_mb: float) -> list[list[str]]:
-    """DDP's buckets (backward order, first 1 MiB, then ``bucket_mb``), split by route."""
+    """DDP's buckets (backward order; a bucket closes once it holds >= 1 MiB for the first, then
+    ``bucket_mb``), split by route."""
     buckets: list[list[str]] = [[]]
     size, cap = 0, FIRST_BUCKET_BYTES
-    for n, s in zip(prof.names, prof.shapes):
-        nb = 4 * s.numel()
-        if buckets[-1] and size + nb > cap:
+    for n, s in zip(prof.names, prof.shapes):  # as torch's bucket assignment: add, then close when full
+        buckets[-1].append(n)
+        size += 4 * s.numel()
+        if size >= cap:
             buckets.append([])
             size, cap = 0, int(bucket_mb * 2**20)
-        buckets[-1].append(n)
-        size += nb
     out = []
-    for b in buckets:
+    for b in filter(None, buckets):
         keys = list(dict.fromkeys(mp.route[n] for n in b))
         out += [[n for n in b if mp.route[n] == k] for k in keys]
     return out
