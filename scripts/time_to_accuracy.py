@@ -259,7 +259,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, tasks: list[Tas
             lines += [f"### {task.name} at {bw} (probe: {sub[0]['probe_mbit']:.0f} Mbit/s, alpha "
                       f"{sub[0]['alpha_us']:.0f} us); target {task.metric_name} "
                       f"{'>=' if task.higher else '<='} {task.target}", "",
-                      "| arm | time to target s | vs ddp_bf16 | final metric | steps | train s | MiB/host |",
+                      "| arm | time to target s | vs ddp_bf16 | metric at stop | steps | train s | MiB/host |",
                       "|---|---|---|---|---|---|---|"]
             for r in sub:
                 tt = r["time_to_target_s"]
