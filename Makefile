@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 STAMP := .cache/install.stamp
 
-.PHONY: install demo test test-fast horovod results clean
+.PHONY: install demo test test-fast horovod data results clean
 
 # torch first, pinned: the CPU build of 2.13.0 is on local disk; an unpinned torch would pull a CUDA build.
 $(STAMP): setup.py
@@ -26,7 +26,16 @@ test: install horovod
 test-fast: install
 	$(PYTHON) -m pytest -q tests -m "not slow"
 
-results: install
+# Real data for scripts/time_to_accuracy.py (not for `make test` / `make demo`: the tests write their own
+# small IDX files, the demo uses scikit-learn's digits). Debian packages, read from disk at run time:
+# dataset-fashion-mnist (IDX files in /usr/share/datasets/fashion-mnist, ~30 MB) and fortunes
+# (~2.5 MB of plain text in /usr/share/games/fortunes). Needs root and a reachable apt mirror once.
+data:
+	@if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -d /usr/share/games/fortunes ]; then \
+	    echo "data: dataset-fashion-mnist and fortunes are installed"; \
+	else apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist fortunes; fi
+
+results: install data
 	bash scripts/make_results.sh
 
 clean:

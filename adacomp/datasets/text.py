@@ -1,6 +1,9 @@
 """A character-level text corpus that ships inside an installed package (nothing downloads).
 
-Why this corpus: the convergence suite needs a sequence task on real text that every machine with
+Two sources: ``sklearn`` (the default, below) and ``fortunes`` (Debian's ``fortunes`` package,
+~2.4 MB, for runs that need more than 43 kB of text; see :func:`_fortunes`).
+
+Why the default corpus: the convergence suite needs a sequence task on real text that every machine with
 the project's dependencies already has, byte for byte. scikit-learn installs the reStructuredText
 descriptions of its bundled data sets (``sklearn/datasets/descr/*.rst``, ~43 kB of English prose,
 tables and citations); concatenated in file-name order they are the corpus. The text (and so the
@@ -51,7 +54,33 @@ def _sklearn_descr() -> tuple[str, str]:
     return text, f"scikit-learn {sklearn.__version__} sklearn/datasets/descr/*.rst ({len(files)} files)"
 
 
-SOURCES = {"sklearn": _sklearn_descr}
+FORTUNES_DIR = "/usr/share/games/fortunes"
+FORTUNES_ENV = "ADACOMP_FORTUNES_DIR"
+FORTUNES_APT = "fortunes"
+
+
+def _fortunes() -> tuple[str, str]:
+    """Debian's ``fortunes`` package: ~2.4 MB of English quotations, jokes and verse in plain-text
+    files separated by ``%`` lines (the ``.dat`` / ``.u8`` files next to them are indexes and links).
+    Characters outside printable ASCII, tab and newline become ``?`` so the vocabulary stays small
+    (~98 symbols) whatever the package version contains."""
+    import os
+    import string
+
+    folder = Path(os.environ.get(FORTUNES_ENV) or FORTUNES_DIR)
+    files = sorted(f for f in folder.glob("*") if f.is_file() and not f.is_symlink() and f.suffix not in (".dat", ".u8"))
+    if not files:
+        raise FileNotFoundError(f"no fortune files in {folder}. Fix: apt-get install {FORTUNES_APT} (Debian), or set "
+                                f"{FORTUNES_ENV} to a folder of plain-text files")
+    keep = set(string.printable) - {"\r", "\x0b", "\x0c"}
+    parts = []
+    for f in files:
+        text = f.read_bytes().decode("utf-8", errors="replace").replace("\n%\n", "\n\n")
+        parts.append("".join(c if c in keep else "?" for c in text))
+    return "\n\n".join(parts), f"Debian package {FORTUNES_APT}: {folder}/* ({len(files)} files)"
+
+
+SOURCES = {"sklearn": _sklearn_descr, "fortunes": _fortunes}
 
 
 def char_corpus(source: str = "sklearn") -> CharCorpus:

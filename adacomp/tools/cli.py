@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "netem": ("adacomp.tools.netem_cmd", "emulate N hosts with capped bandwidth (root): up | set | down | status"),
     "plan": ("adacomp.tools.plan_cmd", "profile a model and print ByteComp's per-tensor compression plan"),
     "bench": ("adacomp.tools.bench_cmd", "list the benchmark scripts and how to launch them"),
+    "advise": ("adacomp.tools.advise", "probe the link, profile a model, rank methods against bf16 DDP (+ YAML)"),
 }
 
 

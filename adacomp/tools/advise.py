@@ -1,0 +1,412 @@
+"""``adacomp advise``: which compression method pays on *this* link and model, and by how much.
+
+Three measurements, one prediction per method, a ranked answer:
+
+1. the link: alpha (s) and beta (s/byte) from :class:`adacomp.netmodel.NetworkProbe` between the
+   ranks (optionally through :class:`~adacomp.backends.shaped.ShapedBackend` to ask "what if my
+   link were 100 Mbit/s");
+2. the model: forward time and the backward time of every gradient in the order backward
+   produces them (``register_post_accumulate_grad_hook`` stamps), on every rank at once so the
+   ranks compete for the cores as they will when training;
+3. each method's compression / decompression cost per tensor, with the real shapes and names.
+
+Prediction (:func:`predict`): the model's parameters are cut into DDP-style buckets (reverse
+order, 1 MiB first bucket, then ``bucket_mb``), each bucket split by route as adacomp's DDP hook
+does (one collective per bucket and route), and ByteComp's timeline (adacomp/policies/timeline.py,
+bytecomp.txt §3.1 Fig. 2) schedules backward, compression and communication. Communication uses
+the AR-Topk paper's Table I costs (adacomp/netmodel.py): ring allreduce for dense and additive
+payloads (one per round: PowerSGD's P and Q), allgather for the others. Step time = timeline
+iteration time + forward + optimizer step + the hook's one-float non-finite vote.
+
+Not modelled (so not ranked): communicators other than allreduce / allgather / allgather_fast
+(alltoall, AR-Topk's, Ok-Topk's) and adaptive policies (they change the method while training).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from adacomp import netmodel
+from adacomp.config import load
+from adacomp.policies import timeline
+from adacomp.engine.routes import RouteTable
+
+BASELINE = "bf16"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+METHODS: dict[str, Mapping[str, Any] | str] = {
+    "fp32": {"compressor": {"name": "none"}, "communicator": {"name": "allreduce"}},
+    "bf16": {"compressor": {"name": "bf16"}, "communicator": {"name": "allreduce"}},
+    "topk": "topk.yaml", "dgc": "dgc.yaml", "gaussiank": "gaussiank.yaml", "qsgd": "qsgd.yaml",
+    "powersgd": "powersgd.yaml", "acpsgd": "acpsgd.yaml", "efsignsgd": "efsignsgd.yaml",
+}
+"""Built-in candidates: name -> config dict or a file in configs/ (static methods only)."""
+ALLREDUCE_LIKE = ("allreduce",)
+ALLGATHER_LIKE = ("allgather", "allgather_fast")
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def method_config(method: str) -> dict[str, Any]:
+    """The config dict of a built-in method, of ``configs/<method>.yaml`` or of a YAML path."""
+    import yaml
+    spec = METHODS.get(method, method)
+    if isinstance(spec, str):
+        path = Path(spec) if Path(spec).is_file() else CONFIGS / (spec if spec.endswith(".yaml") else spec + ".yaml")
+        if not path.is_file():
+            raise ValueError(f"unknown method {method!r}: not a built-in ({', '.join(METHODS)}) and no file {path}")
+        cfg = yaml.safe_load(path.read_text())
+    else:
+        cfg = dict(spec)
+    cfg.pop("train", None)
+    return cfg
+
+
+# --- profiles ----------------------------------------------------------------------------------
+@dataclass
+class ModelProfile:
+    """Gradients in backward order: name, shape, seconds of backward that produced it."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    compute_s: list[float]
+    forward_s: float
+    optimizer_s: float
+
+    @property
+    def backward_s(self) -> float:
+        return sum(self.compute_s)
+
+
+def profile_model(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor], repeats: int = 5) -> ModelProfile:
+    """Median forward, per-gradient backward and SGD-step times over ``repeats`` runs (one warm-up)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    stamps: list[tuple[str, float]] = []
+    handles = [p.register_post_accumulate_grad_hook(lambda _p, n=n: stamps.append((n, time.perf_counter())))
+               for n, p in params]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    runs: list[tuple[float, float, dict[str, float], list[str]]] = []
+    try:
+        for r in range(repeats + 1):
+            stamps.clear()
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = loss_fn(model)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            prev, per = t1, {}
+            for n, t in stamps:
+                per[n], prev = t - prev, t
+            if r:
+                runs.append((t1 - t0, t3 - t2, per, [n for n, _ in stamps]))
+    finally:
+        for h in handles:
+            h.remove()
+    order = runs[-1][3]
+    shapes = dict((n, p.shape) for n, p in params)
+    return ModelProfile(order, [shapes[n] for n in order], [statistics.median(r[2][n] for r in runs) for n in order],
+                        statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+
+
+@dataclass
+class MethodProfile:
+    """Per gradient: route key, communicator, payload bytes, rounds, compress / decompress seconds."""
+
+    method: str
+    config: dict[str, Any]
+    route: dict[str, str] = field(default_factory=dict)
+    communicator: dict[str, str] = field(default_factory=dict)
+    payload: dict[str, float] = field(default_factory=dict)
+    rounds: dict[str, int] = field(default_factory=dict)
+    dense: dict[str, bool] = field(default_factory=dict)
+    compress_s: dict[str, float] = field(default_factory=dict)
+    decompress_s: dict[str, float] = field(default_factory=dict)
+    unsupported: str = ""
+
+
+def profile_method(method: str, prof: ModelProfile, repeats: int = 5, budget_s: float = 3.0) -> MethodProfile:
+    """Route every gradient as adacomp would, and time its compression with its real shape and name
+    (compress + the error-feedback update when the route has memory; decompress of one payload)."""
+    cfg = method_config(method)
+    out = MethodProfile(method, cfg)
+    c = load(cfg)
+    if c.policy.name != "static":
+        out.unsupported = f"policy {c.policy.name!r} changes the method while training"
+        return out
+    gen = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(s, generator=gen) for n, s in zip(prof.names, prof.shapes)}
+    table = RouteTable(c, [(n, torch.zeros(s)) for n, s in zip(prof.names, prof.shapes)])
+    share = budget_s / max(1, len(prof.names))
+    for n in prof.names:
+        route, comp = table.route_of[n], table.compressors[n]
+        comm = route.communicator_spec.name
+        out.route[n], out.communicator[n] = route.key, comm
+        out.rounds[n] = comp.rounds
+        out.dense[n] = route.compressor.name == "none"
+        out.payload[n] = float(comp.payload_bytes(grads[n].shape, 4))
+        if route.compressor.name == "none":
+            out.compress_s[n] = out.decompress_s[n] = 0.0
+            continue
+        if comm not in ALLREDUCE_LIKE + ALLGATHER_LIKE:
+            out.unsupported = f"communicator {comm!r} is not modelled"
+            return out
+        feedback = route.memory_spec.name != "none"
+        g = grads[n]
+        payload, ctx = comp.compress(g.clone(), n)  # warm-up
+        cs: list[float] = []
+        ds: list[float] = []
+        start = time.perf_counter()
+        while len(cs) < repeats and (not cs or time.perf_counter() - start < share):
+            x = g.clone()
+            t0 = time.perf_counter()
+            payload, ctx = comp.compress(x, n)
+            for r in range(1, comp.rounds):  # the further rounds run locally on this rank's payload
+                payload, ctx = comp.next_round(r, payload, ctx)
+            t1 = time.perf_counter()
+            dec = comp.decompress(payload, ctx)
+            if feedback:
+                x.sub_(dec.view_as(x))
+            t2 = time.perf_counter()
+            cs.append(t1 - t0)
+            ds.append(t2 - t1)
+        out.compress_s[n], out.decompress_s[n] = statistics.median(cs), statistics.median(ds)
+    return out
+
+
+# --- prediction --------------------------------------------------------------------------------
+@dataclass
+class Prediction:
+    method: str
+    step_s: float
+    comm_bytes: float  # payload bytes one rank sends per step
+    compress_s: float
+    note: str = ""
+
+
+def _groups(prof: ModelProfile, mp: MethodProfile, bucket_mb: float) -> list[list[str]]:
+    """DDP's buckets (backward order; a bucket closes once it holds >= 1 MiB for the first, then
+    ``bucket_mb``), split by route."""
+    buckets: list[list[str]] = [[]]
+    size, cap = 0, FIRST_BUCKET_BYTES
+    for n, s in zip(prof.names, prof.shapes):  # as torch's bucket assignment: add, then close when full
+        buckets[-1].append(n)
+        size += 4 * s.numel()
+        if size >= cap:
+            buckets.append([])
+            size, cap = 0, int(bucket_mb * 2**20)
+    out = []
+    for b in filter(None, buckets):
+        keys = list(dict.fromkeys(mp.route[n] for n in b))
+        out += [[n for n in b if mp.route[n] == k] for k in keys]
+    return out
+
+
+def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, beta: float,
+            bucket_mb: float = 25.0) -> Prediction:
+    """Predicted seconds per training step of method ``mp`` on ``world`` ranks over link (alpha, beta)."""
+    if mp.unsupported:
+        return Prediction(mp.method, math.nan, math.nan, math.nan, mp.unsupported)
+    compute = dict(zip(prof.names, prof.compute_s))
+    tensors: list[timeline.TensorProfile] = []
+    options: list[timeline.Option] = []
+    comm_fns: dict[int, Callable[[float], float]] = {}
+    comp_s: dict[int, float] = {}
+    dec_s: dict[int, float] = {}
+    done: set[str] = set()
+    for gi, names in enumerate(_groups(prof, mp, bucket_mb)):
+        # a bucket is ready when its last gradient is: the first route group of it carries the compute
+        bucket_compute = sum(compute[n] for n in names) if not done & set(names) else 0.0
+        done.update(names)
+        first = names[0]
+        dense = mp.dense[first]
+        nbytes = sum(4.0 * prof.shapes[prof.names.index(n)].numel() for n in names)
+        payload = sum(mp.payload[n] for n in names)
+        # the timeline's time models take bytes only: +gi micro-bytes make every group's sizes unique,
+        # so a lookup by bytes recovers that group's own measured costs
+        tensors.append(timeline.TensorProfile(f"g{gi}", nbytes + gi * 1e-6, bucket_compute, payload + gi * 1e-6))
+        if dense:
+            options.append(timeline.NONE)
+            continue
+        options.append(timeline.DEVICE_AG)
+        rounds = max(mp.rounds[n] for n in names)
+        comm = mp.communicator[first]
+        if comm in ALLREDUCE_LIKE:
+            comm_fns[gi] = _allreduce_rounds(rounds, world, alpha, beta)
+            dec_s[gi] = sum(mp.decompress_s[n] for n in names)  # one decompression of the mean
+        else:
+            sizes = alpha * math.log2(world) if comm == "allgather" else 0.0  # the size exchange first
+            comm_fns[gi] = _allgather_plus(sizes, world, alpha, beta)
+            dec_s[gi] = world * sum(mp.decompress_s[n] for n in names)  # one per rank's payload
+        comp_s[gi] = sum(mp.compress_s[n] for n in names)
+    # the timeline charges world x decompress(bytes) per compressed group: divide dec_s back
+    by_bytes = {t.nbytes: i for i, t in enumerate(tensors)}
+    by_payload = {t.compressed_bytes: i for i, t in enumerate(tensors)}
+    model = timeline.CostModel(
+        world, lambda M: netmodel.ring_allreduce(M, world, alpha, beta),
+        lambda M: comm_fns[by_payload[M]](M), lambda M: timeline.alltoall(M, world, alpha, beta),
+        {"device": lambda M: comp_s[by_bytes[M]], "cpu": lambda M: comp_s[by_bytes[M]]},
+        {"device": lambda M: dec_s[by_bytes[M]] / world, "cpu": lambda M: dec_s[by_bytes[M]] / world})
+    tl = timeline.simulate(tensors, options, model)
+    vote = netmodel.ring_allreduce(4, world, alpha, beta) if world > 1 else 0.0
+    step = tl.iteration_s + prof.forward_s + prof.optimizer_s + vote
+    payload = sum(t.compressed_bytes if o.compressed else t.nbytes for t, o in zip(tensors, options))
+    return Prediction(mp.method, step, payload, sum(comp_s.values()))
+
+
+def _allreduce_rounds(rounds: int, world: int, alpha: float, beta: float) -> Callable[[float], float]:
+    """Ring allreduce of ``M`` payload bytes in total, issued as ``rounds`` collectives (PowerSGD: P, Q)."""
+    return lambda M: rounds * 2 * (world - 1) * alpha + 2 * (world - 1) / world * M * beta
+
+
+def _allgather_plus(extra_s: float, world: int, alpha: float, beta: float) -> Callable[[float], float]:
+    """Allgather of ``M`` bytes per rank, after ``extra_s`` (variable-size payloads: a size exchange)."""
+    return lambda M: extra_s + netmodel.allgather(M, world, alpha, beta)
+
+
+def rank_methods(preds: list[Prediction], baseline: str = BASELINE) -> list[tuple[Prediction, float]]:
+    """Modelled methods fastest first, each with its predicted speedup over ``baseline``."""
+    base = next((p.step_s for p in preds if p.method == baseline), math.nan)
+    ok = sorted((p for p in preds if p.step_s == p.step_s), key=lambda p: p.step_s)
+    return [(p, base / p.step_s) for p in ok]
+
+
+# --- the command -------------------------------------------------------------------------------
+SMALL_INPUTS: dict[str, Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]] = {
+    "cnn": lambda b, g: (torch.rand(b, 1, 8, 8, generator=g), torch.randint(0, 10, (b,), generator=g)),
+    "mlp": lambda b, g: (torch.rand(b, 64, generator=g), torch.randint(0, 10, (b,), generator=g)),
+    "charlstm": lambda b, g: (torch.randint(0, 96, (b, 64), generator=g), torch.randint(0, 96, (b, 64), generator=g)),
+}
+
+
+def model_and_loss(name: str, batch: int, kwargs: dict[str, int]) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """A model of the registry and a closure computing its loss on one fixed batch."""
+    import torch.nn.functional as F
+    from adacomp.models import ZOO, build, synthetic_batch
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build(name, **kwargs)
+    if name in ZOO:
+        data = synthetic_batch(model, batch)
+        return model, data.loss
+    x, y = SMALL_INPUTS[name](batch, torch.Generator().manual_seed(0))
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        out = m(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return model, loss
+
+
+def parse_kwargs(items: list[str]) -> dict[str, int]:
+    out = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        if not sep or not val.lstrip("-").isdigit():
+            raise ValueError(f"--model-arg expects KEY=INTEGER (e.g. image_size=32), got {it!r}")
+        out[key] = int(val)
+    return out
+
+
+def shaped(be: Any, bandwidth: str | None, latency: str | None) -> Any:
+    """``be`` behind an emulated link (Table I costs, overlapped) when a bandwidth or latency is asked."""
+    if not bandwidth and not latency:
+        return be
+    from adacomp.backends.shaped import ShapedBackend
+    from adacomp.netem import parse_duration, parse_rate
+    beta = 8.0 / parse_rate(bandwidth) if bandwidth else 0.0
+    alpha = parse_duration(latency) if latency else 0.0
+    return ShapedBackend(be, alpha=alpha, beta=beta, cost="table1")
+
+
+def advise(be: Any, model_name: str, methods: list[str], batch: int = 32, kwargs: dict[str, int] | None = None,
+           bucket_mb: float = 25.0, repeats: int = 5) -> tuple[list[tuple[Prediction, float]], netmodel.NetEstimate,
+                                                               ModelProfile, list[Prediction]]:
+    """Probe, profile and predict on every rank of ``be`` (collective: call on all ranks)."""
+    est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(be)
+    model, loss = model_and_loss(model_name, batch, kwargs or {})
+    be.barrier()
+    prof = profile_model(model, loss, repeats)
+    mps = [profile_method(m, prof, repeats) for m in methods]
+    # every rank predicts from the slowest rank's profile: a step waits for the slowest rank
+    local = torch.tensor([prof.forward_s + prof.optimizer_s + prof.backward_s], dtype=torch.float64)
+    every = be.allgather(local.view(1, -1), sizes=[1] * be.size()).view(-1)
+    scale = float(every.max() / every[be.rank()]) if float(every[be.rank()]) > 0 else 1.0
+    prof = ModelProfile(prof.names, prof.shapes, [c * scale for c in prof.compute_s], prof.forward_s * scale,
+                        prof.optimizer_s * scale)
+    preds = [predict(prof, mp, be.size(), est.alpha, est.beta, bucket_mb) for mp in mps]
+    return rank_methods(preds), est, prof, preds
+
+
+def _report(ranked: list[tuple[Prediction, float]], preds: list[Prediction], est: netmodel.NetEstimate,
+            prof: ModelProfile, args: argparse.Namespace, world: int) -> str:
+    import yaml
+    lines = [f"link: alpha {est.alpha * 1e6:.1f} us, bandwidth {est.bandwidth_gbps * 1e3:.1f} Mbit/s "
+             f"({world} ranks, probed{' through an emulated ' + (args.bandwidth or '') + ' ' + (args.latency or '') + ' link' if args.bandwidth or args.latency else ''})",
+             f"model {args.model}: {sum(s.numel() for s in prof.shapes) / 1e6:.2f}M parameters in {len(prof.names)} "
+             f"tensors; forward {prof.forward_s * 1e3:.1f} ms, backward {prof.backward_s * 1e3:.1f} ms (batch {args.batch})",
+             "", f"{'rank':<5}{'method':<12}{'step ms':>10}{'vs ' + BASELINE:>10}{'MiB/step':>10}{'compress ms':>13}"]
+    for i, (p, sp) in enumerate(ranked, 1):
+        lines.append(f"{i:<5}{p.method:<12}{p.step_s * 1e3:>10.1f}{sp:>9.2f}x{p.comm_bytes / 2**20:>10.2f}"
+                     f"{p.compress_s * 1e3:>13.1f}")
+    for p in preds:
+        if p.note:
+            lines.append(f"     {p.method:<12}not ranked: {p.note}")
+    if ranked:
+        best, sp = ranked[0]
+        verdict = (f"recommendation: {best.method} (predicted {sp:.2f}x the step rate of bf16 DDP)" if best.method != BASELINE
+                   else "recommendation: bf16 DDP; no compression method is predicted to beat it on this link")
+        cfg = method_config(best.method)
+        cfg.setdefault("policy", {"name": "static"})
+        lines += ["", verdict, "", "# ready YAML (adacomp.DistributedOptimizer(config=...) or adacomp.engine.ddp.hook(...))",
+                  yaml.safe_dump(cfg, sort_keys=False).rstrip()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="adacomp advise", description="measure the link, profile a model and rank "
+                                 "compression methods by predicted step time against bf16 DDP")
+    from adacomp.models import MODELS
+    ap.add_argument("--model", required=True, choices=sorted(MODELS))
+    ap.add_argument("--model-arg", nargs="*", default=[], metavar="KEY=INT", help="e.g. image_size=32 classes=10")
+    ap.add_argument("--config", nargs="*", default=[], help="YAML files to rank as well (static policy)")
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), help=f"built-ins: {', '.join(METHODS)}")
+    ap.add_argument("--np", type=int, default=2, help="local ranks to probe and profile with (no launcher)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bandwidth", help="emulate this link (e.g. 100mbit) instead of the real one")
+    ap.add_argument("--latency", help="emulated latency per message (e.g. 0.5ms)")
+    args = ap.parse_args(argv)
+    methods = list(dict.fromkeys([*args.methods, BASELINE, *args.config]))
+    try:
+        kwargs = parse_kwargs(args.model_arg)
+        for m in methods:
+            method_config(m)  # bad names fail here, before any process starts
+    except ValueError as exc:
+        print(f"adacomp advise: error: {exc}", file=sys.stderr)
+        return 2
+    from adacomp.backends import detect
+    if detect() == "local":
+        if args.np < 2:
+            raise SystemExit("adacomp advise: --np must be >= 2 (the link is measured between ranks)")
+        from adacomp.runtime.launch import run_local
+        return run_local([sys.executable, "-m", "adacomp.tools.cli", "advise", *argv], args.np)
+    import adacomp
+    be = shaped(adacomp.init(), args.bandwidth, args.latency)
+    torch.set_num_threads(1)
+    ranked, est, prof, preds = advise(be, args.model, methods, args.batch, kwargs, args.bucket_mb, args.repeats)
+    if be.rank() == 0:
+        print(_report(ranked, preds, est, prof, args, be.size()), flush=True)
+    be.barrier()
+    adacomp.shutdown()
+    return 0

@@ -1,0 +1,112 @@
+"""adacomp advise: the prediction (pure, exact on hand-made profiles), the profiles of a real model
+and config, and the command end to end on 2 real ranks over an emulated 100 Mbit/s link."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from adacomp import netmodel
+from adacomp.tools.advise import (MethodProfile, ModelProfile, method_config, predict, profile_method, profile_model,
+                            rank_methods)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [torch.Size([64, 32]), torch.Size([64]), torch.Size([10, 64])]
+NAMES = ["fc2.weight", "fc2.bias", "fc1.weight"]
+
+
+def _prof(compute: float = 0.0) -> ModelProfile:
+    return ModelProfile(NAMES, SHAPES, [compute] * 3, forward_s=0.0, optimizer_s=0.0)
+
+
+def _method(name: str, payload_per_elem: float, comm: str = "allreduce", rounds: int = 1,
+            compress: float = 0.0) -> MethodProfile:
+    mp = MethodProfile(name, {})
+    for n, s in zip(NAMES, SHAPES):
+        dense = payload_per_elem == 4
+        mp.route[n] = "none" if dense else name
+        mp.communicator[n] = comm
+        mp.payload[n] = payload_per_elem * s.numel()
+        mp.rounds[n], mp.dense[n] = rounds, dense
+        mp.compress_s[n], mp.decompress_s[n] = (0.0, 0.0) if dense else (compress, 0.0)
+    return mp
+
+
+def test_prediction_is_table_one_when_only_bytes_cost() -> None:
+    N, beta = 4, 1e-6
+    M = 4.0 * sum(s.numel() for s in SHAPES)
+    vote = netmodel.ring_allreduce(4, N, 0.0, beta)
+    fp32 = predict(_prof(), _method("fp32", 4), N, 0.0, beta)
+    bf16 = predict(_prof(), _method("bf16", 2), N, 0.0, beta)
+    assert math.isclose(fp32.step_s, netmodel.ring_allreduce(M, N, 0.0, beta) + vote, rel_tol=1e-6)
+    assert math.isclose(bf16.step_s, netmodel.ring_allreduce(M / 2, N, 0.0, beta) + vote, rel_tol=1e-6)
+    assert math.isclose(fp32.comm_bytes, M) and math.isclose(bf16.comm_bytes, M / 2, rel_tol=1e-6)
+    ag = predict(_prof(), _method("sparse", 0.08, comm="allgather_fast"), N, 0.0, beta)
+    assert math.isclose(ag.step_s, netmodel.allgather(0.02 * M, N, 0.0, beta) + vote, rel_tol=1e-6)
+
+
+def test_rounds_latency_compression_and_overlap() -> None:
+    N, alpha = 2, 1e-3
+    one = predict(_prof(), _method("a", 1, rounds=1), N, alpha, 0.0)
+    two = predict(_prof(), _method("b", 1, rounds=2), N, alpha, 0.0)
+    assert math.isclose(two.step_s - one.step_s, 2 * (N - 1) * alpha, rel_tol=1e-6)  # one more allreduce
+    slow = predict(_prof(), _method("c", 1, compress=0.01), N, alpha, 0.0)
+    assert math.isclose(slow.step_s - one.step_s, 3 * 0.01, rel_tol=1e-6)  # 3 tensors, compression on the stream
+    # compute 10 ms per tensor, comm 1 s, one bucket: the allreduce starts when backward ends
+    busy = predict(_prof(0.01), _method("fp32", 4), N, 0.0, 1.0 / (4.0 * sum(s.numel() for s in SHAPES)))
+    assert 1.0 + 0.03 - 1e-6 <= busy.step_s <= 1.03 + 0.01
+
+
+def test_ranking_speedups_and_unsupported() -> None:
+    N, beta = 4, 1e-6
+    preds = [predict(_prof(), _method(m, b), N, 0.0, beta) for m, b in (("fp32", 4), ("bf16", 2), ("quarter", 1))]
+    bad = _method("oktopk", 0.08)
+    bad.unsupported = "communicator 'oktopk' is not modelled"
+    preds.append(predict(_prof(), bad, N, 0.0, beta))
+    ranked = rank_methods(preds)
+    assert [p.method for p, _ in ranked] == ["quarter", "bf16", "fp32"]
+    speed = {p.method: s for p, s in ranked}
+    assert speed["bf16"] == 1.0 and speed["quarter"] > 1.0 > speed["fp32"]
+    assert math.isnan(preds[-1].step_s) and preds[-1].note
+
+
+def test_profiles_of_a_real_model_and_config() -> None:
+    from adacomp.tools.advise import model_and_loss
+    model, loss = model_and_loss("mlp", 16, {"width": 64})
+    prof = profile_model(model, loss, repeats=2)
+    assert prof.names[0] == "net.5.bias" or prof.names[0].startswith("net.5")  # backward: last layer first
+    assert sorted(prof.names) == sorted(n for n, _ in model.named_parameters())
+    assert all(c >= 0 for c in prof.compute_s) and prof.forward_s > 0
+    mp = profile_method("topk", prof, repeats=1)
+    assert mp.dense["net.1.bias"] and not mp.dense["net.3.weight"]  # configs/topk.yaml: biases dense
+    assert mp.payload["net.3.weight"] < 4 * 64 * 64 and mp.communicator["net.3.weight"] == "allgather_fast"
+    assert profile_method("moo", prof).unsupported.startswith("policy 'moo'")
+    with pytest.raises(ValueError, match="not a built-in .*fp32, bf16"):
+        method_config("zstd")
+
+
+def test_advise_command_end_to_end() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "adacomp.tools.cli", "advise", "--model", "cnn", "--np", "2", "--repeats", "1",
+           "--methods", "fp32", "topk", "--bandwidth", "100mbit", "--latency", "100us"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = [line.split("] ", 1)[1] if line.startswith("[0] ") else line for line in r.stdout.splitlines()]
+    rows = {ln.split()[1]: ln.split() for ln in out if ln[:1].isdigit() and len(ln.split()) == 6}
+    assert set(rows) == {"fp32", "bf16", "topk"}
+    mib = {m: float(v[4]) for m, v in rows.items()}
+    assert mib["bf16"] == pytest.approx(mib["fp32"] / 2, abs=0.011)  # bytes are exact, printed to 0.01
+    assert any(ln.startswith("recommendation: ") for ln in out)
+    text = "\n".join(out[out.index("# ready YAML (adacomp.DistributedOptimizer(config=...) or adacomp.engine.ddp.hook(...))") + 1:])
+    from adacomp.config import load
+    assert load(yaml.safe_load(text)).policy.name == "static"
+    assert "emulated 100mbit 100us link" in r.stdout
+    bad = subprocess.run(cmd[:4] + ["--model", "cnn", "--methods", "zstd"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown method 'zstd'" in bad.stderr

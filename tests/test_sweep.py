@@ -1,0 +1,49 @@
+"""scripts/sweep.py: the summary (speedups over bf16, top-3 agreement) on hand-made rows, and one
+tiny end-to-end sweep on 2 real ranks over a shaped link."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("sweep_script", ROOT / "scripts" / "sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_speedups_and_ranking_agreement() -> None:
+    rows = [{"model": "m", "bandwidth": "1gbit", "method": m, "step_ms": s, "pred_ms": p}
+            for m, s, p in (("fp32", 200, 210), ("bf16", 100, 120), ("topk", 50, 40), ("qsgd", 80, 130),
+                            ("dgc", 90, 100))]
+    agree = _sweep().summarise(rows)
+    by = {r["method"]: r for r in rows}
+    assert by["bf16"]["speedup"] == 1.0 and by["topk"]["speedup"] == 2.0 and by["fp32"]["speedup"] == 0.5
+    assert by["topk"]["error_pct"] == pytest.approx(-20.0) and by["bf16"]["pred_speedup"] == 1.0
+    (a,) = agree
+    assert a["measured_top3"] == ["topk", "qsgd", "dgc"] and a["predicted_top3"] == ["topk", "dgc", "bf16"]
+    assert not a["same_set"] and not a["same_order"] and a["best_measured"] == a["best_predicted"] == "topk"
+
+
+def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "scripts/sweep.py", "--models", "lstm_lm", "--bandwidths", "10gbit", "--methods", "fp32",
+           "bf16", "--steps", "1", "--warmup", "1", "--repeats", "1", "--batch", "2", "--out-dir", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert {row["method"] for row in data["rows"]} == {"fp32", "bf16"}
+    fp32, bf16 = sorted(data["rows"], key=lambda row: row["method"] != "fp32")
+    assert bf16["mib"] == pytest.approx(fp32["mib"] / 2, rel=1e-3)  # bytes through the hook are exact
+    assert fp32["pred_ms"] > 0 and data["agreement"][0]["model"] == "lstm_lm"
+    md = (tmp_path / "sweep.md").read_text()
+    assert "REDUCED SIZE" in md and "| 10gbit |" in md and (tmp_path / "sweep.png").stat().st_size > 0
