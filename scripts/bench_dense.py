@@ -8,8 +8,6 @@ noise hits both. Rank 0 prints the ratio and writes docs/results/dense.md.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time

@@ -12,7 +12,6 @@ Any mismatch raises (non-zero exit), so the launcher's exit status carries the v
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch

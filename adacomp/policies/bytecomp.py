@@ -367,7 +367,6 @@ class ByteCompPolicy(Policy):
                     points: dict[str, list[Point]] | None = None) -> dict[str, Any]:
         """The plan from traces, the network model and compression profile ``points`` (measured
         here on one rank when not given)."""
-        opt = self.optimizer
         tensors, forward_s = self.tensors(ready)
         device = self._device()
         if points is None:

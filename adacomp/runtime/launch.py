@@ -120,7 +120,7 @@ def run_local(command: Sequence[str], np: int, netem: bool = False, grace_s: flo
     (76 when the workers stopped for a forwarded signal after saving a checkpoint set)."""
     out = out or sys.stdout
     addr = "127.0.0.1"
-    wrap = None
+    wrap: Callable[[int, list[str]], list[str]] | None = None
     extra_env: dict[str, str] = {}
     if netem:
         from adacomp.netem import hosts as netem_mod
@@ -130,8 +130,9 @@ def run_local(command: Sequence[str], np: int, netem: bool = False, grace_s: flo
         addr = netem_mod.host_address(0)
         extra_env = netem_mod.worker_env()  # GLOO_SOCKET_IFNAME: gloo must use the emulated link
 
-        def wrap(r: int, argv: list[str]) -> list[str]:  # rank r runs on host r mod hosts
+        def wrap_netem(r: int, argv: list[str]) -> list[str]:  # rank r runs on host r mod hosts
             return netem_mod.wrap_command(r % hosts, argv)
+        wrap = wrap_netem
     port = free_port() if not netem else 29500
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
