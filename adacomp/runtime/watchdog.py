@@ -340,6 +340,9 @@ class Watchdog:
         self._stop.set()
         atexit.unregister(self.stop)
         self._thread.join(timeout=2 * self.interval_s + 1)
+        # The I/O thread may be inside a store call (C++, GIL released): a process that exits under it
+        # can abort in the store's destructor ("terminate called without an active exception").
+        self._io_thread.join(timeout=2 * self.interval_s + 1)
 
 
 def start(backend: Any, timeout_s: float = 60.0, interval_s: float | None = None) -> Watchdog | None:
