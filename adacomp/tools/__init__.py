@@ -1,1 +1,1 @@
-"""Command-line tools: `adacomp run | train | bench | plan | netem`, and the config reference generator."""
+"""Command-line tools: `adacomp run | train | bench | plan | netem | advise`, the config reference generator, DDP baselines."""
