@@ -304,35 +304,9 @@ def plot(rows: list[dict[str, Any]], bandwidths: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def in_host(args: argparse.Namespace, command: list[str]) -> int:
-    """Trampoline run by ``adacomp run`` for every rank: re-exec ``command`` inside host RANK."""
-    from adacomp.netem import hosts as netem
-    rank = int(os.environ["RANK"])
-    env = dict(os.environ, MASTER_ADDR=args.master_addr, **netem.worker_env(args.prefix))
-    os.execvpe("ip", netem.wrap_command(rank % args.hosts, command, args.prefix), env)
-    return 1  # not reached
-
-
 def drive(args: argparse.Namespace, worker_argv: list[str]) -> int:
-    from adacomp.netem import hosts as netem
-    from adacomp.runtime.launch import run_local
-    try:
-        netem.require_root()
-    except netem.NetemError as exc:
-        print(f"netem_experiment: skipped, nothing measured: {exc}")
-        return 0
-    netem.down(args.prefix)  # leftovers of a crashed run with this script's own prefix
-    try:
-        print(f"netem up: {args.hosts} hosts (prefix {args.prefix}) at {args.bandwidths[0]}", flush=True)
-        netem.up(args.hosts, args.bandwidths[0], args.prefix)
-        addr = netem.host_address(0, args.prefix)
-        me = os.path.relpath(__file__)
-        cmd = [sys.executable, me, "--in-host", "--hosts", str(args.hosts), "--prefix", args.prefix,
-               "--master-addr", addr, "--", sys.executable, me, "--worker", *worker_argv]
-        return run_local(cmd, args.hosts)
-    finally:
-        removed = netem.down(args.prefix)
-        print(f"netem down: removed {len(removed)} objects", flush=True)
+    from adacomp.netem.jobs import run_on_hosts
+    return run_on_hosts(__file__, args.hosts, args.bandwidths[0], args.prefix, worker_argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-addr", help=argparse.SUPPRESS)
     args = ap.parse_args(own)
     if args.in_host:
-        return in_host(args, rest)
+        from adacomp.netem.jobs import exec_in_host
+        return exec_in_host(args.hosts, args.master_addr, args.prefix, rest)
     if args.worker:
         worker(args)
         return 0

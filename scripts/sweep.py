@@ -74,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     from adacomp.tools.advise import model_and_loss, predict, profile_method, profile_model
     from adacomp.tools.advise import ModelProfile
     from adacomp.backends.shaped import ShapedBackend
-    from adacomp.netem import parse_duration, parse_rate
+    from adacomp.netem.hosts import parse_duration, parse_rate
     from adacomp import netmodel
     from _bench_util import ensure_torch_group
     be = adacomp.init()
@@ -168,9 +168,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
             lines.append(f"| {bw} | " + " | ".join(cells) + " |")
         pays = []
         for bw in args.bandwidths:
-            best = max((r for r in sub if r["bandwidth"] == bw and r["method"] not in ("fp32", "bf16")),
-                       key=lambda r: r["speedup"])
-            pays.append((bw, best))
+            compressed = [r for r in sub if r["bandwidth"] == bw and r["method"] not in ("fp32", "bf16")]
+            if compressed:
+                pays.append((bw, max(compressed, key=lambda r: r["speedup"])))
+        if not pays:  # only the DDP baselines were asked for
+            lines.append("")
+            continue
         paying = [bw for bw, b in pays if b["speedup"] > 1.0]
         lines += ["", "Best compression method per bandwidth (measured speedup over bf16): " +
                   ", ".join(f"{bw}: {b['method']} {b['speedup']:.2f}x" for bw, b in pays) + ".",
@@ -196,7 +199,7 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> No
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from adacomp.netem import parse_rate
+    from adacomp.netem.hosts import parse_rate
     fig, axes = plt.subplots(1, len(args.models), figsize=(6 * len(args.models), 4.2), squeeze=False)
     for ax, mname in zip(axes[0], args.models):
         for i, m in enumerate(args.methods):

@@ -300,33 +300,9 @@ def plot(rows: list[dict[str, Any]], path: Path, tasks: list[Task]) -> None:
     plt.close(fig)
 
 
-def in_host(args: argparse.Namespace, command: list[str]) -> int:
-    """Trampoline run by ``adacomp run`` for every rank: re-exec ``command`` inside host RANK."""
-    from adacomp.netem import hosts as netem
-    rank = int(os.environ["RANK"])
-    env = dict(os.environ, MASTER_ADDR=args.master_addr, **netem.worker_env(args.prefix))
-    os.execvpe("ip", netem.wrap_command(rank % args.hosts, command, args.prefix), env)
-    return 1  # not reached
-
-
 def drive(args: argparse.Namespace, worker_argv: list[str]) -> int:
-    from adacomp.netem import hosts as netem
-    from adacomp.runtime.launch import run_local
-    try:
-        netem.require_root()
-    except netem.NetemError as exc:
-        print(f"time_to_accuracy: skipped, nothing measured: {exc}")
-        return 0
-    make_tasks(argparse.Namespace(**{**vars(args), "tasks": args.tasks}))  # fail here on missing data, not in 4 hosts
-    netem.down(args.prefix)
-    try:
-        netem.up(args.hosts, args.bandwidths[0], args.prefix)
-        me = os.path.relpath(__file__)
-        cmd = [sys.executable, me, "--in-host", "--hosts", str(args.hosts), "--prefix", args.prefix,
-               "--master-addr", netem.host_address(0, args.prefix), "--", sys.executable, me, "--worker", *worker_argv]
-        return run_local(cmd, args.hosts)
-    finally:
-        netem.down(args.prefix)
+    from adacomp.netem.jobs import run_on_hosts
+    return run_on_hosts(__file__, args.hosts, args.bandwidths[0], args.prefix, worker_argv, prepare=lambda: make_tasks(argparse.Namespace(**{**vars(args), "tasks": args.tasks})))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     args.loss_target = args.loss_target or size["loss_target"]
     args.train_limit, args.test_limit, args.text_windows = size["train_limit"], size["test_limit"], size["text_windows"]
     if args.in_host:
-        return in_host(args, rest)
+        from adacomp.netem.jobs import exec_in_host
+        return exec_in_host(args.hosts, args.master_addr, args.prefix, rest)
     if args.worker:
         worker(args)
         return 0

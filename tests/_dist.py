@@ -108,12 +108,22 @@ def run_launcher(cmd: list[str], cwd: str, env: dict[str, str], timeout: float,
     return result
 
 
-def train_random_steps(model, opt, steps: int, inputs: int, classes: int, seed: int) -> None:
+def train_random_steps(model, opt, steps: int, inputs: int, classes: int, seed: int, batch: int = 16) -> None:
     """A few optimizer steps on random data from an owned generator (distinct per ``seed``)."""
     import torch
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        x, y = torch.randn(16, inputs, generator=gen), torch.randint(0, classes, (16,), generator=gen)
+        x, y = torch.randn(batch, inputs, generator=gen), torch.randint(0, classes, (batch,), generator=gen)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+def params_digest(model) -> str:
+    """A short hash of every parameter's name and bits (equal digests: bitwise-equal models)."""
+    import hashlib
+    h = hashlib.sha256()
+    for n, p in model.named_parameters():
+        h.update(n.encode())
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]

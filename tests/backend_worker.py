@@ -234,9 +234,8 @@ def reference(backend: str, port: int, bucket_mbs: list[float]) -> int:
 def divisible_digest() -> str:
     """Parameters after 4 steps of topk on ``alltoall`` (+ one layer on ``allgather``, offloaded)
     from one seed: identical bits on every backend, because every rank averages in rank order."""
-    import hashlib
-
     import adacomp
+    from tests._dist import params_digest, train_random_steps
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40),
                                 torch.nn.ReLU(), torch.nn.Linear(40, 10))
@@ -246,18 +245,9 @@ def divisible_digest() -> str:
                       {"match": "4.weight", "offload": True}]}
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), config=cfg)
-    gen = torch.Generator().manual_seed(100 + adacomp.rank())
-    for _ in range(4):
-        x, y = torch.randn(8, 24, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_random_steps(model, opt, 4, 24, 10, 100 + adacomp.rank(), batch=8)
     opt.remove_hooks()
-    h = hashlib.sha256()
-    for n, p in model.named_parameters():
-        h.update(n.encode())
-        h.update(p.detach().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return params_digest(model)
 
 
 def divisible(backend: str) -> int:

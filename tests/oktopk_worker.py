@@ -4,7 +4,6 @@ default, its sparse-allreduce communicator) on the backend the launcher selects;
 so the bits are the same on gloo, MPI and Horovod."""
 from __future__ import annotations
 
-import hashlib
 import sys
 
 import torch
@@ -12,24 +11,16 @@ import torch
 
 def digest() -> str:
     import adacomp
+    from tests._dist import params_digest, train_random_steps
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     cfg = {"compressor": {"name": "oktopk", "density": 0.05, "period": 2}, "memory": "residual",
            "min_numel": 0, "fusion": {"bucket_mb": 0.004}}
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), config=cfg)
-    gen = torch.Generator().manual_seed(100 + adacomp.rank())
-    for _ in range(5):
-        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_random_steps(model, opt, 5, 32, 10, 100 + adacomp.rank())
     opt.remove_hooks()
-    h = hashlib.sha256()
-    for n, p in model.named_parameters():
-        h.update(n.encode())
-        h.update(p.detach().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return params_digest(model)
 
 
 def run(backend: str) -> str:

@@ -4,28 +4,20 @@ and the LSTM gate matrices. Few, large, dense gradients: the opposite profile of
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from adacomp.models.charlstm import CharLSTM
 from adacomp.models.synthetic import Synthetic, tokens
 
 
-class LSTMLM(nn.Module):
-    """Embedding -> ``layers``-layer LSTM -> linear read-out; ``seq`` is the synthetic batch's length."""
+class LSTMLM(CharLSTM):
+    """The same embedding -> LSTM -> read-out network as :class:`CharLSTM`, at PTB "medium" size;
+    ``seq`` is the synthetic batch's length."""
 
     def __init__(self, vocab: int = 10000, embed: int = 650, hidden: int = 650, layers: int = 2, seq: int = 35):
-        super().__init__()
-        for name, v in (("vocab", vocab), ("embed", embed), ("hidden", hidden), ("layers", layers), ("seq", seq)):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+        if seq < 1:
+            raise ValueError(f"seq must be >= 1, got {seq}")
+        super().__init__(vocab, embed, hidden, layers)
         self.vocab, self.seq = vocab, seq
-        self.embed = nn.Embedding(vocab, embed)
-        self.lstm = nn.LSTM(embed, hidden, num_layers=layers, batch_first=True)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: (batch, seq) int64 -> logits (batch, seq, vocab)."""
-        out, _ = self.lstm(self.embed(x))
-        return self.head(out)
 
     def synthetic_batch(self, batch: int, generator: torch.Generator) -> Synthetic:
         return tokens(batch, self.seq, self.vocab, generator)

@@ -41,7 +41,7 @@ from adacomp.policies import timeline
 from adacomp.engine.routes import RouteTable
 
 BASELINE = "bf16"
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 METHODS: dict[str, Mapping[str, Any] | str] = {
     "fp32": {"compressor": {"name": "none"}, "communicator": {"name": "allreduce"}},
     "bf16": {"compressor": {"name": "bf16"}, "communicator": {"name": "allreduce"}},
@@ -321,7 +321,7 @@ def shaped(be: Any, bandwidth: str | None, latency: str | None) -> Any:
     if not bandwidth and not latency:
         return be
     from adacomp.backends.shaped import ShapedBackend
-    from adacomp.netem import parse_duration, parse_rate
+    from adacomp.netem.hosts import parse_duration, parse_rate
     beta = 8.0 / parse_rate(bandwidth) if bandwidth else 0.0
     alpha = parse_duration(latency) if latency else 0.0
     return ShapedBackend(be, alpha=alpha, beta=beta, cost="table1")
