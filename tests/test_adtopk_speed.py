@@ -114,6 +114,20 @@ def payload_set(payload) -> dict[int, int]:
     return dict(zip(idx.tolist(), bits))
 
 
+def assert_same_topk(fast: dict[int, int], slow: dict[int, int], where) -> None:
+    """Equal selections, except which of the elements tied at the k-th magnitude were kept:
+    torch.topk leaves that choice unspecified and the fast path keeps the lowest indices."""
+    if fast == slow:
+        return
+    assert len(fast) == len(slow), where
+    mag = lambda bits: abs(torch.tensor(bits, dtype=torch.int32).view(torch.float32).item())  # noqa: E731
+    assert all(fast[i] == slow[i] for i in fast.keys() & slow.keys()), where
+    kth = min(mag(b) for b in slow.values())
+    only = [fast[i] for i in fast.keys() - slow.keys()] + [slow[i] for i in slow.keys() - fast.keys()]
+    assert all(mag(b) == kth for b in only), (where, kth, [mag(b) for b in only])
+    assert min(mag(b) for b in fast.values()) == kth, where
+
+
 @pytest.mark.parametrize("kind", ["gauss", "ties", "nan", "fp16"])
 @pytest.mark.parametrize("name,extra", [("adtopk", {}), ("adtopk", {"split": "dim1"}), ("adtopk_i", {}),
                                         ("adtopk_t", {"sigma": 3, "tau": 2, "total_iters": 12}),
@@ -131,7 +145,7 @@ def test_compressors_equal_their_plain_twins_over_steps(monkeypatch, kind, name,
         for lname in ("a", "b"):
             pf, _ = fast.compress(x, lname)
             ps, _ = slow.compress(x, lname)
-            assert payload_set(pf) == payload_set(ps), (step, lname)
+            assert_same_topk(payload_set(pf), payload_set(ps), (step, lname))
         assert repr(fast.state_dict()) == repr(slow.state_dict())  # repr: NaN thresholds equal too
         assert getattr(fast, "last_action", None) == getattr(slow, "last_action", None)
 
