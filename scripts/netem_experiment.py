@@ -108,9 +108,13 @@ def predict(events: list[tuple[str, float]], N: int, alpha: float, beta: float) 
 def replay(be: Backend, events: list[tuple[str, float]], repeats: int = 3) -> float:
     """Seconds to run ``events`` back to back right after a barrier (median of ``repeats``): the
     same collectives as a training step, without the compute skew between ranks."""
+    # Ragged collectives (oktopk's alltoall) move different bytes per rank: replay every event at the
+    # mean over the ranks, so all ranks agree on each buffer's size and on the alltoall splits.
+    per_rank = be.allgather_object([nb for _, nb in events])
+    sizes = [sum(col) / len(col) for col in zip(*per_rank)]
     times = []
     for _ in range(repeats):
-        bufs = [torch.zeros(max(1, int(nb) // 4)) for _, nb in events]
+        bufs = [torch.zeros(max(1, int(nb) // 4)) for nb in sizes]
         be.barrier()
         t0 = time.perf_counter()
         for (op, _), buf in zip(events, bufs):
