@@ -44,7 +44,8 @@ BASELINE = "bf16"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 METHODS: dict[str, Mapping[str, Any] | str] = {
     "fp32": {"compressor": {"name": "none"}, "communicator": {"name": "allreduce"}},
-    "bf16": {"compressor": {"name": "bf16"}, "communicator": {"name": "allreduce"}},
+    # every tensor in bf16, small ones too: what torch's bf16_compress_hook sends
+    "bf16": {"compressor": {"name": "bf16"}, "communicator": {"name": "allreduce"}, "min_numel": 0},
     "topk": "topk.yaml", "dgc": "dgc.yaml", "gaussiank": "gaussiank.yaml", "qsgd": "qsgd.yaml",
     "powersgd": "powersgd.yaml", "acpsgd": "acpsgd.yaml", "efsignsgd": "efsignsgd.yaml",
 }
