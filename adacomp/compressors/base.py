@@ -123,18 +123,26 @@ class NoneCompressor(Compressor):
         return payload[0]
 
 
-@register("fp16")
-class FP16Compressor(Compressor):
-    """Cast to half precision for transport (Horovod's ``Compression.fp16``); additive, 2x smaller."""
+class CastCompressor(Compressor):
+    """Cast to a 16-bit float type for transport and back: additive (payloads sum under allreduce),
+    2x smaller. Subclasses name the wire type."""
 
     additive = True
     biased = False
+    wire_dtype: ClassVar[torch.dtype] = torch.float16
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
-        return [tensor.to(torch.float16)], tensor.dtype
+        return [tensor.to(self.wire_dtype)], tensor.dtype
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         return payload[0].to(ctx)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         return int(torch.Size(shape).numel()) * 2
+
+
+@register("fp16")
+class FP16Compressor(CastCompressor):
+    """Cast to half precision for transport (Horovod's ``Compression.fp16``); additive, 2x smaller."""
+
+    wire_dtype = torch.float16

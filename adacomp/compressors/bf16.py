@@ -9,26 +9,13 @@ averages after it (same bytes, rounding differs in the last bit).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import Tensor
 
-from adacomp.compressors.base import Compressor, Payload, register
+from adacomp.compressors.base import CastCompressor, register
 
 
 @register("bf16")
-class BF16Compressor(Compressor):
+class BF16Compressor(CastCompressor):
     """Cast to bfloat16 for transport; additive (allreduce), 2x smaller, unbiased enough for no memory."""
 
-    additive = True
-    biased = False
-
-    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
-        return [tensor.to(torch.bfloat16)], tensor.dtype
-
-    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        return payload[0].to(ctx)
-
-    def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
-        return int(torch.Size(shape).numel()) * 2
+    wire_dtype = torch.bfloat16
