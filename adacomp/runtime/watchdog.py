@@ -340,9 +340,12 @@ class Watchdog:
         self._stop.set()
         atexit.unregister(self.stop)
         self._thread.join(timeout=2 * self.interval_s + 1)
-        # The I/O thread may be inside a store call (C++, GIL released): a process that exits under it
-        # can abort in the store's destructor ("terminate called without an active exception").
-        self._io_thread.join(timeout=2 * self.interval_s + 1)
+        # The I/O thread may be inside a store call (C++, GIL released). If the interpreter finalises
+        # while it is, the thread is ended by pthread_exit when it takes the GIL back, inside a C++
+        # destructor: std::terminate ("terminate called without an active exception"). So wait for
+        # the call in flight; a healthy store answers in milliseconds, a lost one is not waited for.
+        self._io_thread.join(timeout=2 * self.interval_s + 1 if self.lost is not None
+                             else max(2 * self.interval_s + 1, min(self.timeout_s, 10.0)))
 
 
 def start(backend: Any, timeout_s: float = 60.0, interval_s: float | None = None) -> Watchdog | None:
