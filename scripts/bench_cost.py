@@ -135,11 +135,12 @@ def cell(model: str, method: str, steps: int) -> dict:
     for step in range(steps + 1):
         stats = StepStats()
         outs = []  # the previous step's means are released, as zero_grad(set_to_none) releases grads
+        fresh = {n: g.clone() for n, g in grads.items()}  # backward's new gradients (error feedback adds into them)
         t0 = time.perf_counter()
         for bi, b in enumerate(buckets):
             # AR-Topk: even steps make this rank the root (it runs Top-k); see MirrorBackend
             env = CommEnv(backend, stats, step=2 * step, bucket_index=bi)
-            entries = [Entry(n, memory.compensate(grads[n], n), comp, memory) for n, _ in b]
+            entries = [Entry(n, memory.compensate(fresh[n], n), comp, memory) for n, _ in b]
             outs += comm.finish(comm.start(entries, env), env)
         comp.on_step(step + 1)
         dt = time.perf_counter() - t0

@@ -33,7 +33,7 @@ def test_residual_identity_is_exact(name, shape):
     residual = None
     for step in range(STEPS):
         g = torch.randn(shape, generator=g_) * (1 + step % 3)
-        comp = mem.compensate(g, "w")
+        comp = mem.compensate(g.clone(), "w")  # compensate adds into the gradient it is given
         assert torch.equal(comp, g if residual is None else g + residual)
         payload, ctx = c.compress(comp, "w")
         mem.update(comp, "w", c, payload, ctx)
@@ -43,3 +43,49 @@ def test_residual_identity_is_exact(name, shape):
         assert torch.equal(sent + residual, comp), f"{name} step {step}"
         assert 0 < payload[0].numel() < comp.numel()  # it did sparsify, and sent something
         c.on_step(step + 1)
+
+
+def test_residual_memory_allocates_nothing_per_step_and_snapshots_stay_valid():
+    """Error feedback adds into the gradient it is given and writes the new residual into the
+    buffer of the round before (two per tensor): no model-size allocation per step. A snapshot
+    (references) taken before a round still holds that round's starting residual afterwards, so a
+    rolled-back round restores it bitwise; after a restore no buffer is shared."""
+    gen = torch.Generator().manual_seed(3)
+    c, mem = compressors.get("topk", density=0.1), memories.get("residual")
+    seen = set()
+    snaps = []
+    for step in range(6):
+        g = torch.randn(64, 32, generator=gen)
+        comp = mem.compensate(g, "w")
+        assert comp.data_ptr() == g.data_ptr()
+        snaps.append((mem.snapshot(), {k: v.clone() for k, v in mem.residuals.items()}))
+        payload, ctx = c.compress(comp, "w")
+        mem.update(comp, "w", c, payload, ctx)
+        # bitwise what decompress-and-subtract gives
+        assert torch.equal(mem.residuals["w"], comp - c.decompress(payload, ctx))
+        seen.add(mem.residuals["w"].data_ptr())
+    assert len(seen) == 2  # two buffers, alternating
+    snap, copy = snaps[-1]
+    assert all(torch.equal(snap[k], copy[k]) for k in copy)  # the last round did not touch its start
+    mem.restore(snap)
+    assert all(torch.equal(mem.residuals[k], copy[k]) for k in copy)
+    g = torch.randn(64, 32, generator=gen)
+    comp = mem.compensate(g, "w")
+    payload, ctx = c.compress(comp, "w")
+    mem.update(comp, "w", c, payload, ctx)
+    assert torch.equal(snap["w"], copy["w"])  # the restored residual was read, never written
+
+
+@pytest.mark.parametrize("name", ["topk", "gaussiank", "dgc", "redsync", "sidco", "adtopk", "mstopk", "oktopk"])
+def test_sparse_residual_is_bitwise_decompress_and_subtract(name):
+    """Sparsifiers' residual zeroes the sent coordinates; it must equal g - decompress(payload)."""
+    gen = torch.Generator().manual_seed(5)
+    c = compressors.get(name, density=0.05)
+    for shape in [(4096,), (128, 96), (8, 16, 3, 3)]:
+        g = torch.randn(shape, generator=gen)
+        g.view(-1)[:7] = -0.0
+        payload, ctx = c.compress(g, "w")
+        out = torch.empty_like(g)
+        c.residual(g, payload, ctx, out)
+        ref = g - c.decompress(payload, ctx)
+        assert torch.equal(out, ref) and torch.equal(out.signbit(), ref.signbit())

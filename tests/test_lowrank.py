@@ -27,7 +27,7 @@ def step(comps, mems, grads: list[dict[str, torch.Tensor]]) -> list[dict[str, to
     names = list(grads[0])
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for name in names:
-        comp = [m.compensate(g[name], name) for m, g in zip(mems, grads)]
+        comp = [m.compensate(g[name].clone(), name) for m, g in zip(mems, grads)]
         res = [c.compress(x, name) for c, x in zip(comps, comp)]
         payloads, ctxs = [p for p, _ in res], [c for _, c in res]
         rounds = comps[0].rounds
@@ -281,7 +281,7 @@ def test_allreduce_communicator_drives_rounds_with_mixed_and_dense_only_buckets(
         buckets = [["w", "b"], ["c"]]  # the second bucket holds only a dense tensor
         outs = {}
         for names in buckets:
-            entries = [Entry(n, mem.compensate(grads[n], n), comp, mem) for n in names]
+            entries = [Entry(n, mem.compensate(grads[n].clone(), n), comp, mem) for n in names]
             outs.update(zip(names, comm.finish(comm.start(entries, env), env)))
         comp.on_step(comp.step + 1)
         expected = step(ref_c, ref_m, [grads])[0]

@@ -130,7 +130,7 @@ def test_efsignsgd_error_feedback_sends_everything_eventually():
     grads = [torch.randn(64, generator=g) for _ in range(200)]
     sent = torch.zeros(64)
     for grad in grads:
-        comp = mem.compensate(grad, "w")
+        comp = mem.compensate(grad.clone(), "w")
         p, ctx = e.compress(comp, "w")
         mem.update(comp, "w", e, p, ctx)
         sent += e.decompress(p, ctx)

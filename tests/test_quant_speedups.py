@@ -118,3 +118,16 @@ def test_aggregation_into_reused_buffer_equals_plain_sum(world: int) -> None:
     second = _mean_decompressed(e, payloads, ws)  # ``first`` still held: other memory, same values
     assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 4099])
+def test_table_decode_equals_shift_and_mask(bits: int, n: int) -> None:
+    """unpack_levels' byte-table lookup gives the same floats as unpacking codes then subtracting."""
+    from adacomp.compressors._bitpack import unpack_levels
+    codes = torch.randint(0, 1 << bits, (n,), generator=torch.Generator().manual_seed(n))
+    packed = pack_bits(codes, bits)
+    offset = (1 << bits) // 2
+    out = torch.full((n,), float("nan"))
+    unpack_levels(packed, bits, n, offset, out)
+    assert torch.equal(out, unpack_bits(packed, bits, n).float() - offset)

@@ -92,6 +92,14 @@ class _Joined:
             _decompress_into(out[lo:hi], self.comp, p.payload, p.ctx)
         return out.view(self.like.shape)
 
+    def residual(self, tensor: Tensor, payload: Any, ctx: Any, out: Tensor) -> Tensor:
+        """What error feedback keeps: each part's own residual, written into its span of ``out``."""
+        flat, dst = tensor.reshape(-1), out.view(-1)
+        for p, (lo, hi) in zip(self.parts, self.spans):
+            if hi > lo:
+                self.comp.residual(flat[lo:hi], p.payload, p.ctx, dst[lo:hi])
+        return out
+
 
 @dataclass
 class _Pending:

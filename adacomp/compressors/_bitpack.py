@@ -106,7 +106,34 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
     return out.view(-1)[:numel]
 
 
+def byte_table(bits: int, values: Tensor) -> Tensor:
+    """(256, 8 / bits) table: row ``b`` holds ``values[code]`` for the codes packed in byte ``b``,
+    in stream order. ``values`` has ``2**bits`` entries (the decoded value of each code)."""
+    per = 8 // bits
+    shifts = bits * torch.arange(per, device=values.device)
+    codes = (torch.arange(256, device=values.device).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return values[codes]
+
+
+def unpack_table(packed: Tensor, bits: int, numel: int, table: Tensor, out: Tensor) -> Tensor:
+    """Decode the first ``numel`` codes into contiguous ``out`` through a :func:`byte_table`: one
+    row lookup per packed byte writes all its codes' values at once (one pass over ``out``, no
+    per-position shifts, no uint8 temporary; 3-7x faster than shift-and-mask for 1- and 2-bit codes,
+    slower for 4-bit ones, whose rows hold only two values)."""
+    per = 8 // bits
+    flat = out.view(-1)
+    full = numel // per
+    if full:
+        torch.index_select(table, 0, packed[:full].to(torch.int32), out=flat[:full * per].view(full, per))
+    if full * per < numel:
+        flat[full * per:numel] = table[int(packed[full])][:numel - full * per]
+    return out
+
+
 def unpack_levels(packed: Tensor, bits: int, numel: int, offset: int, out: Tensor) -> Tensor:
     """``code - offset`` as ``out``'s (float) dtype for the first ``numel`` codes, written into
     ``out``: the quantisers' decode without a float temporary."""
-    return out.copy_(unpack_bits(packed, bits, numel)).sub_(offset)
+    if bits > 2 or 8 % bits or not out.is_contiguous():  # 4-bit rows of 2 values: shifts are faster
+        return out.copy_(unpack_bits(packed, bits, numel)).sub_(offset)
+    levels = torch.arange(1 << bits, device=out.device).sub_(offset).to(out.dtype)  # exact small integers
+    return unpack_table(packed, bits, numel, byte_table(bits, levels), out)

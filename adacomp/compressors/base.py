@@ -61,6 +61,12 @@ class Compressor:
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement decompress()")
 
+    def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        """``out = tensor - decompress(payload, ctx)``: what this rank did not send. Error feedback
+        writes it into a buffer it keeps, so no model-size tensor is allocated per step; a
+        compressor that can say it without decompressing (a sparsifier) overrides this."""
+        return torch.sub(tensor, self.decompress(payload, ctx).view_as(tensor), out=out)
+
     def next_round(self, round_index: int, mean_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
         """Multi-round methods: given the mean over ranks of round ``round_index - 1``'s payload,
         return this rank's payload (and updated ctx) for round ``round_index``. After the last round

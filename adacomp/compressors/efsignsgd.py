@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors._bitpack import pack_bits, unpack_bits
+from adacomp.compressors._bitpack import byte_table, pack_bits, unpack_table
 from adacomp.compressors.sparse import Workspace
 
 
@@ -50,13 +50,13 @@ class EFSignSGDCompressor(Compressor):
         return [scale, signs], SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        """``bit * 2s - s`` is exactly ``(2 bit - 1) * s`` (both are +-s in float32)."""
+        """Each bit becomes -s or +s, exactly ``(2 bit - 1) * s`` in float32, by a byte-table lookup."""
         scale, packed = payload
         c: SignCtx = ctx
         s = scale.to(c.device).float()
-        bits = unpack_bits(packed.to(c.device), 1, c.numel)
         out = self._workspace().output(torch.Size([c.numel]), c.numel, torch.float32, c.device)
-        out.copy_(bits).mul_(2.0 * s).sub_(s)
+        values = torch.cat([-s, s])  # bit 0 -> -s, bit 1 -> +s: the same floats as (2 bit - 1) s
+        unpack_table(packed.to(c.device), 1, c.numel, byte_table(1, values), out)
         return out.to(c.dtype).view(c.shape)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:

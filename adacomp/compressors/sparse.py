@@ -9,7 +9,7 @@ result: they only decide which memory is reused and which elements are re-read.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -118,6 +118,15 @@ def scatter(values: Tensor, indices: Tensor, ctx: SparseCtx, workspace: Workspac
     return out.view(ctx.shape)
 
 
+def sparse_residual(tensor: Tensor, indices: Tensor, out: Tensor) -> Tensor:
+    """``tensor`` with the sent coordinates zeroed, into ``out``: bitwise ``tensor - scatter(values)``
+    when the values are ``tensor``'s own at distinct ``indices`` (x - x = +0.0, x - 0.0 = x), in one
+    copy instead of a zero fill, a scatter and a subtraction."""
+    out.copy_(tensor)
+    out.view(-1).index_fill_(0, indices.to(device=out.device, dtype=torch.int64), 0)
+    return out
+
+
 def nonzero_1d(mask: Tensor, expected: float = 1.0) -> Tensor:
     """``torch.nonzero(mask).view(-1)`` for a contiguous 1-D bool mask, same order. When few are set
     (``expected`` fraction <= 1/32) whole 8-byte words are scanned first: torch's CPU nonzero costs
@@ -221,6 +230,10 @@ class SparseCompressor(Compressor):
     sparse = True
     additive = False
     fixed_size = False
+    exact_values: ClassVar[bool] = True
+    """Payload values are the tensor's own at distinct indices and ``decompress`` scatters them
+    (every built-in sparsifier); :meth:`residual` then zeroes the sent coordinates instead of
+    decompressing. A subclass that rescales or re-encodes values sets it False."""
 
     def __init__(self, density: float = 0.01):
         self._density = check_density(density)
@@ -244,6 +257,11 @@ class SparseCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         return scatter(payload[0], payload[1], ctx, self._workspace())
+
+    def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        if self.exact_values and payload[0].dtype == tensor.dtype:
+            return sparse_residual(tensor, payload[1], out)
+        return super().residual(tensor, payload, ctx, out)
 
     def _workspace(self) -> Workspace:
         """Subclasses that skip ``__init__`` (or objects restored by pickle) still get one."""

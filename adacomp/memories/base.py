@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from adacomp.registry import Registry
@@ -23,6 +24,9 @@ class Memory:
     name: ClassVar[str] = "base"
 
     def compensate(self, tensor: Tensor, name: str) -> Tensor:
+        """The gradient to compress. May write into ``tensor``: the engine hands over this round's
+        gradient, which the averaged one replaces afterwards (a caller that needs ``tensor``
+        unchanged passes a copy)."""
         raise NotImplementedError
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
@@ -83,6 +87,12 @@ class ResidualMemory(Memory):
 
     compensate: ``g + beta * r``; update: ``r = compensated - decompress(compress(compensated))``.
     ``beta`` scales the residual (1.0 = plain error feedback); ``gamma`` scales the new gradient.
+
+    No model-size tensor is allocated per step: ``compensate`` adds the residual into the gradient
+    it is given (the engine hands over this round's gradient, which is replaced by the averaged
+    one afterwards), and ``update`` writes the new residual into the buffer that held the residual
+    of the round before (two buffers per tensor, alternating). The residual stored now is never
+    written, so a snapshot holding references stays valid (:meth:`snapshot`).
     """
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
@@ -93,41 +103,53 @@ class ResidualMemory(Memory):
         self.beta = float(beta)
         self.gamma = float(gamma)
         self.residuals: dict[str, Tensor] = {}
+        self._spare: dict[str, Tensor] = {}  # the other buffer of each pair: next update writes it
 
     def compensate(self, tensor: Tensor, name: str) -> Tensor:
         r = self.residuals.get(name)
         if self.gamma != 1.0:
-            tensor = tensor * self.gamma
+            tensor.mul_(self.gamma)
         if r is None:
             return tensor
         if r.shape != tensor.shape:
             raise ValueError(f"residual for {name!r} has shape {tuple(r.shape)} but the gradient has "
                              f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
-        return tensor + r if self.beta == 1.0 else tensor + self.beta * r
+        return tensor.add_(r) if self.beta == 1.0 else tensor.add_(r, alpha=self.beta)
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
-        sent = compressor.decompress(payload, ctx)
-        self.residuals[name] = tensor - sent.view_as(tensor)
+        out = self._spare.pop(name, None)
+        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or out.device != tensor.device:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        compressor.residual(tensor, payload, ctx, out)
+        old = self.residuals.get(name)
+        self.residuals[name] = out
+        if old is not None and old.shape == out.shape:
+            self._spare[name] = old
 
     def reset(self, name: str | None = None) -> None:
         if name is None:
             self.residuals.clear()
+            self._spare.clear()
         else:
             self.residuals.pop(name, None)
+            self._spare.pop(name, None)
 
     def snapshot(self) -> Any:
-        # compensate / update never write into a stored residual (update replaces it), so
-        # references are a faithful snapshot at no copy cost.
+        # update never writes a stored residual (it writes the spare buffer), so references are a
+        # faithful snapshot at no copy cost.
         return dict(self.residuals)
 
     def restore(self, snap: Any) -> None:
         self.residuals = dict(snap)
+        self._spare.clear()  # a spare may be a restored residual now
 
     def rescale(self, factor: float) -> None:
         self.residuals = {k: v * factor for k, v in self.residuals.items()}
+        self._spare.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self._spare.clear()
