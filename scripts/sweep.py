@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,35 +43,10 @@ MODELS: dict[str, dict[str, int]] = {
 METHODS = ["fp32", "bf16", "topk", "dgc", "qsgd", "powersgd", "acpsgd"]
 
 
-def measure(method: str, model_name: str, sb: Any, args: argparse.Namespace) -> tuple[float, float]:
-    """Median step seconds (slowest rank) and payload bytes per step of one method on link ``sb``."""
-    import adacomp.engine.ddp
-    from adacomp.tools.advise import method_config, model_and_loss
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model, loss = model_and_loss(model_name, args.batch, MODELS[model_name])
-    ddp = DDP(model)
-    state, hook = adacomp.engine.ddp.hook(method_config(method), named_parameters=model.named_parameters(), backend=sb)
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)  # lr 0: timing only, every step does the same work
-    times, sent = [], []
-    for i in range(args.warmup + args.steps):
-        sb.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss(ddp).backward()
-        opt.step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-            sent.append(state.last_stats.bytes_sent if state.last_stats else 0)
-    mine = torch.tensor([statistics.median(times), statistics.median(sent)], dtype=torch.float64)
-    every = sb.allgather(mine.view(1, -1), sizes=[1] * sb.size()).view(sb.size(), -1)
-    return float(every[:, 0].max()), float(every[:, 1].mean())
-
-
 def worker(args: argparse.Namespace) -> None:
     import adacomp
-    from adacomp.tools.advise import model_and_loss, predict, profile_method, profile_model
-    from adacomp.tools.advise import ModelProfile
+    from adacomp.tools.advise import (calibrate, measure_step, model_and_loss, predict, profile_method, profile_model,
+                                      slowest)
     from adacomp.backends.shaped import ShapedBackend
     from adacomp.netem.hosts import parse_duration, parse_rate
     from adacomp import netmodel
@@ -84,21 +58,21 @@ def worker(args: argparse.Namespace) -> None:
     alpha = parse_duration(args.latency)
     rows = []
     for mname in args.models:
-        model, loss = model_and_loss(mname, args.batch, MODELS[mname])
+        def factory(mname: str = mname) -> Any:
+            return model_and_loss(mname, args.batch, MODELS[mname])
+        model, loss = factory()
         be.barrier()
-        prof = profile_model(model, loss, args.repeats)
-        local = torch.tensor([prof.forward_s + prof.optimizer_s + prof.backward_s], dtype=torch.float64)
-        every = be.allgather(local.view(1, -1), sizes=[1] * world).view(-1)
-        scale = float(every.max() / every[rank])
-        prof = ModelProfile(prof.names, prof.shapes, [c * scale for c in prof.compute_s], prof.forward_s * scale,
-                            prof.optimizer_s * scale)
+        prof = slowest(profile_model(model, loss, args.repeats), be)
         mps = {m: profile_method(m, prof, args.repeats) for m in args.methods}
+        if args.calibration_steps:  # as `adacomp advise` does: real steps on the unshaped link
+            raw = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(be)
+            calibrate(prof, list(mps.values()), be, raw, factory, steps=args.calibration_steps, warmup=1)
         nparams = sum(s.numel() for s in prof.shapes)
         for bw in args.bandwidths:
             sb = ShapedBackend(be, alpha=alpha, beta=8.0 / parse_rate(bw), cost="table1")
             est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(sb)
             for m in args.methods:
-                step_s, sent = measure(m, mname, sb, args)
+                step_s, sent = measure_step(m, *factory(), sb, args.steps, args.warmup)
                 pred = predict(prof, mps[m], world, est.alpha, est.beta)
                 row = {"model": mname, "params_m": nparams / 1e6, "bandwidth": bw, "method": m, "step_ms": 1e3 * step_s,
                        "pred_ms": 1e3 * pred.step_s, "mib": sent / 2**20, "probe_mbit": est.bandwidth_gbps * 1e3,
@@ -152,7 +126,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
              "CPU), `fp32` the hook without compression. Speedup = bf16 step time / method step time.", "",
              "Predicted = `adacomp.tools.advise.predict` (the `adacomp advise` model: per-gradient backward profile, "
              "per-tensor compression profile, DDP buckets, ByteComp timeline, Table I with alpha / beta probed "
-             "through the shaped link). Error = (predicted - measured) / measured.", "",
+             "through the shaped link). " + (f"Calibrated as `adacomp advise` does: {args.calibration_steps} real steps per method on "
+             "the unshaped loopback link, whose measured minus modelled step time is added to the method's prediction at "
+             "every bandwidth (advise measures on the link it runs on and extrapolates the alpha / beta part). "
+             if args.calibration_steps else "Uncalibrated (`--calibration-steps 0`). ") +
+             "Error = (predicted - measured) / measured.", "",
              "![sweep](sweep.png)", ""]
     for mname in args.models:
         sub = [r for r in rows if r["model"] == mname]
@@ -228,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="profiling repeats (advise)")
+    ap.add_argument("--calibration-steps", type=int, default=3, help="advise's calibration: real steps per method on "
+                    "the unshaped link (0: the uncalibrated model)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
     if "bf16" not in args.methods:

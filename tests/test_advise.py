@@ -98,7 +98,7 @@ def test_advise_command_end_to_end() -> None:
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     out = [line.split("] ", 1)[1] if line.startswith("[0] ") else line for line in r.stdout.splitlines()]
-    rows = {ln.split()[1]: ln.split() for ln in out if ln[:1].isdigit() and len(ln.split()) == 6}
+    rows = {ln.split()[1]: ln.split() for ln in out if ln[:1].isdigit() and len(ln.split()) == 7}
     assert set(rows) == {"fp32", "bf16", "topk"}
     mib = {m: float(v[4]) for m, v in rows.items()}
     assert mib["bf16"] == pytest.approx(mib["fp32"] / 2, abs=0.011)  # bytes are exact, printed to 0.01
@@ -107,6 +107,18 @@ def test_advise_command_end_to_end() -> None:
     from adacomp.config import load
     assert load(yaml.safe_load(text)).policy.name == "static"
     assert "emulated 100mbit 100us link" in r.stdout
+    assert any(ln.startswith("calibration: 3 real DDP steps per method") for ln in out)
     bad = subprocess.run(cmd[:4] + ["--model", "cnn", "--methods", "zstd"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "unknown method 'zstd'" in bad.stderr
+
+
+def test_calibration_overhead_is_added_to_every_prediction() -> None:
+    """What calibration measured on one link (measured - modelled step) shifts every link's prediction."""
+    N = 2
+    mp = _method("q", 1, compress=0.001)
+    plain = [predict(_prof(0.001), mp, N, a, b).step_s for a, b in ((1e-4, 1e-9), (1e-3, 1e-7))]
+    mp.overhead_s = 0.02
+    shifted = [predict(_prof(0.001), mp, N, a, b) for a, b in ((1e-4, 1e-9), (1e-3, 1e-7))]
+    assert [p.step_s - q for p, q in zip(shifted, plain)] == pytest.approx([0.02, 0.02])
+    assert all(p.overhead_s == 0.02 for p in shifted)

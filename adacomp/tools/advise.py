@@ -18,6 +18,13 @@ the AR-Topk paper's Table I costs (adacomp/netmodel.py): ring allreduce for dens
 payloads (one per round: PowerSGD's P and Q), allgather for the others. Step time = timeline
 iteration time + forward + optimizer step + the hook's one-float non-finite vote.
 
+Calibration (:func:`calibrate`, on by default): what the model leaves out (the hook's Python work
+per bucket, error feedback's compensation pass, copies into DDP's buckets, the collectives' own CPU
+time on the ranks' cores) is measured once per method: a few real DDP steps through adacomp's hook
+on the link advise runs on, minus the model's prediction for that link. That difference is added
+to the method's prediction for every other link, so the model only extrapolates what depends on
+alpha and beta.
+
 Not modelled (so not ranked): communicators other than allreduce / allgather / allgather_fast
 (alltoall, AR-Topk's, Ok-Topk's) and adaptive policies (they change the method while training).
 """
@@ -133,6 +140,7 @@ class MethodProfile:
     compress_s: dict[str, float] = field(default_factory=dict)
     decompress_s: dict[str, float] = field(default_factory=dict)
     unsupported: str = ""
+    overhead_s: float = 0.0  # measured minus modelled step on the calibration link (:func:`calibrate`)
 
 
 def profile_method(method: str, prof: ModelProfile, repeats: int = 5, budget_s: float = 3.0) -> MethodProfile:
@@ -192,6 +200,7 @@ class Prediction:
     comm_bytes: float  # payload bytes one rank sends per step
     compress_s: float
     note: str = ""
+    overhead_s: float = 0.0  # the calibration's share of step_s
 
 
 def _groups(prof: ModelProfile, mp: MethodProfile, bucket_mb: float) -> list[list[str]]:
@@ -259,9 +268,58 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
         {"device": lambda M: dec_s[by_bytes[M]] / world, "cpu": lambda M: dec_s[by_bytes[M]] / world})
     tl = timeline.simulate(tensors, options, model)
     vote = netmodel.ring_allreduce(4, world, alpha, beta) if world > 1 else 0.0
-    step = tl.iteration_s + prof.forward_s + prof.optimizer_s + vote
+    step = tl.iteration_s + prof.forward_s + prof.optimizer_s + vote + mp.overhead_s
     payload = sum(t.compressed_bytes if o.compressed else t.nbytes for t, o in zip(tensors, options))
-    return Prediction(mp.method, step, payload, sum(comp_s.values()))
+    return Prediction(mp.method, step, payload, sum(comp_s.values()), overhead_s=mp.overhead_s)
+
+
+def measure_step(method: str, model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
+                 steps: int = 5, warmup: int = 2) -> tuple[float, float]:
+    """Median seconds per real training step (slowest rank) and payload bytes per step of ``method``:
+    ``model`` wrapped in PyTorch DDP whose buckets go through adacomp's hook on ``backend``
+    (collective: every rank calls it; needs torch.distributed's default group). lr 0: every step
+    does the same work, and ``model`` is left as it was."""
+    import adacomp.engine.ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model)
+    state, hook = adacomp.engine.ddp.hook(method_config(method), named_parameters=model.named_parameters(),
+                                          backend=backend)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    times, sent = [], []
+    for i in range(warmup + steps):
+        backend.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss(ddp).backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            sent.append(state.last_stats.bytes_sent if state.last_stats else 0)
+    mine = torch.tensor([statistics.median(times), statistics.median(sent)], dtype=torch.float64)
+    every = backend.allgather(mine.view(1, -1), sizes=[1] * backend.size()).view(backend.size(), -1)
+    return float(every[:, 0].max()), float(every[:, 1].mean())
+
+
+def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: netmodel.NetEstimate,
+              model_factory: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]],
+              steps: int = 5, warmup: int = 2, bucket_mb: float = 25.0) -> dict[str, float]:
+    """Set each modelled method's ``overhead_s`` = its measured step on ``backend`` (whose link
+    ``est`` describes) minus the model's prediction there; returns the measured step times.
+    Collective. Without torch.distributed (mpirun / horovodrun launches) nothing is measured."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    measured = {}
+    for mp in mps:
+        if mp.unsupported:
+            continue
+        model, loss = model_factory()
+        step_s, _ = measure_step(mp.method, model, loss, backend, steps, warmup)
+        mp.overhead_s = 0.0
+        mp.overhead_s = step_s - predict(prof, mp, backend.size(), est.alpha, est.beta, bucket_mb).step_s
+        measured[mp.method] = step_s
+    return measured
 
 
 def _allreduce_rounds(rounds: int, world: int, alpha: float, beta: float) -> Callable[[float], float]:
@@ -328,21 +386,31 @@ def shaped(be: Any, bandwidth: str | None, latency: str | None) -> Any:
     return ShapedBackend(be, alpha=alpha, beta=beta, cost="table1")
 
 
-def advise(be: Any, model_name: str, methods: list[str], batch: int = 32, kwargs: dict[str, int] | None = None,
-           bucket_mb: float = 25.0, repeats: int = 5) -> tuple[list[tuple[Prediction, float]], netmodel.NetEstimate,
-                                                               ModelProfile, list[Prediction]]:
-    """Probe, profile and predict on every rank of ``be`` (collective: call on all ranks)."""
-    est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(be)
-    model, loss = model_and_loss(model_name, batch, kwargs or {})
-    be.barrier()
-    prof = profile_model(model, loss, repeats)
-    mps = [profile_method(m, prof, repeats) for m in methods]
-    # every rank predicts from the slowest rank's profile: a step waits for the slowest rank
+def slowest(prof: ModelProfile, be: Any) -> ModelProfile:
+    """``prof`` scaled to the slowest rank's compute (collective): a step waits for the slowest rank."""
     local = torch.tensor([prof.forward_s + prof.optimizer_s + prof.backward_s], dtype=torch.float64)
     every = be.allgather(local.view(1, -1), sizes=[1] * be.size()).view(-1)
     scale = float(every.max() / every[be.rank()]) if float(every[be.rank()]) > 0 else 1.0
-    prof = ModelProfile(prof.names, prof.shapes, [c * scale for c in prof.compute_s], prof.forward_s * scale,
+    return ModelProfile(prof.names, prof.shapes, [c * scale for c in prof.compute_s], prof.forward_s * scale,
                         prof.optimizer_s * scale)
+
+
+def advise(be: Any, model_name: str, methods: list[str], batch: int = 32, kwargs: dict[str, int] | None = None,
+           bucket_mb: float = 25.0, repeats: int = 5, calibration_steps: int = 3,
+           target: Any = None) -> tuple[list[tuple[Prediction, float]], netmodel.NetEstimate, ModelProfile,
+                                        list[Prediction]]:
+    """Probe, profile, calibrate on ``be``'s link and predict for ``target``'s (default: the same
+    link) on every rank (collective: call on all ranks). ``calibration_steps`` 0 skips calibration."""
+    est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(be)
+    model, loss = model_and_loss(model_name, batch, kwargs or {})
+    be.barrier()
+    prof = slowest(profile_model(model, loss, repeats), be)
+    mps = [profile_method(m, prof, repeats) for m in methods]
+    if calibration_steps:
+        calibrate(prof, mps, be, est, lambda: model_and_loss(model_name, batch, kwargs or {}),
+                  steps=calibration_steps, warmup=1, bucket_mb=bucket_mb)
+    if target is not None and target is not be:
+        est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(target)
     preds = [predict(prof, mp, be.size(), est.alpha, est.beta, bucket_mb) for mp in mps]
     return rank_methods(preds), est, prof, preds
 
@@ -354,10 +422,14 @@ def _report(ranked: list[tuple[Prediction, float]], preds: list[Prediction], est
              f"({world} ranks, probed{' through an emulated ' + (args.bandwidth or '') + ' ' + (args.latency or '') + ' link' if args.bandwidth or args.latency else ''})",
              f"model {args.model}: {sum(s.numel() for s in prof.shapes) / 1e6:.2f}M parameters in {len(prof.names)} "
              f"tensors; forward {prof.forward_s * 1e3:.1f} ms, backward {prof.backward_s * 1e3:.1f} ms (batch {args.batch})",
-             "", f"{'rank':<5}{'method':<12}{'step ms':>10}{'vs ' + BASELINE:>10}{'MiB/step':>10}{'compress ms':>13}"]
+             "calibration: " + (f"{args.calibration_steps} real DDP steps per method on the real link; 'calib ms' is "
+                                "what the model left out there, added to every prediction" if args.calibration_steps
+                                and any(p.overhead_s for p in preds) else "none (model only)"),
+             "", f"{'rank':<5}{'method':<12}{'step ms':>10}{'vs ' + BASELINE:>10}{'MiB/step':>10}{'compress ms':>13}"
+                 f"{'calib ms':>10}"]
     for i, (p, sp) in enumerate(ranked, 1):
         lines.append(f"{i:<5}{p.method:<12}{p.step_s * 1e3:>10.1f}{sp:>9.2f}x{p.comm_bytes / 2**20:>10.2f}"
-                     f"{p.compress_s * 1e3:>13.1f}")
+                     f"{p.compress_s * 1e3:>13.1f}{p.overhead_s * 1e3:>+10.1f}")
     for p in preds:
         if p.note:
             lines.append(f"     {p.method:<12}not ranked: {p.note}")
@@ -385,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--calibration-steps", type=int, default=3, help="real DDP steps per method on the real link "
+                    "to measure what the model leaves out (0: none)")
     ap.add_argument("--bandwidth", help="emulate this link (e.g. 100mbit) instead of the real one")
     ap.add_argument("--latency", help="emulated latency per message (e.g. 0.5ms)")
     args = ap.parse_args(argv)
@@ -403,9 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         from adacomp.runtime.launch import run_local
         return run_local([sys.executable, "-m", "adacomp.tools.cli", "advise", *argv], args.np)
     import adacomp
-    be = shaped(adacomp.init(), args.bandwidth, args.latency)
+    real = adacomp.init()
+    be = shaped(real, args.bandwidth, args.latency)
     torch.set_num_threads(1)
-    ranked, est, prof, preds = advise(be, args.model, methods, args.batch, kwargs, args.bucket_mb, args.repeats)
+    # calibrated on the real link (the emulated one would be measured, not predicted), predicted for be's
+    ranked, est, prof, preds = advise(real, args.model, methods, args.batch, kwargs, args.bucket_mb, args.repeats,
+                                      args.calibration_steps, target=be)
     if be.rank() == 0:
         print(_report(ranked, preds, est, prof, args, be.size()), flush=True)
     be.barrier()
