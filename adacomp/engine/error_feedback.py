@@ -56,7 +56,7 @@ def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor]
     new). A joined rank (uneven inputs) passes all False and sends only zeros."""
     mem = b.route.memory
     if b.fused_compressor is not None:
-        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+        flat = _flatten(b, grads)
         if used is not None and not any(used):
             return [Entry(b.fused_key, flat, b.fused_compressor, _NO_MEMORY)]
         return [Entry(b.fused_key, mem.compensate(flat, b.fused_key), b.fused_compressor, mem)]
@@ -65,6 +65,18 @@ def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor]
         m = mem if used is None or used[i] else _NO_MEMORY
         out.append(Entry(n, m.compensate(g, n), compressors[n], m))
     return out
+
+
+def _flatten(b: "Bucket", grads: list[Tensor]) -> Tensor:
+    """The bucket's gradients as one flat tensor, concatenated into a buffer the bucket reuses once
+    nothing else holds it (a fresh model-size tensor per step costs more in page faults than the copy)."""
+    if len(grads) == 1:
+        return grads[0].reshape(-1)
+    g0 = grads[0]
+    if any(g.dtype != g0.dtype or g.device != g0.device for g in grads):
+        return torch.cat([g.reshape(-1) for g in grads])
+    n = sum(g.numel() for g in grads)
+    return torch.cat([g.reshape(-1) for g in grads], out=b.workspace.output(torch.Size([n]), n, g0.dtype, g0.device))
 
 
 def commit(e: Entry) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from torch import Tensor
@@ -20,6 +20,7 @@ from adacomp import communicators, compressors, memories
 from adacomp.engine import fusion
 from adacomp.communicators.base import Communicator
 from adacomp.compressors.base import Compressor
+from adacomp.compressors.sparse import Workspace
 from adacomp.config import ComponentSpec, Config, check_offload
 from adacomp.errors import ConfigError, IncompatibleComponentsError
 from adacomp.memories.base import Memory
@@ -52,6 +53,7 @@ class Bucket:
     communicator: Communicator
     fused_compressor: Compressor | None = None  # set when compressing the flattened bucket
     fused_key: str = ""  # memory / state key when fused
+    workspace: Workspace = field(default_factory=Workspace, repr=False, compare=False)  # the fused flat buffer
 
 
 def spec_key(*specs: ComponentSpec) -> str:
