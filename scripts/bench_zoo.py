@@ -128,7 +128,8 @@ def worker(args: argparse.Namespace) -> None:
             rows.append({"model": mname, "params_m": nparams / 1e6, "tensors": len(list(model.parameters())),
                          "batch": batch, "method": a, "step_ms": 1e3 * step, "ratio": step / ddp_s,
                          "compress_share": comp / step, "rounds_ms": [1e3 * s for s, _ in got[a]],
-                         "before_ratio": BEFORE.get(mname, {}).get(a)})
+                         "before_ratio": BEFORE.get(mname, {}).get(a), "rounds": args.rounds,
+                         "warmup": args.warmup, "steps": args.steps})
         del model, data
         gc.collect()
     if rank == 0:
@@ -147,16 +148,16 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
         old = {(r["model"], r["method"]): r for r in json.loads(path.read_text())["rows"]}
     old.update({(r["model"], r["method"]): r for r in rows})
     rows = list(old.values())
-    path.write_text(json.dumps({"rows": rows, "world": world, "steps": args.steps, "rounds": args.rounds}, indent=1))
+    path.write_text(json.dumps({"rows": rows, "world": world}, indent=1))
     models = list(dict.fromkeys(r["model"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     bar = {"resnet50": 1.25, "gpt2_small": 1.25, "vgg16": 1.5}
-    lines = [f"{world} processes on one machine (gloo on loopback, {args.threads} thread each), one launch per "
-             f"model set; arms alternate round-robin ({args.rounds} rounds, order rotated each round), each round a "
-             f"fresh optimizer on the same model, {args.warmup} warm-up steps (policies: until decided) then "
-             f"{args.steps} measured steps, lr 0. Cell: step time / PyTorch DDP's in the same run (median over "
-             "rounds, slowest rank), then the share of the step spent compressing (compress + decompress + error "
-             "feedback). Issue 17's bar: <= 1.25x DDP on ResNet-50 and GPT-2, <= 1.5x on VGG-16. "
+    lines = [f"{world} processes on one machine (gloo on loopback, {args.threads} thread each); per model one "
+             "launch in which the arms alternate round-robin (order rotated each round), each round a fresh "
+             "optimizer on the same model, warm-up steps (policies: until decided) then measured steps, lr 0 "
+             "(rounds / warm-up / measured steps per model below). Cell: step time / PyTorch DDP's in the same run "
+             "(median over rounds and steps, slowest rank), then the share of the step spent compressing (compress + "
+             "decompress + error feedback). Issue 17's bar: <= 1.25x DDP on ResNet-50 and GPT-2, <= 1.5x on VGG-16. "
              "\"before\" = issue 17's own table (its run on the code before this work).", "",
              "| method | " + " | ".join(f"{m} before | {m} now" for m in models) + " |",
              "|---|" + "---:|---:|" * len(models)]
@@ -177,9 +178,15 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
     lines += ["", "Models: " + ", ".join(
         f"{m} ({next(r for r in rows if r['model'] == m)['params_m']:.1f}M parameters, "
         f"{next(r for r in rows if r['model'] == m)['tensors']} tensors, batch "
-        f"{next(r for r in rows if r['model'] == m)['batch']} per rank)" for m in models) + ". ✗ = above the bar.", "",
+        f"{next(r for r in rows if r['model'] == m)['batch']} per rank, {_schedule(rows, m)})" for m in models) +
+        ". ✗ = above the bar.", "",
         "Per-round step times (ms) are in zoo_steps.json (`rounds_ms`)."]
     write_result(str(out / "zoo_steps.md"), "Step time vs PyTorch DDP on the model zoo (2 processes, loopback)", lines)
+
+
+def _schedule(rows: list[dict[str, Any]], model: str) -> str:
+    r = next(r for r in rows if r["model"] == model)
+    return f"{r.get('rounds', '?')} round(s) x ({r.get('warmup', '?')} warm-up + {r.get('steps', '?')} measured steps)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,12 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--batch", type=int, default=0, help="per-rank batch (0: the model's default in BATCH)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2, help="error feedback and recycled outputs alternate two "
+                    "buffers: the first two steps pay their page faults")
     ap.add_argument("--steps", type=int, default=2, help="measured steps per arm and round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--merge", action="store_true", help="keep rows of other models / methods in zoo_steps.json")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--report-only", action="store_true", help="rewrite zoo_steps.md from zoo_steps.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        data = json.loads((Path(args.out_dir) / "zoo_steps.json").read_text())
+        args.merge = True
+        report([], args, data["world"])
+        return 0
     from adacomp.runtime.launch import worker_or_spawn
     return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
 

@@ -37,6 +37,9 @@ def make(kind: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         x = (x.view(shape[0], -1) * torch.exp(3 * torch.randn(shape[0], 1, generator=g))).reshape(-1)
     elif kind == "sparse":
         x = x * (torch.rand(n, generator=g) < 0.002)
+    elif kind == "zerocols":  # a ReLU layer's weight gradient: ~75 % of the columns exactly zero
+        cols = torch.Size(shape)[1:].numel()
+        x = (x.view(shape[0], cols) * (torch.rand(cols, generator=g) < 0.25)).reshape(-1)
     elif kind == "fp16":
         x = x.half()
     elif kind == "bf16":
@@ -70,7 +73,7 @@ CASES = [  # (shape, split, density): block gather (long rows, small q) and mask
 ]
 
 
-@pytest.mark.parametrize("kind", ["gauss", "t3", "ties", "nan", "rowscale", "sparse", "fp16", "bf16"])
+@pytest.mark.parametrize("kind", ["gauss", "t3", "ties", "nan", "rowscale", "sparse", "zerocols", "fp16", "bf16"])
 @pytest.mark.parametrize("shape,split,density", CASES)
 def test_fast_row_topk_equals_plain_per_row_topk(monkeypatch, kind, shape, split, density):
     monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)  # small tensors keep the tests fast
@@ -78,7 +81,9 @@ def test_fast_row_topk_equals_plain_per_row_topk(monkeypatch, kind, shape, split
     m, n, rr = adtopk.matrix_shape(x.shape, split)
     k = max(1, round(density * x.numel()))
     got = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
-    assert got is not None
+    if got is None:  # more than 1/8 of the tensor ties at the floor: the caller runs the plain torch.topk
+        assert kind in ("ties", "bf16")
+        return
     idx, fallback_rows = got
     assert idx.dtype == torch.int64 and idx.unique().numel() == idx.numel() == max(k, m)
     assert set(idx.tolist()) == plain_row_selection(x, split, density)

@@ -56,7 +56,7 @@ def test_randomk_compressor_identical_on_two_copies_and_decompresses() -> None:
     assert torch.equal(out.view(-1)[ctx1.indices], v1) and int(torch.count_nonzero(out)) <= v1.numel()
 
 
-@pytest.mark.parametrize("case", ["gauss", "ties", "nan", "small"])
+@pytest.mark.parametrize("case", ["gauss", "ties", "nan", "small", "zeros", "fewnonzero"])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.2])
 def test_prefiltered_topk_equals_full_topk(case: str, density: float) -> None:
     n = 1000 if case == "small" else 1 << 17
@@ -65,10 +65,12 @@ def test_prefiltered_topk_equals_full_topk(case: str, density: float) -> None:
         x = torch.randint(-4, 5, (n,), generator=gen(2)).float()
     if case == "nan":
         x[[7, 99]] = float("nan")
+    if case in ("zeros", "fewnonzero"):  # a ReLU layer's gradient: mostly exact zeros (fewer than k in the second)
+        x = x * (torch.rand(n, generator=gen(3)) < (0.3 if case == "zeros" else 0.0005))
     k = max(1, round(density * n))
     got = topk_indices(x, k, Workspace())
     ref = torch.topk(x.abs(), k, sorted=False).indices
-    if case == "ties":  # several valid answers: same count, all at least the k-th magnitude
+    if case in ("ties", "fewnonzero"):  # several valid answers: same count, all at least the k-th magnitude
         assert got.numel() == k and torch.unique(got).numel() == k
         assert float(x.abs()[got].min()) >= float(torch.topk(x.abs(), k).values.min())
     else:

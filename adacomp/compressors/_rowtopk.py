@@ -23,6 +23,9 @@ ROW_MIN_NUMEL = 1 << 19
 GATHER_BLOCKS, GATHER_RATIO, MASK_RATIO = 64, 8, 1.5
 
 
+TINY = torch.finfo(torch.float32).tiny  # smallest normal float32: "non-zero" for candidate floors
+CANDIDATE_LIMIT = 1 / 8  # candidates above this share of the tensor: plain torch.topk is faster
+
 def matrix_shape(shape: torch.Size, split: str) -> tuple[int, int, int]:
     """(M, N, R) of the M x N view: R > 1 only for ``dim1`` on tensors with more than 2 dims
     (R trailing elements are interleaved between consecutive dim-1 entries)."""
@@ -72,10 +75,21 @@ def _floor(bmax: Tensor, q1: int) -> tuple[Tensor, Tensor]:
     """q1-th largest of each row's disjoint block maxima: <= the row's own q1-th largest |x|."""
     floor = torch.topk(bmax, q1, dim=1, sorted=False).values.amin(1)
     bad = torch.isnan(floor)
+    # A row with fewer than q1 non-zero blocks has floor 0, and ">= 0" would make every element a
+    # candidate (VGG-16's fc6 gradient is ~73 % exact zeros: ReLU inputs): 40x slower. Any floor
+    # works as long as a row short of q1 candidates takes the exact path, so zeros never qualify.
+    floor.clamp_(min=TINY)
     return floor.masked_fill_(bad, math.inf), bad
 
 
-def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates:
+def _too_many(candidates: int, numel: int) -> bool:
+    """The block-max floor filtered too little (rows whose large values crowd into a few columns, as
+    in a low-rank weight gradient; many ties): sorting that many costs more than torch.topk on
+    every row, which the caller then runs."""
+    return candidates > CANDIDATE_LIMIT * numel
+
+
+def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates | None:
     """Contiguous rows (split ``rows``), small q: block maxima from amax / amin (two read-only
     passes, no |x| pass), then only the blocks whose maximum reaches the floor are re-read."""
     bs = n // blocks
@@ -83,6 +97,8 @@ def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates:
     bmax = torch.maximum(v.amax(2), v.amin(2).neg_()).float()  # NaN propagates
     floor, bad = _floor(bmax, q1)
     hit = torch.nonzero(bmax >= floor[:, None])
+    if _too_many(hit.shape[0] * bs, m * n):
+        return None
     blk = hit[:, 0] * blocks + hit[:, 1]
     g = x.reshape(m * blocks, bs).index_select(0, blk).abs().float()
     at = torch.nonzero((g >= floor.index_select(0, hit[:, 0])[:, None]).view(-1)).view(-1)
@@ -90,7 +106,7 @@ def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates:
                       hit[:, 0].index_select(0, at // bs), bad)
 
 
-def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: Workspace) -> Candidates:
+def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: Workspace) -> Candidates | None:
     """Any split, any q: |x| into scratch, block maxima over the first ``blocks * (n // blocks)``
     columns (contiguous blocks where they are long enough to reduce fast, else strided), one
     compare pass against the per-row floor."""
@@ -110,6 +126,8 @@ def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: 
         torch.ge(am, fl, out=mm)
     else:
         torch.logical_not(torch.lt(am, fl, out=mm), out=mm)  # keeps NaN
+    if _too_many(int(torch.count_nonzero(mask)), m * n):
+        return None
     flat = nonzero_1d(mask.view(-1), min(1.0, 1.6 * q1 / n))
     row = flat // n if rr == 1 else flat // (n * rr) * rr + flat % rr
     return Candidates(flat, a.index_select(0, flat), row, bad)
@@ -157,6 +175,8 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     elif 2 * blocks <= n:
         c = _by_mask(tensor, m, n, rr, q1, blocks, ws)
     else:
+        return None
+    if c is None:
         return None
     counts = torch.bincount(c.row, minlength=m)
     bad = c.bad

@@ -26,6 +26,7 @@ from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
                                         k_for, sample_value, scatter)
 
+TINY = torch.finfo(torch.float32).tiny
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 
 
@@ -48,7 +49,9 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     a = workspace.magnitudes(flat)
     expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
     counter = ThresholdCounter(a, strict=False, workspace=workspace)
-    counter.compact(sample_value(a, expected), expected, keep_nan=True)
+    # floor above 0: exact zeros (ReLU layers' gradients are mostly zeros) never become candidates;
+    # fewer than k candidates falls back to the full torch.topk below
+    counter.compact(max(sample_value(a, expected), TINY), expected, keep_nan=True)
     vals = counter.vals
     if vals is not None and vals.numel() >= k:
         if 2 * k <= vals.numel():
