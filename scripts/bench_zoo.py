@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -129,7 +130,8 @@ def worker(args: argparse.Namespace) -> None:
                          "batch": batch, "method": a, "step_ms": 1e3 * step, "ratio": step / ddp_s,
                          "compress_share": comp / step, "rounds_ms": [1e3 * s for s, _ in got[a]],
                          "before_ratio": BEFORE.get(mname, {}).get(a), "rounds": args.rounds,
-                         "warmup": args.warmup, "steps": args.steps})
+                         "warmup": args.warmup, "steps": args.steps,
+                         "command": "python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]])})
         del model, data
         gc.collect()
     if rank == 0:
@@ -180,7 +182,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
         f"{next(r for r in rows if r['model'] == m)['tensors']} tensors, batch "
         f"{next(r for r in rows if r['model'] == m)['batch']} per rank, {_schedule(rows, m)})" for m in models) +
         ". ✗ = above the bar.", "",
-        "Per-round step times (ms) are in zoo_steps.json (`rounds_ms`)."]
+        "Per-round step times (ms) are in zoo_steps.json (`rounds_ms`). Commands (each launch writes its rows; "
+        "`--merge` keeps the others, `--report-only` rewrites this file from the JSON):", ""]
+    lines += [f"    {c}" for c in dict.fromkeys(r.get("command", "?") for r in rows)]
     write_result(str(out / "zoo_steps.md"), "Step time vs PyTorch DDP on the model zoo (2 processes, loopback)", lines)
 
 

@@ -103,3 +103,15 @@ def test_netem_experiment_script(tmp_path):
     assert (tmp_path / "netem.png").stat().st_size > 0
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "acxt-" not in left
+
+
+def test_bench_zoo_script(tmp_path):
+    """Full-size zoo model, real DDP arm and one method alternating in one launch; ratio to DDP reported."""
+    import json
+    out = _launch("bench_zoo.py", "--models", "lstm_lm", "--methods", "topk", "--batch", "2", "--warmup", "1",
+                  "--steps", "1", "--rounds", "2", "--out-dir", str(tmp_path))
+    assert "lstm_lm round 2/2" in out
+    rows = {r["method"]: r for r in json.loads((tmp_path / "zoo_steps.json").read_text())["rows"]}
+    assert set(rows) == {"ddp", "topk"} and rows["ddp"]["ratio"] == 1.0 and len(rows["topk"]["rounds_ms"]) == 2
+    md = (tmp_path / "zoo_steps.md").read_text()
+    assert "| topk |" in md and "python scripts/bench_zoo.py --models lstm_lm" in md
