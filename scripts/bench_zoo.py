@@ -182,6 +182,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
         f"{next(r for r in rows if r['model'] == m)['tensors']} tensors, batch "
         f"{next(r for r in rows if r['model'] == m)['batch']} per rank, {_schedule(rows, m)})" for m in models) +
         ". ✗ = above the bar.", "",
+        "Reading it: on loopback gloo's dense allreduce of 100-550 MB itself costs CPU time on the same two cores, "
+        "which a method's smaller payload saves; that is how a compressed step can beat DDP here. Launch-to-launch "
+        "noise is about +-10 % (DDP's GPT-2 step was 6.85 s and 7.58 s in two launches), so read ratios within "
+        "0.9-1.1x as 'no cost'. The compress share is of the whole step; backward is roughly half to two thirds of "
+        "a step here.", "",
         "Per-round step times (ms) are in zoo_steps.json (`rounds_ms`). Commands (each launch writes its rows; "
         "`--merge` keeps the others, `--report-only` rewrites this file from the JSON):", ""]
     lines += [f"    {c}" for c in dict.fromkeys(r.get("command", "?") for r in rows)]

@@ -75,7 +75,8 @@ def worker(args: argparse.Namespace) -> None:
                 step_s, sent = measure_step(m, *factory(), sb, args.steps, args.warmup)
                 pred = predict(prof, mps[m], world, est.alpha, est.beta)
                 row = {"model": mname, "params_m": nparams / 1e6, "bandwidth": bw, "method": m, "step_ms": 1e3 * step_s,
-                       "pred_ms": 1e3 * pred.step_s, "mib": sent / 2**20, "probe_mbit": est.bandwidth_gbps * 1e3,
+                       "pred_ms": 1e3 * pred.step_s, "model_ms": 1e3 * (pred.step_s - pred.overhead_s),
+                       "mib": sent / 2**20, "probe_mbit": est.bandwidth_gbps * 1e3,
                        "alpha_us": est.alpha * 1e6}
                 rows.append(row)
                 if rank == 0:
@@ -97,11 +98,14 @@ def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[s
             r["speedup"] = base["step_ms"] / r["step_ms"]
             r["pred_speedup"] = base["pred_ms"] / r["pred_ms"]
             r["error_pct"] = 100 * (r["pred_ms"] - r["step_ms"]) / r["step_ms"]
+            r["model_error_pct"] = 100 * (r.get("model_ms", r["pred_ms"]) - r["step_ms"]) / r["step_ms"]
         meas = [r["method"] for r in sorted(sub, key=lambda r: r["step_ms"])][:3]
         pred = [r["method"] for r in sorted(sub, key=lambda r: r["pred_ms"])][:3]
+        model = [r["method"] for r in sorted(sub, key=lambda r: r.get("model_ms", r["pred_ms"]))][:3]
         out.append({"model": key[0], "bandwidth": key[1], "measured_top3": meas, "predicted_top3": pred,
                     "same_order": meas == pred, "same_set": set(meas) == set(pred),
-                    "best_measured": meas[0], "best_predicted": pred[0]})
+                    "best_measured": meas[0], "best_predicted": pred[0],
+                    "model_same_set": set(meas) == set(model), "model_best": model[0]})
     return out
 
 
@@ -169,6 +173,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
               f"method in {sum(a['best_measured'] == a['best_predicted'] for a in agree)} / {len(agree)}. "
               f"Step-time error: median |error| {statistics.median(errs):.0f}%, {within} / {len(errs)} predictions "
               "within 25%." if errs else ""]
+    merrs = [abs(r["model_error_pct"]) for r in rows]
+    if merrs and args.calibration_steps:
+        lines += ["", f"The model alone (no calibration) on the same rows: same set in "
+                  f"{sum(a['model_same_set'] for a in agree)} / {len(agree)}, same best method in "
+                  f"{sum(a['best_measured'] == a['model_best'] for a in agree)} / {len(agree)}, median |error| "
+                  f"{statistics.median(merrs):.0f}%, {sum(e <= 25 for e in merrs)} / {len(merrs)} within 25%."]
     sys.argv = [os.path.relpath(__file__)] + sys.argv[1:]
     write_result(str(out / "sweep.md"), "Bandwidth sweep: speedup over bf16 DDP, and advise's predictions", lines)
 
