@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from adacomp.compressors.sparse import Workspace, nonzero_1d
+from adacomp.compressors.sparse import TINY, Workspace, nonzero_1d
 
 # CPU fast paths (same selections, fewer passes) for float dtypes whose |x| is exact in float32.
 FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -23,8 +23,8 @@ ROW_MIN_NUMEL = 1 << 19
 GATHER_BLOCKS, GATHER_RATIO, MASK_RATIO = 64, 8, 1.5
 
 
-TINY = torch.finfo(torch.float32).tiny  # smallest normal float32: "non-zero" for candidate floors
 CANDIDATE_LIMIT = 1 / 8  # candidates above this share of the tensor: plain torch.topk is faster
+
 
 def matrix_shape(shape: torch.Size, split: str) -> tuple[int, int, int]:
     """(M, N, R) of the M x N view: R > 1 only for ``dim1`` on tensors with more than 2 dims

@@ -37,6 +37,9 @@ def k_for(numel: int, density: float) -> int:
     return min(numel, max(1, int(round(density * numel))))
 
 
+TINY = torch.finfo(torch.float32).tiny
+"""Smallest normal float32: the lowest candidate floor of the prefiltered selections, so exact zeros
+(most of a ReLU layer's gradient) never qualify; a selection short of candidates takes its exact path."""
 RECYCLE_MIN_NUMEL = 1 << 18  # below ~1 MiB the allocator reuses heap memory without page faults
 
 

@@ -24,9 +24,8 @@ from torch import Tensor
 
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
-                                        k_for, sample_value, scatter)
+                                        TINY, k_for, sample_value, scatter)
 
-TINY = torch.finfo(torch.float32).tiny
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 
 
