@@ -17,7 +17,8 @@ batches. The clock counts training only: evaluation (every ``--eval-every`` step
 scores a slice of the test set) is paused out, and the time is the slowest host's.
 
     python scripts/time_to_accuracy.py                   # reduced size (~13 min on 2 shared cores)
-    python scripts/time_to_accuracy.py --size full       # every method, until convergence (hours)
+    python scripts/time_to_accuracy.py --size medium     # every method, all the data, a few epochs (~1-2 h)
+    python scripts/time_to_accuracy.py --size full       # every method, until convergence (many hours)
 
 Needs root (namespaces); without it the script says so and measures nothing (exit 0).
 """
@@ -48,9 +49,13 @@ SIZES: dict[str, dict[str, Any]] = {
     # reduced: what `make results` runs on 2 shared cores; full: the issue's experiment
     "reduced": {"arms": ["ddp_fp32", "ddp_bf16", "ddp_powersgd", "topk", "powersgd", "acpsgd"],
                 "max_seconds": 45.0, "train_limit": 20000, "test_limit": 2000, "text_windows": 8000,
+                "text_test": 512,
                 "acc_target": 0.78, "loss_target": 2.5},
+    # medium: every method on all the data for a few epochs, to targets 2 cores reach within minutes per arm
+    "medium": {"arms": list(DDP_ARMS + ADACOMP_ARMS), "max_seconds": 180.0, "train_limit": None, "test_limit": None,
+               "text_windows": None, "text_test": 2000, "acc_target": 0.85, "loss_target": 2.2},
     "full": {"arms": list(DDP_ARMS + ADACOMP_ARMS), "max_seconds": 1800.0, "train_limit": None, "test_limit": None,
-             "text_windows": None, "acc_target": 0.90, "loss_target": 1.6},
+             "text_windows": None, "text_test": None, "acc_target": 0.90, "loss_target": 1.6},
 }
 
 
@@ -104,7 +109,8 @@ def make_tasks(args: argparse.Namespace) -> list[Task]:
     if "text" in args.tasks:
         x, y, xt, yt, corpus = char_sequences(32, source="fortunes")
         if args.text_windows:
-            x, y, xt, yt = x[:args.text_windows], y[:args.text_windows], xt[:512], yt[:512]
+            x, y = x[:args.text_windows], y[:args.text_windows]
+        xt, yt = xt[:args.text_test], yt[:args.text_test]  # evaluation wall time: a fixed slice of held-out text
         vocab = len(corpus.vocab)
         tasks.append(Task("text", x, y, xt, yt, lambda: CharLSTM(vocab, 32, 256), seq_loss, "test loss (nats/char)",
                           args.loss_target, False, 3e-3, 32))
@@ -156,16 +162,18 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = task.build()
-    # SGD with momentum for the CNN; Adam for the LSTM (plain SGD sat on the unigram plateau for 100s of steps)
-    base = (torch.optim.SGD(model.parameters(), lr=task.lr, momentum=0.9) if task.higher
+    cfg = {} if arm in BASELINES else yaml.safe_load((ROOT / "configs" / f"{arm}.yaml").read_text())
+    train_cfg = cfg.pop("train", None) or {}
+    # SGD with momentum 0.9 for the CNN (0 where the method applies it itself: DGC's memory, §3.2); Adam for
+    # the LSTM (plain SGD sat on the unigram plateau for 100s of steps)
+    base = (torch.optim.SGD(model.parameters(), lr=task.lr, momentum=train_cfg.get("momentum", 0.9)) if task.higher
             else torch.optim.Adam(model.parameters(), lr=task.lr))
     opt: Any
     if arm in BASELINES:
         net, opt = ddp_baseline(arm, model), base
     else:
-        cfg = yaml.safe_load((ROOT / "configs" / f"{arm}.yaml").read_text())
-        cfg.pop("train", None)
         net, opt = model, adacomp.DistributedOptimizer(base, model.named_parameters(), config=cfg, backend=be)
+        opt.steps_per_epoch = len(task.y) // world // task.batch  # lgreco decides once per epoch
     clock, step, nbytes, curve = 0.0, 0, 0, []
     reached: float | None = None
     epoch = 0
@@ -197,7 +205,8 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
         opt.remove_hooks()
     return {"arm": arm, "task": task.name, "time_to_target_s": reached, "final": curve[-1][2] if curve else None,
             "steps": step, "train_s": curve[-1][0] if curve else clock, "mib_per_host": nbytes / 2**20,
-            "curve": curve, "epochs": epoch + (0 if done else 0)}
+            "curve": curve, "epochs": epoch, "metric_name": task.metric_name, "target": task.target,
+            "higher": task.higher, "train_images": len(task.y)}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -219,81 +228,98 @@ def worker(args: argparse.Namespace) -> None:
         for task in tasks:
             for arm in args.arms:
                 r = train_arm(arm, task, be, args)
-                r.update(bandwidth=bw, probe_mbit=est.bandwidth_gbps * 1e3, alpha_us=est.alpha * 1e6)
+                r.update(bandwidth=bw, probe_mbit=est.bandwidth_gbps * 1e3, alpha_us=est.alpha * 1e6, size=args.size,
+                         command=" ".join(["python", os.path.relpath(__file__, ROOT),
+                                           *[a for a in sys.argv[1:] if a != "--worker"]]))
                 rows.append(r)
                 if rank == 0:
                     tt = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
                     print(f"{bw} {task.name:<6} {arm:<13} target {tt:<12} final {r['final']:.4f} after {r['steps']} "
                           f"steps / {r['train_s']:.1f} s, {r['mib_per_host']:.1f} MiB/host", flush=True)
     if rank == 0:
-        report(rows, args, tasks)
+        report(rows, args)
     be.barrier()
     adacomp.shutdown()
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, tasks: list[Task]) -> None:
+def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` with every (task, bandwidth, arm) that ``new`` measured replaced: tasks and links can be
+    run as separate jobs (``--merge``) and reported together."""
+    key = lambda r: (r["task"], r["bandwidth"], r["arm"])  # noqa: E731
+    fresh = {key(r) for r in new}
+    return [r for r in old if key(r) not in fresh] + new
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "time_to_accuracy.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "time_to_accuracy.png", tasks)
-    reduced = args.size == "reduced"
-    lines = [("**REDUCED SIZE** (fits `make results` on 2 shared CPU cores): " if reduced else "Full size: ") +
-             f"Fashion-MNIST {len(tasks[0].y) if tasks and tasks[0].name == 'fmnist' else '-'} training images, "
-             f"test accuracy target {args.acc_target}; text target {args.loss_target} nats/char; each arm stops at "
-             f"the target or after {args.max_seconds:.0f} s of training clock. The full experiment "
-             "(`--size full`: all 60,000 images, targets 0.90 / 1.6, every method, up to 30 min per arm) was not "
-             "run here." if reduced else "", "",
-             f"{args.hosts} emulated hosts (`adacomp netem`: namespaces + tbf egress cap, gloo over the capped links), "
-             "one worker per host; the 4 workers share 2 CPU cores (with other jobs), so compute is slow and noisy. "
-             "Clock: training only (evaluation paused out), slowest host. Same initial weights and batches per arm. "
-             "`MiB/host`: payload bytes each host put into collectives (DDP: computed from the bucket sizes, "
-             "adacomp: measured). `ddp_bf16` is a 3-line hook with the rounding of torch's `bf16_compress_hook` "
-             "(which refuses gloo / CPU in torch 2.13); `ddp_powersgd` is torch's own `powerSGD_hook` (rank 1).", "",
-             "![time to accuracy](time_to_accuracy.png)", ""]
-    for task in tasks:
-        for bw in args.bandwidths:
-            sub = [r for r in rows if r["task"] == task.name and r["bandwidth"] == bw]
-            if not sub:
-                continue
-            bf = next((r for r in sub if r["arm"] == "ddp_bf16"), None)
-            lines += [f"### {task.name} at {bw} (probe: {sub[0]['probe_mbit']:.0f} Mbit/s, alpha "
-                      f"{sub[0]['alpha_us']:.0f} us); target {task.metric_name} "
-                      f"{'>=' if task.higher else '<='} {task.target}", "",
-                      "| arm | time to target s | vs ddp_bf16 | metric at stop | steps | train s | MiB/host |",
-                      "|---|---|---|---|---|---|---|"]
-            for r in sub:
-                tt = r["time_to_target_s"]
-                rel = (f"{bf['time_to_target_s'] / tt:.2f}x" if bf and bf["time_to_target_s"] and tt else "-")
-                lines.append(f"| {r['arm']} | {tt:.1f} | {rel} | {r['final']:.4f} | {r['steps']} | {r['train_s']:.1f} | "
-                             f"{r['mib_per_host']:.1f} |" if tt is not None else
-                             f"| {r['arm']} | not reached | - | {r['final']:.4f} | {r['steps']} | {r['train_s']:.1f} | "
-                             f"{r['mib_per_host']:.1f} |")
-            lines.append("")
-    lines.append("`vs ddp_bf16` = bf16 time to target / arm time to target (> 1: the arm is faster).")
+    path = out / "time_to_accuracy.json"
+    if args.merge and path.exists():
+        rows = merge_rows([r for r in json.loads(path.read_text()) if "target" in r], rows)
+    path.write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "time_to_accuracy.png")
+    size = SIZES[args.size]
+    fm = next((r for r in rows if r["task"] == "fmnist"), None)
+    lines = [f"Size `{args.size}`: Fashion-MNIST {fm['train_images'] if fm else '-'} training images; each arm "
+             f"stops at the target or after {args.max_seconds:.0f} s of training clock (`not reached` then). ", ""]
+    if args.size != "full":
+        full = SIZES["full"]
+        lines[0] += (f"Not the full experiment (`--size full`: all 60,000 images, targets {full['acc_target']} / "
+                     f"{full['loss_target']}, up to {full['max_seconds'] / 60:.0f} min per arm: hours per arm on 2 "
+                     "cores); " + ("the reduced size fits `make results`." if args.size == "reduced" else
+                                   f"`{args.size}` keeps all the data and every method but lower targets "
+                                   f"({size['acc_target']} / {size['loss_target']})."))
+    commands = list(dict.fromkeys(r["command"] for r in rows if "command" in r))
+    if commands:
+        lines += ["Rows measured by: " + "; ".join(f"`{c}`" for c in commands) + ".", ""]
+    lines += [f"{args.hosts} emulated hosts (`adacomp netem`: namespaces + tbf egress cap, gloo over the capped links), "
+              "one worker per host; the 4 workers share 2 CPU cores (with other jobs), so compute is slow and noisy. "
+              "Clock: training only (evaluation paused out), slowest host. Same initial weights and batches per arm. "
+              "`MiB/host`: payload bytes each host put into collectives (DDP: computed from the bucket sizes, "
+              "adacomp: measured). `ddp_bf16` is a 3-line hook with the rounding of torch's `bf16_compress_hook` "
+              "(which refuses gloo / CPU in torch 2.13); `ddp_powersgd` is torch's own `powerSGD_hook` (rank 1).", "",
+              "![time to accuracy](time_to_accuracy.png)", ""]
+    for tname, bw in dict.fromkeys((r["task"], r["bandwidth"]) for r in rows):
+        sub = [r for r in rows if r["task"] == tname and r["bandwidth"] == bw]
+        bf = next((r for r in sub if r["arm"] == "ddp_bf16"), None)
+        s0 = sub[0]
+        lines += [f"### {tname} at {bw} (probe: {s0['probe_mbit']:.0f} Mbit/s, alpha {s0['alpha_us']:.0f} us); "
+                  f"target {s0['metric_name']} {'>=' if s0['higher'] else '<='} {s0['target']}; size "
+                  f"`{s0.get('size', args.size)}`, {s0['train_images']} training samples", "",
+                  "| arm | time to target s | vs ddp_bf16 | metric at stop | steps | epochs | train s | MiB/host |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in sub:
+            tt = r["time_to_target_s"]
+            rel = f"{bf['time_to_target_s'] / tt:.2f}x" if bf and bf["time_to_target_s"] and tt else "-"
+            lines.append(f"| {r['arm']} | {f'{tt:.1f}' if tt is not None else 'not reached'} | {rel} | "
+                         f"{r['final']:.4f} | {r['steps']} | {r['epochs']} | {r['train_s']:.1f} | "
+                         f"{r['mib_per_host']:.1f} |")
+        lines.append("")
+    lines.append("`vs ddp_bf16` = bf16 time to target / arm time to target (> 1: the arm is faster); `epochs`: "
+                 "epochs begun.")
     sys.argv = [os.path.relpath(__file__)] + [a for a in sys.argv[1:] if a != "--worker"]
     os.environ.pop("ADACOMP_BACKEND", None)
     write_result(str(out / "time_to_accuracy.md"), "Time to accuracy on real data: compression vs DDP fp32 / bf16 "
                  "over emulated links", lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path, tasks: list[Task]) -> None:
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = list(dict.fromkeys((r["task"], r["bandwidth"]) for r in rows))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    by_name = {t.name: t for t in tasks}
     for ax, (tname, bw) in zip(axes[0], panels):
-        for r in rows:
-            if (r["task"], r["bandwidth"]) == (tname, bw) and r["curve"]:
+        sub = [r for r in rows if (r["task"], r["bandwidth"]) == (tname, bw)]
+        for r in sub:
+            if r["curve"]:
                 ts, _, ms = zip(*r["curve"])
                 ax.plot(ts, ms, label=r["arm"], lw=2.2 if r["arm"].startswith("ddp") else 1.2,
                         ls="-" if r["arm"].startswith("ddp") else "--")
-        t = by_name[tname]
-        ax.axhline(t.target, color="k", lw=0.7, ls=":")
+        ax.axhline(sub[0]["target"], color="k", lw=0.7, ls=":")
         ax.set_title(f"{tname} @ {bw}"), ax.set_xlabel("training wall-clock s (slowest host)")
-        ax.set_ylabel(t.metric_name)
+        ax.set_ylabel(sub[0]["metric_name"])
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -320,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--acc-target", type=float)
     ap.add_argument("--loss-target", type=float)
+    ap.add_argument("--merge", action="store_true", help="keep the rows of time_to_accuracy.json that this run "
+                    "does not re-measure (run tasks / links as separate jobs)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from time_to_accuracy.json, "
+                    "measuring nothing")
     ap.add_argument("--prefix", default=PREFIX)
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -332,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     args.acc_target = args.acc_target or size["acc_target"]
     args.loss_target = args.loss_target or size["loss_target"]
     args.train_limit, args.test_limit, args.text_windows = size["train_limit"], size["test_limit"], size["text_windows"]
+    args.text_test = size["text_test"]
+    if args.report_only:
+        args.merge = True
+        report([], args)
+        return 0
     if args.in_host:
         from adacomp.netem.jobs import exec_in_host
         return exec_in_host(args.hosts, args.master_addr, args.prefix, rest)
