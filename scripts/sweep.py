@@ -45,7 +45,7 @@ METHODS = ["fp32", "bf16", "topk", "dgc", "qsgd", "powersgd", "acpsgd"]
 
 def worker(args: argparse.Namespace) -> None:
     import adacomp
-    from adacomp.tools.advise import (calibrate, measure_step, model_and_loss, predict, profile_method, profile_model,
+    from adacomp.tools.advise import (calibrate, measure_steps, model_and_loss, predict, profile_method, profile_model,
                                       slowest)
     from adacomp.backends.shaped import ShapedBackend
     from adacomp.netem.hosts import parse_duration, parse_rate
@@ -66,13 +66,15 @@ def worker(args: argparse.Namespace) -> None:
         mps = {m: profile_method(m, prof, args.repeats) for m in args.methods}
         if args.calibration_steps:  # as `adacomp advise` does: real steps on the unshaped link
             raw = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(be)
-            calibrate(prof, list(mps.values()), be, raw, factory, steps=args.calibration_steps, warmup=1)
+            calibrate(prof, list(mps.values()), be, raw, factory, steps=args.calibration_steps, warmup=args.warmup,
+                      rounds=args.calibration_rounds)
         nparams = sum(s.numel() for s in prof.shapes)
         for bw in args.bandwidths:
             sb = ShapedBackend(be, alpha=alpha, beta=8.0 / parse_rate(bw), cost="table1")
             est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(sb)
+            measured = measure_steps(args.methods, factory, sb, args.steps, args.warmup, args.rounds)
             for m in args.methods:
-                step_s, sent = measure_step(m, *factory(), sb, args.steps, args.warmup)
+                step_s, sent = measured[m]
                 pred = predict(prof, mps[m], world, est.alpha, est.beta)
                 row = {"model": mname, "params_m": nparams / 1e6, "bandwidth": bw, "method": m, "step_ms": 1e3 * step_s,
                        "pred_ms": 1e3 * pred.step_s, "model_ms": 1e3 * (pred.step_s - pred.overhead_s),
@@ -119,7 +121,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
     errs = [abs(r["error_pct"]) for r in rows]
     within = sum(e <= 25 for e in errs)
     lines = [f"**REDUCED SIZE**: zoo models shrunk to fit 2 shared CPU cores ({world} ranks; sizes below); "
-             f"{args.steps} measured steps per arm after {args.warmup} warm-up, median, slowest rank. The full run "
+             f"{args.steps} measured steps per arm in each of {args.rounds} passes over the arms (alternating, a fresh "
+             f"model per pass, {args.warmup} warm-up steps in the first and 1 after), median, slowest rank. The full run "
              "would use the zoo's default sizes (ResNet-50 25.6M, VGG-16 138M, GPT-2 small 124M, LSTM LM 66M "
              "parameters) on 4+ ranks: `python scripts/sweep.py --models resnet50 vgg16 gpt2_small lstm_lm` after "
              "removing the reductions in `MODELS` (hours per model at 50 Mbit/s here).", "",
@@ -130,7 +133,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
              "CPU), `fp32` the hook without compression. Speedup = bf16 step time / method step time.", "",
              "Predicted = `adacomp.tools.advise.predict` (the `adacomp advise` model: per-gradient backward profile, "
              "per-tensor compression profile, DDP buckets, ByteComp timeline, Table I with alpha / beta probed "
-             "through the shaped link). " + (f"Calibrated as `adacomp advise` does: {args.calibration_steps} real steps per method on "
+             "through the shaped link). " + (f"Calibrated as `adacomp advise` does: {args.calibration_steps} x "
+             f"{args.calibration_rounds} real steps per method (interleaved passes) on "
              "the unshaped loopback link, whose measured minus modelled step time is added to the method's prediction at "
              "every bandwidth (advise measures on the link it runs on and extrapolates the alpha / beta part). "
              if args.calibration_steps else "Uncalibrated (`--calibration-steps 0`). ") +
@@ -213,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency", default="100us", help="emulated alpha per message")
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per arm and round")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved passes over the arms (median over all)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="profiling repeats (advise)")
-    ap.add_argument("--calibration-steps", type=int, default=3, help="advise's calibration: real steps per method on "
-                    "the unshaped link (0: the uncalibrated model)")
+    ap.add_argument("--calibration-steps", type=int, default=4, help="advise's calibration: real steps per method and "
+                    "pass on the unshaped link (0: the uncalibrated model)")
+    ap.add_argument("--calibration-rounds", type=int, default=2, help="advise's calibration: interleaved passes")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
     if "bf16" not in args.methods:

@@ -94,7 +94,8 @@ def test_profiles_of_a_real_model_and_config() -> None:
 def test_advise_command_end_to_end() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "adacomp.tools.cli", "advise", "--model", "cnn", "--np", "2", "--repeats", "1",
-           "--methods", "fp32", "topk", "--bandwidth", "100mbit", "--latency", "100us"]
+           "--methods", "fp32", "topk", "--bandwidth", "100mbit", "--latency", "100us",
+           "--calibration-steps", "3", "--calibration-rounds", "1"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     out = [line.split("] ", 1)[1] if line.startswith("[0] ") else line for line in r.stdout.splitlines()]
@@ -107,7 +108,7 @@ def test_advise_command_end_to_end() -> None:
     from adacomp.config import load
     assert load(yaml.safe_load(text)).policy.name == "static"
     assert "emulated 100mbit 100us link" in r.stdout
-    assert any(ln.startswith("calibration: 3 real DDP steps per method") for ln in out)
+    assert any(ln.startswith("calibration: 3 x 1 real DDP steps per method") for ln in out)
     bad = subprocess.run(cmd[:4] + ["--model", "cnn", "--methods", "zstd"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "unknown method 'zstd'" in bad.stderr

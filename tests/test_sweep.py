@@ -37,7 +37,8 @@ def test_summary_speedups_and_ranking_agreement() -> None:
 def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "scripts/sweep.py", "--models", "lstm_lm", "--bandwidths", "10gbit", "--methods", "fp32",
-           "bf16", "--steps", "1", "--warmup", "1", "--repeats", "1", "--batch", "2", "--out-dir", str(tmp_path)]
+           "bf16", "--steps", "1", "--warmup", "1", "--repeats", "1", "--batch", "2", "--rounds", "2",
+           "--calibration-steps", "1", "--calibration-rounds", "2", "--out-dir", str(tmp_path)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads((tmp_path / "sweep.json").read_text())
@@ -46,4 +47,5 @@ def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     assert bf16["mib"] == pytest.approx(fp32["mib"] / 2, rel=1e-3)  # bytes through the hook are exact
     assert fp32["pred_ms"] > 0 and data["agreement"][0]["model"] == "lstm_lm"
     md = (tmp_path / "sweep.md").read_text()
+    assert "in each of 2 passes over the arms" in md and "1 x 2 real steps per method" in md
     assert "REDUCED SIZE" in md and "| 10gbit |" in md and (tmp_path / "sweep.png").stat().st_size > 0

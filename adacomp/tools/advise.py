@@ -273,12 +273,12 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
     return Prediction(mp.method, step, payload, sum(comp_s.values()), overhead_s=mp.overhead_s)
 
 
-def measure_step(method: str, model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
-                 steps: int = 5, warmup: int = 2) -> tuple[float, float]:
-    """Median seconds per real training step (slowest rank) and payload bytes per step of ``method``:
-    ``model`` wrapped in PyTorch DDP whose buckets go through adacomp's hook on ``backend``
-    (collective: every rank calls it; needs torch.distributed's default group). lr 0: every step
-    does the same work, and ``model`` is left as it was."""
+def _step_samples(method: str, model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
+                  steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """This rank's seconds and payload bytes of each of ``steps`` real training steps of ``method`` after
+    ``warmup``: ``model`` wrapped in PyTorch DDP whose buckets go through adacomp's hook on ``backend``
+    (collective; needs torch.distributed's default group). lr 0: every step does the same work, and
+    ``model`` is left as it was."""
     import adacomp.engine.ddp
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(model)
@@ -295,27 +295,55 @@ def measure_step(method: str, model: nn.Module, loss: Callable[[nn.Module], torc
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-            sent.append(state.last_stats.bytes_sent if state.last_stats else 0)
+            sent.append(float(state.last_stats.bytes_sent if state.last_stats else 0))
+    return times, sent
+
+
+def _slowest_median(backend: Any, times: list[float], sent: list[float]) -> tuple[float, float]:
+    """(slowest rank's median step seconds, mean over ranks of the median payload bytes). Collective."""
     mine = torch.tensor([statistics.median(times), statistics.median(sent)], dtype=torch.float64)
     every = backend.allgather(mine.view(1, -1), sizes=[1] * backend.size()).view(backend.size(), -1)
     return float(every[:, 0].max()), float(every[:, 1].mean())
 
 
+def measure_step(method: str, model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
+                 steps: int = 5, warmup: int = 2) -> tuple[float, float]:
+    """Median seconds per real training step (slowest rank) and payload bytes per step of ``method``
+    (see :func:`_step_samples`; collective)."""
+    return _slowest_median(backend, *_step_samples(method, model, loss, backend, steps, warmup))
+
+
+def measure_steps(methods: list[str], model_factory: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]],
+                  backend: Any, steps: int = 5, warmup: int = 2, rounds: int = 1) -> dict[str, tuple[float, float]]:
+    """:func:`measure_step` for several methods, interleaved: ``rounds`` passes over ``methods`` of
+    ``steps`` steps each (a fresh model per pass: one model in memory at a time; ``warmup`` steps in
+    the first pass, 1 after), medians over every pass. A shared machine drifts by more than the gap
+    between close methods; alternating spreads the drift over all of them instead of the last ones."""
+    samples: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in methods}
+    for r in range(rounds):
+        for m in methods:
+            model, loss = model_factory()
+            t, s = _step_samples(m, model, loss, backend, steps, warmup if r == 0 else min(warmup, 1))
+            samples[m][0].extend(t)
+            samples[m][1].extend(s)
+    return {m: _slowest_median(backend, *samples[m]) for m in methods}
+
+
 def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: netmodel.NetEstimate,
               model_factory: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]],
-              steps: int = 5, warmup: int = 2, bucket_mb: float = 25.0) -> dict[str, float]:
+              steps: int = 5, warmup: int = 2, bucket_mb: float = 25.0, rounds: int = 1) -> dict[str, float]:
     """Set each modelled method's ``overhead_s`` = its measured step on ``backend`` (whose link
-    ``est`` describes) minus the model's prediction there; returns the measured step times.
-    Collective. Without torch.distributed (mpirun / horovodrun launches) nothing is measured."""
+    ``est`` describes; :func:`measure_steps`, ``rounds`` interleaved passes) minus the model's
+    prediction there; returns the measured step times. Collective. Without torch.distributed
+    (mpirun / horovodrun launches) nothing is measured."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return {}
+    todo = [mp for mp in mps if not mp.unsupported]
+    steps_s = measure_steps([mp.method for mp in todo], model_factory, backend, steps, warmup, rounds)
     measured = {}
-    for mp in mps:
-        if mp.unsupported:
-            continue
-        model, loss = model_factory()
-        step_s, _ = measure_step(mp.method, model, loss, backend, steps, warmup)
+    for mp in todo:
+        step_s = steps_s[mp.method][0]
         mp.overhead_s = 0.0
         mp.overhead_s = step_s - predict(prof, mp, backend.size(), est.alpha, est.beta, bucket_mb).step_s
         measured[mp.method] = step_s
@@ -396,11 +424,12 @@ def slowest(prof: ModelProfile, be: Any) -> ModelProfile:
 
 
 def advise(be: Any, model_name: str, methods: list[str], batch: int = 32, kwargs: dict[str, int] | None = None,
-           bucket_mb: float = 25.0, repeats: int = 5, calibration_steps: int = 3,
-           target: Any = None) -> tuple[list[tuple[Prediction, float]], netmodel.NetEstimate, ModelProfile,
+           bucket_mb: float = 25.0, repeats: int = 5, calibration_steps: int = 4,
+           target: Any = None, calibration_rounds: int = 2) -> tuple[list[tuple[Prediction, float]], netmodel.NetEstimate, ModelProfile,
                                         list[Prediction]]:
     """Probe, profile, calibrate on ``be``'s link and predict for ``target``'s (default: the same
-    link) on every rank (collective: call on all ranks). ``calibration_steps`` 0 skips calibration."""
+    link) on every rank (collective: call on all ranks). ``calibration_steps`` 0 skips calibration;
+    ``calibration_rounds`` interleaved passes over the methods (:func:`measure_steps`)."""
     est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(be)
     model, loss = model_and_loss(model_name, batch, kwargs or {})
     be.barrier()
@@ -408,7 +437,7 @@ def advise(be: Any, model_name: str, methods: list[str], batch: int = 32, kwargs
     mps = [profile_method(m, prof, repeats) for m in methods]
     if calibration_steps:
         calibrate(prof, mps, be, est, lambda: model_and_loss(model_name, batch, kwargs or {}),
-                  steps=calibration_steps, warmup=1, bucket_mb=bucket_mb)
+                  steps=calibration_steps, warmup=2, bucket_mb=bucket_mb, rounds=calibration_rounds)
     if target is not None and target is not be:
         est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(target)
     preds = [predict(prof, mp, be.size(), est.alpha, est.beta, bucket_mb) for mp in mps]
@@ -422,7 +451,8 @@ def _report(ranked: list[tuple[Prediction, float]], preds: list[Prediction], est
              f"({world} ranks, probed{' through an emulated ' + (args.bandwidth or '') + ' ' + (args.latency or '') + ' link' if args.bandwidth or args.latency else ''})",
              f"model {args.model}: {sum(s.numel() for s in prof.shapes) / 1e6:.2f}M parameters in {len(prof.names)} "
              f"tensors; forward {prof.forward_s * 1e3:.1f} ms, backward {prof.backward_s * 1e3:.1f} ms (batch {args.batch})",
-             "calibration: " + (f"{args.calibration_steps} real DDP steps per method on the real link; 'calib ms' is "
+             "calibration: " + (f"{args.calibration_steps} x {args.calibration_rounds} real DDP steps per method on the "
+                                "real link (interleaved passes); 'calib ms' is "
                                 "what the model left out there, added to every prediction" if args.calibration_steps
                                 and any(p.overhead_s for p in preds) else "none (model only)"),
              "", f"{'rank':<5}{'method':<12}{'step ms':>10}{'vs ' + BASELINE:>10}{'MiB/step':>10}{'compress ms':>13}"
@@ -457,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--calibration-steps", type=int, default=3, help="real DDP steps per method on the real link "
-                    "to measure what the model leaves out (0: none)")
+    ap.add_argument("--calibration-steps", type=int, default=4, help="real DDP steps per method and pass on the "
+                    "real link to measure what the model leaves out (0: none)")
+    ap.add_argument("--calibration-rounds", type=int, default=2, help="passes over the methods, alternating them "
+                    "(a shared machine's drift then hits every method alike)")
     ap.add_argument("--bandwidth", help="emulate this link (e.g. 100mbit) instead of the real one")
     ap.add_argument("--latency", help="emulated latency per message (e.g. 0.5ms)")
     args = ap.parse_args(argv)
@@ -482,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     # calibrated on the real link (the emulated one would be measured, not predicted), predicted for be's
     ranked, est, prof, preds = advise(real, args.model, methods, args.batch, kwargs, args.bucket_mb, args.repeats,
-                                      args.calibration_steps, target=be)
+                                      args.calibration_steps, target=be, calibration_rounds=args.calibration_rounds)
     if be.rank() == 0:
         print(_report(ranked, preds, est, prof, args, be.size()), flush=True)
     be.barrier()
