@@ -36,7 +36,7 @@ def write_result(path: str, title: str, lines: list[str]) -> None:
     launcher = "adacomp run" if os.environ.get("ADACOMP_BACKEND") == "torch" else (
         "mpirun" if "OMPI_COMM_WORLD_RANK" in os.environ else
         "horovodrun" if "HOROVOD_RANK" in os.environ else "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "")
-    header = [f"# {title}", "", f"Produced by: `{launcher} ... python {cmd}`".replace("`  ", "`"),
+    header = [f"# {title}", "", f"Produced by: `{launcher + ' ... ' if launcher else ''}python {cmd}`",
               f"Machine: {machine()}", ""]
     p.write_text("\n".join(header + lines) + "\n")
     print(f"wrote {p}")

@@ -74,12 +74,13 @@ def worker(args: argparse.Namespace) -> None:
             est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(sb)
             measured = measure_steps(args.methods, factory, sb, args.steps, args.warmup, args.rounds)
             for m in args.methods:
-                step_s, sent = measured[m]
+                step_s, sent, pass_s = measured[m]
                 pred = predict(prof, mps[m], world, est.alpha, est.beta)
                 row = {"model": mname, "params_m": nparams / 1e6, "bandwidth": bw, "method": m, "step_ms": 1e3 * step_s,
                        "pred_ms": 1e3 * pred.step_s, "model_ms": 1e3 * (pred.step_s - pred.overhead_s),
                        "mib": sent / 2**20, "probe_mbit": est.bandwidth_gbps * 1e3,
-                       "alpha_us": est.alpha * 1e6}
+                       "alpha_us": est.alpha * 1e6, "pass_ms": [1e3 * t for t in pass_s],
+                       "spread_pct": 100 * measured[m].spread}
                 rows.append(row)
                 if rank == 0:
                     print(f"{mname} {bw:>8} {m:<9} measured {row['step_ms']:8.1f} ms  predicted {row['pred_ms']:8.1f} ms"
@@ -88,6 +89,22 @@ def worker(args: argparse.Namespace) -> None:
         report(rows, args, world)
     be.barrier()
     adacomp.shutdown()
+
+
+BAR_BANDWIDTHS = ("100mbit", "1gbit")  # the cells where the issue asks advise for the measured top-3 order
+
+
+def within_noise(sub: list[dict[str, Any]]) -> bool:
+    """Whether the predicted order of the top 3 holds up to measurement noise: no method predicted
+    ahead of another (the first among the predicted top 3) was measured slower than it by more than
+    the two arms' typical pass-to-pass deviations added together."""
+    order = sorted(sub, key=lambda r: r["pred_ms"])
+    for i, a in enumerate(order[:3]):
+        for b in order[i + 1:]:
+            tol = (a.get("spread_pct", 0.0) + b.get("spread_pct", 0.0)) / 100
+            if a["step_ms"] > b["step_ms"] * (1 + tol):
+                return False
+    return True
 
 
 def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[str, Any]]:
@@ -105,7 +122,7 @@ def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[s
         pred = [r["method"] for r in sorted(sub, key=lambda r: r["pred_ms"])][:3]
         model = [r["method"] for r in sorted(sub, key=lambda r: r.get("model_ms", r["pred_ms"]))][:3]
         out.append({"model": key[0], "bandwidth": key[1], "measured_top3": meas, "predicted_top3": pred,
-                    "same_order": meas == pred, "same_set": set(meas) == set(pred),
+                    "same_order": meas == pred, "within_noise": within_noise(sub), "same_set": set(meas) == set(pred),
                     "best_measured": meas[0], "best_predicted": pred[0],
                     "model_same_set": set(meas) == set(model), "model_best": model[0]})
     return out
@@ -167,16 +184,27 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
                   f"stops paying above {paying[-1] if paying else '-'} for this model." if paying else
                   "No compression method beat bf16 at any bandwidth for this model.", ""]
     lines += ["### advise vs measured: top-3 ranking", "", "| model | bandwidth | measured top 3 | predicted top 3 | "
-              "same set | same order |", "|---|---|---|---|---|---|"]
+              "same set | same order | order within noise |", "|---|---|---|---|---|---|---|"]
     for a in agree:
         lines.append(f"| {a['model']} | {a['bandwidth']} | {', '.join(a['measured_top3'])} | "
                      f"{', '.join(a['predicted_top3'])} | {'yes' if a['same_set'] else 'no'} | "
-                     f"{'yes' if a['same_order'] else 'no'} |")
+                     f"{'yes' if a['same_order'] else 'no'} | {'yes' if a['within_noise'] else 'no'} |")
     lines += ["", f"Top-3 agreement: same order in {sum(a['same_order'] for a in agree)} / {len(agree)} "
               f"(model, bandwidth) cells, same set in {sum(a['same_set'] for a in agree)} / {len(agree)}, same best "
               f"method in {sum(a['best_measured'] == a['best_predicted'] for a in agree)} / {len(agree)}. "
               f"Step-time error: median |error| {statistics.median(errs):.0f}%, {within} / {len(errs)} predictions "
               "within 25%." if errs else ""]
+    bar = [a for a in agree if a["bandwidth"] in BAR_BANDWIDTHS]
+    spreads = [r["spread_pct"] for r in rows if "spread_pct" in r]
+    if bar and spreads:
+        lines += ["", f"At {' and '.join(BAR_BANDWIDTHS)} (the issue's cells): same top-3 order in "
+                  f"{sum(a['same_order'] for a in bar)} / {len(bar)}, same set in {sum(a['same_set'] for a in bar)} / "
+                  f"{len(bar)}, order within noise in {sum(a['within_noise'] for a in bar)} / {len(bar)}. 'Order within "
+                  "noise': no method advise puts ahead of another (the first of the pair among its top 3) was measured "
+                  "slower than it by more than the two arms' pass-to-pass deviations added together (deviation: median "
+                  f"|pass median - arm median| over the {args.rounds} passes, relative; here a median "
+                  f"{statistics.median(spreads):.1f}% per arm, at most {max(spreads):.1f}%). It says whether a "
+                  "disagreement is bigger than this machine resolves, and does not replace the strict order column."]
     merrs = [abs(r["model_error_pct"]) for r in rows]
     if merrs and args.calibration_steps:
         lines += ["", f"The model alone (no calibration) on the same rows: same set in "
@@ -218,12 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5, help="measured steps per arm and round")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved passes over the arms (median over all)")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved passes over the arms (median over all)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="profiling repeats (advise)")
     ap.add_argument("--calibration-steps", type=int, default=4, help="advise's calibration: real steps per method and "
                     "pass on the unshaped link (0: the uncalibrated model)")
-    ap.add_argument("--calibration-rounds", type=int, default=2, help="advise's calibration: interleaved passes")
+    ap.add_argument("--calibration-rounds", type=int, default=6, help="advise's calibration: interleaved passes "
+                    "(advise's default is 2; the loopback steps are cheap here)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args(argv)
     if "bf16" not in args.methods:

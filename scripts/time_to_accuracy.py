@@ -261,7 +261,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     plot(rows, out / "time_to_accuracy.png")
     size = SIZES[args.size]
     fm = next((r for r in rows if r["task"] == "fmnist"), None)
-    lines = [f"Size `{args.size}`: Fashion-MNIST {fm['train_images'] if fm else '-'} training images; each arm "
+    tx = next((r for r in rows if r["task"] == "text"), None)
+    lines = [f"Size `{args.size}`: Fashion-MNIST {fm['train_images'] if fm else '-'} training images, text "
+             f"{tx['train_images'] if tx else '-'} training windows of Debian's fortunes; each arm "
              f"stops at the target or after {args.max_seconds:.0f} s of training clock (`not reached` then). ", ""]
     if args.size != "full":
         full = SIZES["full"]

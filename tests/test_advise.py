@@ -123,3 +123,11 @@ def test_calibration_overhead_is_added_to_every_prediction() -> None:
     shifted = [predict(_prof(0.001), mp, N, a, b) for a, b in ((1e-4, 1e-9), (1e-3, 1e-7))]
     assert [p.step_s - q for p, q in zip(shifted, plain)] == pytest.approx([0.02, 0.02])
     assert all(p.overhead_s == 0.02 for p in shifted)
+
+
+def test_step_measure_spread_is_the_gap_between_passes() -> None:
+    from adacomp.tools.advise import StepMeasure
+    m = StepMeasure(0.011, 1024.0, (0.010, 0.012, 0.011))
+    step_s, sent, passes = m  # unpacks like the (seconds, bytes, passes) it is
+    assert (step_s, sent, len(passes)) == (0.011, 1024.0, 3) and m.spread == pytest.approx(0.001 / 0.011)
+    assert StepMeasure(0.01, 0.0, (0.01,)).spread == 0.0

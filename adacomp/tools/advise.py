@@ -31,13 +31,14 @@ Not modelled (so not ranked): communicators other than allreduce / allgather / a
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -306,27 +307,43 @@ def _slowest_median(backend: Any, times: list[float], sent: list[float]) -> tupl
     return float(every[:, 0].max()), float(every[:, 1].mean())
 
 
-def measure_step(method: str, model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
-                 steps: int = 5, warmup: int = 2) -> tuple[float, float]:
-    """Median seconds per real training step (slowest rank) and payload bytes per step of ``method``
-    (see :func:`_step_samples`; collective)."""
-    return _slowest_median(backend, *_step_samples(method, model, loss, backend, steps, warmup))
+class StepMeasure(NamedTuple):
+    """One method's measured step: median seconds (slowest rank) over every pass, mean payload bytes
+    per step, and each pass's own median (their spread is the run-to-run noise of this machine)."""
+
+    step_s: float
+    sent: float
+    pass_s: tuple[float, ...]
+
+    @property
+    def spread(self) -> float:
+        """How far one pass typically lands from the others: the median absolute deviation of the
+        passes' medians, relative to their median (0 for a single pass)."""
+        if len(self.pass_s) < 2:
+            return 0.0
+        mid = statistics.median(self.pass_s)
+        return statistics.median(abs(t - mid) for t in self.pass_s) / mid
 
 
 def measure_steps(methods: list[str], model_factory: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]],
-                  backend: Any, steps: int = 5, warmup: int = 2, rounds: int = 1) -> dict[str, tuple[float, float]]:
-    """:func:`measure_step` for several methods, interleaved: ``rounds`` passes over ``methods`` of
-    ``steps`` steps each (a fresh model per pass: one model in memory at a time; ``warmup`` steps in
-    the first pass, 1 after), medians over every pass. A shared machine drifts by more than the gap
-    between close methods; alternating spreads the drift over all of them instead of the last ones."""
+                  backend: Any, steps: int = 5, warmup: int = 2, rounds: int = 1) -> dict[str, StepMeasure]:
+    """Real training steps of several methods (:func:`_step_samples`), interleaved: ``rounds`` passes
+    over ``methods`` of ``steps`` steps each (a fresh model per pass: one model in memory at a time;
+    ``warmup`` steps in the first pass, 1 after), medians over every pass. A shared machine drifts by
+    more than the gap between close methods; alternating spreads the drift over all of them instead
+    of the last ones. Collective."""
     samples: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in methods}
+    per_pass: dict[str, list[float]] = {m: [] for m in methods}
     for r in range(rounds):
         for m in methods:
             model, loss = model_factory()
             t, s = _step_samples(m, model, loss, backend, steps, warmup if r == 0 else min(warmup, 1))
+            del model, loss
+            gc.collect()  # the previous arm's DDP reducer and hook state go before the next arm is timed
             samples[m][0].extend(t)
             samples[m][1].extend(s)
-    return {m: _slowest_median(backend, *samples[m]) for m in methods}
+            per_pass[m].append(_slowest_median(backend, t, s)[0])
+    return {m: StepMeasure(*_slowest_median(backend, *samples[m]), tuple(per_pass[m])) for m in methods}
 
 
 def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: netmodel.NetEstimate,
@@ -343,7 +360,7 @@ def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: n
     steps_s = measure_steps([mp.method for mp in todo], model_factory, backend, steps, warmup, rounds)
     measured = {}
     for mp in todo:
-        step_s = steps_s[mp.method][0]
+        step_s = steps_s[mp.method].step_s
         mp.overhead_s = 0.0
         mp.overhead_s = step_s - predict(prof, mp, backend.size(), est.alpha, est.beta, bucket_mb).step_s
         measured[mp.method] = step_s
