@@ -14,13 +14,14 @@ Per model: the backward and compression profile of ``adacomp advise`` is taken o
 alpha and beta are probed through the shaped link and ``adacomp.tools.advise.predict`` gives each
 method's step time, compared with the measured median.
 
-    python scripts/sweep.py                     # reduced zoo models, 2 ranks (~6 min on 2 shared cores)
+    python scripts/sweep.py                     # reduced zoo models, 2 ranks, 6 passes (~11 min on 2 shared cores)
     python scripts/sweep.py --models gpt2_small --bandwidths 100mbit 1gbit --steps 10
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -97,11 +98,13 @@ BAR_BANDWIDTHS = ("100mbit", "1gbit")  # the cells where the issue asks advise f
 def within_noise(sub: list[dict[str, Any]]) -> bool:
     """Whether the predicted order of the top 3 holds up to measurement noise: no method predicted
     ahead of another (the first among the predicted top 3) was measured slower than it by more than
-    the two arms' typical pass-to-pass deviations added together."""
+    two standard errors of their difference (from each arm's pass-to-pass relative deviation
+    ``spread_pct`` over its ``pass_ms``)."""
     order = sorted(sub, key=lambda r: r["pred_ms"])
     for i, a in enumerate(order[:3]):
         for b in order[i + 1:]:
-            tol = (a.get("spread_pct", 0.0) + b.get("spread_pct", 0.0)) / 100
+            n = max(1, min(len(a.get("pass_ms", [0])), len(b.get("pass_ms", [0]))))
+            tol = 2 * math.hypot(a.get("spread_pct", 0.0), b.get("spread_pct", 0.0)) / 100 / math.sqrt(n)
             if a["step_ms"] > b["step_ms"] * (1 + tol):
                 return False
     return True
@@ -132,9 +135,15 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
     from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from adacomp.tools.advise import StepMeasure
+    for r in rows:
+        if r.get("pass_ms"):
+            r["spread_pct"] = 100 * StepMeasure(0.0, 0.0, tuple(r["pass_ms"])).spread
     agree = summarise(rows)
-    (out / "sweep.json").write_text(json.dumps({"rows": rows, "agreement": agree}, indent=1))
-    plot(rows, args, out / "sweep.png")
+    command = " ".join([os.path.relpath(__file__), *(a for a in sys.argv[1:] if a != "--report-only")])
+    command = getattr(args, "command", None) or command
+    (out / f"{args.name}.json").write_text(json.dumps({"rows": rows, "agreement": agree, "command": command}, indent=1))
+    plot(rows, args, out / f"{args.name}.png")
     errs = [abs(r["error_pct"]) for r in rows]
     within = sum(e <= 25 for e in errs)
     lines = [f"**REDUCED SIZE**: zoo models shrunk to fit 2 shared CPU cores ({world} ranks; sizes below); "
@@ -156,7 +165,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
              "every bandwidth (advise measures on the link it runs on and extrapolates the alpha / beta part). "
              if args.calibration_steps else "Uncalibrated (`--calibration-steps 0`). ") +
              "Error = (predicted - measured) / measured.", "",
-             "![sweep](sweep.png)", ""]
+             f"![sweep]({args.name}.png)", ""]
     for mname in args.models:
         sub = [r for r in rows if r["model"] == mname]
         if not sub:
@@ -201,8 +210,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
                   f"{sum(a['same_order'] for a in bar)} / {len(bar)}, same set in {sum(a['same_set'] for a in bar)} / "
                   f"{len(bar)}, order within noise in {sum(a['within_noise'] for a in bar)} / {len(bar)}. 'Order within "
                   "noise': no method advise puts ahead of another (the first of the pair among its top 3) was measured "
-                  "slower than it by more than the two arms' pass-to-pass deviations added together (deviation: median "
-                  f"|pass median - arm median| over the {args.rounds} passes, relative; here a median "
+                  "slower than it by more than two standard errors of the difference, from the arms' pass-to-pass "
+                  f"standard deviations over the {args.rounds} passes (relative; here a median "
                   f"{statistics.median(spreads):.1f}% per arm, at most {max(spreads):.1f}%). It says whether a "
                   "disagreement is bigger than this machine resolves, and does not replace the strict order column."]
     merrs = [abs(r["model_error_pct"]) for r in rows]
@@ -211,8 +220,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
                   f"{sum(a['model_same_set'] for a in agree)} / {len(agree)}, same best method in "
                   f"{sum(a['best_measured'] == a['model_best'] for a in agree)} / {len(agree)}, median |error| "
                   f"{statistics.median(merrs):.0f}%, {sum(e <= 25 for e in merrs)} / {len(merrs)} within 25%."]
-    sys.argv = [os.path.relpath(__file__)] + sys.argv[1:]
-    write_result(str(out / "sweep.md"), "Bandwidth sweep: speedup over bf16 DDP, and advise's predictions", lines)
+    if args.report_only:
+        lines += ["", f"Report rewritten from {args.name}.json by `--report-only` (nothing re-measured)."]
+    sys.argv = command.split()
+    write_result(str(out / f"{args.name}.md"), "Bandwidth sweep: speedup over bf16 DDP, and advise's predictions", lines)
 
 
 def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
@@ -254,7 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-rounds", type=int, default=6, help="advise's calibration: interleaved passes "
                     "(advise's default is 2; the loopback steps are cheap here)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--name", default="sweep", help="file stem of the report (.md / .json / .png)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from its JSON, measuring nothing "
+                    "(pass the measuring run's options)")
     args = ap.parse_args(argv)
+    if args.report_only:
+        data = json.loads((Path(args.out_dir) / f"{args.name}.json").read_text())
+        args.command = data.get("command")
+        report(data["rows"], args, args.np)
+        return 0
     if "bf16" not in args.methods:
         ap.error("--methods must include bf16 (the baseline)")
     from adacomp.runtime.launch import worker_or_spawn

@@ -63,6 +63,33 @@ def test_rounds_latency_compression_and_overlap() -> None:
     assert 1.0 + 0.03 - 1e-6 <= busy.step_s <= 1.03 + 0.01
 
 
+def test_later_rounds_wait_for_the_end_of_backward() -> None:
+    """adacomp's hook starts PowerSGD's second round (Q) only once the last bucket is in: round 0 of
+    every bucket overlaps backward, the later rounds come after it, one bucket after another."""
+    names, shape = ["c.weight", "b.weight", "a.weight"], torch.Size([512, 1024])  # 2 MiB: a bucket each
+    prof = ModelProfile(names, [shape] * 3, [0.010] * 3, forward_s=0.0, optimizer_s=0.0)
+    N = 2
+    beta = 0.005 / 1000.0  # 1000 payload bytes per tensor move in 5 ms
+
+    def method(rounds: int) -> MethodProfile:
+        mp = MethodProfile(f"r{rounds}", {})
+        for n in names:
+            mp.route[n], mp.communicator[n], mp.payload[n] = "m", "allreduce", 1000.0
+            mp.rounds[n], mp.dense[n], mp.compress_s[n], mp.decompress_s[n] = rounds, False, 0.0, 0.0
+        return mp
+    one = predict(prof, method(1), N, 0.0, beta, bucket_mb=1.0)
+    two = predict(prof, method(2), N, 0.0, beta, bucket_mb=1.0)  # half the bytes in each round
+    vote = netmodel.ring_allreduce(4, N, 0.0, beta)
+    assert math.isclose(one.step_s, 0.030 + 0.005 + vote, rel_tol=1e-6)  # only the last bucket's comm shows
+    assert math.isclose(two.step_s, 0.030 + 0.0025 + 3 * 0.0025 + vote, rel_tol=1e-6)  # + every bucket's Q
+    assert math.isclose(one.comm_bytes, two.comm_bytes)
+    skewed = method(2)
+    for n in names:
+        skewed.round_share[n], skewed.late_s[n] = (0.2, 0.8), 0.001  # measured shares and Q's local work
+    got = predict(prof, skewed, N, 0.0, beta, bucket_mb=1.0)
+    assert math.isclose(got.step_s, 0.030 + 0.001 + 3 * (0.004 + 0.001) + vote, rel_tol=1e-6)
+
+
 def test_ranking_speedups_and_unsupported() -> None:
     N, beta = 4, 1e-6
     preds = [predict(_prof(), _method(m, b), N, 0.0, beta) for m, b in (("fp32", 4), ("bf16", 2), ("quarter", 1))]
@@ -129,5 +156,5 @@ def test_step_measure_spread_is_the_gap_between_passes() -> None:
     from adacomp.tools.advise import StepMeasure
     m = StepMeasure(0.011, 1024.0, (0.010, 0.012, 0.011))
     step_s, sent, passes = m  # unpacks like the (seconds, bytes, passes) it is
-    assert (step_s, sent, len(passes)) == (0.011, 1024.0, 3) and m.spread == pytest.approx(0.001 / 0.011)
+    assert (step_s, sent, len(passes)) == (0.011, 1024.0, 3) and m.spread == pytest.approx(0.001 / 0.011)  # sd 1 ms, mean 11 ms
     assert StepMeasure(0.01, 0.0, (0.01,)).spread == 0.0

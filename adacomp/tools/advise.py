@@ -140,6 +140,10 @@ class MethodProfile:
     dense: dict[str, bool] = field(default_factory=dict)
     compress_s: dict[str, float] = field(default_factory=dict)
     decompress_s: dict[str, float] = field(default_factory=dict)
+    # multi-round compressors (PowerSGD: P, then Q): each round's share of ``payload`` (default: equal)
+    # and the seconds of the later rounds' local work, which runs after backward (see :func:`predict`)
+    round_share: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    late_s: dict[str, float] = field(default_factory=dict)
     unsupported: str = ""
     overhead_s: float = 0.0  # measured minus modelled step on the calibration link (:func:`calibrate`)
 
@@ -172,14 +176,23 @@ def profile_method(method: str, prof: ModelProfile, repeats: int = 5, budget_s: 
             return out
         feedback = route.memory_spec.name != "none"
         g = grads[n]
-        payload, ctx = comp.compress(g.clone(), n)  # warm-up
+        payload, ctx = comp.compress(g.clone(), n)  # warm-up, and each round's bytes
+        sizes = [_nbytes(payload)]
+        for r in range(1, comp.rounds):
+            payload, ctx = comp.next_round(r, payload, ctx)
+            sizes.append(_nbytes(payload))
+        total = float(sum(sizes))
+        if comp.rounds > 1 and total > 0:
+            out.round_share[n] = tuple(b / total for b in sizes)
         cs: list[float] = []
+        ls: list[float] = []
         ds: list[float] = []
         start = time.perf_counter()
         while len(cs) < repeats and (not cs or time.perf_counter() - start < share):
             x = g.clone()
             t0 = time.perf_counter()
             payload, ctx = comp.compress(x, n)
+            tm = time.perf_counter()
             for r in range(1, comp.rounds):  # the further rounds run locally on this rank's payload
                 payload, ctx = comp.next_round(r, payload, ctx)
             t1 = time.perf_counter()
@@ -187,10 +200,16 @@ def profile_method(method: str, prof: ModelProfile, repeats: int = 5, budget_s: 
             if feedback:
                 x.sub_(dec.view_as(x))
             t2 = time.perf_counter()
-            cs.append(t1 - t0)
+            cs.append(tm - t0)
+            ls.append(t1 - tm)
             ds.append(t2 - t1)
         out.compress_s[n], out.decompress_s[n] = statistics.median(cs), statistics.median(ds)
+        out.late_s[n] = statistics.median(ls)
     return out
+
+
+def _nbytes(payload: Any) -> int:
+    return int(sum(t.numel() * t.element_size() for t in payload))
 
 
 # --- prediction --------------------------------------------------------------------------------
@@ -234,6 +253,8 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
     comp_s: dict[int, float] = {}
     dec_s: dict[int, float] = {}
     done: set[str] = set()
+    tail_s = 0.0  # later rounds: adacomp's hook runs them once backward is over, one group after another
+    tail_bytes = 0.0
     for gi, names in enumerate(_groups(prof, mp, bucket_mb)):
         # a bucket is ready when its last gradient is: the first route group of it carries the compute
         bucket_compute = sum(compute[n] for n in names) if not done & set(names) else 0.0
@@ -241,7 +262,11 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
         first = names[0]
         dense = mp.dense[first]
         nbytes = sum(4.0 * prof.shapes[prof.names.index(n)].numel() for n in names)
-        payload = sum(mp.payload[n] for n in names)
+        rounds = 1 if dense else max(mp.rounds[n] for n in names)
+        shares = {n: mp.round_share.get(n) or (1.0 / rounds,) * rounds for n in names}
+        by_round = [sum(mp.payload[n] * (shares[n][r] if r < len(shares[n]) else 0.0) for n in names)
+                    for r in range(rounds)]
+        payload = by_round[0]  # what goes out while backward runs
         # the timeline's time models take bytes only: +gi micro-bytes make every group's sizes unique,
         # so a lookup by bytes recovers that group's own measured costs
         tensors.append(timeline.TensorProfile(f"g{gi}", nbytes + gi * 1e-6, bucket_compute, payload + gi * 1e-6))
@@ -249,10 +274,12 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
             options.append(timeline.NONE)
             continue
         options.append(timeline.DEVICE_AG)
-        rounds = max(mp.rounds[n] for n in names)
         comm = mp.communicator[first]
         if comm in ALLREDUCE_LIKE:
-            comm_fns[gi] = _allreduce_rounds(rounds, world, alpha, beta)
+            comm_fns[gi] = lambda M: netmodel.ring_allreduce(M, world, alpha, beta)
+            tail_s += sum(netmodel.ring_allreduce(b, world, alpha, beta) for b in by_round[1:])
+            tail_s += sum(mp.late_s.get(n, 0.0) for n in names)
+            tail_bytes += sum(by_round[1:])
             dec_s[gi] = sum(mp.decompress_s[n] for n in names)  # one decompression of the mean
         else:
             sizes = alpha * math.log2(world) if comm == "allgather" else 0.0  # the size exchange first
@@ -269,8 +296,8 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
         {"device": lambda M: dec_s[by_bytes[M]] / world, "cpu": lambda M: dec_s[by_bytes[M]] / world})
     tl = timeline.simulate(tensors, options, model)
     vote = netmodel.ring_allreduce(4, world, alpha, beta) if world > 1 else 0.0
-    step = tl.iteration_s + prof.forward_s + prof.optimizer_s + vote + mp.overhead_s
-    payload = sum(t.compressed_bytes if o.compressed else t.nbytes for t, o in zip(tensors, options))
+    step = tl.iteration_s + tail_s + prof.forward_s + prof.optimizer_s + vote + mp.overhead_s
+    payload = tail_bytes + sum(t.compressed_bytes if o.compressed else t.nbytes for t, o in zip(tensors, options))
     return Prediction(mp.method, step, payload, sum(comp_s.values()), overhead_s=mp.overhead_s)
 
 
@@ -317,12 +344,11 @@ class StepMeasure(NamedTuple):
 
     @property
     def spread(self) -> float:
-        """How far one pass typically lands from the others: the median absolute deviation of the
-        passes' medians, relative to their median (0 for a single pass)."""
+        """Relative standard deviation of the passes' medians: how far two runs of the same arm on
+        this machine land apart (0 for a single pass)."""
         if len(self.pass_s) < 2:
             return 0.0
-        mid = statistics.median(self.pass_s)
-        return statistics.median(abs(t - mid) for t in self.pass_s) / mid
+        return statistics.stdev(self.pass_s) / statistics.fmean(self.pass_s)
 
 
 def measure_steps(methods: list[str], model_factory: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]],
@@ -365,11 +391,6 @@ def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: n
         mp.overhead_s = step_s - predict(prof, mp, backend.size(), est.alpha, est.beta, bucket_mb).step_s
         measured[mp.method] = step_s
     return measured
-
-
-def _allreduce_rounds(rounds: int, world: int, alpha: float, beta: float) -> Callable[[float], float]:
-    """Ring allreduce of ``M`` payload bytes in total, issued as ``rounds`` collectives (PowerSGD: P, Q)."""
-    return lambda M: rounds * 2 * (world - 1) * alpha + 2 * (world - 1) / world * M * beta
 
 
 def _allgather_plus(extra_s: float, world: int, alpha: float, beta: float) -> Callable[[float], float]:
