@@ -80,8 +80,7 @@ def worker(args: argparse.Namespace) -> None:
                 row = {"model": mname, "params_m": nparams / 1e6, "bandwidth": bw, "method": m, "step_ms": 1e3 * step_s,
                        "pred_ms": 1e3 * pred.step_s, "model_ms": 1e3 * (pred.step_s - pred.overhead_s),
                        "mib": sent / 2**20, "probe_mbit": est.bandwidth_gbps * 1e3,
-                       "alpha_us": est.alpha * 1e6, "pass_ms": [1e3 * t for t in pass_s],
-                       "spread_pct": 100 * measured[m].spread}
+                       "alpha_us": est.alpha * 1e6, "pass_ms": [1e3 * t for t in pass_s]}  # report adds spread_pct
                 rows.append(row)
                 if rank == 0:
                     print(f"{mname} {bw:>8} {m:<9} measured {row['step_ms']:8.1f} ms  predicted {row['pred_ms']:8.1f} ms"
