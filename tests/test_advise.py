@@ -153,7 +153,7 @@ def test_calibration_overhead_is_added_to_every_prediction() -> None:
 
 
 def test_step_measure_spread_is_the_gap_between_passes() -> None:
-    from adacomp.tools.advise import StepMeasure
+    from adacomp.tools.stepclock import StepMeasure
     m = StepMeasure(0.011, 1024.0, (0.010, 0.012, 0.011))
     step_s, sent, passes = m  # unpacks like the (seconds, bytes, passes) it is
     assert (step_s, sent, len(passes)) == (0.011, 1024.0, 3) and m.spread == pytest.approx(0.001 / 0.011)  # sd 1 ms, mean 11 ms

@@ -31,14 +31,13 @@ Not modelled (so not ranked): communicators other than allreduce / allgather / a
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -47,6 +46,7 @@ from adacomp import netmodel
 from adacomp.config import load
 from adacomp.policies import timeline
 from adacomp.engine.routes import RouteTable
+from adacomp.tools.stepclock import ModelFactory, StepMeasure, StepSampler
 
 BASELINE = "bf16"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -301,79 +301,18 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
     return Prediction(mp.method, step, payload, sum(comp_s.values()), overhead_s=mp.overhead_s)
 
 
-def _step_samples(method: str, model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
-                  steps: int, warmup: int) -> tuple[list[float], list[float]]:
-    """This rank's seconds and payload bytes of each of ``steps`` real training steps of ``method`` after
-    ``warmup``: ``model`` wrapped in PyTorch DDP whose buckets go through adacomp's hook on ``backend``
-    (collective; needs torch.distributed's default group). lr 0: every step does the same work, and
-    ``model`` is left as it was."""
-    import adacomp.engine.ddp
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(model)
-    state, hook = adacomp.engine.ddp.hook(method_config(method), named_parameters=model.named_parameters(),
-                                          backend=backend)
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    times, sent = [], []
-    for i in range(warmup + steps):
-        backend.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss(ddp).backward()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            sent.append(float(state.last_stats.bytes_sent if state.last_stats else 0))
-    return times, sent
-
-
-def _slowest_median(backend: Any, times: list[float], sent: list[float]) -> tuple[float, float]:
-    """(slowest rank's median step seconds, mean over ranks of the median payload bytes). Collective."""
-    mine = torch.tensor([statistics.median(times), statistics.median(sent)], dtype=torch.float64)
-    every = backend.allgather(mine.view(1, -1), sizes=[1] * backend.size()).view(backend.size(), -1)
-    return float(every[:, 0].max()), float(every[:, 1].mean())
-
-
-class StepMeasure(NamedTuple):
-    """One method's measured step: median seconds (slowest rank) over every pass, mean payload bytes
-    per step, and each pass's own median (their spread is the run-to-run noise of this machine)."""
-
-    step_s: float
-    sent: float
-    pass_s: tuple[float, ...]
-
-    @property
-    def spread(self) -> float:
-        """Relative standard deviation of the passes' medians: how far two runs of the same arm on
-        this machine land apart (0 for a single pass)."""
-        if len(self.pass_s) < 2:
-            return 0.0
-        return statistics.stdev(self.pass_s) / statistics.fmean(self.pass_s)
-
-
-def measure_steps(methods: list[str], model_factory: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]],
-                  backend: Any, steps: int = 5, warmup: int = 2, rounds: int = 1) -> dict[str, StepMeasure]:
-    """Real training steps of several methods (:func:`_step_samples`), interleaved: ``rounds`` passes
-    over ``methods`` of ``steps`` steps each (a fresh model per pass: one model in memory at a time;
-    ``warmup`` steps in the first pass, 1 after), medians over every pass. A shared machine drifts by
-    more than the gap between close methods; alternating spreads the drift over all of them instead
-    of the last ones. Collective."""
-    samples: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in methods}
-    per_pass: dict[str, list[float]] = {m: [] for m in methods}
-    for r in range(rounds):
-        for m in methods:
-            model, loss = model_factory()
-            t, s = _step_samples(m, model, loss, backend, steps, warmup if r == 0 else min(warmup, 1))
-            del model, loss
-            gc.collect()  # the previous arm's DDP reducer and hook state go before the next arm is timed
-            samples[m][0].extend(t)
-            samples[m][1].extend(s)
-            per_pass[m].append(_slowest_median(backend, t, s)[0])
-    return {m: StepMeasure(*_slowest_median(backend, *samples[m]), tuple(per_pass[m])) for m in methods}
+def measure_steps(methods: list[str], model_factory: ModelFactory, backend: Any, steps: int = 5, warmup: int = 2,
+                  rounds: int = 1) -> dict[str, StepMeasure]:
+    """Real training steps of several methods (adacomp's DDP hook on ``backend``), ``rounds``
+    interleaved passes of ``steps`` steps each (:class:`~adacomp.tools.stepclock.StepSampler`).
+    Collective."""
+    sampler = StepSampler(method_config, model_factory, backend, steps, warmup)
+    sampler.run(methods, rounds)
+    return {m: sampler.result(m) for m in methods}
 
 
 def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: netmodel.NetEstimate,
-              model_factory: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]],
+              model_factory: ModelFactory,
               steps: int = 5, warmup: int = 2, bucket_mb: float = 25.0, rounds: int = 1) -> dict[str, float]:
     """Set each modelled method's ``overhead_s`` = its measured step on ``backend`` (whose link
     ``est`` describes; :func:`measure_steps`, ``rounds`` interleaved passes) minus the model's
