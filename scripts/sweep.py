@@ -116,6 +116,24 @@ def within_noise(sub: list[dict[str, Any]]) -> bool:
     return True
 
 
+def unresolved(sub: list[dict[str, Any]], top: int = 4) -> str:
+    """The adjacent pairs among the measured ``top`` fastest whose order is still inside the noise
+    (fewer than ``RESOLVE_Z`` standard errors apart), e.g. ``"powersgd/topk 0.3 SE"``; "" if none:
+    where a pair is listed, the strict order of that cell is decided by noise, not by the methods."""
+    from adacomp.tools.stepclock import close_methods
+    ms = {r["method"]: _measure(r) for r in sub}
+    close = close_methods(ms, top, RESOLVE_Z)
+    order = sorted(ms, key=lambda m: ms[m].step_s)[:top]
+    return ", ".join(f"{a}/{b} {ms[a].gap_in_se(ms[b]):.1f} SE" for a, b in zip(order, order[1:])
+                     if a in close and b in close and ms[a].gap_in_se(ms[b]) < RESOLVE_Z)
+
+
+def _tie_in_top3(a: dict[str, Any]) -> bool:
+    """Whether a measured tie of the cell ``a`` involves two of its measured first 3 places."""
+    top3 = set(a["measured_top3"])
+    return any(set(pair.split(" ")[0].split("/")) <= top3 for pair in filter(None, a.get("unresolved", "").split(", ")))
+
+
 def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[str, Any]]:
     """Per (model, bandwidth): speedups over ``baseline`` (measured, predicted), top-3 agreement."""
     out = []
@@ -131,7 +149,7 @@ def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[s
         pred = [r["method"] for r in sorted(sub, key=lambda r: r["pred_ms"])][:3]
         model = [r["method"] for r in sorted(sub, key=lambda r: r.get("model_ms", r["pred_ms"]))][:3]
         out.append({"model": key[0], "bandwidth": key[1], "measured_top3": meas, "predicted_top3": pred,
-                    "same_order": meas == pred, "within_noise": within_noise(sub), "same_set": set(meas) == set(pred),
+                    "same_order": meas == pred, "within_noise": within_noise(sub), "unresolved": unresolved(sub), "same_set": set(meas) == set(pred),
                     "best_measured": meas[0], "best_predicted": pred[0],
                     "model_same_set": set(meas) == set(model), "model_best": model[0]})
     return out
@@ -203,11 +221,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
                   f"stops paying above {paying[-1] if paying else '-'} for this model." if paying else
                   "No compression method beat bf16 at any bandwidth for this model.", ""]
     lines += ["### advise vs measured: top-3 ranking", "", "| model | bandwidth | measured top 3 | predicted top 3 | "
-              "same set | same order | order within noise |", "|---|---|---|---|---|---|---|"]
+              "same set | same order | order within noise | measured ties in the top 4 |", "|---|---|---|---|---|---|---|---|"]
     for a in agree:
         lines.append(f"| {a['model']} | {a['bandwidth']} | {', '.join(a['measured_top3'])} | "
                      f"{', '.join(a['predicted_top3'])} | {'yes' if a['same_set'] else 'no'} | "
-                     f"{'yes' if a['same_order'] else 'no'} | {'yes' if a['within_noise'] else 'no'} |")
+                     f"{'yes' if a['same_order'] else 'no'} | {'yes' if a['within_noise'] else 'no'} | {a.get('unresolved') or '-'} |")
     lines += ["", f"Top-3 agreement: same order in {sum(a['same_order'] for a in agree)} / {len(agree)} "
               f"(model, bandwidth) cells, same set in {sum(a['same_set'] for a in agree)} / {len(agree)}, same best "
               f"method in {sum(a['best_measured'] == a['best_predicted'] for a in agree)} / {len(agree)}. "
@@ -223,7 +241,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
                   "slower than it by more than two standard errors of the difference, from the arms' pass-to-pass "
                   f"standard deviations over their passes (relative; here a median "
                   f"{statistics.median(spreads):.1f}% per arm, at most {max(spreads):.1f}%). It says whether a "
-                  "disagreement is bigger than this machine resolves, and does not replace the strict order column."]
+                  "disagreement is bigger than this machine resolves, and does not replace the strict order column. "
+                  "'Measured ties': adjacent methods among the measured fastest 4 still less than "
+                  f"{RESOLVE_Z:g} standard errors apart after the extra passes; a strict match or miss on such a pair "
+                  f"is decided by noise. Bar cells whose top-3 order matches with no tie among the first 3 places: "
+                  f"{sum(a['same_order'] and not _tie_in_top3(a) for a in bar)} / {len(bar)}."]
     merrs = [abs(r["model_error_pct"]) for r in rows]
     if merrs and args.calibration_steps:
         lines += ["", f"The model alone (no calibration) on the same rows: same set in "
