@@ -87,7 +87,9 @@ def test_later_rounds_wait_for_the_end_of_backward() -> None:
     for n in names:
         skewed.round_share[n], skewed.late_s[n] = (0.2, 0.8), 0.001  # measured shares and Q's local work
     got = predict(prof, skewed, N, 0.0, beta, bucket_mb=1.0)
-    assert math.isclose(got.step_s, 0.030 + 0.001 + 3 * (0.004 + 0.001) + vote, rel_tol=1e-6)
+    # the first bucket's Q work (1 ms) runs while the last bucket's P (1 ms) is still on the link;
+    # each Q allreduce (4 ms) then waits for the link, and the next bucket's Q work waits for it
+    assert math.isclose(got.step_s, 0.030 + 0.001 + vote + 3 * 0.004 + 2 * 0.001, rel_tol=1e-6)
 
 
 def test_ranking_speedups_and_unsupported() -> None:
@@ -158,3 +160,27 @@ def test_step_measure_spread_is_the_gap_between_passes() -> None:
     step_s, sent, passes = m  # unpacks like the (seconds, bytes, passes) it is
     assert (step_s, sent, len(passes)) == (0.011, 1024.0, 3) and m.spread == pytest.approx(0.001 / 0.011)  # sd 1 ms, mean 11 ms
     assert StepMeasure(0.01, 0.0, (0.01,)).spread == 0.0
+
+
+def test_the_size_exchange_of_allgather_blocks_the_training_thread() -> None:
+    """``allgather`` exchanges element counts with a blocking collective before each bucket's payload:
+    on one link it waits for every payload queued before it, so the next bucket's compression
+    cannot overlap the previous bucket's transfer; ``allgather_fast`` (fixed sizes) has no such wait."""
+    names, shape = ["c.weight", "b.weight", "a.weight"], torch.Size([512, 1024])  # 2 MiB: a bucket each
+    prof = ModelProfile(names, [shape] * 3, [0.010] * 3, forward_s=0.0, optimizer_s=0.0)
+    N, beta = 2, 0.020 / 1000.0  # 1000 payload bytes per rank: 20 ms on the link
+
+    def method(comm: str) -> MethodProfile:
+        mp = MethodProfile(comm, {})
+        for n in names:
+            mp.route[n], mp.communicator[n], mp.payload[n] = "m", comm, 1000.0
+            mp.rounds[n], mp.dense[n], mp.compress_s[n], mp.decompress_s[n] = 1, False, 0.010, 0.0
+        return mp
+    vote = netmodel.ring_allreduce(4, N, 0.0, beta)
+    sizes = netmodel.allgather(8.0, N, 0.0, beta)
+    fast = predict(prof, method("allgather_fast"), N, 0.0, beta, bucket_mb=1.0)
+    # backward 10 + compress 10 per bucket: payloads leave at 20, 40, 60 ms and the link ends at 80
+    assert math.isclose(fast.step_s, 0.080 + vote, rel_tol=1e-6)
+    blocking = predict(prof, method("allgather"), N, 0.0, beta, bucket_mb=1.0)
+    # bucket 2's sizes wait for bucket 1's payload (40 ms), bucket 3's for bucket 2's (70 + sizes)
+    assert math.isclose(blocking.step_s, 0.100 + 3 * sizes + vote, rel_tol=1e-6)

@@ -12,11 +12,16 @@ Three measurements, one prediction per method, a ranked answer:
 
 Prediction (:func:`predict`): the model's parameters are cut into DDP-style buckets (reverse
 order, 1 MiB first bucket, then ``bucket_mb``), each bucket split by route as adacomp's DDP hook
-does (one collective per bucket and route), and ByteComp's timeline (adacomp/policies/timeline.py,
-bytecomp.txt §3.1 Fig. 2) schedules backward, compression and communication. Communication uses
-the AR-Topk paper's Table I costs (adacomp/netmodel.py): ring allreduce for dense and additive
-payloads (one per round: PowerSGD's P and Q), allgather for the others. Step time = timeline
-iteration time + forward + optimizer step + the hook's one-float non-finite vote.
+does (one collective per bucket and route), and :func:`_hook_step` schedules backward, compression
+and communication in the order that hook does the work: the training thread computes, and per
+bucket exchanges sizes (``allgather`` only; a blocking collective, so it waits for the link),
+compresses and launches the first round; one link serves the collectives in order; after backward
+every bucket is waited for, its later rounds run (PowerSGD's Q) and it is decompressed, in bucket
+order. (ByteComp's timeline, adacomp/policies/timeline.py, has no blocking exchange and runs later
+rounds apart from their bucket; the ResNet-50 / VGG-16 sweeps showed DGC's step growing with the
+link time as only the blocking exchange explains.) Communication uses the AR-Topk paper's Table I
+costs (adacomp/netmodel.py): ring allreduce for dense and additive payloads (one per round:
+PowerSGD's P and Q), allgather for the others. Step time = that schedule + forward + optimizer step.
 
 Calibration (:func:`calibrate`, on by default): what the model leaves out (the hook's Python work
 per bucket, error feedback's compensation pass, copies into DDP's buckets, the collectives' own CPU
@@ -44,7 +49,6 @@ from torch import nn
 
 from adacomp import netmodel
 from adacomp.config import load
-from adacomp.policies import timeline
 from adacomp.engine.routes import RouteTable
 from adacomp.tools.stepclock import ModelFactory, StepMeasure, StepSampler
 
@@ -241,64 +245,88 @@ def _groups(prof: ModelProfile, mp: MethodProfile, bucket_mb: float) -> list[lis
     return out
 
 
+@dataclass
+class _GroupCost:
+    """One DDP bucket's route group as the hook handles it (seconds)."""
+
+    compute: float  # backward that makes the bucket ready (the bucket's first group carries it)
+    sizes: float  # the blocking element-count exchange of the ``allgather`` communicator (0: none)
+    compress: float  # on the training thread, before the first round leaves
+    comm: float  # the first round on the link (dense: the plain allreduce)
+    late: float  # the later rounds' local work, after backward
+    late_comm: list[float]  # the later rounds on the link, one after another
+    decompress: float
+
+
+def _hook_step(groups: list[_GroupCost], vote: float) -> float:
+    """Seconds from the start of backward to the last gradient written back, in the order adacomp's
+    DDP hook does the work (adacomp/engine/ddp.py). The training thread runs backward, then per
+    bucket: the size exchange (blocking: on one link it waits for every collective queued before it),
+    compression, and the launch of the first round; the link serves collectives first in, first out.
+    The last bucket's hook then queues the non-finite vote and finishes the buckets in order: wait
+    for the first round, the later rounds (local work, then each round's collective, waited for) and
+    the decompression."""
+    dev = link = 0.0
+    ends = []
+    for g in groups:
+        dev += g.compute
+        if g.sizes:
+            link = dev = max(dev, link) + g.sizes
+        dev += g.compress
+        link = max(dev, link) + g.comm
+        ends.append(link)
+    link += vote
+    t = dev
+    for g, end in zip(groups, ends):
+        t = max(t, end) + g.late
+        for c in g.late_comm:
+            link = t = max(t, link) + c
+        t += g.decompress
+    return max(t, link)
+
+
 def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, beta: float,
             bucket_mb: float = 25.0) -> Prediction:
     """Predicted seconds per training step of method ``mp`` on ``world`` ranks over link (alpha, beta)."""
     if mp.unsupported:
         return Prediction(mp.method, math.nan, math.nan, math.nan, mp.unsupported)
     compute = dict(zip(prof.names, prof.compute_s))
-    tensors: list[timeline.TensorProfile] = []
-    options: list[timeline.Option] = []
-    comm_fns: dict[int, Callable[[float], float]] = {}
-    comp_s: dict[int, float] = {}
-    dec_s: dict[int, float] = {}
     done: set[str] = set()
-    tail_s = 0.0  # later rounds: adacomp's hook runs them once backward is over, one group after another
-    tail_bytes = 0.0
-    for gi, names in enumerate(_groups(prof, mp, bucket_mb)):
+    costs: list[_GroupCost] = []
+    sent = compress_total = 0.0
+
+    def allreduce(m: float) -> float:
+        return netmodel.ring_allreduce(m, world, alpha, beta)
+    for names in _groups(prof, mp, bucket_mb):
         # a bucket is ready when its last gradient is: the first route group of it carries the compute
         bucket_compute = sum(compute[n] for n in names) if not done & set(names) else 0.0
         done.update(names)
         first = names[0]
-        dense = mp.dense[first]
-        nbytes = sum(4.0 * prof.shapes[prof.names.index(n)].numel() for n in names)
-        rounds = 1 if dense else max(mp.rounds[n] for n in names)
+        if mp.dense[first]:
+            nbytes = sum(4.0 * prof.shapes[prof.names.index(n)].numel() for n in names)
+            costs.append(_GroupCost(bucket_compute, 0.0, 0.0, allreduce(nbytes), 0.0, [], 0.0))
+            sent += nbytes
+            continue
+        rounds = max(mp.rounds[n] for n in names)
         shares = {n: mp.round_share.get(n) or (1.0 / rounds,) * rounds for n in names}
         by_round = [sum(mp.payload[n] * (shares[n][r] if r < len(shares[n]) else 0.0) for n in names)
                     for r in range(rounds)]
-        payload = by_round[0]  # what goes out while backward runs
-        # the timeline's time models take bytes only: +gi micro-bytes make every group's sizes unique,
-        # so a lookup by bytes recovers that group's own measured costs
-        tensors.append(timeline.TensorProfile(f"g{gi}", nbytes + gi * 1e-6, bucket_compute, payload + gi * 1e-6))
-        if dense:
-            options.append(timeline.NONE)
-            continue
-        options.append(timeline.DEVICE_AG)
+        comp = sum(mp.compress_s[n] for n in names)
+        dec = sum(mp.decompress_s[n] for n in names)
+        compress_total += comp
+        sent += sum(by_round)
         comm = mp.communicator[first]
-        if comm in ALLREDUCE_LIKE:
-            comm_fns[gi] = lambda M: netmodel.ring_allreduce(M, world, alpha, beta)
-            tail_s += sum(netmodel.ring_allreduce(b, world, alpha, beta) for b in by_round[1:])
-            tail_s += sum(mp.late_s.get(n, 0.0) for n in names)
-            tail_bytes += sum(by_round[1:])
-            dec_s[gi] = sum(mp.decompress_s[n] for n in names)  # one decompression of the mean
-        else:
-            sizes = alpha * math.log2(world) if comm == "allgather" else 0.0  # the size exchange first
-            comm_fns[gi] = _allgather_plus(sizes, world, alpha, beta)
-            dec_s[gi] = world * sum(mp.decompress_s[n] for n in names)  # one per rank's payload
-        comp_s[gi] = sum(mp.compress_s[n] for n in names)
-    # the timeline charges world x decompress(bytes) per compressed group: divide dec_s back
-    by_bytes = {t.nbytes: i for i, t in enumerate(tensors)}
-    by_payload = {t.compressed_bytes: i for i, t in enumerate(tensors)}
-    model = timeline.CostModel(
-        world, lambda M: netmodel.ring_allreduce(M, world, alpha, beta),
-        lambda M: comm_fns[by_payload[M]](M), lambda M: timeline.alltoall(M, world, alpha, beta),
-        {"device": lambda M: comp_s[by_bytes[M]], "cpu": lambda M: comp_s[by_bytes[M]]},
-        {"device": lambda M: dec_s[by_bytes[M]] / world, "cpu": lambda M: dec_s[by_bytes[M]] / world})
-    tl = timeline.simulate(tensors, options, model)
-    vote = netmodel.ring_allreduce(4, world, alpha, beta) if world > 1 else 0.0
-    step = tl.iteration_s + tail_s + prof.forward_s + prof.optimizer_s + vote + mp.overhead_s
-    payload = tail_bytes + sum(t.compressed_bytes if o.compressed else t.nbytes for t, o in zip(tensors, options))
-    return Prediction(mp.method, step, payload, sum(comp_s.values()), overhead_s=mp.overhead_s)
+        if comm in ALLREDUCE_LIKE:  # additive payloads: one allreduce per round, one decompression of the mean
+            costs.append(_GroupCost(bucket_compute, 0.0, comp, allreduce(by_round[0]),
+                                    sum(mp.late_s.get(n, 0.0) for n in names), [allreduce(b) for b in by_round[1:]],
+                                    dec))
+        else:  # every rank's payload gathered and decompressed; ``allgather`` first exchanges the sizes
+            sizes = netmodel.allgather(8.0 * len(names), world, alpha, beta) if comm == "allgather" else 0.0
+            costs.append(_GroupCost(bucket_compute, sizes, comp, netmodel.allgather(by_round[0], world, alpha, beta),
+                                    0.0, [], world * dec))
+    vote = allreduce(4) if world > 1 else 0.0
+    step = _hook_step(costs, vote) + prof.forward_s + prof.optimizer_s + mp.overhead_s
+    return Prediction(mp.method, step, sent, compress_total, overhead_s=mp.overhead_s)
 
 
 def measure_steps(methods: list[str], model_factory: ModelFactory, backend: Any, steps: int = 5, warmup: int = 2,
@@ -330,11 +358,6 @@ def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: n
         mp.overhead_s = step_s - predict(prof, mp, backend.size(), est.alpha, est.beta, bucket_mb).step_s
         measured[mp.method] = step_s
     return measured
-
-
-def _allgather_plus(extra_s: float, world: int, alpha: float, beta: float) -> Callable[[float], float]:
-    """Allgather of ``M`` bytes per rank, after ``extra_s`` (variable-size payloads: a size exchange)."""
-    return lambda M: extra_s + netmodel.allgather(M, world, alpha, beta)
 
 
 def rank_methods(preds: list[Prediction], baseline: str = BASELINE) -> list[tuple[Prediction, float]]:
