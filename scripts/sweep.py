@@ -116,22 +116,19 @@ def within_noise(sub: list[dict[str, Any]]) -> bool:
     return True
 
 
-def unresolved(sub: list[dict[str, Any]], top: int = 4) -> str:
-    """The adjacent pairs among the measured ``top`` fastest whose order is still inside the noise
-    (fewer than ``RESOLVE_Z`` standard errors apart), e.g. ``"powersgd/topk 0.3 SE"``; "" if none:
-    where a pair is listed, the strict order of that cell is decided by noise, not by the methods."""
-    from adacomp.tools.stepclock import close_methods
+def measured_ties(sub: list[dict[str, Any]], top: int = 4) -> list[tuple[str, str, float]]:
+    """Adjacent pairs among the measured ``top`` fastest whose order is still inside the noise
+    (fewer than ``RESOLVE_Z`` standard errors apart), as (faster, slower, gap in SE): where a pair is
+    listed, the strict order of that cell is decided by noise, not by the methods."""
     ms = {r["method"]: _measure(r) for r in sub}
-    close = close_methods(ms, top, RESOLVE_Z)
     order = sorted(ms, key=lambda m: ms[m].step_s)[:top]
-    return ", ".join(f"{a}/{b} {ms[a].gap_in_se(ms[b]):.1f} SE" for a, b in zip(order, order[1:])
-                     if a in close and b in close and ms[a].gap_in_se(ms[b]) < RESOLVE_Z)
+    gaps = [(a, b, ms[a].gap_in_se(ms[b])) for a, b in zip(order, order[1:])]
+    return [(a, b, round(g, 2)) for a, b, g in gaps if g < RESOLVE_Z]
 
 
 def _tie_in_top3(a: dict[str, Any]) -> bool:
-    """Whether a measured tie of the cell ``a`` involves two of its measured first 3 places."""
-    top3 = set(a["measured_top3"])
-    return any(set(pair.split(" ")[0].split("/")) <= top3 for pair in filter(None, a.get("unresolved", "").split(", ")))
+    """Whether a measured tie of the cell ``a`` is between two of its measured first 3 places."""
+    return any({x, y} <= set(a["measured_top3"]) for x, y, _ in a["ties"])
 
 
 def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[str, Any]]:
@@ -149,7 +146,8 @@ def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[s
         pred = [r["method"] for r in sorted(sub, key=lambda r: r["pred_ms"])][:3]
         model = [r["method"] for r in sorted(sub, key=lambda r: r.get("model_ms", r["pred_ms"]))][:3]
         out.append({"model": key[0], "bandwidth": key[1], "measured_top3": meas, "predicted_top3": pred,
-                    "same_order": meas == pred, "within_noise": within_noise(sub), "unresolved": unresolved(sub), "same_set": set(meas) == set(pred),
+                    "same_order": meas == pred, "within_noise": within_noise(sub), "ties": measured_ties(sub),
+                    "same_set": set(meas) == set(pred),
                     "best_measured": meas[0], "best_predicted": pred[0],
                     "model_same_set": set(meas) == set(model), "model_best": model[0]})
     return out
@@ -225,7 +223,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
     for a in agree:
         lines.append(f"| {a['model']} | {a['bandwidth']} | {', '.join(a['measured_top3'])} | "
                      f"{', '.join(a['predicted_top3'])} | {'yes' if a['same_set'] else 'no'} | "
-                     f"{'yes' if a['same_order'] else 'no'} | {'yes' if a['within_noise'] else 'no'} | {a.get('unresolved') or '-'} |")
+                     f"{'yes' if a['same_order'] else 'no'} | {'yes' if a['within_noise'] else 'no'} | "
+                     f"{', '.join(f'{x}/{y} {g:.1f} SE' for x, y, g in a['ties']) or '-'} |")
     lines += ["", f"Top-3 agreement: same order in {sum(a['same_order'] for a in agree)} / {len(agree)} "
               f"(model, bandwidth) cells, same set in {sum(a['same_set'] for a in agree)} / {len(agree)}, same best "
               f"method in {sum(a['best_measured'] == a['best_predicted'] for a in agree)} / {len(agree)}. "
