@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import pytest
@@ -17,8 +18,10 @@ def _m(step: float, d: float, n: int = 6) -> StepMeasure:
 
 def test_gap_in_standard_errors() -> None:
     a, b = _m(100.0, 0.05), _m(104.0, 0.05)
-    se = math.hypot(a.spread, b.spread) / math.sqrt(6)
-    assert a.gap_in_se(b) == pytest.approx(0.04 / se) and b.gap_in_se(a) < 0  # b is the slower one
+    se = math.hypot(a.se, b.se)
+    assert a.se == pytest.approx(statistics.stdev(a.pass_s) / math.sqrt(6))
+    assert a.gap_in_se(b) == pytest.approx(4.0 / se) and b.gap_in_se(a) < 0  # b is the slower one
+    assert b.gap_in_se(a) == pytest.approx(-a.gap_in_se(b))  # antisymmetric: the order's verdict is one
     assert a.gap_in_se(_m(104.0, 0.05, n=24)) > a.gap_in_se(b)  # more passes: a smaller standard error
     one = StepMeasure(1.0, 0.0, (1.0,))
     assert one.gap_in_se(StepMeasure(1.1, 0.0, (1.1,))) == math.inf  # no noise estimate: taken as resolved

@@ -46,16 +46,24 @@ class StepMeasure(NamedTuple):
             return 0.0
         return statistics.stdev(self.pass_s) / statistics.fmean(self.pass_s)
 
+    @property
+    def se(self) -> float:
+        """Standard error of the median step (seconds): the passes' standard deviation over the square
+        root of their number (0 for a single pass)."""
+        if len(self.pass_s) < 2:
+            return 0.0
+        return statistics.stdev(self.pass_s) / math.sqrt(len(self.pass_s))
+
     def gap_in_se(self, other: "StepMeasure") -> float:
         """How many standard errors of the difference ``other`` is slower than this one (negative:
-        faster); each arm's standard error is its spread over the square root of its passes. Two
-        single-pass arms have no noise estimate: any gap counts as resolved (inf)."""
-        se = math.hypot(self.spread / math.sqrt(max(1, len(self.pass_s))),
-                        other.spread / math.sqrt(max(1, len(other.pass_s))))
-        rel = (other.step_s - self.step_s) / self.step_s if self.step_s > 0 else 0.0
+        faster). Antisymmetric (``a.gap_in_se(b) == -b.gap_in_se(a)``), so which of two arms is asked
+        never changes whether their order counts as resolved. Two single-pass arms have no noise
+        estimate: any gap counts as resolved (inf)."""
+        diff = other.step_s - self.step_s
+        se = math.hypot(self.se, other.se)
         if se == 0.0:
-            return math.copysign(math.inf, rel) if rel else 0.0
-        return rel / se
+            return math.copysign(math.inf, diff) if diff else 0.0
+        return diff / se
 
 
 def step_samples(config: dict[str, Any], model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
