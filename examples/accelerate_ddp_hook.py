@@ -9,6 +9,7 @@ custom one. bf16 autocast and `accelerator.accumulate` (DDP's no_sync) included.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,14 @@ def main() -> None:
     loss = accelerator.reduce(loss.detach(), reduction="mean")
     if accelerator.is_main_process:
         print(f"trained with adacomp {args.method} hook: final loss {float(loss):.4f}, {state.steps} compressed steps")
+    # Tear the process group down while the interpreter is alive. Otherwise the DDP model keeps the
+    # gloo group to interpreter exit, and a gloo worker thread still releasing the last allreduce's
+    # tensors then needs the GIL during finalisation: the thread is ended inside a C++ destructor and
+    # the process aborts ("terminate called without an active exception"), after training finished.
+    del model, opt, loader, state, hook, loss
+    accelerator.free_memory()
+    torch.distributed.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
