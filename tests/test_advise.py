@@ -128,7 +128,7 @@ def test_advise_command_end_to_end() -> None:
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     out = [line.split("] ", 1)[1] if line.startswith("[0] ") else line for line in r.stdout.splitlines()]
-    rows = {ln.split()[1]: ln.split() for ln in out if ln[:1].isdigit() and len(ln.split()) == 7}
+    rows = {ln.split()[1]: ln.split() for ln in out if ln[:1].isdigit() and len(ln.split()) == 8}
     assert set(rows) == {"fp32", "bf16", "topk"}
     mib = {m: float(v[4]) for m, v in rows.items()}
     assert mib["bf16"] == pytest.approx(mib["fp32"] / 2, abs=0.011)  # bytes are exact, printed to 0.01
@@ -152,6 +152,36 @@ def test_calibration_overhead_is_added_to_every_prediction() -> None:
     shifted = [predict(_prof(0.001), mp, N, a, b) for a, b in ((1e-4, 1e-9), (1e-3, 1e-7))]
     assert [p.step_s - q for p, q in zip(shifted, plain)] == pytest.approx([0.02, 0.02])
     assert all(p.overhead_s == 0.02 for p in shifted)
+
+
+def test_calibration_scales_overstated_work_and_adds_what_the_model_left_out() -> None:
+    """Three 2 MiB buckets (a bucket each), 10 ms of backward and 30 ms of profiled compression per
+    bucket; 40 ms per bucket on the slow link. Measured 60 ms on a free link where the model gives
+    120 ms: the profile overstated the compression, and it is scaled by 1/3 rather than 60 ms being
+    taken off every link, which on the slow link would predict less than the link is busy (100 ms
+    for 3 x 40 ms of transfers). A model that is too fast instead gets the difference added."""
+    from adacomp.tools.advise import fit
+    names, shape = ["c.weight", "b.weight", "a.weight"], torch.Size([512, 1024])
+    prof = ModelProfile(names, [shape] * 3, [0.010] * 3, forward_s=0.0, optimizer_s=0.0)
+    mp = MethodProfile("sparse", {})
+    for n in names:
+        mp.route[n], mp.communicator[n], mp.payload[n], mp.rounds[n], mp.dense[n] = "s", "allgather_fast", 1000.0, 1, False
+        mp.compress_s[n], mp.decompress_s[n] = 0.030, 0.0
+    N, slow = 2, 0.040 / 1000.0
+    assert predict(prof, mp, N, 0.0, 0.0, bucket_mb=1.0).step_s == pytest.approx(0.120)
+    fit(prof, mp, 0.060, N, 0.0, 0.0, bucket_mb=1.0)
+    assert mp.work_scale == pytest.approx(1 / 3, rel=1e-6) and mp.overhead_s == pytest.approx(0.0, abs=1e-9)
+    assert mp.additive_s == pytest.approx(-0.060)
+    assert predict(prof, mp, N, 0.0, 0.0, bucket_mb=1.0).step_s == pytest.approx(0.060)  # the calibration link: as measured
+    vote = netmodel.ring_allreduce(4, N, 0.0, slow)
+    # slow link: 10 ms backward + 10 ms compression, then the three transfers back to back
+    assert predict(prof, mp, N, 0.0, slow, bucket_mb=1.0).step_s == pytest.approx(0.020 + 3 * 0.040 + vote)
+    fit(prof, mp, 0.150, N, 0.0, 0.0, bucket_mb=1.0)  # the model is 30 ms too fast: added, on every link
+    # (slow link: the third bucket is compressed at 120 ms, its transfer ends at 160)
+    assert mp.work_scale == 1.0 and mp.overhead_s == pytest.approx(0.030) == mp.additive_s
+    assert predict(prof, mp, N, 0.0, slow, bucket_mb=1.0).step_s == pytest.approx(0.040 + 3 * 0.040 + vote + 0.030)
+    fit(prof, mp, 0.020, N, 0.0, 0.0, bucket_mb=1.0)  # faster than backward alone (30 ms): no work left, the rest subtracted
+    assert mp.work_scale == pytest.approx(0.0, abs=1e-9) and mp.overhead_s == pytest.approx(-0.010)
 
 
 def test_step_measure_spread_is_the_gap_between_passes() -> None:
