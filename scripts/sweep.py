@@ -268,7 +268,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
                   f"{statistics.median(aerrs):.0f}%, {sum(e <= 25 for e in aerrs)} / {len(aerrs)} within 25%. "
                   "Work scaled below 1 (the profile overstated the method's work): " +
                   (", ".join(sorted({f"{r['method']} x{r['work_scale']:.2f}" for r in rows
-                                     if r.get("work_scale", 1.0) < 1.0})) or "none") + "."]
+                                     if r.get("work_scale", 1.0) < 1.0 and r["pred_ms"] != r["pred_add_ms"]}))
+                   or "none") + "."]
     if args.report_only:
         lines += ["", f"Report rewritten from {args.name}.json by `--report-only` (nothing re-measured)."]
     sys.argv = command.split()

@@ -182,6 +182,9 @@ def test_calibration_scales_overstated_work_and_adds_what_the_model_left_out() -
     assert predict(prof, mp, N, 0.0, slow, bucket_mb=1.0).step_s == pytest.approx(0.040 + 3 * 0.040 + vote + 0.030)
     fit(prof, mp, 0.020, N, 0.0, 0.0, bucket_mb=1.0)  # faster than backward alone (30 ms): no work left, the rest subtracted
     assert mp.work_scale == pytest.approx(0.0, abs=1e-9) and mp.overhead_s == pytest.approx(-0.010)
+    dense = _method("fp32", 4)  # no work of its own to scale: the difference is subtracted
+    fit(_prof(0.010), dense, 0.020, N, 0.0, 0.0)
+    assert dense.work_scale == 1.0 and dense.overhead_s == pytest.approx(-0.010) == dense.additive_s
 
 
 def test_step_measure_spread_is_the_gap_between_passes() -> None:
