@@ -6,7 +6,6 @@ of a hang.
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import socket
@@ -82,10 +81,6 @@ class TorchBackend(Backend):
             else:
                 dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world, timeout=timeout)
             self._owns_group = True
-            # A script that ends without shutdown(): destroy the group while the interpreter is alive.
-            # A gloo worker thread that releases a finished collective's tensors during finalisation
-            # needs the GIL, is ended inside a C++ destructor and aborts the process after all work.
-            atexit.register(self.shutdown)
         self._rank = dist.get_rank()
         self._size = dist.get_world_size()
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
@@ -200,7 +195,6 @@ class TorchBackend(Backend):
         dist.barrier()
 
     def shutdown(self) -> None:
-        atexit.unregister(self.shutdown)
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
