@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import os
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +123,10 @@ def within_noise(sub: list[dict[str, Any]]) -> bool:
 
 def measured_ties(sub: list[dict[str, Any]], top: int = 4) -> list[tuple[str, str, float]]:
     """Adjacent pairs among the measured ``top`` fastest whose order is still inside the noise
-    (fewer than ``RESOLVE_Z`` standard errors apart), as (faster, slower, gap in SE): where a pair is
-    listed, the strict order of that cell is decided by noise, not by the methods."""
-    ms = {r["method"]: _measure(r) for r in sub}
-    order = sorted(ms, key=lambda m: ms[m].step_s)[:top]
-    gaps = [(a, b, ms[a].gap_in_se(ms[b])) for a, b in zip(order, order[1:])]
-    return [(a, b, round(g, 2)) for a, b, g in gaps if g < RESOLVE_Z]
+    (:func:`~adacomp.tools.stepclock.close_pairs` at ``RESOLVE_Z``), as (faster, slower, gap in SE):
+    where a pair is listed, the strict order of that cell is decided by noise, not by the methods."""
+    from adacomp.tools.stepclock import close_pairs
+    return [(a, b, round(g, 2)) for a, b, g in close_pairs({r["method"]: _measure(r) for r in sub}, top, RESOLVE_Z)]
 
 
 def _tie_in_top3(a: dict[str, Any]) -> bool:
@@ -151,8 +149,8 @@ def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[s
         pred = [r["method"] for r in sorted(sub, key=lambda r: r["pred_ms"])][:3]
         model = [r["method"] for r in sorted(sub, key=lambda r: r.get("model_ms", r["pred_ms"]))][:3]
         additive = [r["method"] for r in sorted(sub, key=lambda r: r.get("pred_add_ms", r["pred_ms"]))][:3]
-        out.append({"additive_same_order": meas == additive,"model": key[0], "bandwidth": key[1], "measured_top3": meas, "predicted_top3": pred,
-                    "same_order": meas == pred, "within_noise": within_noise(sub), "ties": measured_ties(sub),
+        out.append({"model": key[0], "bandwidth": key[1], "measured_top3": meas, "predicted_top3": pred,
+                    "same_order": meas == pred, "additive_same_order": meas == additive, "within_noise": within_noise(sub), "ties": measured_ties(sub),
                     "same_set": set(meas) == set(pred),
                     "best_measured": meas[0], "best_predicted": pred[0],
                     "model_same_set": set(meas) == set(model), "model_best": model[0]})

@@ -380,9 +380,10 @@ def fit(prof: ModelProfile, mp: MethodProfile, step_s: float, world: int, alpha:
     offset for comparison."""
     def modelled(scale: float) -> float:
         return predict(prof, replace(mp, work_scale=scale, overhead_s=0.0), world, alpha, beta, bucket_mb).step_s
-    mp.additive_s = step_s - modelled(1.0)
+    full = modelled(1.0)
+    mp.additive_s = step_s - full
     mp.work_scale, mp.overhead_s = 1.0, mp.additive_s
-    if mp.additive_s < 0 and modelled(0.0) < step_s - mp.additive_s:  # (a method with no work: nothing to scale)
+    if step_s < full and modelled(0.0) < full:  # too slow, and there is work to scale (not a dense method)
         lo, hi = 0.0, 1.0  # the modelled step grows with the scale: bisect for modelled(scale) = step_s
         for _ in range(40):
             mid = (lo + hi) / 2

@@ -130,16 +130,20 @@ class StepSampler:
                            tuple(self._passes[method]))
 
 
-def close_methods(measured: dict[str, StepMeasure], top: int = 4, z: float = 2.0) -> list[str]:
-    """Methods among the ``top`` fastest whose order against a neighbour is not yet resolved: the
-    slower of the two is less than ``z`` standard errors slower (:meth:`StepMeasure.gap_in_se`).
-    Fastest first."""
+def close_pairs(measured: dict[str, StepMeasure], top: int = 4, z: float = 2.0) -> list[tuple[str, str, float]]:
+    """Adjacent pairs among the ``top`` fastest whose order is not yet resolved, as (faster, slower,
+    gap in standard errors): the slower is less than ``z`` standard errors slower
+    (:meth:`StepMeasure.gap_in_se`). Fastest first."""
     order = sorted(measured, key=lambda m: measured[m].step_s)[:top]
-    close: set[str] = set()
-    for a, b in zip(order, order[1:]):
-        if measured[a].gap_in_se(measured[b]) < z:
-            close |= {a, b}
-    return [m for m in order if m in close]
+    gaps = [(a, b, measured[a].gap_in_se(measured[b])) for a, b in zip(order, order[1:])]
+    return [(a, b, g) for a, b, g in gaps if g < z]
+
+
+def close_methods(measured: dict[str, StepMeasure], top: int = 4, z: float = 2.0) -> list[str]:
+    """Methods among the ``top`` fastest whose order against a neighbour is not yet resolved
+    (:func:`close_pairs`). Fastest first."""
+    close = {m for a, b, _ in close_pairs(measured, top, z) for m in (a, b)}
+    return [m for m in sorted(measured, key=lambda m: measured[m].step_s) if m in close]
 
 
 def resolve_close(sampler: StepSampler, methods: list[str], max_passes: int, top: int = 4,
