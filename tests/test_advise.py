@@ -185,6 +185,14 @@ def test_calibration_scales_overstated_work_and_adds_what_the_model_left_out() -
     dense = _method("fp32", 4)  # no work of its own to scale: the difference is subtracted
     fit(_prof(0.010), dense, 0.020, N, 0.0, 0.0)
     assert dense.work_scale == 1.0 and dense.overhead_s == pytest.approx(-0.010) == dense.additive_s
+    # a measurement below the modelled link time (a noisy probe of the calibration link): the remainder
+    # cancels the compute and no more, so no link gets a negative prediction (CI, session 8: -6.8 ms)
+    fit(prof, mp, 0.001, N, 0.0, slow, bucket_mb=1.0)
+    assert mp.work_scale == pytest.approx(0.0, abs=1e-9) and mp.overhead_s == pytest.approx(-0.030)
+    assert predict(prof, mp, N, 0.0, 0.0, bucket_mb=1.0).step_s == pytest.approx(0.0, abs=1e-12)  # a free link: nothing left
+    assert predict(prof, mp, N, 0.0, slow / 10, bucket_mb=1.0).step_s > 0
+    # slow link: the first bucket's 10 ms of backward, three transfers back to back, less the 30 ms of compute
+    assert predict(prof, mp, N, 0.0, slow, bucket_mb=1.0).step_s == pytest.approx(0.010 + 3 * 0.040 + vote - 0.030)
 
 
 def test_step_measure_spread_is_the_gap_between_passes() -> None:

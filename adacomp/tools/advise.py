@@ -360,7 +360,7 @@ def calibrate(prof: ModelProfile, mps: list[MethodProfile], backend: Any, est: n
     hiding communication that in truth shows on slow links (Top-k on ResNet-50 / VGG-16: the model
     gave the same step at 100 Mbit/s and 1 Gbit/s, the measurement 40-50 ms more), so the work is
     scaled down (``work_scale``) until the model meets the measurement; a remainder, if scaling to
-    zero is not enough, becomes a negative ``overhead_s``."""
+    zero is not enough, becomes a negative ``overhead_s`` of at most the profiled compute (:func:`fit`)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return {}
@@ -377,7 +377,9 @@ def fit(prof: ModelProfile, mp: MethodProfile, step_s: float, world: int, alpha:
         bucket_mb: float = 25.0) -> None:
     """Set ``mp``'s ``overhead_s`` / ``work_scale`` so that :func:`predict` on the link (alpha, beta)
     gives the measured ``step_s`` (the rule: :func:`calibrate`); ``additive_s`` keeps the additive-only
-    offset for comparison."""
+    offset for comparison. A negative remainder cancels at most the profiled compute (forward,
+    backward, optimizer): what is left is link time, which no measurement on one link can remove
+    from another, so a prediction never drops below the modelled link time (never negative)."""
     def modelled(scale: float) -> float:
         return predict(prof, replace(mp, work_scale=scale, overhead_s=0.0), world, alpha, beta, bucket_mb).step_s
     full = modelled(1.0)
@@ -390,6 +392,7 @@ def fit(prof: ModelProfile, mp: MethodProfile, step_s: float, world: int, alpha:
             lo, hi = (mid, hi) if modelled(mid) < step_s else (lo, mid)
         mp.work_scale = lo
         mp.overhead_s = step_s - modelled(lo)
+    mp.overhead_s = max(mp.overhead_s, -(prof.forward_s + prof.optimizer_s + sum(prof.compute_s)))
 
 
 def rank_methods(preds: list[Prediction], baseline: str = BASELINE) -> list[tuple[Prediction, float]]:
