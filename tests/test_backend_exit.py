@@ -13,12 +13,15 @@ from tests.test_examples import _env
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = textwrap.dedent("""
-    import torch, torch.distributed as dist
-    from adacomp.backends.torch_dist import TorchBackend
+    import sys, torch, torch.distributed as dist
+    from adacomp.backends.torch_dist import TorchBackend, _gloo_workers_running, _let_gloo_workers_settle
     be = TorchBackend()
     for _ in range(3):
         t = torch.ones(1000) * be.rank()
         dist.all_reduce(t)
+    if "--settle" in sys.argv:  # what the exit handler does, here where we can look afterwards
+        _let_gloo_workers_settle()
+        print(f"SETTLED rank={be.rank()} running={_gloo_workers_running()}", flush=True)
     print(f"EXIT_DONE rank={be.rank()} sum={float(t[0])}", flush=True)
 """)
 
@@ -32,3 +35,13 @@ def test_script_without_shutdown_exits_cleanly(tmp_path: Path) -> None:
         out = proc.stdout
         assert proc.returncode == 0 and "terminate called" not in out, f"run {attempt}: rc {proc.returncode}\n{out[-3000:]}"
         assert out.count("EXIT_DONE") == 2 and out.count("sum=1.0") == 2, out[-3000:]
+
+
+def test_settling_leaves_no_gloo_worker_runnable(tmp_path: Path) -> None:
+    """Right after a collective a gloo worker is often still runnable (finishing its work item);
+    after the exit handler's pause none is."""
+    script = tmp_path / "settle.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "adacomp.tools.cli", "run", "-np", "2", "--", sys.executable, str(script), "--settle"]
+    proc = run_launcher(cmd, str(ROOT), _env(), timeout=120, merge_stderr=True)
+    assert proc.returncode == 0 and proc.stdout.count("running=False") == 2, proc.stdout[-3000:]

@@ -62,15 +62,38 @@ def _elastic_store(timeout: datetime.timedelta, generation: int) -> tuple[Any, i
     return dist.PrefixStore(f"adacomp/attempt{int(attempt or 0)}/gen{generation}/", store), rank, world
 
 
-def _let_gloo_workers_settle() -> None:
+def _gloo_workers_running() -> bool:
+    """Whether a gloo worker thread of this process is runnable (Linux /proc; elsewhere: no)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, _, rest = stat.rpartition(")")
+        if name.endswith("pt_gloo_runloop") and rest.split()[:1] == ["R"]:
+            return True
+    return False
+
+
+def _let_gloo_workers_settle(max_wait_s: float = 1.0) -> None:
     """Release the GIL for a moment at interpreter exit. A gloo worker thread drops its reference
     to a finished collective only after the caller's wait() returned; if that is the last reference
     to a tensor Python already let go of, the worker needs the GIL. When the interpreter is already
     finalising, taking the GIL ends the thread inside a C++ destructor and the process aborts
     ("terminate called without an active exception") after all its work is done: 5 of 20 two-rank
-    runs of three allreduces and an exit did (0 of 20 with this). Destroying the group does not
-    cure it: torch's own modules keep a reference, so the workers are not joined."""
+    runs of three allreduces and an exit did (0 of 50 with this). Destroying the group does not
+    cure it: once a torch.optim optimizer exists torch keeps a reference, so the workers are not
+    joined. A worker waiting for the GIL gets it during the first pause; one the scheduler has not
+    run yet (a loaded machine) is waited for while it is runnable, up to ``max_wait_s``."""
+    deadline = time.monotonic() + max_wait_s
     time.sleep(0.05)
+    while _gloo_workers_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 _SETTLE_REGISTERED = False
@@ -113,7 +136,7 @@ class TorchBackend(Backend):
             # shutdown() then init() (Horovod allows it) must not meet rank 0's previous rendezvous
             # store, which may still listen on MASTER_PORT while a faster rank reconnects. So every
             # group agrees now on the port its successor will use (shutdown() installs it).
-            box = [_free_port() if self._rank == 0 else None]
+            box: list[Any] = [_free_port() if self._rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             self._next_port = int(box[0])
 
