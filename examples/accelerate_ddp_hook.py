@@ -42,10 +42,10 @@ def main() -> None:
     loss = accelerator.reduce(loss.detach(), reduction="mean")
     if accelerator.is_main_process:
         print(f"trained with adacomp {args.method} hook: final loss {float(loss):.4f}, {state.steps} compressed steps")
-    # Tear the process group down while the interpreter is alive. Otherwise the DDP model keeps the
-    # gloo group to interpreter exit, and a gloo worker thread still releasing the last allreduce's
-    # tensors then needs the GIL during finalisation: the thread is ended inside a C++ destructor and
-    # the process aborts ("terminate called without an active exception"), after training finished.
+    # Release the model and the process group while the interpreter is alive, as torch's DDP docs
+    # ask: a gloo worker thread that drops the last allreduce's tensors during finalisation needs the
+    # GIL and aborts the process after training finished (adacomp's backend also pauses at exit for
+    # this; docs/reliability.md, section 4).
     del model, opt, loader, state, hook, loss
     accelerator.free_memory()
     torch.distributed.destroy_process_group()

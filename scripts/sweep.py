@@ -150,7 +150,8 @@ def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[s
         model = [r["method"] for r in sorted(sub, key=lambda r: r.get("model_ms", r["pred_ms"]))][:3]
         additive = [r["method"] for r in sorted(sub, key=lambda r: r.get("pred_add_ms", r["pred_ms"]))][:3]
         out.append({"model": key[0], "bandwidth": key[1], "measured_top3": meas, "predicted_top3": pred,
-                    "same_order": meas == pred, "additive_same_order": meas == additive, "within_noise": within_noise(sub), "ties": measured_ties(sub),
+                    "same_order": meas == pred, "additive_same_order": meas == additive,
+                    "within_noise": within_noise(sub), "ties": measured_ties(sub),
                     "same_set": set(meas) == set(pred),
                     "best_measured": meas[0], "best_predicted": pred[0],
                     "model_same_set": set(meas) == set(model), "model_best": model[0]})

@@ -62,12 +62,14 @@ def _elastic_store(timeout: datetime.timedelta, generation: int) -> tuple[Any, i
     return dist.PrefixStore(f"adacomp/attempt{int(attempt or 0)}/gen{generation}/", store), rank, world
 
 
-def _gloo_workers_running() -> bool:
-    """Whether a gloo worker thread of this process is runnable (Linux /proc; elsewhere: no)."""
+def gloo_worker_states() -> list[str]:
+    """The scheduler state (``R`` runnable, ``S`` sleeping, ...) of each gloo worker thread of this
+    process, from Linux /proc (elsewhere: none)."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return False
+        return []
+    states = []
     for tid in tasks:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
@@ -75,9 +77,9 @@ def _gloo_workers_running() -> bool:
         except OSError:  # the thread ended meanwhile
             continue
         name, _, rest = stat.rpartition(")")
-        if name.endswith("pt_gloo_runloop") and rest.split()[:1] == ["R"]:
-            return True
-    return False
+        if name.endswith("(pt_gloo_runloop") and rest.split():
+            states.append(rest.split()[0])
+    return states
 
 
 def _let_gloo_workers_settle(max_wait_s: float = 1.0) -> None:
@@ -86,13 +88,13 @@ def _let_gloo_workers_settle(max_wait_s: float = 1.0) -> None:
     to a tensor Python already let go of, the worker needs the GIL. When the interpreter is already
     finalising, taking the GIL ends the thread inside a C++ destructor and the process aborts
     ("terminate called without an active exception") after all its work is done: 5 of 20 two-rank
-    runs of three allreduces and an exit did (0 of 50 with this). Destroying the group does not
+    runs of three allreduces and an exit did (0 of 70 with this). Destroying the group does not
     cure it: once a torch.optim optimizer exists torch keeps a reference, so the workers are not
     joined. A worker waiting for the GIL gets it during the first pause; one the scheduler has not
     run yet (a loaded machine) is waited for while it is runnable, up to ``max_wait_s``."""
     deadline = time.monotonic() + max_wait_s
     time.sleep(0.05)
-    while _gloo_workers_running() and time.monotonic() < deadline:
+    while "R" in gloo_worker_states() and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

@@ -378,8 +378,8 @@ def fit(prof: ModelProfile, mp: MethodProfile, step_s: float, world: int, alpha:
     """Set ``mp``'s ``overhead_s`` / ``work_scale`` so that :func:`predict` on the link (alpha, beta)
     gives the measured ``step_s`` (the rule: :func:`calibrate`); ``additive_s`` keeps the additive-only
     offset for comparison. A negative remainder cancels at most the profiled compute (forward,
-    backward, optimizer): what is left is link time, which no measurement on one link can remove
-    from another, so a prediction never drops below the modelled link time (never negative)."""
+    backward, optimizer): what is left is time on or waiting for the link, which a measurement on one
+    link cannot remove from another, so no prediction is negative."""
     def modelled(scale: float) -> float:
         return predict(prof, replace(mp, work_scale=scale, overhead_s=0.0), world, alpha, beta, bucket_mb).step_s
     full = modelled(1.0)
