@@ -78,6 +78,28 @@ class TrainConfig:
 
 
 @dataclass
+class LocalStepsConfig:
+    """Local steps with a compressed outer synchronisation (the DiLoCo family; docs/algorithms.md).
+
+    Every ``every`` optimizer steps the pseudo-gradient (parameters at the last synchronisation minus
+    the local ones) goes through the configured compressor, memory and communicator, and the outer
+    optimizer applies the average (DiLoCo Algorithm 1). ``fragments`` > 1 synchronises one fragment
+    of the model at a time, fragment f after the steps t with t mod every = (f + 1) every / fragments
+    (Streaming DiLoCo §2.2); ``overlap_steps`` lets a fragment's collectives run during that many
+    further inner steps, after which the outer result is mixed into the local parameters with weight
+    ``1 - mixing`` (Streaming DiLoCo §2.3, its alpha)."""
+
+    every: int = field(default=32, metadata={"min": 1})
+    outer_optimizer: ComponentSpec = field(default_factory=lambda: ComponentSpec("nesterov"))
+    fragments: int = field(default=1, metadata={"min": 1})
+    overlap_steps: int = field(default=0, metadata={"min": 0})
+    mixing: float = field(default=0.5, metadata={"min": 0.0})
+    #: how parameters are cut into fragments: ``strided`` (block i goes to fragment i mod fragments,
+    #: Streaming DiLoCo's better pattern) or ``sequential`` (contiguous, balanced by size)
+    fragment_pattern: str = field(default="strided", metadata={"choices": ("strided", "sequential")})
+
+
+@dataclass
 class Config:
     """The whole run. See docs/config.md for every key."""
 
@@ -91,6 +113,8 @@ class Config:
     min_numel: int = field(default=1024, metadata={"min": 0})
     nonfinite: str = field(default="propagate", metadata={"choices": NONFINITE})
     timeout_s: float = field(default=60.0, metadata={"min": 0.1})
+    #: absent: every step communicates (the per-step path); present: the outer loop
+    local_steps: LocalStepsConfig | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,9 +194,10 @@ def check_scalar(value: Any, tp: Any, path: str) -> Any:
 
 
 def _registry(kind: str):
-    from adacomp import communicators, compressors, memories, policies
+    from adacomp import communicators, compressors, memories, outer, policies
     return {"compressor": compressors.registry, "memory": memories.registry,
-            "communicator": communicators.registry, "policy": policies.registry}[kind]
+            "communicator": communicators.registry, "policy": policies.registry,
+            "outer_optimizer": outer.registry}[kind]
 
 
 def parse_component(value: Any, kind: str, path: str) -> ComponentSpec:
@@ -238,6 +263,8 @@ def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
             kwargs[key] = None if value is None and tp != ComponentSpec else parse_component(value, key, sub)
         elif dataclasses.is_dataclass(tp):
             kwargs[key] = _parse_dataclass(tp, value, sub)
+        elif _optional_dataclass(tp) is not None:
+            kwargs[key] = None if value is None else _parse_dataclass(_optional_dataclass(tp), value, sub)
         elif typing.get_origin(tp) is list:
             (item_tp,) = typing.get_args(tp)
             if not isinstance(value, list):
@@ -251,6 +278,37 @@ def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
                 raise ConfigError(sub, f"must be >= {meta['min']}, got {_show(v)}")
             kwargs[key] = v
     return cls(**kwargs)
+
+
+def _optional_dataclass(tp: Any) -> Any:
+    """``X`` for an annotation ``X | None`` whose ``X`` is a dataclass, else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if len(args) == 1 and type(None) in typing.get_args(tp) and dataclasses.is_dataclass(args[0]) \
+            and args[0] is not ComponentSpec:
+        return args[0]
+    return None
+
+
+def _check_local_steps(cfg: Config) -> None:
+    """What the outer loop cannot do, refused before any collective, naming the key."""
+    ls = cfg.local_steps
+    if ls is None:
+        return
+    if ls.mixing > 1.0:
+        raise ConfigError("local_steps.mixing", f"must be in [0, 1] (Streaming DiLoCo's alpha), got {ls.mixing}")
+    if ls.fragments > ls.every:
+        raise ConfigError("local_steps.fragments", f"must be <= local_steps.every ({ls.every}): each fragment "
+                                                   f"needs its own step in the window, got {ls.fragments}")
+    if ls.overlap_steps >= ls.every:
+        raise ConfigError("local_steps.overlap_steps", f"must be < local_steps.every ({ls.every}): a fragment's "
+                                                       f"sync must land before its next one, got {ls.overlap_steps}")
+    if cfg.policy.name != "static":
+        raise ConfigError("policy.name", f"policy {cfg.policy.name!r} re-plans compression every step from "
+                                         "per-step measurements; with local_steps only 'static' applies")
+    for i, layer in enumerate(cfg.layers):
+        if layer.offload:
+            raise ConfigError(f"layers[{i}].offload", "offload overlaps compression with backward; with "
+                                                      "local_steps nothing is sent during backward")
 
 
 def _check_layers(cfg: Config) -> None:
@@ -282,6 +340,7 @@ def from_dict(data: Any) -> Config:
         data = {}
     cfg = _parse_dataclass(Config, data, "")
     _check_layers(cfg)
+    _check_local_steps(cfg)
     _default_communicators(cfg, data)
     check_pair(cfg.compressor, cfg.communicator, "communicator", cfg.memory, "memory")
     for i, layer in enumerate(cfg.layers):

@@ -72,6 +72,10 @@ class HookState:
             raise ConfigError("policy.name", f"policy {self.config.policy.name!r} needs adacomp.DistributedOptimizer "
                                              "(it re-plans routes and buckets between steps); the DDP hook runs "
                                              "policy 'static' only")
+        if self.config.local_steps is not None:
+            raise ConfigError("local_steps", "a DDP communication hook runs inside every backward, so it cannot "
+                                             "skip steps; local steps need adacomp.DistributedOptimizer (remove "
+                                             "local_steps to use the hook)")
         if any(layer.offload for layer in self.config.layers):
             raise ConfigError("layers[].offload", "offload is not available in the DDP hook (DDP calls the hook "
                                                   "on its own thread); use adacomp.DistributedOptimizer")

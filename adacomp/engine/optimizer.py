@@ -28,15 +28,15 @@ from adacomp.runtime import context
 from adacomp.runtime import sync
 from adacomp.backends.base import Backend
 from adacomp.communicators.base import Communicator
-from adacomp.compressors.base import Compressor
 from adacomp.config import ComponentSpec, Config, load
 from adacomp.errors import CommunicationError, ConfigError
 from adacomp.engine.error_feedback import LossScale
 from adacomp.runtime.hvd_compat import Average, Sum, apply_optimizer_kwargs
 from adacomp.engine.metrics import StepStats
-from adacomp.engine.optimizer_state import ComponentState
+from adacomp.engine.optimizer_state import ComponentState, keeps_state, round_components
 from adacomp.engine.routes import Bucket, Route, RouteTable
 from adacomp.engine.step_engine import EngineOptions, StepEngine
+from adacomp.outer.loop import OuterLoop
 
 
 _WRAPPED = "_adacomp_wrapped_by"  # marks an optimizer that a DistributedOptimizer already wraps
@@ -111,10 +111,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             EngineOptions(backward_passes_per_step, op == Sum, self.config.nonfinite, bool(sparse_as_dense)),
             self._round_state, self.loss_scale,
             on_first_round=self._check_weights if weights_differ else None)
-        self.engine.attach(self.params)
+        self.outer: OuterLoop | None = None
+        self._weights_differ = weights_differ
+        if self.config.local_steps is None:
+            self.engine.attach(self.params)
+        else:  # local steps: backward and the inner step communicate nothing (adacomp.outer.loop)
+            self.outer = OuterLoop(self.config, self.params, self.backend)
+            # GradScaler then hands every step to step() with `found_inf` (a rank-local overflow skips
+            # the inner update, not the step count, so every rank keeps the same schedule)
+            self._step_supports_amp_scaling = True
         setattr(optimizer, _WRAPPED, self)
         self.io = ComponentState(optimizer, self.table, self.loss_scale, lambda: self.policy,
-                                 lambda: self.steps, self._set_steps)
+                                 lambda: self.steps, self._set_steps,
+                                 extra=(lambda: {"outer": self.outer}) if self.outer is not None else None)
         if any(r.memory.name == "dgc" for r in self.table.routes.values()) and \
                 any(g.get("momentum", 0) for g in optimizer.param_groups):
             warnings.warn("memory 'dgc' applies momentum itself (DGC §3.2); the wrapped optimizer should "
@@ -158,6 +167,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with the same shapes; new parameters are named ``param_group<i>.<j>``)."""
         if self.engine.state is not None:
             raise RuntimeError("add_param_group() must be called between steps, not between backward and step()")
+        if self.outer is not None:
+            raise ConfigError("local_steps", "add_param_group() after wrapping is not supported with local steps "
+                                             "(the fragments and synchronised copies are fixed); add the group first")
         gi = len(self.inner.param_groups)
         self.inner.add_param_group(param_group)
         new = [(f"param_group{gi}.{j}", p) for j, p in enumerate(self.inner.param_groups[-1]["params"])
@@ -267,12 +279,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _round_state(self) -> tuple[list[Any], list[Any]]:
         """(memories, other stateful components) a round may change: what a non-finite round
-        rolls back. Components that keep no state are left out (nothing to copy)."""
-        memories = list({id(r.memory): r.memory for r in self.table.routes.values()}.values())
-        others: list[Any] = [c for c in self.table.unique_compressors() if _keeps_state(c)]
-        others += [c for c in {id(r.communicator): r.communicator for r in self.table.routes.values()}.values()
-                   if _keeps_state(c)]
-        if _keeps_state(self.policy):
+        rolls back (the policy too, when it keeps state)."""
+        memories, others = round_components(self.table)
+        if keeps_state(self.policy):
             others.append(self.policy)
         return memories, others
 
@@ -304,6 +313,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         data shadows the others' collectives (contributing zeros; averages still divide by the
         world size, as DDP's default) until every rank is done; then every rank takes the
         parameters of the last rank to finish. One communication round per step inside."""
+        if self.outer is not None:
+            yield
+            self.steps = self.outer.drain(self.steps)
+            self.last_stats = StepStats(step=self.steps)
+            return
         self.engine.joined = False
         yield
         self.engine.joined = True
@@ -319,6 +333,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sync.broadcast_parameters(self.params, root_rank=root, backend=self.backend)
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self.outer is not None:
+            return self._local_step(closure, **kwargs)
         if self._should_sync:
             if self._user_synchronized:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without the "
@@ -335,6 +351,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss = self.inner.step(closure, **kwargs) if kwargs else self.inner.step(closure)
         self._end_step()
         return loss
+
+    def _local_step(self, closure: Any = None, **kwargs: Any) -> Any:
+        """An inner step (local), then the outer loop's synchronisations due after it."""
+        assert self.outer is not None
+        if not self.outer.started:
+            if self._weights_differ:
+                self._check_weights()
+                self._weights_differ = False
+            self.outer.start()
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step (see __init__)
+        grad_scale = getattr(self, "grad_scale", None)
+        loss = None
+        if found_inf is not None and float(found_inf) > 0:
+            self.skipped_steps += 1  # this rank's gradients overflowed: no inner update
+        else:
+            if grad_scale is not None:  # GradScaler left unscaling to us
+                _unscale([p for g in self.inner.param_groups for p in g["params"]], grad_scale)
+            loss = self.inner.step(closure, **kwargs) if kwargs else self.inner.step(closure)
+        self.steps += 1
+        stats = self.outer.after_step(self.steps)
+        self.engine.end_step(self.steps)
+        self.last_stats = stats
+        self.history.append(stats.as_dict())
+        return loss
+
+    def outer_sync(self) -> None:
+        """Local steps: end the window now. Every rank sends its pseudo-gradient, the outer step is
+        applied, and every rank continues from the same parameters (call it on every rank, e.g.
+        before evaluating or saving the final model)."""
+        if self.outer is None:
+            raise ConfigError("local_steps", "outer_sync() needs local steps; without them every step synchronises")
+        if not self.outer.started:
+            self.outer.start()
+        self.outer.flush(self.steps)
 
     def _end_step(self) -> None:
         self.steps += 1
@@ -387,6 +437,15 @@ def _name_parameters(optimizer: torch.optim.Optimizer,
     return [(n, p) for n, p in named if id(p) in opt_ids and p.requires_grad]
 
 
+def _unscale(params: list[Tensor], grad_scale: Tensor) -> None:
+    """Divide gradients by the loss scale as ``GradScaler.unscale_`` does (multiply by the float32
+    reciprocal), for the steps GradScaler hands over still scaled."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        inv = grad_scale.double().reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1, device=inv.device), inv)
+
+
 def _weights_digest(params: list[tuple[str, Tensor]]) -> str:
     """A cheap fingerprint of the weights: per tensor, its float64 sum and 16 sampled values."""
     parts = []
@@ -398,14 +457,6 @@ def _weights_digest(params: list[tuple[str, Tensor]]) -> str:
                                     flat[::step][:16].to(torch.float64)]).cpu())
     blob = torch.cat(parts).numpy().tobytes() if parts else b""
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _keeps_state(obj: Any) -> bool:
-    """True when ``obj``'s class overrides ``state_dict`` (stateless components skip the copy)."""
-    return type(obj).state_dict not in _STATELESS
-
-
-_STATELESS = {Compressor.state_dict, Communicator.state_dict, policies.Policy.state_dict}
 
 
 __all__ = ["Average", "Sum", "DistributedOptimizer", "Route", "Bucket", "ConfigError"]

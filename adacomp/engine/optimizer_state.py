@@ -120,4 +120,22 @@ class ComponentState:
         self.load_state_dict(copy.deepcopy(snap["state"]))
 
 
-__all__ = ["ComponentState", "STATE_KEY"]
+def keeps_state(obj: Any) -> bool:
+    """True when ``obj``'s class overrides ``state_dict`` (stateless components skip the copy)."""
+    from adacomp import policies
+    from adacomp.communicators.base import Communicator
+    from adacomp.compressors.base import Compressor
+    return type(obj).state_dict not in (Compressor.state_dict, Communicator.state_dict, policies.Policy.state_dict)
+
+
+def round_components(table: RouteTable) -> tuple[list[Any], list[Any]]:
+    """(memories, other stateful components) a round over ``table`` may change: what a non-finite
+    round rolls back. Components that keep no state are left out (nothing to copy)."""
+    memories = list({id(r.memory): r.memory for r in table.routes.values()}.values())
+    others: list[Any] = [c for c in table.unique_compressors() if keeps_state(c)]
+    others += [c for c in {id(r.communicator): r.communicator for r in table.routes.values()}.values()
+               if keeps_state(c)]
+    return memories, others
+
+
+__all__ = ["ComponentState", "STATE_KEY", "keeps_state", "round_components"]

@@ -61,6 +61,8 @@ class RoundState:
     stats: StepStats
     env: CommEnv
     active: bool = True  # False: this rank has joined (uneven inputs) and only shadows
+    report_active: bool = True  # what the vote says of this rank (the outer loop's last window: sent, not active)
+    keep_outputs: bool = False  # write the averages even for a shadowing rank (the outer loop needs them)
     passes: int = 0  # finished backward passes in this round
     used: set[str] = field(default_factory=set)  # parameters whose hook fired in this round
     ready: list[int] = field(default_factory=list)  # per bucket: gradients in
@@ -264,7 +266,7 @@ class StepEngine:
             st.stats.bucket_sync_s[b.index] = time.perf_counter() - t0
         vote = self._read_vote(vote_handle.wait())
         self.last_vote = vote
-        if not st.active:
+        if not st.active and not st.keep_outputs:
             return  # a joined rank only shadowed the collectives
         if vote.nonfinite:
             self.rollback.restore()
@@ -284,7 +286,7 @@ class StepEngine:
         flag[0] = 1.0 if st.nonfinite else 0.0
         if st.used:
             flag[[1 + self._index[u] for u in st.used]] = 1.0
-        if st.active:
+        if st.active and st.report_active:
             flag[1 + n + self.backend.rank()] = 1.0
         return self.backend.allreduce_async(flag, average=False)
 
@@ -362,6 +364,25 @@ class StepEngine:
         self.finish()
         assert self.last_vote is not None
         return self.last_vote
+
+    def launch_all(self, contribute: bool = True, report_active: bool = True) -> None:
+        """Start a round over every parameter's current ``.grad`` now, outside backward; ``finish()``
+        completes it. The outer loop's synchronisation: the pseudo-gradient sits in ``.grad`` of the
+        synchronised copies. ``contribute`` False sends zeros and leaves memories alone (a rank that
+        has no more data, as in :meth:`shadow_round`) but still receives the average;
+        ``report_active`` False tells the vote that this rank has left its training loop."""
+        if self.state is not None:
+            raise RuntimeError("a round is already in flight on this engine")
+        with watchdog.guard(self.backend):
+            st = self._begin_round(active=contribute)
+            st.report_active, st.keep_outputs = report_active, True
+            if contribute:
+                st.used = set(self._param)
+            for b in self.table.buckets:
+                st.ready[b.index] = len(b.names)
+                if b.route.offload and contribute:
+                    self._submit(st, b)
+            self._launch_ready(st, block=True)
 
     def in_flight(self) -> dict[str, int]:
         """Handles and offload jobs of the round in flight (0 between rounds), for soak tests."""

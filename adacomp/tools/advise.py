@@ -33,6 +33,33 @@ instead, so that it no longer hides communication the real step exposes on slowe
 
 Not modelled (so not ranked): communicators other than allreduce / allgather / allgather_fast
 (alltoall, AR-Topk's, Ok-Topk's) and adaptive policies (they change the method while training).
+
+Local steps (the DiLoCo family, config key ``local_steps``; :func:`predict_local`, a separate table,
+never part of the ranking or the recommendation above): an inner step communicates nothing, and
+every H steps the compressed pseudo-gradient (parameters at the last sync minus the local ones) is
+averaged once. Per inner step::
+
+    step = compute + fragments * (work_f + max(0, comm_f - overlap_steps * compute)) / H
+
+and never less than the link's busy time per inner step, ``fragments * comm_f / H``. ``compute`` is
+forward + backward + optimizer step from the profile; ``work_f`` the method's profiled compression,
+later-round and decompression work (calibrated: ``work_scale``, plus a positive ``overhead_s`` once
+per H steps, split over the fragments) on 1/fragments of the model, the pseudo-gradient having the gradients' shapes; ``comm_f``
+the Table I cost of the collectives of 1/fragments of the method's payload (the route groups of
+:func:`predict`'s buckets, each at 1/fragments of its bytes: even fragments). Bytes per inner step =
+payload / H; the peak, one sync, = payload / fragments. Fragments (Streaming DiLoCo) keep the
+average and cut the peak (with alpha > 0 they pay ``fragments`` times the latency); ``overlap_steps``
+hides a fragment's communication (not its compression work, which runs on the training thread)
+behind up to that many inner steps of compute. Left out: the pseudo-gradient subtraction and the
+outer optimizer step (an elementwise pass over the parameters per sync, i.e. about an optimizer
+step / H per inner step).
+
+What this cannot predict (:data:`LOCAL_CAVEAT`, printed with the table): advise predicts time per
+inner step and bytes, not how many steps a local-step run needs to reach a target loss. That depends
+on H, the outer optimizer, the data and the model (DiLoCo matches synchronous training at H up to
+500 on C4 for LLMs; small models and short runs may need more steps), so a local-step speed-up is an
+upper bound on the time-to-accuracy gain unless the steps to the target are equal; measure that
+with scripts/time_to_accuracy.py.
 """
 from __future__ import annotations
 
@@ -63,6 +90,21 @@ METHODS: dict[str, Mapping[str, Any] | str] = {
     "powersgd": "powersgd.yaml", "acpsgd": "acpsgd.yaml", "efsignsgd": "efsignsgd.yaml",
 }
 """Built-in candidates: name -> config dict or a file in configs/ (static methods only)."""
+LOCAL_METHODS: dict[str, Mapping[str, Any] | str] = {
+    # Top-k 2 % of the pseudo-gradient with error feedback, gathered (the local_steps example config)
+    "topk2": {"compressor": {"name": "topk", "density": 0.02}, "memory": {"name": "residual"},
+              "communicator": {"name": "allgather"}},
+}
+"""Pseudo-gradient compressors for the local-step table only (never ranked per step)."""
+LOCAL_DEFAULT_H = (8, 32, 128)
+LOCAL_DEFAULT_METHODS = ("fp32", "bf16", "topk2")
+LOCAL_CAVEAT = (
+    "advise predicts time per inner step and bytes; it cannot predict how many steps a local-step run "
+    "needs to reach a target loss. That depends on H, the outer optimizer, the data and the model (DiLoCo "
+    "reports matching synchronous training at H up to 500 on C4 for LLMs, but small models and short runs "
+    "may need more steps), so these speed-ups are upper bounds on time-to-accuracy gains unless the steps "
+    "to the target are equal. Measure them with scripts/time_to_accuracy.py.")
+"""Printed with the local-step table: what its numbers do and do not say."""
 ALLREDUCE_LIKE = ("allreduce",)
 ALLGATHER_LIKE = ("allgather", "allgather_fast")
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -71,7 +113,7 @@ FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch.distributed._DEFAULT_F
 def method_config(method: str) -> dict[str, Any]:
     """The config dict of a built-in method, of ``configs/<method>.yaml`` or of a YAML path."""
     import yaml
-    spec = METHODS.get(method, method)
+    spec = METHODS.get(method, LOCAL_METHODS.get(method, method))
     if isinstance(spec, str):
         path = Path(spec) if Path(spec).is_file() else CONFIGS / (spec if spec.endswith(".yaml") else spec + ".yaml")
         if not path.is_file():
@@ -336,6 +378,91 @@ def predict(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, bet
     return Prediction(mp.method, step, sent, compress_total, overhead_s=mp.overhead_s, work_scale=mp.work_scale)
 
 
+@dataclass
+class LocalPrediction:
+    """One local-step candidate (:func:`predict_local`): seconds per inner step and bytes one rank sends."""
+
+    method: str  # the pseudo-gradient's compression method
+    every: int  # H: inner steps between the syncs of one fragment
+    fragments: int = 1
+    overlap_steps: int = 0
+    step_s: float = math.nan  # per inner step
+    compute_s: float = math.nan  # per inner step: forward + backward + optimizer step
+    work_s: float = math.nan  # one fragment's sync: compression, later rounds, decompression (+ calibration)
+    comm_s: float = math.nan  # one fragment's sync: its collectives on the link
+    exposed_s: float = math.nan  # one fragment's sync as charged: work_s + comm_s not hidden by overlap
+    bytes_per_step: float = math.nan  # payload / H
+    peak_bytes: float = math.nan  # one sync: payload / fragments
+    note: str = ""
+
+
+def _sync_cost(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, beta: float, bucket_mb: float,
+               share: float) -> tuple[float, float, float]:
+    """(work s, link s, payload bytes) of one sync of ``share`` of the model: the route groups of
+    :func:`predict`'s buckets, each at ``share`` of its bytes and work, one after another (no backward
+    to overlap). Dense groups: a ring allreduce; additive payloads: an allreduce per round and one
+    decompression; others: the size exchange (``allgather``), an allgather and ``world`` decompressions."""
+    work = comm = sent = 0.0
+    for names in _groups(prof, mp, bucket_mb):
+        first = names[0]
+        if mp.dense[first]:
+            nbytes = share * sum(4.0 * prof.shapes[prof.names.index(n)].numel() for n in names)
+            comm += netmodel.ring_allreduce(nbytes, world, alpha, beta)
+            sent += nbytes
+            continue
+        rounds = max(mp.rounds[n] for n in names)
+        shares = {n: mp.round_share.get(n) or (1.0 / rounds,) * rounds for n in names}
+        by_round = [share * sum(mp.payload[n] * (shares[n][r] if r < len(shares[n]) else 0.0) for n in names)
+                    for r in range(rounds)]
+        sent += sum(by_round)
+        work += share * mp.work_scale * sum(mp.compress_s[n] + mp.late_s.get(n, 0.0) for n in names)
+        dec = share * mp.work_scale * sum(mp.decompress_s[n] for n in names)
+        if mp.communicator[first] in ALLREDUCE_LIKE:
+            comm += sum(netmodel.ring_allreduce(b, world, alpha, beta) for b in by_round)
+            work += dec
+        else:
+            if mp.communicator[first] == "allgather":
+                comm += netmodel.allgather(share * 8.0 * len(names), world, alpha, beta)
+            comm += netmodel.allgather(by_round[0], world, alpha, beta)
+            work += world * dec
+    return work, comm, sent
+
+
+def predict_local(prof: ModelProfile, mp: MethodProfile, world: int, alpha: float, beta: float, every: int,
+                  fragments: int = 1, overlap_steps: int = 0, bucket_mb: float = 25.0) -> LocalPrediction:
+    """Predicted seconds per *inner* step of local-step training (every ``every`` = H steps a sync
+    of the pseudo-gradient compressed by ``mp``; ``fragments`` staggered syncs of 1/fragments of the
+    model each per H steps; each fragment's communication may overlap ``overlap_steps`` inner steps)::
+
+        step = compute + fragments * (work_f + max(0, comm_f - overlap_steps * compute)) / H
+
+    and at least the link's busy time ``fragments * comm_f / H``. Says nothing about the number of
+    steps to a target loss (:data:`LOCAL_CAVEAT`)."""
+    if every < 1 or fragments < 1 or fragments > every or overlap_steps < 0:
+        raise ValueError(f"local steps need H >= fragments >= 1 and overlap_steps >= 0, got H={every}, "
+                         f"fragments={fragments}, overlap_steps={overlap_steps}")
+    out = LocalPrediction(mp.method, every, fragments, overlap_steps)
+    if mp.unsupported:
+        out.note = mp.unsupported
+        return out
+    compute = prof.forward_s + prof.backward_s + prof.optimizer_s
+    work, comm, sent = _sync_cost(prof, mp, world, alpha, beta, bucket_mb, 1.0 / fragments)
+    work += max(0.0, mp.overhead_s) / fragments  # what calibration found the model leaves out of a step's exchange
+    exposed = work + max(0.0, comm - overlap_steps * compute)
+    step = max(compute + fragments * exposed / every, fragments * comm / every)
+    return replace(out, step_s=step, compute_s=compute, work_s=work, comm_s=comm, exposed_s=exposed,
+                   bytes_per_step=fragments * sent / every, peak_bytes=sent)
+
+
+def local_candidates(prof: ModelProfile, mps: list[MethodProfile], world: int, alpha: float, beta: float,
+                     every: list[int], fragments: int = 1, overlap_steps: int = 0,
+                     bucket_mb: float = 25.0) -> list[LocalPrediction]:
+    """:func:`predict_local` for every H in ``every`` and every method, fastest first (unmodelled last)."""
+    preds = [predict_local(prof, mp, world, alpha, beta, h, fragments, overlap_steps, bucket_mb)
+             for h in every for mp in mps]
+    return sorted(preds, key=lambda p: (p.step_s != p.step_s, p.step_s if p.step_s == p.step_s else 0.0))
+
+
 def measure_steps(methods: list[str], model_factory: ModelFactory, backend: Any, steps: int = 5, warmup: int = 2,
                   rounds: int = 1) -> dict[str, StepMeasure]:
     """Real training steps of several methods (adacomp's DDP hook on ``backend``), ``rounds``
@@ -460,27 +587,79 @@ def slowest(prof: ModelProfile, be: Any) -> ModelProfile:
 
 def advise(be: Any, model_name: str, methods: list[str], batch: int = 32, kwargs: dict[str, int] | None = None,
            bucket_mb: float = 25.0, repeats: int = 5, calibration_steps: int = 4,
-           target: Any = None, calibration_rounds: int = 2) -> tuple[list[tuple[Prediction, float]], netmodel.NetEstimate, ModelProfile,
-                                        list[Prediction]]:
+           target: Any = None, calibration_rounds: int = 2, local_every: list[int] | None = None,
+           local_methods: list[str] | None = None, fragments: int = 1, overlap_steps: int = 0,
+           ) -> tuple[list[tuple[Prediction, float]], netmodel.NetEstimate, ModelProfile, list[Prediction],
+                      list[LocalPrediction]]:
     """Probe, profile, calibrate on ``be``'s link and predict for ``target``'s (default: the same
     link) on every rank (collective: call on all ranks). ``calibration_steps`` 0 skips calibration;
-    ``calibration_rounds`` interleaved passes over the methods (:func:`measure_steps`)."""
+    ``calibration_rounds`` interleaved passes over the methods (:func:`measure_steps`). With
+    ``local_every`` (H values) the ``local_methods`` (default :data:`LOCAL_DEFAULT_METHODS`) are also
+    predicted as local-step candidates (:func:`local_candidates`; profiled and calibrated like the
+    others, never ranked per step)."""
     est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(be)
     model, loss = model_and_loss(model_name, batch, kwargs or {})
     be.barrier()
     prof = slowest(profile_model(model, loss, repeats), be)
-    mps = [profile_method(m, prof, repeats) for m in methods]
+    local_names = list(dict.fromkeys(local_methods or LOCAL_DEFAULT_METHODS)) if local_every else []
+    names = list(dict.fromkeys([*methods, *local_names]))
+    profiles = {m: profile_method(m, prof, repeats) for m in names}
     if calibration_steps:
-        calibrate(prof, mps, be, est, lambda: model_and_loss(model_name, batch, kwargs or {}),
+        calibrate(prof, list(profiles.values()), be, est, lambda: model_and_loss(model_name, batch, kwargs or {}),
                   steps=calibration_steps, warmup=2, bucket_mb=bucket_mb, rounds=calibration_rounds)
     if target is not None and target is not be:
         est = netmodel.NetworkProbe(ops=("allreduce", "allgather")).probe(target)
-    preds = [predict(prof, mp, be.size(), est.alpha, est.beta, bucket_mb) for mp in mps]
-    return rank_methods(preds), est, prof, preds
+    preds = [predict(prof, profiles[m], be.size(), est.alpha, est.beta, bucket_mb) for m in methods]
+    local = local_candidates(prof, [profiles[m] for m in local_names], be.size(), est.alpha, est.beta,
+                             list(local_every or []), fragments, overlap_steps, bucket_mb) if local_names else []
+    return rank_methods(preds), est, prof, preds, local
+
+
+def _size(nbytes: float) -> str:
+    """Bytes with a binary unit, 3 significant digits (local steps send from bytes to GiB per step)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 999.5:
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.3g} GiB"
+
+
+def _local_report(local: list[LocalPrediction], preds: list[Prediction]) -> list[str]:
+    """The local-step section: its own table, its speed-up and bytes against bf16 DDP's per-step
+    prediction, and what it cannot say (:data:`LOCAL_CAVEAT`)."""
+    import textwrap
+    base = next((p for p in preds if p.method == BASELINE), None)
+    base_s = base.step_s if base is not None else math.nan
+    base_b = base.comm_bytes if base is not None else math.nan
+    frag, over = (local[0].fragments, local[0].overlap_steps) if local else (1, 0)
+    compute = next((p.compute_s for p in local if p.compute_s == p.compute_s), math.nan)
+    intro = ("local steps (DiLoCo family; separate from the ranking above, --local-steps 0 to leave out): "
+             "an inner step sends nothing; every H steps the compressed pseudo-gradient is averaged once"
+             + (f", in {frag} staggered fragments" if frag > 1 else "")
+             + (f", its communication overlapping {over} inner step{'s' if over > 1 else ''}" if over else "") + ". "
+             f"Inner step = forward + backward + optimizer ({compute * 1e3:.1f} ms) + fragments x (sync work + "
+             "communication not hidden by overlap) / H; 'vs bf16' is bf16 DDP's predicted step over the inner "
+             "step, 'B vs bf16' the bytes per step over bf16 DDP's, 'peak/sync' the payload of one sync "
+             "(one fragment), 'sync ms' its work + communication.")
+    lines = ["", *textwrap.wrap(intro, 110),
+             "", f"{'rank':<5}{'H':>5}  {'method':<10}{'step ms':>10}{'vs ' + BASELINE:>10}{'bytes/step':>12}"
+                 f"{'B vs bf16':>11}{'peak/sync':>12}{'sync ms':>9}{'comm ms':>9}"]
+    i = 0
+    for p in local:
+        if p.step_s != p.step_s:
+            lines.append(f"     {p.every:>5}  {p.method:<10}not modelled: {p.note}")
+            continue
+        i += 1
+        lines.append(f"{'L' + str(i):<5}{p.every:>5}  {p.method:<10}{p.step_s * 1e3:>10.2f}{base_s / p.step_s:>9.2f}x"
+                     f"{_size(p.bytes_per_step):>12}{p.bytes_per_step / base_b:>10.3g}x{_size(p.peak_bytes):>12}"
+                     f"{(p.work_s + p.comm_s) * 1e3:>9.1f}{p.comm_s * 1e3:>9.1f}")
+    lines += ["", *textwrap.wrap("caveat: " + LOCAL_CAVEAT, 110)]
+    return lines
 
 
 def _report(ranked: list[tuple[Prediction, float]], preds: list[Prediction], est: netmodel.NetEstimate,
-            prof: ModelProfile, args: argparse.Namespace, world: int) -> str:
+            prof: ModelProfile, args: argparse.Namespace, world: int,
+            local: list[LocalPrediction] | None = None) -> str:
     import yaml
     lines = [f"link: alpha {est.alpha * 1e6:.1f} us, bandwidth {est.bandwidth_gbps * 1e3:.1f} Mbit/s "
              f"({world} ranks, probed{' through an emulated ' + (args.bandwidth or '') + ' ' + (args.latency or '') + ' link' if args.bandwidth or args.latency else ''})",
@@ -499,6 +678,8 @@ def _report(ranked: list[tuple[Prediction, float]], preds: list[Prediction], est
     for p in preds:
         if p.note:
             lines.append(f"     {p.method:<12}not ranked: {p.note}")
+    if local:  # before the recommendation, which stays the per-step one, and its YAML (the output's tail)
+        lines += _local_report(local, preds)
     if ranked:
         best, sp = ranked[0]
         verdict = (f"recommendation: {best.method} (predicted {sp:.2f}x the step rate of bf16 DDP)" if best.method != BASELINE
@@ -510,10 +691,24 @@ def _report(ranked: list[tuple[Prediction, float]], preds: list[Prediction], est
     return "\n".join(lines)
 
 
+def local_steps_arg(every: list[int], fragments: int = 1, overlap_steps: int = 0) -> list[int]:
+    """The H values of ``--local-steps`` (``[0]``: none, the table is left out), checked."""
+    if every == [0]:
+        return []
+    if any(h < 1 for h in every):
+        raise ValueError(f"--local-steps expects H >= 1 (or a single 0 for no local-step table), got {every}")
+    if fragments < 1 or fragments > min(every):
+        raise ValueError(f"--local-fragments must be between 1 and the smallest H ({min(every)}), got {fragments}")
+    if overlap_steps < 0:
+        raise ValueError(f"--local-overlap-steps must be >= 0, got {overlap_steps}")
+    return list(dict.fromkeys(every))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="adacomp advise", description="measure the link, profile a model and rank "
-                                 "compression methods by predicted step time against bf16 DDP")
+                                 "compression methods by predicted step time against bf16 DDP; local-step (DiLoCo) "
+                                 "candidates in a separate table")
     from adacomp.models import MODELS
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--model-arg", nargs="*", default=[], metavar="KEY=INT", help="e.g. image_size=32 classes=10")
@@ -529,11 +724,22 @@ def main(argv: list[str] | None = None) -> int:
                     "(a shared machine's drift then hits every method alike)")
     ap.add_argument("--bandwidth", help="emulate this link (e.g. 100mbit) instead of the real one")
     ap.add_argument("--latency", help="emulated latency per message (e.g. 0.5ms)")
+    ap.add_argument("--local-steps", nargs="+", type=int, default=list(LOCAL_DEFAULT_H), metavar="H",
+                    help="also predict local-step training (DiLoCo family) syncing every H inner steps, in a "
+                    "separate table (default: %(default)s; 0: leave the table out)")
+    ap.add_argument("--local-methods", nargs="+", default=list(LOCAL_DEFAULT_METHODS), metavar="METHOD",
+                    help="pseudo-gradient compression methods for that table (built-ins, topk2 = Top-k 2%% + "
+                    "residual on allgather, or YAML files; default: %(default)s)")
+    ap.add_argument("--local-fragments", type=int, default=1, help="Streaming DiLoCo: sync 1/F of the "
+                    "parameters at a time, F staggered syncs per H steps")
+    ap.add_argument("--local-overlap-steps", type=int, default=0, help="inner steps a fragment's sync may "
+                    "overlap with its communication")
     args = ap.parse_args(argv)
     methods = list(dict.fromkeys([*args.methods, BASELINE, *args.config]))
     try:
         kwargs = parse_kwargs(args.model_arg)
-        for m in methods:
+        local_every = local_steps_arg(args.local_steps, args.local_fragments, args.local_overlap_steps)
+        for m in [*methods, *(args.local_methods if local_every else [])]:
             method_config(m)  # bad names fail here, before any process starts
     except ValueError as exc:
         print(f"adacomp advise: error: {exc}", file=sys.stderr)
@@ -549,10 +755,13 @@ def main(argv: list[str] | None = None) -> int:
     be = shaped(real, args.bandwidth, args.latency)
     torch.set_num_threads(1)
     # calibrated on the real link (the emulated one would be measured, not predicted), predicted for be's
-    ranked, est, prof, preds = advise(real, args.model, methods, args.batch, kwargs, args.bucket_mb, args.repeats,
-                                      args.calibration_steps, target=be, calibration_rounds=args.calibration_rounds)
+    ranked, est, prof, preds, local = advise(real, args.model, methods, args.batch, kwargs, args.bucket_mb,
+                                             args.repeats, args.calibration_steps, target=be,
+                                             calibration_rounds=args.calibration_rounds, local_every=local_every,
+                                             local_methods=args.local_methods, fragments=args.local_fragments,
+                                             overlap_steps=args.local_overlap_steps)
     if be.rank() == 0:
-        print(_report(ranked, preds, est, prof, args, be.size()), flush=True)
+        print(_report(ranked, preds, est, prof, args, be.size(), local), flush=True)
     be.barrier()
     adacomp.shutdown()
     return 0

@@ -30,6 +30,13 @@ KEY_DOCS: dict[str, str] = {
     "min_numel": "Parameters with fewer elements go uncompressed on allreduce (unless a `layers` rule matches).",
     "nonfinite": "NaN/Inf gradient on any rank. Every mode first restores all residuals, thresholds, factors and policy state to what they were before the step, on every rank. `propagate` (default, what torch.amp.GradScaler needs): compressed gradients become NaN on every rank, uncompressed ones hold the plain average (as under DDP), so GradScaler skips the step everywhere; `skip`: `step()` drops the update on every rank; `raise`: NonFiniteGradientError on every rank naming parameter and rank.",
     "timeout_s": "Seconds a collective may wait before the run fails (dead peer).",
+    "local_steps": "Absent: every step communicates. Present: local steps with a compressed outer synchronisation (DiLoCo family, docs/algorithms.md): backward and the inner `step()` send nothing; every `every` steps the pseudo-gradient (synchronised minus local parameters) goes through `compressor` / `memory` / `communicator` and the outer optimizer applies the average. Not with the DDP hook, adaptive policies or `offload`.",
+    "local_steps.every": "H, inner steps between synchronisations (DiLoCo: up to 500). 1 synchronises after every step (with outer `sgd`, lr 1, no compression: DDP's parameters).",
+    "local_steps.outer_optimizer": "What the averaged pseudo-gradient does: `nesterov` (DiLoCo: lr 0.7, momentum 0.9) or `sgd` (lr 1, momentum 0: Local SGD's averaging).",
+    "local_steps.fragments": "P > 1: Streaming DiLoCo, fragment f of the model is synchronised after the steps t with t mod every = (f + 1) every / P, so a synchronisation carries 1/P of the model.",
+    "local_steps.overlap_steps": "Inner steps a fragment's collectives may run behind before the outer result is applied (Streaming DiLoCo's tau); must be < `every`.",
+    "local_steps.mixing": "Streaming DiLoCo's alpha in [0, 1]: with overlap, local = alpha * local + (1 - alpha) * synchronised when a fragment's result lands (no overlap: the local copy is replaced).",
+    "local_steps.fragment_pattern": "`strided`: block i (a name's prefix up to its first number, e.g. `blocks.3`) goes to fragment i mod P (Streaming DiLoCo's better pattern); `sequential`: contiguous blocks balanced by size.",
     "train": "The built-in job of `adacomp train`.",
     "train.dataset": "Dataset shipped offline inside a package.",
     "train.model": "Model for the built-in job.",
@@ -47,6 +54,8 @@ KEY_DOCS: dict[str, str] = {
 def _type(tp: typing.Any) -> str:
     if tp is C.ComponentSpec or tp == (C.ComponentSpec | None):
         return "component" + (" or null" if tp is not C.ComponentSpec else "")
+    if C._optional_dataclass(tp) is not None:
+        return "section or null"
     s = getattr(tp, "__name__", None) or str(tp)
     return {"FusionConfig": "section", "TrainConfig": "section", "list": "list"}.get(s, s)
 
@@ -71,13 +80,16 @@ def _fields(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
         rows.append((path, _type(tp), f"`{default}`" if default != "" else "", allowed))
         if dataclasses.is_dataclass(tp) and tp is not C.ComponentSpec:
             rows += _fields(tp, path + ".")
+        elif C._optional_dataclass(tp) is not None:
+            rows += _fields(C._optional_dataclass(tp), path + ".")
         elif typing.get_origin(tp) is list:
             (item,) = typing.get_args(tp)
             rows += _fields(item, path + "[].")
     return rows
 
 
-PLURAL = {"compressor": "Compressors", "memory": "Memories", "communicator": "Communicators", "policy": "Policies"}
+PLURAL = {"compressor": "Compressors", "memory": "Memories", "communicator": "Communicators", "policy": "Policies",
+          "outer_optimizer": "Outer optimizers (`local_steps.outer_optimizer`)"}
 
 
 def _components(kind: str) -> list[str]:
@@ -103,7 +115,7 @@ def render() -> str:
     lines += ["", "## Components", "",
               "A component is written `{name: NAME, PARAM: VALUE, ...}` (or just `NAME`); parameters",
               "and their defaults are the component constructor's.", ""]
-    for kind in ("compressor", "memory", "communicator", "policy"):
+    for kind in ("compressor", "memory", "communicator", "policy", "outer_optimizer"):
         lines += _components(kind)
     return "\n".join(lines).rstrip() + "\n"
 

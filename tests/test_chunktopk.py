@@ -1,0 +1,288 @@
+"""chunktopk (SparseLoCo's chunked Top-k with low-bit values): per-chunk selection, the quantizer's
+levels, bitwise residuals, exact payload sizes, config checks, and a real 2-process gloo run through
+``adacomp.DistributedOptimizer`` on allgather and allgather_fast."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adacomp.config as config
+from adacomp import compressors, memories
+from adacomp.communicators.allgather import fits
+from adacomp.compressors.chunktopk import ChunkTopkCompressor
+from adacomp.errors import IncompatibleComponentsError
+from tests._dist import run_workers
+from tests.test_allgather import plain, tensors
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def k_of(length: int, density: float) -> int:
+    """The rule the compressor documents: max(1, round(density * length)), at most length."""
+    return min(length, max(1, int(round(density * length))))
+
+
+def chunks_of(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
+
+
+def levels(bits: int, scale: float) -> torch.Tensor:
+    """The 2**b symmetric uniform levels of a chunk, computed here independently (float64)."""
+    n = 1 << bits
+    j = torch.arange(n, dtype=torch.float64)
+    return scale * (2 * j + 1 - n) / (n - 1)
+
+
+def nbytes(payload: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+SHAPES = [(3000,), (40, 64), (7,), (5, 256), (3, 97)]  # with chunk 256: partial chunks, one smaller than a chunk
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("density", [0.05, 0.3])
+def test_each_chunk_keeps_exactly_its_k_largest_magnitudes(shape, density):
+    chunk = 256
+    x = torch.randn(*shape, generator=gen(sum(shape)))
+    c = compressors.get("chunktopk", density=density, chunk=chunk, bits=32)
+    payload, ctx = c.compress(x, "w")
+    d = c.decompress(payload, ctx)
+    assert d.shape == x.shape and d.dtype == x.dtype
+    flat, dflat = x.reshape(-1), d.reshape(-1)
+    kept = dflat != 0  # randn has no exact zeros
+    for lo, hi in chunks_of(flat.numel(), chunk):
+        k = k_of(hi - lo, density)
+        m = kept[lo:hi]
+        assert int(m.sum()) == k, (lo, hi)
+        mags = flat[lo:hi].abs()
+        if k < hi - lo:
+            assert mags[m].min() > mags[~m].max()  # the k largest (continuous data: no ties)
+    # bits = 32: the kept values are the tensor's own, bitwise; everything else is zero
+    assert torch.equal(dflat[kept], flat[kept])
+    assert torch.equal(dflat[~kept], torch.zeros_like(dflat[~kept]))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_kept_values_are_the_nearest_level_of_their_chunk(bits):
+    chunk, density = 128, 0.1
+    x = torch.randn(9, 100, generator=gen(bits)) * torch.linspace(0.1, 10, 900).view(9, 100)  # chunk scales differ
+    ref = compressors.get("chunktopk", density=density, chunk=chunk, bits=32)
+    c = compressors.get("chunktopk", density=density, chunk=chunk, bits=bits)
+    p32, ctx32 = ref.compress(x, "w")
+    payload, ctx = c.compress(x, "w")
+    kept = ref.decompress(p32, ctx32).reshape(-1) != 0
+    d = c.decompress(payload, ctx).reshape(-1)
+    flat = x.reshape(-1)
+    for lo, hi in chunks_of(flat.numel(), chunk):
+        m = kept[lo:hi]
+        v = flat[lo:hi][m].double()
+        q = d[lo:hi][m].double()
+        assert torch.equal(d[lo:hi][~m], torch.zeros_like(d[lo:hi][~m]))  # same coordinates as bits=32
+        scale = float(flat[lo:hi][m].abs().max())
+        lv = levels(bits, scale)
+        dist_to_levels = (q.unsqueeze(1) - lv).abs().min(dim=1).values
+        assert float(dist_to_levels.max()) <= 1e-6 * scale  # every value is one of the chunk's levels
+        best = (v.unsqueeze(1) - lv).abs().min(dim=1).values
+        assert bool(((v - q).abs() <= best + 1e-6 * scale).all())  # and it is the nearest one
+    if bits == 2:
+        assert set(torch.unique(payload[0]).tolist()) - {0}  # codes really are packed into the bytes
+        assert payload[0].numel() == -(-ctx.kept * 2 // 8)
+
+
+def test_largest_value_of_a_chunk_is_sent_exactly_and_zero_chunks_stay_zero():
+    x = torch.zeros(3, 64)
+    x[1] = torch.randn(64, generator=gen(0))
+    c = compressors.get("chunktopk", density=0.1, chunk=64, bits=2)
+    payload, ctx = c.compress(x, "w")
+    d = c.decompress(payload, ctx)
+    i = int(x[1].abs().argmax())
+    assert d[1, i] == x[1, i]  # the scale's own value sits on the outer level
+    assert torch.equal(d[0], torch.zeros(64)) and torch.equal(d[2], torch.zeros(64))
+
+
+@pytest.mark.parametrize("bits", [2, 32])
+def test_residual_is_tensor_minus_decompress_bitwise(bits):
+    """Through the residual memory's compensate / update, as the optimizer drives it: the residual
+    holds the dropped coordinates and (bits < 32) the quantization error of the kept ones."""
+    c = compressors.get("chunktopk", density=0.05, chunk=100, bits=bits)
+    mem = memories.get("residual")
+    for step in range(3):
+        g = torch.randn(7, 50, generator=gen(10 + step))
+        comp = mem.compensate(g.clone(), "w")
+        payload, ctx = c.compress(comp, "w")
+        sent = c.decompress(payload, ctx)
+        mem.update(comp, "w", c, payload, ctx)
+        assert torch.equal(mem.residuals["w"], comp - sent)
+        kept = sent != 0
+        if bits == 32:
+            assert torch.equal(mem.residuals["w"][kept], torch.zeros(int(kept.sum())))
+        else:
+            assert bool((mem.residuals["w"][kept] != 0).any())  # quantization error is carried
+
+
+PAYLOAD_SHAPES = [(1,), (5,), (100,), (4096,), (4097,), (3, 4096), (64, 65), (10000,), (2, 3, 50)]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 32])
+@pytest.mark.parametrize("chunk", [8, 256, 4096])
+def test_payload_bytes_is_exact(bits, chunk):
+    c = compressors.get("chunktopk", density=0.02, chunk=chunk, bits=bits)
+    for shape in PAYLOAD_SHAPES:
+        payload, ctx = c.compress(torch.randn(*shape, generator=gen(len(shape))), "w")
+        assert nbytes(payload) == c.payload_bytes(torch.Size(shape)), shape
+        idx = payload[-1]
+        assert idx.dtype == torch.int16 and idx.element_size() == 2 and idx.numel() == ctx.kept
+        expected = [torch.float32, torch.int16] if bits == 32 else [torch.uint8, torch.float32, torch.int16]
+        assert [t.dtype for t in payload] == expected
+
+
+def test_payload_size_depends_only_on_the_shape():
+    c = compressors.get("chunktopk")
+    a, _ = c.compress(torch.randn(3, 5000, generator=gen(1)), "w")
+    b, _ = c.compress(torch.zeros(3, 5000), "w")
+    assert [t.shape for t in a] == [t.shape for t in b]
+
+
+def test_bytes_per_kept_value_at_the_defaults():
+    c = compressors.get("chunktopk")  # density 0.02, chunk 4096, bits 2
+    n_chunks = 1000
+    kept = 82 * n_chunks  # round(0.02 * 4096) = 82 per chunk
+    total = c.payload_bytes(torch.Size([4096 * n_chunks]))
+    assert total == kept * 2 // 8 + 4 * n_chunks + 2 * kept  # codes + scales + int16 indices
+    assert total / kept == pytest.approx(188.5 / 82)  # ~2.3 B per kept value ...
+    topk_bytes = compressors.get("topk", density=0.02).payload_bytes(torch.Size([4096 * n_chunks]))
+    assert topk_bytes / k_of(4096 * n_chunks, 0.02) == 12  # ... vs topk's float32 value + int64 index
+
+
+def test_positions_above_32767_survive_the_int16_wire():
+    """chunk 65536: local positions >= 2**15 travel as their uint16 bit pattern."""
+    n = 65536 + 40000
+    x = torch.randn(n, generator=gen(3)) * 1e-3
+    big = torch.tensor([5, 32767, 32768, 50000, 65535, 65536 + 39999])
+    x[big] = torch.arange(1, 7, dtype=torch.float32) * 10
+    c = compressors.get("chunktopk", density=1e-5, chunk=65536, bits=32)
+    payload, ctx = c.compress(x, "w")
+    assert ctx.k_row == 1 and ctx.k_tail == 1
+    d = c.decompress(payload, ctx)
+    assert torch.nonzero(d).view(-1).tolist() == [65535, 65536 + 39999]
+    assert bool((payload[1] < 0).any())  # 65535 went out as -1
+    c2 = compressors.get("chunktopk", density=5 / 65536, chunk=65536, bits=32)
+    d2 = c2.decompress(*c2.compress(x[:65536].clone(), "w"))
+    assert torch.nonzero(d2).view(-1).tolist() == big[:5].tolist()
+
+
+def test_other_dtypes_and_a_foreign_payload():
+    c = compressors.get("chunktopk", density=0.1, chunk=32, bits=4)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        x = torch.randn(10, 10, generator=gen(5)).to(dtype)
+        payload, ctx = c.compress(x, "w")
+        d = c.decompress(payload, ctx)
+        assert d.dtype == dtype and d.shape == x.shape and int((d != 0).sum()) == 3 * 3 + 1  # 3 chunks of 32 keep 3, the last 4 keep 1
+    # another rank's payload decodes with this rank's ctx (what allgather does)
+    y = torch.randn(10, 10, generator=gen(6))
+    py, cy = c.compress(y, "w")
+    _, cx = c.compress(torch.randn(10, 10, generator=gen(7)), "w")
+    assert torch.equal(c.decompress(py, cx), c.decompress(py, cy))
+    with pytest.raises(ValueError, match="same density"):
+        c.decompress(py, compressors.get("chunktopk", density=0.5, chunk=32, bits=4).compress(y, "w")[1])
+
+
+def test_nonfinite_values_propagate():
+    x = torch.randn(256, generator=gen(8))
+    x[3] = float("nan")
+    c = compressors.get("chunktopk", density=0.05, chunk=64, bits=2)
+    d = c.decompress(*c.compress(x, "w"))
+    assert bool(torch.isnan(d[:64]).any()) and bool(torch.isfinite(d[64:]).all())
+
+
+@pytest.mark.parametrize("params,match", [({"density": 0.0}, "density"), ({"density": 1.5}, "density"),
+                                          ({"chunk": 4}, r"chunk.*\[8, 65536\]"), ({"chunk": 70000}, "chunk"),
+                                          ({"chunk": 64.0}, "chunk"), ({"bits": 3}, r"bits.*\[1, 2, 4, 8, 32\]"),
+                                          ({"bits": True}, "bits")])
+def test_invalid_parameters_are_named(params, match):
+    with pytest.raises(ValueError, match=match):
+        compressors.get("chunktopk", **params)
+
+
+def test_flags_config_and_communicators():
+    c = compressors.get("chunktopk")
+    assert isinstance(c, ChunkTopkCompressor)
+    assert (c.sparse, c.additive, c.fixed_size, c.biased, c.rounds) == (False, False, True, True, 1)
+    assert fits(c) == ["allgather", "allgather_fast"]
+    cfg = config.from_dict({"compressor": {"name": "chunktopk", "density": 0.02, "bits": 2},
+                            "memory": {"name": "residual"}, "communicator": {"name": "allgather"}})
+    assert cfg.compressor.name == "chunktopk" and cfg.communicator.name == "allgather"
+    with pytest.raises(IncompatibleComponentsError, match="allreduce"):
+        config.from_dict({"compressor": {"name": "chunktopk", "density": 0.02, "bits": 2},
+                          "memory": {"name": "residual"}, "communicator": {"name": "allreduce"}})
+    assert config.from_dict({"compressor": "chunktopk"}).communicator.name == "allgather_fast"
+
+
+# --------------------------------------------------------------------- 2 real processes (gloo)
+ROUTES = [({"name": "chunktopk", "density": 0.05, "chunk": 48, "bits": 2}, "allgather_fast"),
+          ({"name": "chunktopk", "density": 0.05, "chunk": 48, "bits": 2}, "allgather"),
+          ({"name": "chunktopk", "density": 0.1, "chunk": 64, "bits": 1}, "allgather_fast")]
+STEPS = 3
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # same model on every rank (this child process owns its global RNG)
+    # 2048 / 64 / 640 / 10 elements: with chunk 48 every tensor ends in a partial chunk, the last is one
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def _worker(routes: list[tuple[dict, str]], steps: int) -> list:
+    import adacomp
+    import adacomp.backends
+    backend = adacomp.backends.create("torch")
+    rank = backend.rank()
+    out = []
+    for comp, comm in routes:
+        model = _model()
+        cfg = {"backend": "torch", "compressor": comp, "memory": {"name": "residual"},
+               "communicator": {"name": comm}, "fusion": {"bucket_mb": 0.0003}, "min_numel": 0}
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), config=cfg, backend=backend)
+        assert len(opt.buckets) > 1
+        rows = []
+        for step in range(steps):
+            x = torch.randn(16, 32, generator=gen(100 * rank + step))
+            y = torch.randint(0, 10, (16,), generator=gen(100 * rank + step))
+            opt.zero_grad()
+            names, params = zip(*model.named_parameters())
+            # this rank's own gradient: autograd.grad fires no accumulate-grad hook, so nothing is averaged
+            own = dict(zip(names, torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)))
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            rows.append((own, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+        out.append(rows)
+    return plain(out)
+
+
+def test_distributed_optimizer_averages_decompressed_payloads_on_2_ranks():
+    """p.grad after backward == mean over ranks of decompress(compress(g_r + residual_r)), bitwise;
+    the reference is computed here in one process from each rank's own gradients (one residual
+    memory per rank), decoding each rank's payload with the other rank's compressor."""
+    res = tensors(run_workers(_worker, 2, ROUTES, STEPS))
+    for route, (comp, comm) in enumerate(ROUTES):
+        params = {k: v for k, v in comp.items() if k != "name"}
+        ref = [compressors.get("chunktopk", **params) for _ in range(2)]
+        mems = [memories.get("residual") for _ in range(2)]
+        for step in range(STEPS):
+            own = [res[r][route][step][0] for r in range(2)]
+            for n in own[0]:
+                sent = []
+                for r in range(2):
+                    g = mems[r].compensate(own[r][n].clone(), n)
+                    payload, ctx = ref[r].compress(g, n)
+                    mems[r].update(g, n, ref[r], payload, ctx)
+                    sent.append(ref[1 - r].decompress(payload, ref[1 - r].layout(g.shape, g.dtype)))
+                mean = (sent[0] + sent[1]) / 2
+                assert int((sent[0] != 0).sum()) > 0 and not torch.equal(sent[0], sent[1])
+                for r in range(2):
+                    avg = res[r][route][step][1][n]
+                    torch.testing.assert_close(avg, mean, rtol=0, atol=0,
+                                               msg=lambda m: f"{comm} {comp} step {step} {n} rank {r}: {m}")
