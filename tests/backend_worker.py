@@ -7,6 +7,9 @@
 * ``backend_worker.py divisible mpi|horovod``: a few steps of topk on the divisible scheme
   (communicator ``alltoall``) with one offloaded layer; prints ``DIVISIBLE_DIGEST <hex>`` of the
   parameters (tests compare it with the same run on gloo).
+* ``backend_worker.py local mpi|horovod``: Streaming DiLoCo (2 fragments, overlap, Top-k +
+  residual, Nesterov outer steps) for 9 steps and a final ``outer_sync()``; prints
+  ``LOCAL_DIGEST <hex>``.
 
 Any mismatch raises (non-zero exit), so the launcher's exit status carries the verdict.
 """
@@ -250,22 +253,42 @@ def divisible_digest() -> str:
     return params_digest(model)
 
 
-def divisible(backend: str) -> int:
+def local_steps_digest() -> str:
+    """Parameters after 9 local steps with staggered, overlapped fragment syncs and a closing
+    ``outer_sync()``: identical bits on every rank and backend (averages are taken in rank order)."""
+    import adacomp
+    from tests._dist import params_digest, train_random_steps
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 10))
+    cfg = {"compressor": {"name": "topk", "density": 0.1}, "memory": {"name": "residual"},
+           "communicator": {"name": "allgather"}, "min_numel": 0,
+           "local_steps": {"every": 4, "fragments": 2, "overlap_steps": 1}}
+    opt = adacomp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), config=cfg)
+    train_random_steps(model, opt, 9, 24, 10, 100 + adacomp.rank(), batch=8)
+    opt.outer_sync()
+    return params_digest(model)
+
+
+DIGESTS = {"divisible": divisible_digest, "local": local_steps_digest}
+
+
+def digest_run(which: str, backend: str) -> int:
     import adacomp
     adacomp.init(backend=backend)
-    digest = divisible_digest()
+    digest = DIGESTS[which]()
     everyone = adacomp.runtime.context.current().allgather_object(digest)
     if len(set(everyone)) != 1:
         raise AssertionError(f"ranks ended with different parameters: {everyone}")
-    print(f"DIVISIBLE_DIGEST rank={adacomp.rank()} {digest}", flush=True)
+    print(f"{which.upper()}_DIGEST rank={adacomp.rank()} {digest}", flush=True)
     adacomp.shutdown()
     return 0
 
 
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
-    if argv[0] == "divisible":
-        return divisible(argv[1])
+    if argv[0] in DIGESTS:
+        return digest_run(argv[0], argv[1])
     if argv[0] == "timeout":
         return check_timeout(argv[1])
     if argv[0] == "reference":

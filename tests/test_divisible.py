@@ -207,10 +207,10 @@ def _gloo_digest() -> str:
     return divisible_digest()
 
 
-def _launched_digests(proc) -> set[str]:
+def _launched_digests(proc, which: str = "divisible") -> set[str]:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    return {line.split()[-1] for line in out.splitlines() if "DIVISIBLE_DIGEST" in line}
+    return {line.split()[-1] for line in out.splitlines() if f"{which.upper()}_DIGEST" in line}
 
 
 def test_divisible_and_offload_give_the_same_bits_on_gloo_mpi_and_horovod() -> None:

@@ -378,3 +378,23 @@ def test_fragments_cut_whole_blocks_strided_or_balanced() -> None:
     seq = partition(params, 2, "sequential")
     assert seq[0] + seq[1] == [n for n, _ in params] and all(seq)
     assert offsets(32, 1) == [0] and offsets(32, 4) == [8, 16, 24, 0]
+
+
+def _gloo_local_digest() -> str:
+    import adacomp
+    from tests.backend_worker import local_steps_digest
+    adacomp.init(backend="torch")
+    return local_steps_digest()
+
+
+def test_local_steps_give_the_same_bits_on_gloo_mpi_and_horovod() -> None:
+    """The outer loop through real mpirun / horovodrun launches: every rank and backend ends with
+    bit-identical parameters after a closing outer_sync()."""
+    from tests.test_backend_horovod import _MISSING, horovodrun
+    from tests.test_backend_mpi import WORKER, mpirun
+    from tests.test_divisible import _launched_digests
+    gloo = set(run_workers(_gloo_local_digest, WORLD))
+    assert len(gloo) == 1
+    assert _launched_digests(mpirun(WORLD, str(WORKER), "local", "mpi", timeout=180), "local") == gloo
+    if _MISSING is None:
+        assert _launched_digests(horovodrun(WORLD, str(WORKER), "local", "horovod", timeout=180), "local") == gloo
