@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make results`: regenerate every docs/results/*.md (+ CSV / PNG) with one command, each benchmark
 # at its default size and with its launcher. Stops at the first failure and names it.
-# Budget: about 210 min on 2 idle cores (convergence ~20, throughput ~10, netem < 10,
-# time-to-accuracy ~70 (Fashion-MNIST and text, both medium), sweeps ~55 (reduced zoo models, ResNet-50, VGG-16), zoo step times ~35, rest ~10).
+# Budget: about 275 min on 2 idle cores (convergence ~20, throughput ~10, netem < 10,
+# time-to-accuracy ~135 (Fashion-MNIST and text, both medium, ~85; the lm task ~50), sweeps ~55 (reduced zoo models, ResNet-50, VGG-16), zoo step times ~35, rest ~10).
 # Scripts owned by other work items (adaptive.py, adaptive_network.py, soak.py) run when present.
 # netem_experiment.py and time_to_accuracy.py need root; without it they print why and measure nothing (exit 0).
 # time_to_accuracy.py reads Debian's dataset-fashion-mnist and fortunes (`make data`).
@@ -43,8 +43,9 @@ step throughput-x2  "${RUN[@]}" -np 2 -- "$PY" scripts/bench_throughput.py
 step throughput-x4  "${RUN[@]}" -np 4 -- "$PY" scripts/bench_throughput.py
 step convergence    "${RUN[@]}" -np 2 -- "$PY" scripts/convergence.py
 step netem          "$PY" scripts/netem_experiment.py
-step time-to-accuracy "$PY" scripts/time_to_accuracy.py --size medium --tasks fmnist  # every method, ~45 min
-step time-to-accuracy-text "$PY" scripts/time_to_accuracy.py --size medium --tasks text --merge  # ~25 min
+step time-to-accuracy "$PY" scripts/time_to_accuracy.py --size medium --tasks fmnist  # every method, ~55 min
+step time-to-accuracy-text "$PY" scripts/time_to_accuracy.py --size medium --tasks text --merge  # ~32 min
+step time-to-accuracy-lm "$PY" scripts/time_to_accuracy.py --size medium --tasks lm --merge  # 12.5M transformer, DDP vs DiLoCo family, ~50 min
 step sweep          "$PY" scripts/sweep.py                # 2 ranks, shaped links 50mbit..10gbit, ~15 min
 step sweep-resnet50  "$PY" scripts/sweep.py --models resnet50 --bandwidths 100mbit 1gbit \
     --name sweep_resnet50                              # ResNet-50 at its real width, ~15 min

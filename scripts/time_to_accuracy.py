@@ -8,15 +8,26 @@ Two tasks on real data read offline:
 * ``fmnist``: a CNN (2 conv + 2 linear, ~0.45M parameters) on Fashion-MNIST (Debian package
   ``dataset-fashion-mnist``) until the test accuracy reaches ``--acc-target``;
 * ``text``: a character LSTM on Debian's ``fortunes`` corpus (~2.5 MB) until the test loss
-  (nats / character) falls to ``--loss-target``.
+  (nats / character) falls to ``--loss-target``;
+* ``lm``: the communication-bound task. A GPT-2-like transformer (``adacomp.models.GPT2Small`` at
+  width 384, 7 layers, 6 heads, context 64, character vocabulary: 12.5M parameters) on the same
+  fortunes text, AdamW for every arm (DiLoCo's inner optimizer), 4 windows of 64 characters per
+  host and step, until the held-out loss (nats / character) falls to ``--lm-target``. The batch is
+  small on purpose: bf16 DDP moves ~37 MB per host and step (ring allreduce of 25 MB), ~3 s at
+  100 Mbit/s, against ~0.5 s of compute (measured: 3.8 s vs 0.56 s, 85 % communicating; the bar is
+  75 %); every run measures that share (compute-only step vs bf16 DDP's step) and reports it.
 
 Arms: ``ddp_fp32``, ``ddp_bf16`` (bf16 hook: torch's own refuses gloo / CPU, adacomp.tools.baselines),
 ``ddp_powersgd`` (torch's PowerSGD hook), and adacomp's methods from ``configs/<name>.yaml``
-under ``adacomp.DistributedOptimizer``. Every arm starts from the same weights and sees the same
-batches. The clock counts training only: evaluation (every ``--eval-every`` steps, each host
-scores a slice of the test set) is paused out, and the time is the slowest host's.
+under ``adacomp.DistributedOptimizer``, among them the local-step (DiLoCo family) arms ``localsgd``,
+``diloco``, ``streaming_diloco``, ``diloco_topk`` and ``sparseloco``, whose H (``local_steps.every``)
+is set per task (``--local-every N`` overrides it for all). Every arm starts from the same weights
+and sees the same batches. The clock counts training only: evaluation (every ``--eval-every`` steps,
+for local-step arms at the first multiple of H at or after it, right after a synchronisation; each
+host scores a slice of the test set) is paused out, and the time is the slowest host's.
 
-    python scripts/time_to_accuracy.py                   # reduced size (~13 min on 2 shared cores)
+    python scripts/time_to_accuracy.py                   # reduced size, fmnist + text (~13 min on 2 shared cores)
+    python scripts/time_to_accuracy.py --size medium --tasks lm --merge  # lm: 9 arms, 2 links (~50 min)
     python scripts/time_to_accuracy.py --size medium     # every method, all the data, a few epochs (~1-2 h)
     python scripts/time_to_accuracy.py --size full       # every method, until convergence (many hours)
 
@@ -43,20 +54,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PREFIX = "actta"
 DDP_ARMS = ("ddp_fp32", "ddp_bf16", "ddp_powersgd")
+# local-step arms (DiLoCo family, `local_steps` in their config): evaluated right after a synchronisation,
+# checked to have synchronised (bytes > 0, fewer than dense DDP), and candidates of the report's verdict
+LOCAL_ARMS = ("localsgd", "diloco", "streaming_diloco", "diloco_topk", "sparseloco")
 ADACOMP_ARMS = ("topk", "dgc", "gaussiank", "adtopk", "qsgd", "powersgd", "acpsgd", "artopk", "flexible", "moo",
-                "lgreco", "bytecomp")
+                "lgreco", "bytecomp") + LOCAL_ARMS
+TASKS = ("fmnist", "text", "lm")
+# H (local_steps.every) per task: ~250-500 steps reach the fmnist / text targets, ~100-200 inner steps the lm one
+LOCAL_EVERY = {"fmnist": 16, "text": 16, "lm": 32}
+# the lm task's arms (issue 28): DDP fp32 / bf16, the two best per-step methods at 100 Mbit/s in
+# docs/results/time_to_accuracy.md (powersgd, artopk), and the local-step family
+LM_ARMS = ["ddp_fp32", "ddp_bf16", "powersgd", "artopk", *LOCAL_ARMS]
+# the verdict's bar (issue 28): at 100 Mbit/s a local-step arm reaches the target >= 3x sooner than bf16
+# DDP with >= 100x fewer bytes per host
+BAR_SPEEDUP, BAR_BYTES, BAR_LINK = 3.0, 100.0, "100mbit"
 SIZES: dict[str, dict[str, Any]] = {
     # reduced: what `make results` runs on 2 shared cores; full: the issue's experiment
-    "reduced": {"arms": ["ddp_fp32", "ddp_bf16", "ddp_powersgd", "topk", "powersgd", "acpsgd"],
+    "reduced": {"arms": ["ddp_fp32", "ddp_bf16", "ddp_powersgd", "topk", "powersgd", "acpsgd", *LOCAL_ARMS],
                 "max_seconds": 45.0, "train_limit": 20000, "test_limit": 2000, "text_windows": 8000,
                 "text_test": 512,
-                "acc_target": 0.78, "loss_target": 2.5},
+                "acc_target": 0.78, "loss_target": 2.5,
+                # lm: bf16 DDP needs ~60 steps (~4.5 s each at 100 Mbit/s, measured) to 2.9 nats / char
+                "lm_arms": LM_ARMS, "lm_max_seconds": 420.0, "lm_windows": None, "lm_test": 512, "lm_target": 2.9},
     # medium: every method on all the data for a few epochs, to targets 2 cores reach within minutes per arm
     "medium": {"arms": list(DDP_ARMS + ADACOMP_ARMS), "max_seconds": 180.0, "train_limit": None, "test_limit": None,
-               "text_windows": None, "text_test": 2000, "acc_target": 0.85, "loss_target": 2.2},
+               "text_windows": None, "text_test": 2000, "acc_target": 0.85, "loss_target": 2.2,
+               # lm: the reduced size's run (the 9 arms of issue 28, ~50 min at two links); medium adds nothing
+               # affordable: every link-bound arm costs minutes of training clock
+               "lm_arms": LM_ARMS, "lm_max_seconds": 420.0, "lm_windows": None, "lm_test": 512, "lm_target": 2.9},
     "full": {"arms": list(DDP_ARMS + ADACOMP_ARMS), "max_seconds": 1800.0, "train_limit": None, "test_limit": None,
-             "text_windows": None, "text_test": None, "acc_target": 0.90, "loss_target": 1.6},
+             "text_windows": None, "text_test": None, "acc_target": 0.90, "loss_target": 1.6,
+             "lm_arms": list(DDP_ARMS + ADACOMP_ARMS), "lm_max_seconds": 3600.0, "lm_windows": None, "lm_test": None,
+             "lm_target": 2.0},
+    # tiny: plumbing only (tests/test_scripts_smoke.py): a 2-layer lm, a few hundred windows, seconds per arm
+    "tiny": {"arms": ["ddp_fp32", "ddp_bf16"], "max_seconds": 4.0, "train_limit": 512, "test_limit": 256,
+             "text_windows": 256, "text_test": 64, "acc_target": 0.99, "loss_target": 0.1,
+             "lm_arms": ["ddp_bf16", "diloco"], "lm_max_seconds": 4.0, "lm_windows": 256, "lm_test": 64,
+             "lm_target": 0.1},
 }
+# the lm model per size: GPT2Small(width, layers, heads), context, per-host batch
+LM_MODEL = {"width": 384, "layers": 7, "heads": 6, "context": 64, "batch": 4}
+LM_MODEL_TINY = {"width": 32, "layers": 2, "heads": 2, "context": 16, "batch": 4}
 
 
 class FashionCNN(nn.Module):
@@ -91,21 +129,50 @@ class Task:
     higher: bool
     lr: float
     batch: int
+    optimizer: str = "sgd"  # "sgd" (momentum from the arm's `train:` or 0.9), "adam", "adamw"
+    max_seconds: float = 0.0  # training clock limit per arm
+    eval_every: int = 25
+    local_every: int = 32  # H of the local-step arms
+    context: int = 0  # tokens per sample (sequence tasks): tokens = steps x batch x context x hosts
+    warmup: int = 0  # linear learning-rate warm-up steps
+    arms: tuple[str, ...] = ()
+    measure_compute: bool = False  # time the compute-only step (no communication) before the arms
+
+
+def make_optimizer(task: Task, model: nn.Module, train_cfg: dict[str, Any]) -> torch.optim.Optimizer:
+    """The inner optimizer (the only one for DDP arms): SGD with momentum 0.9 for the CNN (0 where the
+    method applies it itself: DGC's memory, §3.2), Adam for the LSTM (plain SGD sat on the unigram plateau
+    for 100s of steps), AdamW for the transformer (DiLoCo's inner optimizer; GPT-style betas, decay 0.1)."""
+    if task.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=task.lr, momentum=train_cfg.get("momentum", 0.9))
+    if task.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=task.lr)
+    return torch.optim.AdamW(model.parameters(), lr=task.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def seq_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def lm_model_spec(size: str) -> dict[str, int]:
+    return LM_MODEL_TINY if size == "tiny" else LM_MODEL
+
+
 def make_tasks(args: argparse.Namespace) -> list[Task]:
     from adacomp.datasets.digits import fashion_mnist
     from adacomp.datasets.text import char_sequences
-    from adacomp.models import CharLSTM
+    from adacomp.models import CharLSTM, GPT2Small
+    size = SIZES[args.size]
     tasks = []
+
+    def every(name: str) -> int:
+        return args.local_every or LOCAL_EVERY[name]
+
     if "fmnist" in args.tasks:
         x, y, xt, yt = fashion_mnist(train_limit=args.train_limit, test_limit=args.test_limit)
         tasks.append(Task("fmnist", x, y, xt, yt, FashionCNN, F.cross_entropy, "test accuracy", args.acc_target,
-                          True, 0.05, 32))
+                          True, 0.05, 32, "sgd", args.max_seconds or size["max_seconds"], args.eval_every,
+                          every("fmnist"), arms=tuple(args.arms or size["arms"])))
     if "text" in args.tasks:
         x, y, xt, yt, corpus = char_sequences(32, source="fortunes")
         if args.text_windows:
@@ -113,7 +180,25 @@ def make_tasks(args: argparse.Namespace) -> list[Task]:
         xt, yt = xt[:args.text_test], yt[:args.text_test]  # evaluation wall time: a fixed slice of held-out text
         vocab = len(corpus.vocab)
         tasks.append(Task("text", x, y, xt, yt, lambda: CharLSTM(vocab, 32, 256), seq_loss, "test loss (nats/char)",
-                          args.loss_target, False, 3e-3, 32))
+                          args.loss_target, False, 3e-3, 32, "adam", args.max_seconds or size["max_seconds"],
+                          args.eval_every, every("text"), arms=tuple(args.arms or size["arms"])))
+    if "lm" in args.tasks:
+        spec = lm_model_spec(args.size)
+        x, y, xt, yt, corpus = char_sequences(spec["context"], source="fortunes")
+        if size["lm_windows"]:
+            x, y = x[:size["lm_windows"]], y[:size["lm_windows"]]
+        xt, yt = xt[:size["lm_test"]], yt[:size["lm_test"]]
+        vocab = len(corpus.vocab)
+
+        def build_lm() -> nn.Module:
+            return GPT2Small(vocab=vocab, context=spec["context"], width=spec["width"], layers=spec["layers"],
+                             heads=spec["heads"], seq=spec["context"])
+        # evaluation every 5 steps: bf16 DDP needs only ~60 at 100 Mbit/s; lr 1e-3 after a 5-step warm-up
+        # (3e-3 diverged once and then sat on the unigram plateau, 2e-3 was slower to leave it)
+        tasks.append(Task("lm", x, y, xt, yt, build_lm, seq_loss, "held-out loss (nats/char)", args.lm_target,
+                          False, 1e-3, spec["batch"], "adamw", args.max_seconds or size["lm_max_seconds"],
+                          args.lm_eval_every, every("lm"), spec["context"], 5, tuple(args.arms or size["lm_arms"]),
+                          True))
     return tasks
 
 
@@ -164,18 +249,31 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
         model = task.build()
     cfg = {} if arm in BASELINES else yaml.safe_load((ROOT / "configs" / f"{arm}.yaml").read_text())
     train_cfg = cfg.pop("train", None) or {}
-    # SGD with momentum 0.9 for the CNN (0 where the method applies it itself: DGC's memory, §3.2); Adam for
-    # the LSTM (plain SGD sat on the unigram plateau for 100s of steps)
-    base = (torch.optim.SGD(model.parameters(), lr=task.lr, momentum=train_cfg.get("momentum", 0.9)) if task.higher
-            else torch.optim.Adam(model.parameters(), lr=task.lr))
+    local = bool(cfg.get("local_steps"))
+    fragments = 1
+    if local:
+        ls = cfg["local_steps"]
+        ls["every"] = task.local_every  # H per task (--local-every overrides all)
+        fragments = int(ls.get("fragments", 1))
+        if fragments > 1:  # Streaming DiLoCo fragments whole blocks: the CharLSTM has only 3
+            from adacomp.outer.loop import blocks
+            fragments = ls["fragments"] = min(fragments, len(blocks([n for n, _ in model.named_parameters()])))
+    base = make_optimizer(task, model, train_cfg)
+    sched = (torch.optim.lr_scheduler.LambdaLR(base, lambda s: min(1.0, (s + 1) / task.warmup)) if task.warmup
+             else None)
     opt: Any
+    net: nn.Module
     if arm in BASELINES:
         net, opt = ddp_baseline(arm, model), base
     else:
         net, opt = model, adacomp.DistributedOptimizer(base, model.named_parameters(), config=cfg, backend=be)
         opt.steps_per_epoch = len(task.y) // world // task.batch  # lgreco decides once per epoch
-    clock, step, nbytes, curve = 0.0, 0, 0, []
+    # local-step arms are scored right after a synchronisation (step a multiple of H): in between, every
+    # replica holds its own parameters
+    eval_every = -(-task.eval_every // task.local_every) * task.local_every if local else task.eval_every
+    clock, step, nbytes, syncs, curve, times = 0.0, 0, 0, 0, [], []
     reached: float | None = None
+    reached_step: int | None = None
     epoch = 0
     done = False
     while not done and epoch < args.max_epochs:
@@ -186,27 +284,91 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
             opt.zero_grad()
             task.loss(net(task.x[b]), task.y[b]).backward()
             opt.step()
-            clock += time.perf_counter() - t0
-            nbytes += ddp_bytes(arm, model, step) if arm in BASELINES else int(opt.last_stats.bytes_sent)
+            if sched is not None:
+                sched.step()
+            times.append(time.perf_counter() - t0)
+            clock += times[-1]
+            sent = ddp_bytes(arm, model, step) if arm in BASELINES else int(opt.last_stats.bytes_sent)
+            nbytes += sent
+            syncs += sent > 0
             step += 1
-            if step % args.eval_every == 0:
+            if step % eval_every == 0:
                 t = torch.tensor([clock], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest host's clock
                 metric = evaluate(model, task, rank, world)
                 curve.append((float(t[0]), step, metric))
                 ok = metric >= task.target if task.higher else metric <= task.target
                 if ok and reached is None:
-                    reached = float(t[0])
-                if ok or float(t[0]) >= args.max_seconds:
+                    reached, reached_step = float(t[0]), step
+                if ok or float(t[0]) >= task.max_seconds:
                     done = True
                     break
         epoch += 1
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
-    return {"arm": arm, "task": task.name, "time_to_target_s": reached, "final": curve[-1][2] if curve else None,
-            "steps": step, "train_s": curve[-1][0] if curve else clock, "mib_per_host": nbytes / 2**20,
-            "curve": curve, "epochs": epoch, "metric_name": task.metric_name, "target": task.target,
-            "higher": task.higher, "train_images": len(task.y)}
+    import statistics
+    med = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest host's median step
+    params = sum(p.numel() for p in model.parameters())
+    row = {"arm": arm, "task": task.name, "time_to_target_s": reached, "final": curve[-1][2] if curve else None,
+           "steps": step, "train_s": curve[-1][0] if curve else clock, "mib_per_host": nbytes / 2**20,
+           "curve": curve, "epochs": epoch, "metric_name": task.metric_name, "target": task.target,
+           "higher": task.higher, "train_images": len(task.y), "params": params, "batch": task.batch,
+           "hosts": world, "max_seconds": task.max_seconds, "eval_every": eval_every,
+           "step_median_s": float(med[0])}
+    if task.context:
+        tokens = task.batch * task.context * world  # per step, all hosts
+        row.update(context=task.context, tokens=step * tokens,
+                   tokens_to_target=reached_step * tokens if reached_step is not None else None)
+    if local:
+        row.update(local=True, local_every=task.local_every, fragments=fragments, syncs=syncs)
+        check_synchronised(arm, row, ddp_bytes("ddp_fp32", model, 0) * step, rank)
+    return row
+
+
+def check_synchronised(arm: str, row: dict[str, Any], dense_bytes: int, rank: int) -> None:
+    """The local-step path really ran: the arm synchronised (bytes > 0) and each host sent fewer bytes
+    than dense fp32 DDP would have in the same number of steps. Raises otherwise (a local-step config
+    that silently ran nothing, or ran the per-step path, must not produce a row)."""
+    sent = row["mib_per_host"] * 2**20
+    row["dense_mib_same_steps"] = dense_bytes / 2**20
+    if sent <= 0:
+        raise RuntimeError(f"{arm}: local-step arm sent 0 bytes in {row['steps']} steps (H = "
+                           f"{row['local_every']}): no synchronisation happened")
+    if sent >= dense_bytes:
+        raise RuntimeError(f"{arm}: local-step arm sent {sent / 2**20:.1f} MiB per host in {row['steps']} steps, "
+                           f"not fewer than dense fp32 DDP's {dense_bytes / 2**20:.1f} MiB for those steps")
+    row["synchronised"] = True
+    if rank == 0:
+        print(f"  {arm}: {row['syncs']} synchronising steps of {row['steps']} (H = {row['local_every']}), "
+              f"{row['mib_per_host']:.2f} MiB/host < dense fp32 DDP's {dense_bytes / 2**20:.1f} MiB "
+              f"({dense_bytes / sent:.0f}x fewer)", flush=True)
+
+
+def measure_compute(task: Task, rank: int, world: int, steps: int = 6, warmup: int = 2) -> float:
+    """Compute-only step: the same model, inner optimizer, batch and threads with no communication at all
+    (no DDP, no adacomp), run on every host at once as during training (the hosts share the cores); the
+    slowest host's median step in seconds."""
+    import statistics
+    import torch.distributed as dist
+    from adacomp.datasets.digits import shard
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = task.build()
+    opt = make_optimizer(task, model, {})
+    idx = shard(len(task.y), rank, world, 0)
+    dist.barrier()
+    times = []
+    for i in range(warmup + steps):
+        b = idx[i * task.batch:(i + 1) * task.batch]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        task.loss(model(task.x[b]), task.y[b]).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -226,16 +388,31 @@ def worker(args: argparse.Namespace) -> None:
         be.barrier()
         est = netmodel.NetworkProbe(ops=("allreduce", "broadcast")).probe(be)
         for task in tasks:
-            for arm in args.arms:
+            compute_s = None
+            if task.measure_compute:
+                compute_s = measure_compute(task, rank, be.size())
+                if rank == 0:
+                    n = sum(p.numel() for p in task.build().parameters())
+                    print(f"{bw} {task.name}: {n:,} parameters ({n * 2 / 1e6:.1f} MB in bf16), batch {task.batch} x "
+                          f"{task.context} tokens per host; compute-only step {compute_s:.3f} s (slowest host, "
+                          f"no communication)", flush=True)
+            for arm in task.arms:
                 r = train_arm(arm, task, be, args)
                 r.update(bandwidth=bw, probe_mbit=est.bandwidth_gbps * 1e3, alpha_us=est.alpha * 1e6, size=args.size,
                          command=" ".join(["python", os.path.relpath(__file__, ROOT),
                                            *[a for a in sys.argv[1:] if a != "--worker"]]))
+                if compute_s is not None:
+                    r["compute_step_s"] = compute_s
                 rows.append(r)
                 if rank == 0:
                     tt = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] is not None else "not reached"
-                    print(f"{bw} {task.name:<6} {arm:<13} target {tt:<12} final {r['final']:.4f} after {r['steps']} "
+                    print(f"{bw} {task.name:<6} {arm:<16} target {tt:<12} final {r['final']:.4f} after {r['steps']} "
                           f"steps / {r['train_s']:.1f} s, {r['mib_per_host']:.1f} MiB/host", flush=True)
+                    if compute_s is not None and arm == "ddp_bf16" and r["steps"]:
+                        step_s = r["step_median_s"]
+                        print(f"{bw} {task.name}: bf16 DDP step {step_s:.3f} s (median; mean "
+                              f"{r['train_s'] / r['steps']:.3f} s), compute-only {compute_s:.3f} s: communication "
+                              f"share {1 - compute_s / step_s:.1%}", flush=True)
     if rank == 0:
         report(rows, args)
     be.barrier()
@@ -250,6 +427,51 @@ def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dic
     return [r for r in old if key(r) not in fresh] + new
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def verdict(sub: list[dict[str, Any]], bw: str) -> str | None:
+    """One line for a (task, link): the best local-step arm's speed-up vs bf16 DDP (time to target) and its
+    byte reduction (bf16 MiB/host / arm MiB/host, both until the arm stopped), judged against the bar: at
+    100 Mbit/s >= 3x sooner with >= 100x fewer bytes per host. Best: the fastest arm that meets the bar,
+    else the fastest local-step arm that reached the target. None without local-step rows."""
+    local = [r for r in sub if r.get("local") or r["arm"] in LOCAL_ARMS]
+    if not local:
+        return None
+    bf = next((r for r in sub if r["arm"] == "ddp_bf16"), None)
+    where = f"at {bw}" + ("" if bw == BAR_LINK else f" (the bar is set at {BAR_LINK}; shown for comparison)")
+    if bf is None:
+        return f"**Verdict {where}**: no `ddp_bf16` row to compare with."
+    reached = [r for r in local if r["time_to_target_s"] is not None]
+    if not reached:
+        return (f"**Verdict {where}: does not meet** the bar: no local-step arm reached the target "
+                f"({', '.join(r['arm'] for r in local)}).")
+    # bf16 that did not reach the target: its whole training clock is a lower bound on its time to target
+    bf_t, bound = (bf["time_to_target_s"], "") if bf["time_to_target_s"] is not None else (bf["train_s"], ">= ")
+    scored = []
+    for r in reached:
+        speed = bf_t / r["time_to_target_s"]
+        fewer = bf["mib_per_host"] / r["mib_per_host"] if r["mib_per_host"] > 0 else float("inf")
+        scored.append((speed >= BAR_SPEEDUP and fewer >= BAR_BYTES, speed, fewer, r))
+    meets, speed, fewer, best = max(scored, key=lambda t: (t[0], t[1]))
+    what = (f"best local-step arm `{best['arm']}` (H = {best.get('local_every', '?')}) reaches the target "
+            f"{bound}{speed:.2f}x sooner than bf16 DDP ({best['time_to_target_s']:.1f} s vs "
+            f"{'not reached in ' if bound else ''}{bf_t:.1f} s) with {fewer:.0f}x fewer bytes per host "
+            f"({best['mib_per_host']:.2f} vs {bf['mib_per_host']:.1f} MiB)")
+    if meets:
+        how = (f"meets** the bar ({BAR_SPEEDUP:g}x sooner, {BAR_BYTES:g}x fewer bytes): {speed / BAR_SPEEDUP:.2f}x "
+               f"and {fewer / BAR_BYTES:.1f}x over it")
+    else:
+        short = []
+        if speed < BAR_SPEEDUP:
+            short.append(f"speed-up {speed:.2f}x of the {BAR_SPEEDUP:g}x needed ({speed / BAR_SPEEDUP:.0%} of it)")
+        if fewer < BAR_BYTES:
+            short.append(f"bytes {fewer:.0f}x of the {BAR_BYTES:g}x needed ({fewer / BAR_BYTES:.0%} of it)")
+        how = "does not meet** the bar: " + "; ".join(short)
+    return f"**Verdict {where}: {how}. The {what}."
+
+
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from _bench_util import write_result
     out = Path(args.out_dir)
@@ -262,16 +484,26 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     size = SIZES[args.size]
     fm = next((r for r in rows if r["task"] == "fmnist"), None)
     tx = next((r for r in rows if r["task"] == "text"), None)
-    lines = [f"Size `{args.size}`: Fashion-MNIST {fm['train_images'] if fm else '-'} training images, text "
-             f"{tx['train_images'] if tx else '-'} training windows of Debian's fortunes; each arm "
-             f"stops at the target or after {args.max_seconds:.0f} s of training clock (`not reached` then). ", ""]
-    if args.size != "full":
+    lm = next((r for r in rows if r["task"] == "lm"), None)
+    limits = {r["task"]: r.get("max_seconds") or args.max_seconds or size["max_seconds"] for r in rows}
+    data = ([f"Fashion-MNIST {fm['train_images']} training images"] if fm else []) + \
+        ([f"text {tx['train_images']} training windows of Debian's fortunes"] if tx else []) + \
+        ([f"lm {lm['train_images']} training windows of {lm.get('context', '?')} characters of the same fortunes "
+          f"text ({lm.get('params', 0) / 1e6:.1f}M-parameter transformer)"] if lm else [])
+    lines = [f"Size `{args.size}`: {', '.join(data) or 'no rows'}; each arm stops at the target or after "
+             + (f"{next(iter(limits.values())):.0f} s" if len(set(limits.values())) == 1 else
+                ", ".join(f"{v:.0f} s ({k})" for k, v in limits.items()))
+             + " of training clock (`not reached` then). ", ""]
+    if args.size == "tiny":
+        lines[0] += "Plumbing only (tests): tiny data and model, unreachable targets."
+    elif args.size != "full":
         full = SIZES["full"]
         lines[0] += (f"Not the full experiment (`--size full`: all 60,000 images, targets {full['acc_target']} / "
-                     f"{full['loss_target']}, up to {full['max_seconds'] / 60:.0f} min per arm: hours per arm on 2 "
-                     "cores); " + ("the reduced size fits `make results`." if args.size == "reduced" else
-                                   f"`{args.size}` keeps all the data and every method but lower targets "
-                                   f"({size['acc_target']} / {size['loss_target']})."))
+                     f"{full['loss_target']} / {full['lm_target']}, up to {full['max_seconds'] / 60:.0f} min per "
+                     "arm: hours per arm on 2 cores); " +
+                     ("the reduced size fits `make results`." if args.size == "reduced" else
+                      f"`{args.size}` keeps all the data and every method but lower targets "
+                      f"({size['acc_target']} / {size['loss_target']} / {size['lm_target']})."))
     commands = list(dict.fromkeys(r["command"] for r in rows if "command" in r))
     if commands:
         lines += ["Rows measured by: " + "; ".join(f"`{c}`" for c in commands) + ".", ""]
@@ -282,24 +514,59 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
               "adacomp: measured). `ddp_bf16` is a 3-line hook with the rounding of torch's `bf16_compress_hook` "
               "(which refuses gloo / CPU in torch 2.13); `ddp_powersgd` is torch's own `powerSGD_hook` (rank 1).", "",
               "![time to accuracy](time_to_accuracy.png)", ""]
+    if any(r.get("local") for r in rows):
+        lines[-2:-2] = ["Local-step arms (`localsgd`, `diloco`, `streaming_diloco`, `diloco_topk`, `sparseloco`: "
+                        "`local_steps` in `configs/<arm>.yaml`; `(H=N)` after the name) run H inner steps with no "
+                        "communication between synchronisations; they are evaluated right after a synchronisation "
+                        "(every H steps), so their time to target is known only to within H steps. Each such row was "
+                        "checked after training: it synchronised (bytes > 0) and sent fewer bytes per host than "
+                        "dense fp32 DDP would have in its steps.", ""]
     for tname, bw in dict.fromkeys((r["task"], r["bandwidth"]) for r in rows):
         sub = [r for r in rows if r["task"] == tname and r["bandwidth"] == bw]
         bf = next((r for r in sub if r["arm"] == "ddp_bf16"), None)
         s0 = sub[0]
+        tokens = any("tokens" in r for r in sub)
         lines += [f"### {tname} at {bw} (probe: {s0['probe_mbit']:.0f} Mbit/s, alpha {s0['alpha_us']:.0f} us); "
                   f"target {s0['metric_name']} {'>=' if s0['higher'] else '<='} {s0['target']}; size "
-                  f"`{s0.get('size', args.size)}`, {s0['train_images']} training samples", "",
-                  "| arm | time to target s | vs ddp_bf16 | metric at stop | steps | epochs | train s | MiB/host |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  f"`{s0.get('size', args.size)}`, {s0['train_images']} training samples", ""]
+        compute = next((r["compute_step_s"] for r in sub if r.get("compute_step_s")), None)
+        if compute and bf and bf["steps"]:
+            step_s = bf.get("step_median_s") or bf["train_s"] / bf["steps"]
+            lines += [f"Communication share of bf16 DDP's step: **{1 - compute / step_s:.0%}** (compute-only step "
+                      f"{compute:.3f} s: the same model, AdamW, batch and threads with no communication, all hosts at "
+                      f"once, slowest host's median; bf16 DDP step {step_s:.3f} s, slowest host's median, mean "
+                      f"{bf['train_s'] / bf['steps']:.3f} s = its training clock / steps); "
+                      f"{s0.get('params', 0):,} parameters, {s0.get('batch', '?')} x {s0.get('context', '?')} "
+                      f"tokens per host and step.", ""]
+        lines += ["| arm | time to target s | vs ddp_bf16 | bytes vs ddp_bf16 | metric at stop | steps | "
+                  + ("tokens to target | " if tokens else "") + "epochs | train s | MiB/host |",
+                  "|---|---|---|---|---|---|" + ("---|" if tokens else "") + "---|---|---|"]
         for r in sub:
             tt = r["time_to_target_s"]
-            rel = f"{bf['time_to_target_s'] / tt:.2f}x" if bf and bf["time_to_target_s"] and tt else "-"
-            lines.append(f"| {r['arm']} | {f'{tt:.1f}' if tt is not None else 'not reached'} | {rel} | "
-                         f"{r['final']:.4f} | {r['steps']} | {r['epochs']} | {r['train_s']:.1f} | "
-                         f"{r['mib_per_host']:.1f} |")
+            rel = _ratio(bf["time_to_target_s"] if bf else None, tt)
+            fewer = _ratio(bf["mib_per_host"] if bf else None, r["mib_per_host"])
+            label = r["arm"] + (f" (H={r['local_every']}" + (f", {r['fragments']} fragments"
+                                                              if r.get("fragments", 1) > 1 else "") + ")"
+                                if r.get("local_every") else "")
+            tok = ""
+            if tokens:
+                tok = f"{r['tokens_to_target']:,} | " if r.get("tokens_to_target") is not None else \
+                    f"not reached ({r.get('tokens', 0):,} trained) | "
+            lines.append(f"| {label} | {f'{tt:.1f}' if tt is not None else 'not reached'} | "
+                         f"{f'{rel:.2f}x' if rel else '-'} | {f'{fewer:.1f}x' if fewer else '-'} | "
+                         f"{r['final']:.4f} | {r['steps']} | {tok}{r['epochs']} | {r['train_s']:.1f} | "
+                         f"{r['mib_per_host']:.2f} |")
         lines.append("")
-    lines.append("`vs ddp_bf16` = bf16 time to target / arm time to target (> 1: the arm is faster); `epochs`: "
-                 "epochs begun.")
+        v = verdict(sub, bw)
+        if v:
+            lines += [v, ""]
+    lines.append("`vs ddp_bf16` = bf16 time to target / arm time to target (> 1: the arm is faster); `bytes vs "
+                 "ddp_bf16` = bf16 MiB/host / arm MiB/host (> 1: the arm sent fewer bytes; both counted until the "
+                 "arm stopped, at its target or its time limit); `tokens to target` = steps x batch x context x "
+                 "hosts; `epochs`: epochs begun. Verdict: the bar of issue 28 (at "
+                 f"{BAR_LINK} a local-step arm reaches the target >= {BAR_SPEEDUP:g}x sooner than bf16 DDP with >= "
+                 f"{BAR_BYTES:g}x fewer bytes per host), judged on the fastest local-step arm that meets it, else "
+                 "the fastest that reached the target.")
     sys.argv = [os.path.relpath(__file__)] + [a for a in sys.argv[1:] if a != "--worker"]
     os.environ.pop("ADACOMP_BACKEND", None)
     write_result(str(out / "time_to_accuracy.md"), "Time to accuracy on real data: compression vs DDP fp32 / bf16 "
@@ -310,15 +577,23 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = list(dict.fromkeys((r["task"], r["bandwidth"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for ax, (tname, bw) in zip(axes[0], panels):
+    # one row of panels per task, one column per link: metric (loss for text / lm) against training wall-clock
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    links = list(dict.fromkeys(r["bandwidth"] for r in rows))
+    fig, axes = plt.subplots(len(tasks), len(links), figsize=(5 * len(links), 4 * len(tasks)), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for (tname, bw) in dict.fromkeys((r["task"], r["bandwidth"]) for r in rows):
+        ax = axes[tasks.index(tname)][links.index(bw)]
+        ax.set_visible(True)
         sub = [r for r in rows if (r["task"], r["bandwidth"]) == (tname, bw)]
         for r in sub:
             if r["curve"]:
                 ts, _, ms = zip(*r["curve"])
-                ax.plot(ts, ms, label=r["arm"], lw=2.2 if r["arm"].startswith("ddp") else 1.2,
-                        ls="-" if r["arm"].startswith("ddp") else "--")
+                local = r.get("local") or r["arm"] in LOCAL_ARMS
+                ax.plot(ts, ms, label=r["arm"], lw=2.2 if r["arm"].startswith("ddp") or local else 1.2,
+                        ls="-" if r["arm"].startswith("ddp") else "-." if local else "--",
+                        marker="." if local else None)
         ax.axhline(sub[0]["target"], color="k", lw=0.7, ls=":")
         ax.set_title(f"{tname} @ {bw}"), ax.set_xlabel("training wall-clock s (slowest host)")
         ax.set_ylabel(sub[0]["metric_name"])
@@ -341,13 +616,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=list(SIZES), default="reduced")
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--bandwidths", nargs="+", default=["100mbit", "1gbit"])
-    ap.add_argument("--tasks", nargs="+", default=["fmnist", "text"], choices=["fmnist", "text"])
-    ap.add_argument("--arms", nargs="+", choices=list(DDP_ARMS + ADACOMP_ARMS))
-    ap.add_argument("--max-seconds", type=float, help="training clock limit per arm")
+    ap.add_argument("--tasks", nargs="+", default=["fmnist", "text"], choices=list(TASKS),
+                    help="lm (the communication-bound transformer) runs only when named")
+    ap.add_argument("--arms", nargs="+", choices=list(DDP_ARMS + ADACOMP_ARMS),
+                    help="arms for every task (default: the size's list; lm has its own)")
+    ap.add_argument("--max-seconds", type=float, help="training clock limit per arm, every task (default: the "
+                    "size's, lm its own)")
     ap.add_argument("--max-epochs", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--lm-eval-every", type=int, default=5, help="lm: evaluate every N steps (local-step arms: "
+                    "at the first multiple of H at or after it)")
+    ap.add_argument("--local-every", type=int, help="H (local_steps.every) of every local-step arm, every task "
+                    f"(default per task: {LOCAL_EVERY})")
     ap.add_argument("--acc-target", type=float)
     ap.add_argument("--loss-target", type=float)
+    ap.add_argument("--lm-target", type=float, help="lm: held-out loss target, nats / char")
     ap.add_argument("--merge", action="store_true", help="keep the rows of time_to_accuracy.json that this run "
                     "does not re-measure (run tasks / links as separate jobs)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from time_to_accuracy.json, "
@@ -359,10 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-addr", help=argparse.SUPPRESS)
     args = ap.parse_args(own)
     size = SIZES[args.size]
-    args.arms = args.arms or size["arms"]
-    args.max_seconds = args.max_seconds or size["max_seconds"]
     args.acc_target = args.acc_target or size["acc_target"]
     args.loss_target = args.loss_target or size["loss_target"]
+    args.lm_target = args.lm_target or size["lm_target"]
     args.train_limit, args.test_limit, args.text_windows = size["train_limit"], size["test_limit"], size["text_windows"]
     args.text_test = size["text_test"]
     if args.report_only:

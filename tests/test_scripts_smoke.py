@@ -115,3 +115,65 @@ def test_bench_zoo_script(tmp_path):
     assert set(rows) == {"ddp", "topk"} and rows["ddp"]["ratio"] == 1.0 and len(rows["topk"]["rounds_ms"]) == 2
     md = (tmp_path / "zoo_steps.md").read_text()
     assert "| topk |" in md and "python scripts/bench_zoo.py --models lstm_lm" in md
+
+
+def _tta_module():
+    spec = importlib.util.spec_from_file_location("tta_script", ROOT / "scripts" / "time_to_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves postponed annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_time_to_accuracy_verdict():
+    """The report's per-(task, link) verdict: best local-step arm vs bf16 DDP against the issue-28 bar
+    (at 100 Mbit/s >= 3x sooner with >= 100x fewer bytes per host)."""
+    tta = _tta_module()
+
+    def row(arm, t, mib, **kw):
+        return {"arm": arm, "time_to_target_s": t, "mib_per_host": mib, "train_s": t or 420.0, **kw}
+    bf = row("ddp_bf16", 300.0, 1000.0)
+    meets = tta.verdict([bf, row("diloco", 150.0, 50.0, local=True, local_every=32),
+                         row("sparseloco", 90.0, 5.0, local=True, local_every=32)], "100mbit")
+    assert "meets** the bar" in meets and "`sparseloco` (H = 32)" in meets and "3.33x sooner" in meets
+    assert "200x fewer bytes" in meets
+    # the fastest arm (diloco) misses the byte bar, sparseloco misses the speed bar: judged on the fastest
+    short = tta.verdict([bf, row("diloco", 60.0, 50.0, local=True), row("sparseloco", 200.0, 5.0, local=True)],
+                        "100mbit")
+    assert "does not meet** the bar" in short and "`diloco`" in short and "bytes 20x of the 100x needed" in short
+    assert "speed-up" not in short.split("The best")[0]  # 5x sooner: the speed bar is met
+    none = tta.verdict([bf, row("localsgd", None, 9.0, local=True)], "1gbit")
+    assert "no local-step arm reached the target" in none and "bar is set at 100mbit" in none
+    lower = tta.verdict([row("ddp_bf16", None, 1000.0), row("diloco", 100.0, 1.0, local=True)], "100mbit")
+    assert ">= 4.20x sooner" in lower  # bf16 never reached it: its 420 s of training are a lower bound
+    assert tta.verdict([bf], "100mbit") is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
+def test_time_to_accuracy_lm_tiny(tmp_path):
+    """The lm task end to end at the tiny size (a 2-layer transformer on a few KB of text standing in for
+    Debian's fortunes): compute-only step and comm share, a DDP arm and a local-step arm (checked to have
+    synchronised), the tokens and bytes columns and the verdict in the report."""
+    import json
+    text = tmp_path / "fortunes"
+    text.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbled boxes".split()
+    (text / "tiny").write_text("\n%\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9))
+                                            for i in range(400)) + "\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), ADACOMP_FORTUNES_DIR=str(text))
+    proc = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--size", "tiny", "--tasks", "lm",
+                           "--hosts", "2", "--bandwidths", "1gbit", "--max-seconds", "1", "--local-every", "4",
+                           "--prefix", "acty", "--out-dir", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "communication share" in proc.stdout and "synchronising steps" in proc.stdout
+    rows = {r["arm"]: r for r in json.loads((out / "time_to_accuracy.json").read_text())}
+    assert set(rows) == {"ddp_bf16", "diloco"}
+    assert rows["diloco"]["synchronised"] and 0 < rows["diloco"]["mib_per_host"] < rows["diloco"]["dense_mib_same_steps"]
+    assert rows["diloco"]["steps"] % 4 == 0 and rows["ddp_bf16"]["compute_step_s"] > 0
+    md = (out / "time_to_accuracy.md").read_text()
+    assert "Communication share of bf16 DDP's step" in md and "| diloco (H=4) |" in md
+    assert "tokens to target" in md and "bytes vs ddp_bf16" in md and "**Verdict at 1gbit" in md
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "acty-" not in left
