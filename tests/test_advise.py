@@ -21,12 +21,12 @@ SHAPES = [torch.Size([64, 32]), torch.Size([64]), torch.Size([10, 64])]
 NAMES = ["fc2.weight", "fc2.bias", "fc1.weight"]
 
 
-def _prof(compute: float = 0.0) -> ModelProfile:
-    return ModelProfile(NAMES, SHAPES, [compute] * 3, forward_s=0.0, optimizer_s=0.0)
+def _prof(compute: float = 0.0, forward: float = 0.0, optimizer: float = 0.0) -> ModelProfile:
+    return ModelProfile(NAMES, SHAPES, [compute] * 3, forward_s=forward, optimizer_s=optimizer)
 
 
 def _method(name: str, payload_per_elem: float, comm: str = "allreduce", rounds: int = 1,
-            compress: float = 0.0) -> MethodProfile:
+            compress: float = 0.0, decompress: float = 0.0) -> MethodProfile:
     mp = MethodProfile(name, {})
     for n, s in zip(NAMES, SHAPES):
         dense = payload_per_elem == 4
@@ -34,7 +34,7 @@ def _method(name: str, payload_per_elem: float, comm: str = "allreduce", rounds:
         mp.communicator[n] = comm
         mp.payload[n] = payload_per_elem * s.numel()
         mp.rounds[n], mp.dense[n] = rounds, dense
-        mp.compress_s[n], mp.decompress_s[n] = (0.0, 0.0) if dense else (compress, 0.0)
+        mp.compress_s[n], mp.decompress_s[n] = (0.0, 0.0) if dense else (compress, decompress)
     return mp
 
 

@@ -9,30 +9,13 @@ import pytest
 import torch
 
 from adacomp import netmodel
-from adacomp.tools.advise import (LOCAL_CAVEAT, MethodProfile, ModelProfile, _report, _size,
+from adacomp.tools.advise import (LOCAL_CAVEAT, _report, _size,
                                   local_candidates, local_steps_arg, main, method_config, predict, predict_local,
                                   rank_methods)
 
-SHAPES = [torch.Size([64, 32]), torch.Size([64]), torch.Size([10, 64])]
-NAMES = ["fc2.weight", "fc2.bias", "fc1.weight"]
+from tests.test_advise import NAMES, SHAPES, _method, _prof
+
 M = 4.0 * sum(s.numel() for s in SHAPES)  # fp32 bytes of the model: one DDP bucket
-
-
-def _prof(compute: float = 0.0, forward: float = 0.0, optimizer: float = 0.0) -> ModelProfile:
-    return ModelProfile(NAMES, SHAPES, [compute] * 3, forward_s=forward, optimizer_s=optimizer)
-
-
-def _method(name: str, payload_per_elem: float, comm: str = "allreduce", compress: float = 0.0,
-            decompress: float = 0.0) -> MethodProfile:
-    mp = MethodProfile(name, {})
-    for n, s in zip(NAMES, SHAPES):
-        dense = payload_per_elem == 4
-        mp.route[n] = "none" if dense else name
-        mp.communicator[n] = comm
-        mp.payload[n] = payload_per_elem * s.numel()
-        mp.rounds[n], mp.dense[n] = 1, dense
-        mp.compress_s[n], mp.decompress_s[n] = (0.0, 0.0) if dense else (compress, decompress)
-    return mp
 
 
 def test_sync_is_amortised_over_h() -> None:

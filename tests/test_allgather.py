@@ -133,6 +133,19 @@ def _optimizer_worker(routes: list[tuple[dict, str]], steps: int) -> list:
     return [plain(_train(backend, comp, comm, steps)) for comp, comm in routes]
 
 
+def own_and_averaged(model, opt, rank: int, step: int) -> dict:
+    """One backward through ``opt`` on this rank's batch of ``step``; returns this rank's own
+    gradients (autograd.grad fires no accumulate-grad hook, so nothing is averaged there) while
+    ``p.grad`` receives the averaged ones."""
+    x = torch.randn(16, 32, generator=gen(100 * rank + step))
+    y = torch.randint(0, 10, (16,), generator=gen(100 * rank + step))
+    opt.zero_grad()
+    names, params = zip(*model.named_parameters())
+    own = dict(zip(names, torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return own
+
+
 def _train(backend, comp: dict, comm: str, steps: int) -> list:
     import adacomp
     torch.manual_seed(0)  # same model on every rank (this child process owns its global RNG)
@@ -148,13 +161,7 @@ def _train(backend, comp: dict, comm: str, steps: int) -> list:
     ref_mem = memories.get("residual")
     out = []
     for step in range(steps):
-        x = torch.randn(16, 32, generator=gen(100 * rank + step))
-        y = torch.randint(0, 10, (16,), generator=gen(100 * rank + step))
-        opt.zero_grad()
-        # this rank's own gradient: autograd.grad fires no accumulate-grad hook, so nothing is averaged
-        names, params = zip(*model.named_parameters())
-        own = dict(zip(names, torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)))
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        own = own_and_averaged(model, opt, rank, step)
         local = {}
         for n, p in model.named_parameters():  # what this rank sends, recomputed independently
             g = ref_mem.compensate(own[n].clone(), n)

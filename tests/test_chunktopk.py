@@ -12,11 +12,7 @@ from adacomp.communicators.allgather import fits
 from adacomp.compressors.chunktopk import ChunkTopkCompressor
 from adacomp.errors import IncompatibleComponentsError
 from tests._dist import run_workers
-from tests.test_allgather import plain, tensors
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+from tests.test_allgather import gen, own_and_averaged, plain, tensors
 
 
 def k_of(length: int, density: float) -> int:
@@ -249,13 +245,7 @@ def _worker(routes: list[tuple[dict, str]], steps: int) -> list:
         assert len(opt.buckets) > 1
         rows = []
         for step in range(steps):
-            x = torch.randn(16, 32, generator=gen(100 * rank + step))
-            y = torch.randint(0, 10, (16,), generator=gen(100 * rank + step))
-            opt.zero_grad()
-            names, params = zip(*model.named_parameters())
-            # this rank's own gradient: autograd.grad fires no accumulate-grad hook, so nothing is averaged
-            own = dict(zip(names, torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)))
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            own = own_and_averaged(model, opt, rank, step)
             rows.append((own, {n: p.grad.clone() for n, p in model.named_parameters()}))
             opt.step()
         out.append(rows)

@@ -244,13 +244,19 @@ def test_resume_mid_window_or_at_a_sync_is_bitwise(split: int, case: str) -> Non
         assert same and steps_ok
 
 
+def _setup(cfg: dict, inner: str = "sgd") -> tuple[int, MLP, Any]:
+    """(rank, model from seed 0, its wrapped optimizer) in a worker whose process group is up."""
+    import adacomp
+    torch.manual_seed(0)
+    model = MLP()
+    return adacomp.rank(), model, adacomp.DistributedOptimizer(_inner(model, inner), model.named_parameters(),
+                                                               config=cfg)
+
+
 def _join_worker(cfg: dict) -> dict:
     import adacomp
     adacomp.init()
-    rank = adacomp.rank()
-    torch.manual_seed(0)
-    model = MLP()
-    opt = adacomp.DistributedOptimizer(_inner(model, "sgd"), model.named_parameters(), config=cfg)
+    rank, model, opt = _setup(cfg)
     with opt.join():
         for t in range(5 + 6 * rank):  # rank 0 has 5 batches, rank 1 has 11
             x, y = batch(rank, t)
@@ -273,12 +279,9 @@ def _amp_worker(cfg: dict, overflow: bool) -> dict:
     one rank skips that rank's inner update only and no rank loses its place in the schedule."""
     import adacomp
     adacomp.init()
-    rank = adacomp.rank()
     out = {}
     for use_scaler in (False, True):
-        torch.manual_seed(0)
-        model = MLP()
-        opt = adacomp.DistributedOptimizer(_inner(model, "sgd"), model.named_parameters(), config=cfg)
+        rank, model, opt = _setup(cfg)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, enabled=use_scaler)
         for t in range(9):
             x, y = batch(rank, t)
@@ -312,10 +315,7 @@ def _nonfinite_worker(cfg: dict) -> dict:
     import adacomp
     from adacomp.errors import NonFiniteGradientError
     adacomp.init()
-    rank = adacomp.rank()
-    torch.manual_seed(0)
-    model = MLP()
-    opt = adacomp.DistributedOptimizer(_inner(model, "sgd"), model.named_parameters(), config=cfg)
+    rank, model, opt = _setup(cfg)
     raised = False
     try:
         for t in range(8):
@@ -406,7 +406,6 @@ def _every_compressor_worker(names: list[str]) -> dict:
     import adacomp
     from adacomp import compressors
     adacomp.init()
-    rank = adacomp.rank()
     out = {}
     for name in names:
         cls = compressors.registry.cls(name)
@@ -416,9 +415,7 @@ def _every_compressor_worker(names: list[str]) -> dict:
             params = {"rank": 2, "min_compression_rate": 0.0}
         cfg = {"compressor": {"name": name, **params}, "communicator": {"name": comm}, "min_numel": 0,
                "local_steps": {"every": 2, "fragments": 2}}
-        torch.manual_seed(0)
-        model = MLP()
-        opt = adacomp.DistributedOptimizer(_inner(model, "sgd"), model.named_parameters(), config=cfg)
+        rank, model, opt = _setup(cfg)
         sent, dense = 0, 0
         for t in range(6):
             x, y = batch(rank, t)
