@@ -47,6 +47,17 @@ class StepStats:
             else:
                 self.extra[what] = self.extra.get(what, 0.0) + dt
 
+    def add(self, other: "StepStats") -> None:
+        """Add another record's counters to this one (several rounds in one step: the outer loop's
+        fragments)."""
+        self.compress_s += other.compress_s
+        self.comm_s += other.comm_s
+        self.bytes_sent += other.bytes_sent
+        self.dense_bytes += other.dense_bytes
+        self.add_gain(other.gain_num, other.gain_den)
+        for k, v in other.extra.items():
+            self.extra[k] = self.extra.get(k, 0.0) + v
+
     def add_gain(self, compressed_sq: float, full_sq: float) -> None:
         self.gain_num += float(compressed_sq)
         self.gain_den += float(full_sq)

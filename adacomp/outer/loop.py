@@ -180,7 +180,7 @@ class OuterLoop:
             if fr.merge_at is not None and fr.merge_at <= step:
                 self._merge(fr)
             if fr.last_stats is not None:
-                _add(stats, fr.last_stats)
+                stats.add(fr.last_stats)
                 fr.last_stats = None
         return stats
 
@@ -298,16 +298,6 @@ class OuterLoop:
             fr.launched_at = None
         self.started = bool(state.get("started", True))
         self.skipped_syncs = int(state.get("skipped_syncs", 0))
-
-
-def _add(total: StepStats, part: StepStats) -> None:
-    total.compress_s += part.compress_s
-    total.comm_s += part.comm_s
-    total.bytes_sent += part.bytes_sent
-    total.dense_bytes += part.dense_bytes
-    total.add_gain(part.gain_num, part.gain_den)
-    for k, v in part.extra.items():
-        total.extra[k] = total.extra.get(k, 0.0) + v
 
 
 __all__ = ["Fragment", "OuterLoop", "blocks", "offsets", "partition"]
