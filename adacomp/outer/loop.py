@@ -117,9 +117,6 @@ class Fragment:
     dirty: bool = False  # local steps since this fragment's last round (a leaving rank owes them)
     last_stats: StepStats | None = field(default=None, repr=False)
 
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.local)
-
 
 class OuterLoop:
     """The synchronisation schedule over fragments, driven by the optimizer's ``step()``."""
@@ -129,7 +126,6 @@ class OuterLoop:
         assert ls is not None
         self.ls: LocalStepsConfig = ls
         self.backend = backend
-        self.params = params
         self.started = False
         self.skipped_syncs = 0
         self.last_vote: Vote | None = None  # the vote of the last round finished
