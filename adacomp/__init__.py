@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from adacomp.config import Config, load as load_config
-from adacomp.engine import ddp
+from adacomp import ddp
 from adacomp.runtime import checkpoint
 from adacomp.runtime.context import current as backend
 from adacomp.errors import (AdacompError, CommunicationError, ConfigError, IncompatibleComponentsError,

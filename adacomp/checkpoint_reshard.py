@@ -25,7 +25,7 @@ The rule (:func:`reshard`), for ``W_old`` ranks resumed on ``W_new``:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor
@@ -59,7 +59,7 @@ def _repartition(path: str, tensors: list[Tensor | None], _w_old: int, w_new: in
     if any(t is None for t in tensors):
         missing = [r for r, t in enumerate(tensors) if t is None]
         raise ValueError(f"cannot resume {path} on another world size: old ranks {missing} have no part of it")
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in cast("list[Tensor]", tensors)])  # none is None (checked above)
     lo, hi = bounds(flat.numel(), w_new)[s]
     return flat[lo:hi].clone()
 
@@ -100,9 +100,10 @@ def reshard(states: list[dict[str, Any]], world_size: int, rank: int) -> dict[st
     base = states[rank % w_old]
     out = dict(base)
     ada = [s.get("adacomp") if isinstance(s, dict) else None for s in states]
-    if isinstance(ada[rank % w_old], dict) and "components" in ada[rank % w_old]:
+    mine = ada[rank % w_old]
+    if isinstance(mine, dict) and "components" in mine:
         comps = [a.get("components", {}) if isinstance(a, dict) else {} for a in ada]
-        out["adacomp"] = {**ada[rank % w_old],
+        out["adacomp"] = {**mine,
                           "components": _merge("adacomp/components", comps, w_old, world_size, rank)}
     return out
 

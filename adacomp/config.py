@@ -262,7 +262,7 @@ def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
         if tp is ComponentSpec or tp == (ComponentSpec | None):
             kwargs[key] = None if value is None and tp != ComponentSpec else parse_component(value, key, sub)
         elif dataclasses.is_dataclass(tp):
-            kwargs[key] = _parse_dataclass(tp, value, sub)
+            kwargs[key] = _parse_dataclass(typing.cast(type, tp), value, sub)
         elif _optional_dataclass(tp) is not None:
             kwargs[key] = None if value is None else _parse_dataclass(_optional_dataclass(tp), value, sub)
         elif typing.get_origin(tp) is list:

@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
                                       slowest)
     from adacomp.tools.stepclock import StepSampler, resolve_close
     from adacomp.backends.shaped import ShapedBackend
-    from adacomp.netem.hosts import parse_duration, parse_rate
+    from adacomp.units import parse_duration, parse_rate
     from adacomp import netmodel
     from _bench_util import ensure_torch_group
     be = adacomp.init()
@@ -279,7 +279,7 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> No
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from adacomp.netem.hosts import parse_rate
+    from adacomp.units import parse_rate
     fig, axes = plt.subplots(1, len(args.models), figsize=(6 * len(args.models), 4.2), squeeze=False)
     for ax, mname in zip(axes[0], args.models):
         for i, m in enumerate(args.methods):

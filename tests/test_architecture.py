@@ -108,17 +108,17 @@ def test_policies_do_not_import_the_optimizer_at_run_time() -> None:
             assert "adacomp.engine.optimizer" not in deps and "adacomp.engine.step_engine" not in deps, m
 
 
-# The middle layer's modules are type-checked (mypy, strict about None and attributes).
-TYPED = ["adacomp/engine/optimizer.py", "adacomp/engine/step_engine.py", "adacomp/engine/routes.py", "adacomp/engine/error_feedback.py",
-         "adacomp/engine/optimizer_state.py", "adacomp/engine/offload.py", "adacomp/engine/ddp.py", "adacomp/policies/base.py",
-         "adacomp/tools/advise.py", "adacomp/tools/stepclock.py", "adacomp/outer/loop.py",
-         "adacomp/outer/optimizers.py", "adacomp/compressors/chunktopk.py"]
+# The whole package is type-checked (mypy, strict about None and attributes). EXEMPT may only
+# shrink: a listed file that checks clean fails the test until it is removed from the list.
+EXEMPT: list[str] = []
 
 
-def test_middle_layer_type_checks() -> None:
+def test_package_type_checks() -> None:
     import subprocess
     import sys
     root = PKG.parent
-    res = subprocess.run([sys.executable, "-m", "mypy", *TYPED, "--ignore-missing-imports",
+    res = subprocess.run([sys.executable, "-m", "mypy", "adacomp", "--ignore-missing-imports",
                           "--follow-imports=silent", "--no-error-summary"], cwd=root, capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    failing = {line.split(":", 1)[0] for line in res.stdout.splitlines() if ": error:" in line}
+    assert failing <= set(EXEMPT), res.stdout[-4000:] + res.stderr[-2000:]
+    assert not set(EXEMPT) - failing, f"these files type-check now; remove them from EXEMPT: {sorted(set(EXEMPT) - failing)}"

@@ -260,4 +260,4 @@ class MPIBackend(Backend):
         """Free our communicator (MPI itself is finalised by mpi4py at exit)."""
         if self._comm != MPI.COMM_NULL and not MPI.Is_finalized():
             self._comm.Free()
-        self._comm = MPI.COMM_NULL
+        self._comm = MPI.COMM_NULL  # type: ignore[assignment]  # mpi4py types COMM_NULL as Comm

@@ -43,8 +43,8 @@ from torch import Tensor
 
 from adacomp.backends.base import Backend, Handle
 from adacomp.backends.forwarding import ForwardingBackend
+from adacomp.units import parse_duration, parse_rate
 from adacomp.errors import ConfigError
-from adacomp.netem.hosts import parse_duration, parse_rate
 from adacomp.netem.schedule import SCHEDULE_ENV, STEP_FILE_ENV, Schedule, load_schedule, read_progress
 
 COSTS = ("flat", "table1")

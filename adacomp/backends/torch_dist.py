@@ -109,12 +109,17 @@ def _settle_at_exit() -> None:
 
 
 class TorchBackend(Backend):
-    """torch.distributed with the default process group (created here unless one exists)."""
+    """torch.distributed with the default process group (created here unless one exists), or
+    with ``group``: an existing sub-group (``dist.new_group``; a DDP model's ``process_group``).
+    Ranks and roots are then the group's, as in Horovod's process sets."""
 
     name = "torch"
 
-    def __init__(self, timeout_s: float = 60.0):
+    def __init__(self, timeout_s: float = 60.0, group: Any = None):
         self._owns_group = False
+        self._group = group
+        if group is not None and not dist.is_initialized():
+            raise RuntimeError("backend 'torch' got a process group but torch.distributed is not initialised")
         if not dist.is_initialized():
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
             if missing:
@@ -130,8 +135,10 @@ class TorchBackend(Backend):
                 dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world, timeout=timeout)
             self._owns_group = True
         _settle_at_exit()
-        self._rank = dist.get_rank()
-        self._size = dist.get_world_size()
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
+        if self._rank < 0:
+            raise ValueError("backend 'torch': this process is not a member of the process group it was given")
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
         self._next_port: int | None = None
         if self._owns_group and self._size > 1 and not _agent_store():
@@ -152,7 +159,7 @@ class TorchBackend(Backend):
         return self._local_rank
 
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         size = self._size
 
         def wait() -> Tensor:
@@ -173,7 +180,7 @@ class TorchBackend(Backend):
         rows = max(sizes)
         padded = _pad_rows(tensor.contiguous(), rows)
         outs = [torch.empty_like(padded) for _ in range(self._size)]
-        work = dist.all_gather(outs, padded, async_op=True)
+        work = dist.all_gather(outs, padded, group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
@@ -185,7 +192,7 @@ class TorchBackend(Backend):
     def allgather_sizes(self, n: int) -> list[int]:
         t = torch.tensor([n], dtype=torch.int64)
         outs = [torch.empty_like(t) for _ in range(self._size)]
-        dist.all_gather(outs, t)
+        dist.all_gather(outs, t, group=self._group)
         return [int(o.item()) for o in outs]
 
     def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
@@ -197,7 +204,8 @@ class TorchBackend(Backend):
         out = torch.empty((sum(recv),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
         bits = _ALLTOALL_BITS.get(send.dtype)
         work = dist.all_to_all_single(out.view(bits) if bits else out, send.view(bits) if bits else send,
-                                      output_split_sizes=recv, input_split_sizes=counts, async_op=True)
+                                      output_split_sizes=recv, input_split_sizes=counts, group=self._group,
+                                      async_op=True)
 
         def wait() -> Tensor:
             work.wait()
@@ -208,11 +216,11 @@ class TorchBackend(Backend):
         # CPU counts: gloo serves CPU tensors in the "cpu:gloo,cuda:nccl" group (as allgather_sizes).
         send = torch.tensor(check_splits(splits, self._size, "alltoall splits"), dtype=torch.int64)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send)
+        dist.all_to_all_single(recv, send, group=self._group)
         return [int(x) for x in recv.tolist()]
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
-        work = dist.broadcast(tensor, src=root, async_op=True)
+        work = dist.broadcast(tensor, src=self._global(root), group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
@@ -223,7 +231,7 @@ class TorchBackend(Backend):
         """Native MIN / MAX / PRODUCT reductions (the generic version gathers every rank's copy)."""
         if op not in _REDUCE_OPS:
             return super().reduce_async(tensor, op)  # the generic version names the valid ops
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], async_op=True)
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
@@ -232,16 +240,20 @@ class TorchBackend(Backend):
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         box = [obj if self._rank == root else None]
-        dist.broadcast_object_list(box, src=root)
+        dist.broadcast_object_list(box, src=self._global(root), group=self._group)
         return box[0]
 
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self._size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self._group)
         return out
 
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self._group)
+
+    def _global(self, rank: int) -> int:
+        """A rank of this backend's group as torch's global rank (what ``src=`` takes)."""
+        return rank if self._group is None else dist.get_global_rank(self._group, rank)
 
     def shutdown(self) -> None:
         if self._owns_group and dist.is_initialized():

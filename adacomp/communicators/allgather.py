@@ -24,7 +24,7 @@ and their AllgatherFast also gathers dense tensors; here dense tensors belong on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -101,7 +101,7 @@ def _mean_decompressed(e: Entry, payloads: list[list[Tensor]], ws: Workspace | N
     rank costs more in page faults than the decode itself."""
     n = e.tensor.numel()
     if len(payloads) == 1 or ws is None:
-        acc = sum(e.compressor.decompress(p, e.ctx).reshape(-1) for p in payloads)
+        acc = cast(Tensor, sum(e.compressor.decompress(p, e.ctx).reshape(-1) for p in payloads))
         return (acc / len(payloads)).view(e.tensor.shape)
     first = e.compressor.decompress(payloads[0], e.ctx).reshape(-1)
     acc = ws.output(torch.Size([n]), n, torch.result_type(first, first), e.tensor.device)

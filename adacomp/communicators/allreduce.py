@@ -71,7 +71,8 @@ class AllreduceCommunicator(Communicator):
                 for e, mean in zip(p.entries, means):
                     e.payload, e.ctx = e.compressor.next_round(nxt, mean, e.ctx)
             for e in p.entries:
-                env.stats.bytes_sent += sum(t.numel() * t.element_size() for t in e.payload)  # type: ignore[union-attr]
+                assert e.payload is not None  # set by next_round above
+                env.stats.bytes_sent += sum(t.numel() * t.element_size() for t in e.payload)
             p = self._launch(p.entries, env, nxt)
         out = []
         with env.stats.timing("compress"):

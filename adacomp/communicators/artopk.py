@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -123,7 +123,8 @@ class ARTopkCommunicator(Communicator):
         backend = env.backend
         world, me = backend.size(), backend.rank()
         self._apply_algorithm(backend)
-        counts = [k_for(e.tensor.numel(), float(e.compressor.density())) for e in entries]
+        # check() admits only Top-k compressors, whose density() is a float
+        counts = [k_for(e.tensor.numel(), float(cast(float, e.compressor.density()))) for e in entries]
         big = any(e.tensor.numel() >= 2 ** 31 for e in entries)
         idx_dtype = torch.int64 if big else torch.int32
         device = entries[0].tensor.device

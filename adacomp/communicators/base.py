@@ -78,8 +78,7 @@ class Communicator:
             if e.payload is None:
                 self.compress_one(e)
 
-    @staticmethod
-    def compress_one(e: Entry) -> None:
+    def compress_one(self, e: Entry) -> None:
         commit(e)  # the error-feedback cycle lives in adacomp.engine.error_feedback
 
     # Shared helpers ---------------------------------------------------------------------------
@@ -94,10 +93,11 @@ class Communicator:
     def record(entries: list[Entry], env: CommEnv) -> None:
         """Bytes sent, dense bytes and compression gain of compressed ``entries``."""
         for e in entries:
-            env.stats.bytes_sent += sum(p.numel() * p.element_size() for p in e.payload)  # type: ignore[union-attr]
+            assert e.payload is not None  # compressed entries carry a payload
+            env.stats.bytes_sent += sum(p.numel() * p.element_size() for p in e.payload)
             env.stats.dense_bytes += e.tensor.numel() * e.tensor.element_size()
             if e.compressor.sparse:  # gain E||g_c||^2 / E||g_e||^2 (AR-Topk §2-C3), cheap for sparse
-                env.stats.add_gain(square_sum(e.payload[0]), square_sum(e.tensor))  # type: ignore[index]
+                env.stats.add_gain(square_sum(e.payload[0]), square_sum(e.tensor))
 
     @staticmethod
     def incompatible(comm: str, compressor: Compressor, why: str,

@@ -229,9 +229,9 @@ class OkTopkCommunicator(Communicator):
             sel, counts = self._global_select(p.key, p.k, mags, backend, env)
             gidx, gvals = ridx[sel], rvals[sel]
             tensors = [gvals, gidx.to(p.idx_dtype)]
-            segs = [layout(tensors, [c, c]) for c in counts]
-            buf = pack(tensors, segs[me][0], segs[me][1], gvals.device)
-            gathered = backend.allgather_async(buf, sizes=[tot for _, tot in segs]).wait() if max(counts) else buf
+            layouts = [layout(tensors, [c, c]) for c in counts]
+            buf = pack(tensors, layouts[me][0], layouts[me][1], gvals.device)
+            gathered = backend.allgather_async(buf, sizes=[tot for _, tot in layouts]).wait() if max(counts) else buf
         env.stats.bytes_sent += gvals.numel() * (gvals.element_size() + tensors[1].element_size())
         extra = env.stats.extra
         extra["oktopk_recv_elems"] = extra.get("oktopk_recv_elems", 0.0) + float(sum(counts) - counts[me])
@@ -239,7 +239,7 @@ class OkTopkCommunicator(Communicator):
         extra["oktopk_k"] = extra.get("oktopk_k", 0.0) + float(p.k)
         with env.stats.timing("compress"):
             all_idx, all_vals, off = [], [], 0
-            for c, (s, tot) in zip(counts, segs):
+            for c, (s, tot) in zip(counts, layouts):
                 v, i = unpack(gathered[off:off + tot], s)
                 all_vals.append(v)
                 all_idx.append(i.to(torch.int64))

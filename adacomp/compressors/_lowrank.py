@@ -35,7 +35,7 @@ def orthogonalize(x: Tensor, epsilon: float = 0.0) -> Tensor:
     """
     work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     if work.shape[1] <= 2:
-        cols = []
+        cols: list[Tensor] = []
         for i in range(work.shape[1]):
             c = work[:, i].clone()
             for prev in cols:

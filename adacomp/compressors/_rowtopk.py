@@ -197,6 +197,7 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     vq_a, cols_a = _exact_rows(x3, rows_a, q, r)
     extra = torch.zeros(m, dtype=torch.bool, device=tensor.device)
     if r:
+        assert vq_a is not None  # _exact_rows returns the (q+1)-th magnitudes when r > 0
         vq = v_q.to(tensor.dtype)
         vq[rows_a] = vq_a
         extra[torch.topk(vq, r, sorted=False).indices] = True

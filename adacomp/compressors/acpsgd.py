@@ -102,7 +102,8 @@ class ACPSGDCompressor(LowRankCompressor):
             return f.view(c.shape)
         if f is not c.sent:  # the mean over ranks: reuse it next step (Alg. 2 lines 4 / 9)
             (self.p if c.kind == "p" else self.q)[c.name] = f.detach().clone()
-        out = f @ c.other.t() if c.kind == "p" else c.other @ f.t()  # type: ignore[union-attr]
+        assert c.other is not None  # set for "p" and "q" contexts
+        out = f @ c.other.t() if c.kind == "p" else c.other @ f.t()
         return out.view(c.shape)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:

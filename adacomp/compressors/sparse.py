@@ -189,18 +189,20 @@ class ThresholdCounter:
 
     def count(self, thr: float) -> int:
         if self.covers(thr):
+            assert self.vals is not None  # set with floor by compact()
             return int(torch.count_nonzero(self._cmp(self.vals, thr)))
         return int(torch.count_nonzero(self._cmp(self.a, thr, out=self.mask)))
 
     def at_least(self, thr: float, m: int) -> bool:
         """``count(thr) >= m``, without a pass when thr <= floor and the kept set already has m."""
-        if self.floor is not None and thr <= self.floor and self.vals.numel() >= m:
+        if self.floor is not None and thr <= self.floor and self.vals is not None and self.vals.numel() >= m:
             return True
         return self.count(thr) >= m
 
     def select(self, thr: float, expected: float = 1.0) -> Tensor:
         """Ascending flat indices passing ``thr`` (a fresh tensor, as ``torch.nonzero`` returns)."""
         if self.covers(thr):
+            assert self.idx is not None and self.vals is not None  # set with floor by compact()
             return self.idx[self._cmp(self.vals, thr)]
         return nonzero_1d(self._cmp(self.a, thr, out=self.mask), expected)
 
@@ -219,6 +221,7 @@ class ThresholdCounter:
     def values(self, thr: float) -> Tensor:
         """The elements of ``a`` passing ``thr``, in index order (fresh)."""
         if self.covers(thr):
+            assert self.vals is not None  # set with floor by compact()
             return self.vals[self._cmp(self.vals, thr)]
         return self.a[self._cmp(self.a, thr, out=self.mask)]
 

@@ -53,6 +53,7 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     counter.compact(max(sample_value(a, expected), TINY), expected, keep_nan=True)
     vals = counter.vals
     if vals is not None and vals.numel() >= k:
+        assert counter.idx is not None  # set with vals by compact()
         if 2 * k <= vals.numel():
             top = torch.topk(vals, k, sorted=False)
             chosen, kth = top.indices, top.values.min()

@@ -36,8 +36,9 @@ def shard(n: int, rank: int, world: int, epoch: int, seed: int = 0) -> Tensor:
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_ENV = "ADACOMP_FASHION_MNIST"
 FASHION_MNIST_APT = "dataset-fashion-mnist"
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_DTYPES: dict[int, type[np.generic] | np.dtype[np.generic]] = {
+    0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
 
 def read_idx(path: str) -> np.ndarray:

@@ -26,22 +26,20 @@ are refused here (use ``adacomp.DistributedOptimizer`` for them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 
 from adacomp import backends, compressors
-from adacomp.engine import error_feedback
 from adacomp.backends.base import Backend
-from adacomp.communicators.base import CommEnv
-from adacomp.compressors.base import Compressor
 from adacomp.config import Config, load
-from adacomp.errors import ConfigError, NonFiniteGradientError
-from adacomp.engine.error_feedback import LossScale, Rollback
+from adacomp.errors import ConfigError
+from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.optimizer_state import ComponentState
+from adacomp.engine.round import RoundState, Rounds, per_parameter, poisoned
 from adacomp.engine.routes import Bucket, RouteTable, fused_key
 
 
@@ -51,22 +49,25 @@ class _Group:
 
     bucket: Bucket
     grads: list[Tensor]
-    pending: Any = None
 
 
 @dataclass
-class _Round:
-    stats: StepStats
-    env: CommEnv
-    groups: list[tuple[list[_Group], Tensor, torch.futures.Future]] = field(default_factory=list)
-    nonfinite: list[str] = field(default_factory=list)
+class _Waiting:
+    """A DDP bucket whose future is set when the round completes."""
+
+    groups: list[_Group]
+    buffer: Tensor
+    future: torch.futures.Future
 
 
 class HookState:
-    """Everything the hook keeps across steps: routes, compressors, memories, the round."""
+    """The DDP hook's front end to :class:`~adacomp.engine.round.Rounds`: DDP's buckets split by
+    route, launched as DDP hands them over, completed at the last one, means written back into
+    DDP's buffers. Everything a round decides (rollback, the vote, loss-scale units) is the same
+    code as the optimizer's."""
 
     def __init__(self, config: Any = None, named_parameters: Iterable[tuple[str, Tensor]] | None = None,
-                 backend: Backend | None = None, grad_scaler: Any = None):
+                 backend: Backend | None = None, grad_scaler: Any = None, process_group: Any = None):
         self.config: Config = load(config)
         if self.config.policy.name != "static":
             raise ConfigError("policy.name", f"policy {self.config.policy.name!r} needs adacomp.DistributedOptimizer "
@@ -79,22 +80,28 @@ class HookState:
         if any(layer.offload for layer in self.config.layers):
             raise ConfigError("layers[].offload", "offload is not available in the DDP hook (DDP calls the hook "
                                                   "on its own thread); use adacomp.DistributedOptimizer")
+        if backend is not None and process_group is not None:
+            raise ValueError("adacomp.ddp.hook: pass either backend or process_group, not both")
         named = list(named_parameters or [])
         self._names = {id(p): n for n, p in named}
+        self._named = bool(named)
+        self._model: set[int] | None = set(self._names) if named else None  # the model this state serves
         self._backend = backend
+        self._group = process_group
         self.table = RouteTable(self.config, [])
         for n, p in named:  # routes up front, so a checkpoint can be loaded before the first step
             if p.requires_grad:
                 self.table.ensure(n, p)
         self._fused_state: dict[str, Any] = {}  # loaded before its DDP bucket was first seen
         self.loss_scale = LossScale(grad_scaler)
-        self.rollback = Rollback()
+        self.rounds = Rounds(self.table, lambda: self.backend, self.config.nonfinite, self.loss_scale)
         self.steps = 0
-        self._fused: dict[str, Compressor] = {}
-        self._round: _Round | None = None
+        self._round: RoundState | None = None
+        self._waiting: list[_Waiting] = []
+        self._seen: set[int] = set()  # parameters met in the round in flight
         self.last_stats: StepStats | None = None
         self.io = ComponentState(None, self.table, self.loss_scale, lambda: None, lambda: self.steps,
-                                 self._set_steps, extra=lambda: {f"compressor/{k}": c for k, c in self._fused.items()})
+                                 self._set_steps)
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -109,6 +116,8 @@ class HookState:
                              "hook state before the first step")
         comps = dict(state["components"])
         fused = {k: comps.pop(k) for k in list(comps) if k.startswith("compressor/bucket:")}
+        for k in [k for k in fused if k.removeprefix("compressor/") in self.table.outside_fused]:
+            self.table.outside_fused[k.removeprefix("compressor/")].load_state_dict(fused.pop(k))
         self.io.load_adacomp_state_dict({**state, "components": comps})
         self._fused_state = {k.removeprefix("compressor/"): v for k, v in fused.items()}
 
@@ -118,107 +127,103 @@ class HookState:
     @property
     def backend(self) -> Backend:
         """Resolved at the first hook call: Lightning / Accelerate create the process group after
-        the hook state is built."""
+        the hook state is built. ``process_group`` (DDP's, via :func:`register`) selects a sub-group."""
         if self._backend is None:
-            self._backend = backends.create("torch", timeout_s=self.config.timeout_s)
+            self._backend = backends.create("torch", timeout_s=self.config.timeout_s, group=self._group)
         return self._backend
 
     # --- the hook --------------------------------------------------------------------------------
     def name_of(self, p: Tensor) -> str:
         name = self._names.get(id(p))
         if name is None:
+            if self._named or (self._model is not None and id(p) not in self._model):
+                raise RuntimeError(
+                    "this adacomp hook state met a parameter of another model: one state per DDP model "
+                    "(its step counter, residuals and rounds belong to one model). Create one "
+                    "adacomp.ddp.hook(...) per DDP model")
             name = self._names[id(p)] = f"param{len(self._names)}"
         return name
 
     def _groups(self, index: int, params: list[Tensor], grads: list[Tensor]) -> list[_Group]:
         by_route: dict[str, tuple[list[str], list[Tensor]]] = {}
         for p, g in zip(params, grads):
+            self._seen.add(id(p))
             name = self.name_of(p)
             route = self.table.ensure(name, p)
             names, gs = by_route.setdefault(route.key, ([], []))
             names.append(name)
             gs.append(g)
         out = []
+        fused = self.table.outside_fused
         for key, (names, gs) in by_route.items():
             route = self.table.routes[key]
             b = Bucket(index, names, route, route.communicator)
             if compressors.registry.cls(route.compressor.name).granularity == "bucket" or \
                     (self.config.fusion.fuse_before_compress and route.compressor.name != "none"):
                 b.fused_key = fused_key(key, names)
-                if b.fused_key not in self._fused:
+                if b.fused_key not in fused:
                     c = compressors.get(route.compressor.name, **route.compressor.params)
                     if b.fused_key in self._fused_state:
                         c.load_state_dict(self._fused_state.pop(b.fused_key))
-                    self._fused[b.fused_key] = c
-                b.fused_compressor = self._fused[b.fused_key]
+                    fused[b.fused_key] = c
+                b.fused_compressor = fused[b.fused_key]
             out.append(_Group(b, gs))
         return out
 
-    def _begin(self) -> _Round:
-        stats = StepStats(step=self.steps)
-        memories = list({id(r.memory): r.memory for r in self.table.routes.values()}.values())
-        comps = self.table.unique_compressors() + list(self._fused.values())
-        self.loss_scale.sync(memories, comps)
-        self.rollback.keep(memories, [c for c in comps if type(c).state_dict is not Compressor.state_dict])
-        return _Round(stats, CommEnv(self.backend, stats, self.steps))
-
     def __call__(self, bucket: Any) -> torch.futures.Future:
-        rnd = self._round or self._begin()
-        self._round = rnd
-        grads = list(bucket.gradients())
-        groups = self._groups(bucket.index(), list(bucket.parameters()), grads)
+        if self._round is None:
+            self._round = self.rounds.begin(StepStats(step=self.steps), self.steps)
+            self._seen = set()
+        st = self._round
+        groups = self._groups(bucket.index(), list(bucket.parameters()), list(bucket.gradients()))
         for grp in groups:
             for n, g in zip(grp.bucket.names, grp.grads):
-                if not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
-                    rnd.nonfinite.append(n)
-            rnd.env.bucket_index = grp.bucket.index
-            with rnd.stats.timing("compress"):
-                entries = error_feedback.entries(grp.bucket, grp.grads, self.table.compressors)
-            grp.pending = grp.bucket.communicator.start(entries, rnd.env)
+                Rounds.check_finite(st, n, g)
+                st.used.add(n)
+            self.rounds.launch(st, grp.bucket, grp.grads)
         fut: torch.futures.Future = torch.futures.Future()
-        rnd.groups.append((groups, bucket.buffer(), fut))
+        self._waiting.append(_Waiting(groups, bucket.buffer(), fut))
         if bucket.is_last():
-            self._round = None
-            self._finish(rnd)
+            self._complete(st)
         return fut
 
-    def _finish(self, rnd: _Round) -> None:
-        flag = self.backend.allreduce_async(torch.tensor([1.0 if rnd.nonfinite else 0.0]), average=False)
-        results = []
-        for groups, _, _ in rnd.groups:
-            for grp in groups:
-                rnd.env.bucket_index = grp.bucket.index
-                results.append(grp.bucket.communicator.finish(grp.pending, rnd.env))
-        nonfinite = float(flag.wait()[0]) > 0
-        if nonfinite:
-            self.rollback.restore()
-            if self.config.nonfinite == "raise":
-                raise NonFiniteGradientError("non-finite gradient (NaN or Inf) on " + ", ".join(rnd.nonfinite[:5] or
-                                             ["another rank"]) + "; every compression state was left as it was")
-        self.rollback.clear()
-        it = iter(results)
-        for groups, buffer, fut in rnd.groups:
-            for grp in groups:
-                outs = next(it)
-                if grp.bucket.fused_compressor is not None:
-                    flat, off, outs = outs[0].reshape(-1), 0, []
-                    for g in grp.grads:
-                        outs.append(flat[off:off + g.numel()])
-                        off += g.numel()
-                poison = nonfinite and grp.bucket.route.compressor.name != "none"
-                for g, out in zip(grp.grads, outs):
+    def _complete(self, st: RoundState) -> None:
+        waiting, self._waiting, self._round = self._waiting, [], None
+        if self._model is None:
+            self._model = set(self._seen)  # the first round defines the model this state serves
+        result = self.rounds.complete(st)
+        assert result is not None  # every rank of a DDP model is active
+        outs, vote = result
+        it = iter(outs)
+        for w in waiting:
+            for grp in w.groups:
+                means = per_parameter(grp.bucket, next(it), [g.numel() for g in grp.grads])
+                poison = poisoned(grp.bucket, vote)
+                for g, out in zip(grp.grads, means):
                     g.copy_(out.view(g.shape))  # grads are views of DDP's bucket buffer
                     if poison:
                         g.fill_(float("nan"))
-            fut.set_result(buffer)
+            w.future.set_result(w.buffer)
+        self.last_stats = st.stats
+        if vote.nonfinite:
+            return  # rolled back: the optimizer skips this step (GradScaler, or `nonfinite: skip`)
         self.steps += 1
-        self.last_stats = rnd.stats
-        for c in self.table.unique_compressors() + list(self._fused.values()):
+        for c in self.table.unique_compressors():
             c.on_step(self.steps)
 
 
+def register(ddp_model: Any, config: Any = None, grad_scaler: Any = None) -> HookState:
+    """Register adacomp's hook on ``ddp_model`` over the model's own process group (as DDP's
+    ``register_comm_hook`` with PyTorch's hooks); returns the state for checkpoints."""
+    module = getattr(ddp_model, "module", ddp_model)
+    state = HookState(config, module.named_parameters(), grad_scaler=grad_scaler,
+                      process_group=getattr(ddp_model, "process_group", None))
+    ddp_model.register_comm_hook(state, _call)
+    return state
+
+
 def hook(config: Any = None, named_parameters: Iterable[tuple[str, Tensor]] | None = None,
-         backend: Backend | None = None, grad_scaler: Any = None
+         backend: Backend | None = None, grad_scaler: Any = None, process_group: Any = None
          ) -> tuple[HookState, Callable[[HookState, Any], torch.futures.Future]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
@@ -226,8 +231,12 @@ def hook(config: Any = None, named_parameters: Iterable[tuple[str, Tensor]] | No
     ``static``). ``named_parameters``: the model's, for readable and stable state keys.
     ``grad_scaler``: a ``torch.amp.GradScaler`` whose scale the residuals should follow.
     With ``nonfinite: skip`` / ``propagate`` a non-finite round leaves every residual as it was and
-    hands DDP NaN gradients so GradScaler skips the step on every rank."""
-    state = HookState(config, named_parameters, backend, grad_scaler)
+    hands DDP NaN gradients so GradScaler skips the step on every rank; such a round does not count
+    as a step (PowerSGD / ACP-SGD alternation and schedules stay where they were).
+    ``process_group``: the group to average over when the DDP model was built with
+    ``DDP(..., process_group=pg)`` (default: the whole world); :func:`register` reads it from the
+    model."""
+    state = HookState(config, named_parameters, backend, grad_scaler, process_group)
     return state, _call
 
 
@@ -237,4 +246,4 @@ def _call(state, bucket):  # type: ignore[no-untyped-def]
     return state(bucket)
 
 
-__all__ = ["HookState", "hook"]
+__all__ = ["HookState", "hook", "register"]

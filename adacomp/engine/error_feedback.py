@@ -48,22 +48,23 @@ class Entry:
 
 
 def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor],
-            used: list[bool] | None = None) -> list[Entry]:
+            used: list[bool] | None, world: int) -> list[Entry]:
     """Error-compensated entries of bucket ``b`` (one per parameter, or one fused entry).
 
     ``used[i]`` False marks a parameter this rank did not use in the round: it contributes
     zeros and its residual is left alone (a rank that did not touch a parameter owes it nothing
-    new). A joined rank (uneven inputs) passes all False and sends only zeros."""
+    new). A joined rank (uneven inputs) passes all False and sends only zeros. ``world``: the
+    round's group size (DGC's clipping threshold depends on it), never read from a global."""
     mem = b.route.memory
     if b.fused_compressor is not None:
         flat = _flatten(b, grads)
         if used is not None and not any(used):
             return [Entry(b.fused_key, flat, b.fused_compressor, _NO_MEMORY)]
-        return [Entry(b.fused_key, mem.compensate(flat, b.fused_key), b.fused_compressor, mem)]
+        return [Entry(b.fused_key, mem.compensate(flat, b.fused_key, world), b.fused_compressor, mem)]
     out = []
     for i, (n, g) in enumerate(zip(b.names, grads)):
         m = mem if used is None or used[i] else _NO_MEMORY
-        out.append(Entry(n, m.compensate(g, n), compressors[n], m))
+        out.append(Entry(n, m.compensate(g, n, world), compressors[n], m))
     return out
 
 

@@ -46,7 +46,7 @@ class OffloadWorker:
         if event is not None:
             event.synchronize()
         t0 = time.perf_counter()
-        entries = error_feedback.entries(b, grads, compressors, used)
+        entries = error_feedback.entries(b, grads, compressors, used, world)
         b.communicator.precompress(entries, world)
         return entries, time.perf_counter() - t0
 

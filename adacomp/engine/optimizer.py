@@ -33,7 +33,7 @@ from adacomp.errors import CommunicationError, ConfigError
 from adacomp.engine.error_feedback import LossScale
 from adacomp.runtime.hvd_compat import Average, Sum, apply_optimizer_kwargs
 from adacomp.engine.metrics import StepStats
-from adacomp.engine.optimizer_state import ComponentState, keeps_state, round_components
+from adacomp.engine.optimizer_state import ComponentState, keeps_state
 from adacomp.engine.routes import Bucket, Route, RouteTable
 from adacomp.engine.step_engine import EngineOptions, StepEngine
 from adacomp.outer.loop import OuterLoop
@@ -109,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.engine = StepEngine(
             self.table, self.backend,
             EngineOptions(backward_passes_per_step, op == Sum, self.config.nonfinite, bool(sparse_as_dense)),
-            self._round_state, self.loss_scale,
+            self.loss_scale, extra_state=lambda: [self.policy] if keeps_state(self.policy) else [],
             on_first_round=self._check_weights if weights_differ else None)
         self.outer: OuterLoop | None = None
         self._weights_differ = weights_differ
@@ -276,14 +276,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _set_steps(self, steps: int) -> None:
         self.steps = steps
         self.engine.end_step(steps)
-
-    def _round_state(self) -> tuple[list[Any], list[Any]]:
-        """(memories, other stateful components) a round may change: what a non-finite round
-        rolls back (the policy too, when it keeps state)."""
-        memories, others = round_components(self.table)
-        if keeps_state(self.policy):
-            others.append(self.policy)
-        return memories, others
 
     # --- synchronize / step -------------------------------------------------------------------------
     def synchronize(self) -> None:

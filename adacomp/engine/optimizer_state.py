@@ -46,6 +46,8 @@ class ComponentState:
         for b in self.table.buckets:
             if b.fused_compressor is not None:
                 out[f"compressor/{b.fused_key}"] = b.fused_compressor
+        for key, c in self.table.outside_fused.items():
+            out[f"compressor/{key}"] = c
         for key, r in sorted(self.table.routes.items()):
             out[f"memory/{key}"] = r.memory
             out[f"communicator/{key}"] = r.communicator

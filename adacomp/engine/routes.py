@@ -105,6 +105,9 @@ class RouteTable:
         self.compressors: dict[str, Compressor] = {}
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[str, Bucket] = {}
+        # compressors of fused buckets the table did not plan (the DDP hook's: DDP owns its buckets)
+        self.outside_fused: dict[str, Compressor] = {}
+        self._index: dict[str, int] = {}
         self.build()
 
     def spec_for(self, name: str, numel: int) -> Specs:
@@ -222,10 +225,18 @@ class RouteTable:
         """True when ``name``'s gradient is compressed as part of its flattened bucket."""
         return self.bucket_of[name].fused_compressor is not None
 
+    @property
+    def index_of(self) -> dict[str, int]:
+        """Each parameter's position in ``params`` (the vote's layout; ``params`` only grows)."""
+        if len(self._index) != len(self.params):
+            self._index = {n: i for i, (n, _) in enumerate(self.params)}
+        return self._index
+
     def unique_compressors(self) -> list[Compressor]:
         seen: dict[int, Compressor] = {}
         for c in list(self.compressors.values()) + [b.fused_compressor for b in self.buckets
-                                                    if b.fused_compressor is not None]:
+                                                    if b.fused_compressor is not None] \
+                + list(self.outside_fused.values()):
             seen.setdefault(id(c), c)
         return list(seen.values())
 

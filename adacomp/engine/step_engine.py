@@ -21,25 +21,19 @@ bookkeeping lives in one :class:`RoundState`, replaced as a whole each round.
 from __future__ import annotations
 
 import contextlib
-import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from adacomp.engine import error_feedback
 from adacomp.runtime import watchdog
-from adacomp.backends.base import Backend, Handle
-from adacomp.communicators.base import CommEnv
-from adacomp.engine.error_feedback import LossScale, Rollback
-from adacomp.errors import NonFiniteGradientError
+from adacomp.backends.base import Backend
+from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.offload import OffloadWorker
+from adacomp.engine.round import NONFINITE_MODES, RoundState, Rounds, Vote, per_parameter, poisoned
 from adacomp.engine.routes import Bucket, RouteTable
-
-NONFINITE_MODES = ("propagate", "skip", "raise")
 
 
 @dataclass(frozen=True)
@@ -54,50 +48,20 @@ class EngineOptions:
     sparse_as_dense: bool = False  # Horovod's flag: hand sparse gradients back dense
 
 
-@dataclass
-class RoundState:
-    """Everything one round knows; a new object per round, so nothing leaks across rounds."""
-
-    stats: StepStats
-    env: CommEnv
-    active: bool = True  # False: this rank has joined (uneven inputs) and only shadows
-    report_active: bool = True  # what the vote says of this rank (the outer loop's last window: sent, not active)
-    keep_outputs: bool = False  # write the averages even for a shadowing rank (the outer loop needs them)
-    passes: int = 0  # finished backward passes in this round
-    used: set[str] = field(default_factory=set)  # parameters whose hook fired in this round
-    ready: list[int] = field(default_factory=list)  # per bucket: gradients in
-    pending: list[Any] = field(default_factory=list)  # per bucket: the communicator's handle
-    jobs: list[Future | None] = field(default_factory=list)  # per bucket: offloaded compression
-    sparse: set[str] = field(default_factory=set)  # parameters whose gradient arrived sparse
-    nonfinite: list[str] = field(default_factory=list)
-    next_launch: int = 0
-    launched: bool = False
-    callback_queued: bool = False
-
-
-@dataclass
-class Vote:
-    """The outcome of a round's vote allreduce, identical on every rank."""
-
-    nonfinite: bool
-    used_by_any: list[bool]
-    active_ranks: list[int]
-
-
 class StepEngine:
-    """Hooks, in-order launch / finish, writing gradients, and the non-finite vote."""
+    """The optimizer's front end to :class:`~adacomp.engine.round.Rounds`: gradient hooks, local
+    accumulation, buckets launched in index order as they fill (or offloaded), ``p.grad`` written."""
 
-    def __init__(self, table: RouteTable, backend: Backend, options: EngineOptions,
-                 stateful: Callable[[], tuple[list[Any], list[Any]]], loss_scale: LossScale,
+    def __init__(self, table: RouteTable, backend: Backend, options: EngineOptions, loss_scale: LossScale,
+                 extra_state: Callable[[], list[Any]] | None = None,
                  on_first_round: Callable[[], None] | None = None):
         self.table = table
         self.backend = backend
         self.options = options
         self.loss_scale = loss_scale
-        self._stateful = stateful  # (memories, other stateful components) a round may change
+        self.rounds = Rounds(table, lambda: backend, options.nonfinite, loss_scale, extra_state)
         self._on_first_round = on_first_round
         self.offload = OffloadWorker()
-        self.rollback = Rollback()
         self.state: RoundState | None = None
         self.step_stats: StepStats = StepStats(step=0)
         self.step_index = 0
@@ -105,10 +69,12 @@ class StepEngine:
         self.skip_update = False  # nonfinite: skip voted this step
         self.no_sync_depth = 0
         self.joined = False  # inside join(): this rank has no more data
-        self.last_vote: Vote | None = None
-        self._index = {n: i for i, (n, _) in enumerate(table.params)}
         self._param = dict(table.params)
         self._hooks: list[Any] = []
+
+    @property
+    def last_vote(self) -> Vote | None:
+        return self.rounds.last_vote
 
     # --- hooks ------------------------------------------------------------------------------------
     def attach(self, params: list[tuple[str, Tensor]]) -> None:
@@ -123,7 +89,6 @@ class StepEngine:
 
     def reindex(self) -> None:
         """The parameter list grew (``add_param_group``)."""
-        self._index = {n: i for i, (n, _) in enumerate(self.table.params)}
         self._param = dict(self.table.params)
 
     def _make_hook(self, name: str) -> Callable[[Tensor], None]:
@@ -174,12 +139,8 @@ class StepEngine:
             check, self._on_first_round = self._on_first_round, None
             check()
         n = len(self.table.buckets)
-        st = RoundState(self.step_stats, CommEnv(self.backend, self.step_stats, self.step_index), active=active,
-                        ready=[0] * n, pending=[None] * n, jobs=[None] * n)
-        if active:
-            memories, others = self._stateful()
-            self.loss_scale.sync(memories, self.table.unique_compressors())
-            self.rollback.keep(memories, others)
+        st = self.rounds.begin(self.step_stats, self.step_index, active)
+        st.ready, st.jobs = [0] * n, [None] * n
         self.state = st
         return st
 
@@ -198,10 +159,7 @@ class StepEngine:
                 if g.is_sparse:
                     st.sparse.add(n)
                     g = g.to_dense()
-                if not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
-                    # a sum is one cheap pass and is NaN/Inf whenever g holds one; a finite but
-                    # overflowing sum is confirmed with the exact test before anything is reported
-                    st.nonfinite.append(n)
+                Rounds.check_finite(st, n, g)
             grads.append(g)
             used.append(u)
         return grads, used
@@ -223,19 +181,15 @@ class StepEngine:
             st.next_launch += 1
 
     def _launch(self, st: RoundState, b: Bucket) -> None:
-        st.launched = True
-        st.env.bucket_index = b.index
         job = st.jobs[b.index]
         if job is not None:
             entries, dt = job.result()  # re-raises a failure of the worker here
             st.jobs[b.index] = None
             st.stats.extra["offload_s"] = st.stats.extra.get("offload_s", 0.0) + dt
+            self.rounds.start(st, b, entries)
         else:
             grads, used = self._grads(st, b)
-            with st.stats.timing("compress"):
-                entries = error_feedback.entries(b, grads, self.table.compressors,
-                                                 None if all(used) else used)
-        st.pending[b.index] = b.communicator.start(entries, st.env)
+            self.rounds.launch(st, b, grads, None if all(used) else used)
 
     def finish(self) -> None:
         """Finish the round in flight (if any): launch what is left, vote, finish every bucket in
@@ -257,51 +211,14 @@ class StepEngine:
                 if b.route.offload:
                     self._submit(st, b)
         self._launch_ready(st, block=True)
-        vote_handle = self._start_vote(st)
-        outs: list[list[Tensor]] = []
-        for b in self.table.buckets:
-            st.env.bucket_index = b.index
-            t0 = time.perf_counter()
-            outs.append(b.communicator.finish(st.pending[b.index], st.env))
-            st.stats.bucket_sync_s[b.index] = time.perf_counter() - t0
-        vote = self._read_vote(vote_handle.wait())
-        self.last_vote = vote
-        if not st.active and not st.keep_outputs:
+        result = self.rounds.complete(st)
+        if result is None:
             return  # a joined rank only shadowed the collectives
-        if vote.nonfinite:
-            self.rollback.restore()
-            if self.options.nonfinite == "raise":
-                self._raise_nonfinite(st)
-            self.skip_update = self.options.nonfinite == "skip"
-            st.stats.extra["nonfinite"] = 1.0
-        self.rollback.clear()
-        for b, bucket_outs in zip(self.table.buckets, outs):
+        outs, vote = result
+        self.skip_update = vote.nonfinite and self.options.nonfinite == "skip"
+        for (b, _), bucket_outs in zip(st.order, outs):
             self._write(st, b, bucket_outs, vote)
         self.synced = True
-
-    # --- the vote ---------------------------------------------------------------------------------
-    def _start_vote(self, st: RoundState) -> Handle:
-        n, world = len(self.table.params), self.backend.size()
-        flag = torch.zeros(1 + n + world)
-        flag[0] = 1.0 if st.nonfinite else 0.0
-        if st.used:
-            flag[[1 + self._index[u] for u in st.used]] = 1.0
-        if st.active and st.report_active:
-            flag[1 + n + self.backend.rank()] = 1.0
-        return self.backend.allreduce_async(flag, average=False)
-
-    def _read_vote(self, total: Tensor) -> Vote:
-        n = len(self.table.params)
-        vals = total.tolist()
-        return Vote(vals[0] > 0, [v > 0 for v in vals[1:1 + n]], [r for r, v in enumerate(vals[1 + n:]) if v > 0])
-
-    def _raise_nonfinite(self, st: RoundState) -> None:
-        where = self.backend.allgather_object(st.nonfinite[:5])
-        bad = {r: names for r, names in enumerate(where) if names}
-        raise NonFiniteGradientError(
-            "non-finite gradient (NaN or Inf) on " + "; ".join(f"rank {r}: {', '.join(n)}" for r, n in bad.items())
-            + ". Every component state was left as before this step. Use loss scaling (torch.amp.GradScaler, "
-            "with `nonfinite: propagate`, the default) or lower the learning rate; `nonfinite: skip` drops such steps.")
 
     # --- writing gradients ------------------------------------------------------------------------
     def _write(self, st: RoundState, b: Bucket, outs: list[Tensor], vote: Vote) -> None:
@@ -310,17 +227,11 @@ class StepEngine:
         match (DDP's ``gradient_as_bucket_view``). After a non-finite vote, gradients that went
         through a compressor are set to NaN on every rank, so GradScaler (or any finite check)
         sees the same non-finite step everywhere; uncompressed ones hold the plain average."""
-        if b.fused_compressor is not None:
-            flat, off = outs[0].reshape(-1), 0
-            outs = []
-            for n in b.names:
-                numel = self._param[n].numel()
-                outs.append(flat[off:off + numel])
-                off += numel
-        poison = vote.nonfinite and b.route.compressor.name != "none"
+        outs = per_parameter(b, outs, [self._param[n].numel() for n in b.names])
+        poison = poisoned(b, vote)
         scale = float(self.backend.size()) if self.options.sum else 1.0
         for n, out in zip(b.names, outs):
-            if not vote.used_by_any[self._index[n]]:
+            if not vote.used_by_any[self.table.index_of[n]]:
                 continue
             p = self._param[n]
             g = p.grad
@@ -389,8 +300,7 @@ class StepEngine:
         st = self.state
         if st is None:
             return {"pending_handles": 0, "jobs": 0}
-        return {"pending_handles": sum(p is not None for p in st.pending),
-                "jobs": sum(j is not None for j in st.jobs)}
+        return {"pending_handles": len(st.order), "jobs": sum(j is not None for j in st.jobs)}
 
 
 __all__ = ["EngineOptions", "NONFINITE_MODES", "RoundState", "StepEngine", "Vote"]

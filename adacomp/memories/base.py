@@ -23,10 +23,11 @@ class Memory:
 
     name: ClassVar[str] = "base"
 
-    def compensate(self, tensor: Tensor, name: str) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1) -> Tensor:
         """The gradient to compress. May write into ``tensor``: the engine hands over this round's
         gradient, which the averaged one replaces afterwards (a caller that needs ``tensor``
-        unchanged passes a copy)."""
+        unchanged passes a copy). ``world``: the size of the group this round averages over (the
+        engine passes it; a memory never reads a process-wide context)."""
         raise NotImplementedError
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
@@ -74,7 +75,7 @@ def names() -> list[str]:
 class NoneMemory(Memory):
     """No error feedback: what compression drops is lost."""
 
-    def compensate(self, tensor: Tensor, name: str) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1) -> Tensor:
         return tensor
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
@@ -105,7 +106,7 @@ class ResidualMemory(Memory):
         self.residuals: dict[str, Tensor] = {}
         self._spare: dict[str, Tensor] = {}  # the other buffer of each pair: next update writes it
 
-    def compensate(self, tensor: Tensor, name: str) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1) -> Tensor:
         r = self.residuals.get(name)
         if self.gamma != 1.0:
             tensor.mul_(self.gamma)

@@ -8,7 +8,7 @@ Lin et al., "Deep Gradient Compression" (ICLR 2018), §3.2 and §3.3:
 * momentum-factor masking (§3.3): after sending, ``u`` and ``v`` are zeroed at the sent coordinates so
   stale momentum does not keep pushing them;
 * local gradient clipping (§3.2): clip ``g`` before it is accumulated, with the global threshold scaled by
-  N^(-1/2) (N = number of ranks, read from ``adacomp.size()`` when clipping runs).
+  N^(-1/2) (N = the round's group size, which the engine passes to ``compensate``).
 
 Because momentum is applied here, the wrapped optimizer must run *without* momentum
 (``torch.optim.SGD(..., momentum=0)``), as in DGC. The update needs the sent indices: it reads
@@ -45,15 +45,14 @@ class DGCMemory(Memory):
         self.velocity: dict[str, Tensor] = {}  # u: momentum-corrected velocity
         self.accumulated: dict[str, Tensor] = {}  # v: accumulated velocity, what gets sent
 
-    def _clip(self, tensor: Tensor) -> Tensor:
-        from adacomp import size  # resolved at call time: the job's size when clipping runs
-        limit = self.clip_norm / math.sqrt(size())
+    def _clip(self, tensor: Tensor, world: int) -> Tensor:
+        limit = self.clip_norm / math.sqrt(world)
         norm = float(tensor.float().norm())
         return tensor * (limit / norm) if norm > limit else tensor
 
-    def compensate(self, tensor: Tensor, name: str) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1) -> Tensor:
         if self.clip_norm > 0.0:
-            tensor = self._clip(tensor)
+            tensor = self._clip(tensor, world)
         u, v = self.velocity.get(name), self.accumulated.get(name)
         if u is not None and u.shape != tensor.shape:
             raise ValueError(f"dgc memory for {name!r} has shape {tuple(u.shape)} but the gradient has "

@@ -29,6 +29,7 @@ import subprocess
 from dataclasses import dataclass
 
 from adacomp.errors import AdacompError
+from adacomp.units import format_rate, parse_duration, parse_rate  # noqa: F401 - netem.hosts.parse_rate is public
 
 DEFAULT_PREFIX = "acn"
 DEFAULT_SUBNET = "10.213.0.0/24"
@@ -40,8 +41,6 @@ TBF_LATENCY_MS = 50  # queue bound: ~50 ms of data may wait, as on a modest swit
 # measured ~580 Mbit/s instead of ~945 on this machine. Cost: below ~10mbit a burst is > 50 ms.
 TBF_BURST_BYTES = 70000
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")  # keeps "P-v255" within Linux's 15-char limit
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
 class NetemError(AdacompError, RuntimeError):
@@ -49,47 +48,6 @@ class NetemError(AdacompError, RuntimeError):
 
 
 # ---------------------------------------------------------------- units
-def parse_rate(text: str | int | float) -> int:
-    """``"100mbit"`` -> 100_000_000 bit/s. Only bit units: tc reads ``mbps`` as megaBYTES/s."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), "bit"
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-        if not m:
-            raise ValueError(f"bandwidth: expected a rate like '100mbit' or '1gbit', got {text!r}")
-        value, unit = float(m.group(1)), (m.group(2).lower() or "bit")
-    if unit.endswith("bps"):
-        raise ValueError(f"bandwidth: got {text!r}; tc reads '{unit}' as bytes per second, which is "
-                         f"ambiguous here. Fix: write bits, e.g. '100mbit' for 100 Mbit/s")
-    if unit not in _RATE_UNITS:
-        raise ValueError(f"bandwidth: unknown unit {unit!r} in {text!r}; use one of {sorted(_RATE_UNITS)}")
-    bps = int(value * _RATE_UNITS[unit])
-    if bps < 8000:
-        raise ValueError(f"bandwidth: expected at least 8kbit, got {text!r}")
-    return bps
-
-
-def parse_duration(text: str | int | float) -> float:
-    """``"5ms"`` -> 0.005 s; a bare number is seconds."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), "s"
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)?\s*", str(text))
-        if not m:
-            raise ValueError(f"latency: expected a duration like '5ms' or 0.005, got {text!r}")
-        value, unit = float(m.group(1)), m.group(2) or "s"
-    if value < 0:
-        raise ValueError(f"latency: expected >= 0, got {text!r}")
-    return value * _TIME_UNITS[unit]
-
-
-def format_rate(bps: int) -> str:
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bps >= scale and bps % scale == 0:
-            return f"{bps // scale}{unit}"
-    return f"{bps}bit"
-
-
 # ---------------------------------------------------------------- names
 def _check_prefix(prefix: str) -> str:
     if not _PREFIX_RE.match(prefix):
@@ -118,7 +76,7 @@ def _veth(i: int, prefix: str) -> str:
 def _address_for(subnet: str, i: int) -> str:
     net = ipaddress.ip_network(subnet)
     addr = net.network_address + i + 1  # .1 for host 0; .0 is the network itself
-    if addr >= net.broadcast_address:
+    if addr >= net.broadcast_address:  # type: ignore[operator]  # both of net's IP version
         raise NetemError(f"subnet {subnet} has no room for host {i}; use a /24 or larger private subnet")
     return str(addr)
 

@@ -42,9 +42,10 @@ from adacomp.backends.base import Backend
 from adacomp.config import Config, LocalStepsConfig
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
-from adacomp.engine.optimizer_state import ComponentState, round_components
+from adacomp.engine.optimizer_state import ComponentState
 from adacomp.engine.routes import RouteTable
-from adacomp.engine.step_engine import EngineOptions, StepEngine, Vote
+from adacomp.engine.round import Vote
+from adacomp.engine.step_engine import EngineOptions, StepEngine
 from adacomp.errors import ConfigError
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -139,8 +140,7 @@ class OuterLoop:
     def _fragment(self, config: Config, index: int, names: list[str], local: list[Tensor], offset: int) -> Fragment:
         synced = [torch.nn.Parameter(p.detach().clone(), requires_grad=False) for p in local]
         table = RouteTable(config, list(zip(names, synced)))
-        engine = StepEngine(table, self.backend, EngineOptions(1, False, config.nonfinite, False),
-                            lambda: round_components(table), LossScale(None))
+        engine = StepEngine(table, self.backend, EngineOptions(1, False, config.nonfinite, False), LossScale(None))
 
         def set_syncs(n: int) -> None:
             frag.syncs = n

@@ -182,6 +182,7 @@ class FlexiblePolicy(Policy):
         if probe or self.probe.due(self._calls):
             self.rendezvous.call("network probe", self.probe.probe, optimizer.backend, self._calls)
         est = self.probe.last
+        assert est is not None  # due() is true until the first probe sets it
         sizes = {b.index: self.bucket_bytes(optimizer, b) for b in optimizer.buckets}
         inputs = (est.alpha, est.beta, tuple(sorted((i, s["values"]) for i, s in sizes.items() if s)))
         if inputs == self._inputs:

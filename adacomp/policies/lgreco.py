@@ -17,7 +17,7 @@ import copy
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -212,8 +212,8 @@ def topk_tails(grad: Tensor, ks: list[int]) -> dict[int, float]:
         return {k: 0.0 for k in ks}
     if flat.device.type != "cpu":
         sq = flat.float().square().sort().values.double()        # ascending
-        below = torch.cat([sq.new_zeros(1), sq.cumsum(0)])        # below[p] = sum of sq[:p]
-        return {k: float(below[max(n - k, 0)]) for k in ks}
+        prefix = torch.cat([sq.new_zeros(1), sq.cumsum(0)])       # prefix[p] = sum of sq[:p]
+        return {k: float(prefix[max(n - k, 0)]) for k in ks}
     thr = 0.0
     if n > SAMPLE and kmax < n:
         gen = torch.Generator().manual_seed(n)  # own generator: the global RNG stream is the user's
@@ -401,6 +401,8 @@ class LGreCoPolicy(Policy):
                 continue
             comp = optimizer.compressor_for(name)
             vals = candidates(kind, default, self.low, self.high, self.step)
+            es: Sequence[float]
+            ss: Sequence[int]
             if comp.name == "topk":
                 es, ss = topk_errors(comp, vals, self._acc[name])
             else:

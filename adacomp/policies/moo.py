@@ -78,7 +78,7 @@ def choose_density(densities: list[float], t_comp: list[float], inv_gain: list[f
     tc = np.asarray([t_comp[i] for i in order], dtype=float)
     ig = np.asarray([inv_gain[i] for i in order], dtype=float)
 
-    class _CR(Problem):
+    class _CR(Problem):  # type: ignore[valid-type, misc]  # pymoo's Problem, imported lazily
         def __init__(self) -> None:
             super().__init__(n_var=1, n_obj=3, xl=np.array([xs[0]]), xu=np.array([xs[-1]]))
 

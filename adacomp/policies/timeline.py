@@ -244,6 +244,7 @@ def _build(tensors: Sequence[TensorProfile], options: Sequence[Option], m: CostM
             tasks.append(("net", i, "comm", m.allreduce(t.nbytes), [last_compute]))
             continue
         res = o.where
+        assert res is not None  # o.compressed
         tasks.append((res, i, "compress", m.compress[res](t.nbytes), [last_compute]))
         if o.scheme == "allgather":
             tasks.append(("net", i, "comm", m.allgather(t.compressed_bytes), [len(tasks) - 1]))

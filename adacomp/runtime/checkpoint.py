@@ -38,7 +38,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -50,7 +50,7 @@ FORMAT_VERSION = 2
 MAGIC = b"ADACOMP-CHECKPOINT 2\n"
 LATEST = "latest"
 MANIFEST = "manifest.json"
-PathLike = "str | os.PathLike[str]"
+PathLike: TypeAlias = "str | os.PathLike[str]"
 
 
 class CheckpointError(AdacompError, ValueError):
@@ -141,7 +141,7 @@ def _config_hash(optimizer: Any, config_hash: str | None) -> str | None:
     fusion and policy may not)."""
     if config_hash is not None:
         return config_hash
-    cfg = getattr(optimizer, "config", None)
+    cfg: Any = getattr(optimizer, "config", None)
     if not hasattr(cfg, "to_dict"):
         return None
     d = cfg.to_dict()
@@ -361,6 +361,7 @@ def save_set(directory: PathLike, model: torch.nn.Module | None, optimizer: Any,
     set_id = uuid.uuid4().hex if rank == 0 else None
     if world > 1:
         set_id = b.broadcast_object(set_id, 0)
+    assert set_id is not None  # rank 0's id, broadcast to every rank
     d = Path(directory)
     sdir = d / _set_dir(step, set_id)
     path = sdir / f"rank{rank}.pt"

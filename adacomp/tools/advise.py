@@ -570,7 +570,7 @@ def shaped(be: Any, bandwidth: str | None, latency: str | None) -> Any:
     if not bandwidth and not latency:
         return be
     from adacomp.backends.shaped import ShapedBackend
-    from adacomp.netem.hosts import parse_duration, parse_rate
+    from adacomp.units import parse_duration, parse_rate
     beta = 8.0 / parse_rate(bandwidth) if bandwidth else 0.0
     alpha = parse_duration(latency) if latency else 0.0
     return ShapedBackend(be, alpha=alpha, beta=beta, cost="table1")

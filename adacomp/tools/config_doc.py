@@ -79,7 +79,7 @@ def _fields(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
             f">= {meta['min']}" if "min" in meta else "")
         rows.append((path, _type(tp), f"`{default}`" if default != "" else "", allowed))
         if dataclasses.is_dataclass(tp) and tp is not C.ComponentSpec:
-            rows += _fields(tp, path + ".")
+            rows += _fields(typing.cast(type, tp), path + ".")
         elif C._optional_dataclass(tp) is not None:
             rows += _fields(C._optional_dataclass(tp), path + ".")
         elif typing.get_origin(tp) is list:

@@ -77,7 +77,8 @@ def make_plan(cfg: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     ct, dt = profile_compressor(comp, grid, device, repeats, feedback=fb) if grid else (None, None)
     cct, cdt = (ct, dt) if device.type == "cpu" or not grid else \
         profile_compressor(comp, grid, "cpu", repeats, feedback=fb)
-    model_ = cost_model(world, alpha, beta, {"device": ct, "cpu": cct}, {"device": dt, "cpu": cdt}, forward_s)
+    # no grid: no candidates, so the None profiles are never called
+    model_ = cost_model(world, alpha, beta, {"device": ct, "cpu": cct}, {"device": dt, "cpu": cdt}, forward_s)  # type: ignore[dict-item]
     use_offload = offload == "on" or (offload == "auto" and device.type == "cuda")
     cand_idx = {i for i, t in enumerate(tensors) if t.name in candidates}
     S, pred = decide(tensors, model_, divisible, use_offload, cand_idx, polish)

@@ -113,6 +113,7 @@ def run_worker(cfg: Any, ckpt_dir: str | None = None, ckpt_every: int = 0) -> di
             opt.step()
             dt = time.perf_counter() - t0
             st = opt.last_stats
+            assert st is not None  # set by opt.step()
             rec = {"step": len(records), "loss": float(loss.detach()), "step_s": dt, "compress_s": st.compress_s,
                    "comm_s": st.comm_s, "compute_s": max(0.0, dt - st.compress_s - st.comm_s),
                    "bytes_sent": st.bytes_sent, "dense_bytes": st.dense_bytes,
@@ -125,6 +126,7 @@ def run_worker(cfg: Any, ckpt_dir: str | None = None, ckpt_every: int = 0) -> di
                 if len(records) % tc.log_every == 0:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}")
             if preempt is not None:
+                assert ckpt_dir is not None  # preempt is set only with ckpt_dir
                 if preempt.should_stop():
                     checkpoint.save_set(ckpt_dir, model, opt, step=done + 1)
                     if rank == 0:
@@ -139,6 +141,7 @@ def run_worker(cfg: Any, ckpt_dir: str | None = None, ckpt_every: int = 0) -> di
     if bar is not None:
         bar.close()
     if preempt is not None:
+        assert ckpt_dir is not None  # preempt is set only with ckpt_dir
         preempt.close()
         if records:  # the finished run is a set too: a later, longer run continues from it
             checkpoint.save_set(ckpt_dir, model, opt, step=total)

@@ -1,0 +1,191 @@
+"""One communication round, the same for both front ends.
+
+begin -> launch buckets in order -> vote -> finish in order -> roll back or hand the means over.
+
+:class:`adacomp.engine.step_engine.StepEngine` (the optimizer: gradients from ``p.grad`` hooks,
+means written to ``p.grad``) and :class:`adacomp.engine.ddp.HookState` (gradients from DDP's
+buckets, means written into them) are thin adapters around :class:`Rounds`: they say where
+gradients come from and where the means go; everything that decides *what* a round does
+(loss-scale units, which state a round may change and so must be able to undo, the non-finite
+vote, the rollback, the error raised) lives here once, so the two front ends cannot drift apart.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from adacomp.backends.base import Backend, Handle
+from adacomp.communicators.base import CommEnv
+from adacomp.engine import error_feedback
+from adacomp.engine.error_feedback import Entry, LossScale, Rollback
+from adacomp.engine.metrics import StepStats
+from adacomp.engine.optimizer_state import round_components
+from adacomp.engine.routes import Bucket, RouteTable
+from adacomp.errors import NonFiniteGradientError
+
+NONFINITE_MODES = ("propagate", "skip", "raise")
+
+
+@dataclass
+class RoundState:
+    """Everything one round knows; a new object per round, so nothing leaks across rounds.
+    The fields after ``order`` are the optimizer adapter's (hooks, accumulation, offload)."""
+
+    stats: StepStats
+    env: CommEnv
+    active: bool = True  # False: this rank has joined (uneven inputs) and only shadows
+    report_active: bool = True  # what the vote says of this rank (the outer loop's last window: sent, not active)
+    keep_outputs: bool = False  # hand the means over even for a shadowing rank (the outer loop needs them)
+    used: set[str] = field(default_factory=set)  # parameters this rank contributed in this round
+    nonfinite: list[str] = field(default_factory=list)  # this rank's parameters with NaN / Inf
+    order: list[tuple[Bucket, Any]] = field(default_factory=list)  # launched buckets and their handles
+    launched: bool = False
+    passes: int = 0  # finished backward passes in this round
+    ready: list[int] = field(default_factory=list)  # per bucket: gradients in
+    jobs: list[Future | None] = field(default_factory=list)  # per bucket: offloaded compression
+    sparse: set[str] = field(default_factory=set)  # parameters whose gradient arrived sparse
+    next_launch: int = 0
+    callback_queued: bool = False
+
+
+@dataclass
+class Vote:
+    """The outcome of a round's vote allreduce, identical on every rank."""
+
+    nonfinite: bool
+    used_by_any: list[bool]
+    active_ranks: list[int]
+
+
+class Rounds:
+    """Runs rounds over one :class:`RouteTable`. ``backend`` is a callable so the DDP hook can
+    resolve its process group at the first round; ``extra_state`` lists stateful objects a round
+    may change beyond the table's components (the optimizer's policy)."""
+
+    def __init__(self, table: RouteTable, backend: Callable[[], Backend], nonfinite: str, loss_scale: LossScale,
+                 extra_state: Callable[[], list[Any]] | None = None):
+        self.table = table
+        self._backend = backend
+        self.nonfinite = nonfinite
+        self.loss_scale = loss_scale
+        self._extra_state = extra_state
+        self.rollback = Rollback()
+        self.last_vote: Vote | None = None
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend()
+
+    def stateful(self) -> tuple[list[Any], list[Any]]:
+        """(memories, other stateful components) a round may change: what a non-finite round
+        rolls back. Listed by the route table (every route's memory and communicator, every
+        compressor, fused ones included), so nothing a communicator keeps can be missed."""
+        memories, others = round_components(self.table)
+        if self._extra_state is not None:
+            others += self._extra_state()
+        return memories, others
+
+    # --- a round ----------------------------------------------------------------------------------
+    def begin(self, stats: StepStats, step: int, active: bool = True) -> RoundState:
+        st = RoundState(stats, CommEnv(self.backend, stats, step), active=active)
+        if active:
+            memories, others = self.stateful()
+            self.loss_scale.sync(memories, self.table.unique_compressors())
+            self.rollback.keep(memories, others)
+        return st
+
+    @staticmethod
+    def check_finite(st: RoundState, name: str, g: Tensor) -> None:
+        # a sum is one cheap pass and is NaN/Inf whenever g holds one; a finite but overflowing sum
+        # is confirmed with the exact test before anything is reported
+        if not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
+            st.nonfinite.append(name)
+
+    def launch(self, st: RoundState, b: Bucket, grads: list[Tensor], used: list[bool] | None = None) -> None:
+        """Compensate, compress and start bucket ``b`` (``used[i]`` False: this rank contributes
+        zeros for that parameter and leaves its residual alone)."""
+        with st.stats.timing("compress"):
+            entries = error_feedback.entries(b, grads, self.table.compressors, used, self.backend.size())
+        self.start(st, b, entries)
+
+    def start(self, st: RoundState, b: Bucket, entries: list[Entry]) -> None:
+        """Start bucket ``b`` from entries already compensated (and maybe compressed off-thread)."""
+        st.launched = True
+        st.env.bucket_index = b.index
+        st.order.append((b, b.communicator.start(entries, st.env)))
+
+    def complete(self, st: RoundState) -> tuple[list[list[Tensor]], Vote] | None:
+        """Vote, finish every launched bucket in launch order, then roll back (a non-finite vote)
+        or keep. Returns the means per launched bucket and the vote; None for a rank that only
+        shadowed the collectives (joined) and needs no outputs."""
+        handle = self._start_vote(st)
+        outs: list[list[Tensor]] = []
+        for b, pending in st.order:
+            st.env.bucket_index = b.index
+            t0 = time.perf_counter()
+            outs.append(b.communicator.finish(pending, st.env))
+            dt = time.perf_counter() - t0
+            st.stats.bucket_sync_s[b.index] = st.stats.bucket_sync_s.get(b.index, 0.0) + dt
+        vote = self._read_vote(handle.wait())
+        self.last_vote = vote
+        if not st.active and not st.keep_outputs:
+            return None
+        if vote.nonfinite:
+            self.rollback.restore()
+            if self.nonfinite == "raise":
+                self._raise_nonfinite(st)
+            st.stats.extra["nonfinite"] = 1.0
+        self.rollback.clear()
+        return outs, vote
+
+    # --- the vote ---------------------------------------------------------------------------------
+    def _start_vote(self, st: RoundState) -> Handle:
+        names = self.table.params
+        n, world = len(names), self.backend.size()
+        flag = torch.zeros(1 + n + world)
+        flag[0] = 1.0 if st.nonfinite else 0.0
+        if st.used:
+            index = self.table.index_of
+            flag[[1 + index[u] for u in st.used]] = 1.0
+        if st.active and st.report_active:
+            flag[1 + n + self.backend.rank()] = 1.0
+        return self.backend.allreduce_async(flag, average=False)
+
+    def _read_vote(self, total: Tensor) -> Vote:
+        n = len(self.table.params)
+        vals = total.tolist()
+        return Vote(vals[0] > 0, [v > 0 for v in vals[1:1 + n]], [r for r, v in enumerate(vals[1 + n:]) if v > 0])
+
+    def _raise_nonfinite(self, st: RoundState) -> None:
+        where = self.backend.allgather_object(st.nonfinite[:5])
+        bad = {r: names for r, names in enumerate(where) if names}
+        raise NonFiniteGradientError(
+            "non-finite gradient (NaN or Inf) on " + "; ".join(f"rank {r}: {', '.join(n)}" for r, n in bad.items())
+            + ". Every component state was left as before this step. Use loss scaling (torch.amp.GradScaler, "
+            "with `nonfinite: propagate`, the default) or lower the learning rate; `nonfinite: skip` drops such steps.")
+
+
+def per_parameter(b: Bucket, outs: list[Tensor], numels: list[int]) -> list[Tensor]:
+    """A fused bucket's one flat mean split back into its parameters' pieces (flat views)."""
+    if b.fused_compressor is None:
+        return outs
+    flat, off, pieces = outs[0].reshape(-1), 0, []
+    for k in numels:
+        pieces.append(flat[off:off + k])
+        off += k
+    return pieces
+
+
+def poisoned(b: Bucket, vote: Vote) -> bool:
+    """After a non-finite vote, means that went through a compressor are set to NaN on every rank,
+    so GradScaler (or any finite check) sees the same non-finite step everywhere; uncompressed ones
+    hold the plain average."""
+    return vote.nonfinite and b.route.compressor.name != "none"
+
+
+__all__ = ["NONFINITE_MODES", "RoundState", "Rounds", "Vote", "per_parameter", "poisoned"]
