@@ -506,7 +506,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                       f"({size['acc_target']} / {size['loss_target']} / {size['lm_target']})."))
     commands = list(dict.fromkeys(r["command"] for r in rows if "command" in r))
     if commands:
-        lines += ["Rows measured by: " + "; ".join(f"`{c}`" for c in commands) + ".", ""]
+        lines += ["Rows measured by: " + "; ".join(f"`{c}`" for c in commands) + ". The `vs ddp_bf16` "
+                  "columns divide by the table's `ddp_bf16` row, from the latest of these runs that measured it; "
+                  "rows measured in that same run (listed after it) compare within one run, earlier rows "
+                  "across runs (the machine's noise between runs is a few seconds per arm).", ""]
     lines += [f"{args.hosts} emulated hosts (`adacomp netem`: namespaces + tbf egress cap, gloo over the capped links), "
               "one worker per host; the 4 workers share 2 CPU cores (with other jobs), so compute is slow and noisy. "
               "Clock: training only (evaluation paused out), slowest host. Same initial weights and batches per arm. "

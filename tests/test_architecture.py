@@ -27,6 +27,22 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
+def from_import_targets(node: ast.ImportFrom, package: str, modules: dict[str, Path]) -> set[str]:
+    """The package modules a ``from X import a, b`` names (relative imports resolved against ``package``)."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    out: set[str] = set()
+    for a in node.names:
+        full = f"{base}.{a.name}"
+        if full in modules:
+            out.add(full)
+        elif base in modules:
+            out.add(base)
+    return out
+
+
 def _top_level_imports(tree: ast.Module, me: str, modules: dict[str, Path]) -> set[str]:
     out: set[str] = set()
     package = me if modules[me].name == "__init__.py" else me.rpartition(".")[0]
@@ -41,16 +57,7 @@ def _top_level_imports(tree: ast.Module, me: str, modules: dict[str, Path]) -> s
             elif isinstance(node, ast.Import):
                 out.update(a.name for a in node.names if a.name in modules)
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                for a in node.names:
-                    full = f"{base}.{a.name}"
-                    if full in modules:
-                        out.add(full)
-                    elif base in modules:
-                        out.add(base)
+                out.update(from_import_targets(node, package, modules))
     visit(tree.body)
     out.discard(me)
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.test_architecture import _is_type_checking, _modules
+from tests.test_architecture import _is_type_checking, _modules, from_import_targets
 
 # lowest first: (layer, module prefixes); a module belongs to its longest matching prefix
 LAYERS: list[tuple[str, list[str]]] = [
@@ -74,16 +74,7 @@ def all_imports(me: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 if name:
                     out.add(name)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            for a in node.names:
-                full = f"{base}.{a.name}"
-                if full in modules:
-                    out.add(full)
-                elif base in modules:
-                    out.add(base)
+            out.update(from_import_targets(node, package, modules))
     out.discard(me)
     return out
 
