@@ -84,8 +84,8 @@ class HookState:
             raise ValueError("adacomp.ddp.hook: pass either backend or process_group, not both")
         named = list(named_parameters or [])
         self._names = {id(p): n for n, p in named}
-        self._named = bool(named)
-        self._model: set[int] | None = set(self._names) if named else None  # the model this state serves
+        # the parameters of the model this state serves: named ones, else those of the first round
+        self._model: set[int] | None = set(self._names) if named else None
         self._backend = backend
         self._group = process_group
         self.table = RouteTable(self.config, [])
@@ -98,7 +98,6 @@ class HookState:
         self.steps = 0
         self._round: RoundState | None = None
         self._waiting: list[_Waiting] = []
-        self._seen: set[int] = set()  # parameters met in the round in flight
         self.last_stats: StepStats | None = None
         self.io = ComponentState(None, self.table, self.loss_scale, lambda: None, lambda: self.steps,
                                  self._set_steps)
@@ -136,7 +135,7 @@ class HookState:
     def name_of(self, p: Tensor) -> str:
         name = self._names.get(id(p))
         if name is None:
-            if self._named or (self._model is not None and id(p) not in self._model):
+            if self._model is not None:
                 raise RuntimeError(
                     "this adacomp hook state met a parameter of another model: one state per DDP model "
                     "(its step counter, residuals and rounds belong to one model). Create one "
@@ -147,7 +146,6 @@ class HookState:
     def _groups(self, index: int, params: list[Tensor], grads: list[Tensor]) -> list[_Group]:
         by_route: dict[str, tuple[list[str], list[Tensor]]] = {}
         for p, g in zip(params, grads):
-            self._seen.add(id(p))
             name = self.name_of(p)
             route = self.table.ensure(name, p)
             names, gs = by_route.setdefault(route.key, ([], []))
@@ -173,7 +171,6 @@ class HookState:
     def __call__(self, bucket: Any) -> torch.futures.Future:
         if self._round is None:
             self._round = self.rounds.begin(StepStats(step=self.steps), self.steps)
-            self._seen = set()
         st = self._round
         groups = self._groups(bucket.index(), list(bucket.parameters()), list(bucket.gradients()))
         for grp in groups:
@@ -190,7 +187,7 @@ class HookState:
     def _complete(self, st: RoundState) -> None:
         waiting, self._waiting, self._round = self._waiting, [], None
         if self._model is None:
-            self._model = set(self._seen)  # the first round defines the model this state serves
+            self._model = set(self._names)  # the first round defines the model this state serves
         result = self.rounds.complete(st)
         assert result is not None  # every rank of a DDP model is active
         outs, vote = result
