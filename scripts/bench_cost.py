@@ -116,6 +116,7 @@ def cell(model: str, method: str, steps: int) -> dict:
     import torch
     from adacomp import communicators, compressors, memories
     from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.error_feedback import exchange
     from adacomp.engine.metrics import StepStats
     from _cost_shapes import MirrorBackend
 
@@ -141,7 +142,7 @@ def cell(model: str, method: str, steps: int) -> dict:
             # AR-Topk: even steps make this rank the root (it runs Top-k); see MirrorBackend
             env = CommEnv(backend, stats, step=2 * step, bucket_index=bi)
             entries = [Entry(n, memory.compensate(fresh[n], n), comp, memory) for n, _ in b]
-            outs += comm.finish(comm.start(entries, env), env)
+            outs += exchange(comm, entries, env)
         comp.on_step(step + 1)
         dt = time.perf_counter() - t0
         if step:

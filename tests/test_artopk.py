@@ -46,6 +46,7 @@ def _artopk_worker(selections: list[str]) -> dict:
     import adacomp
     from adacomp import memories
     from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.error_feedback import exchange
     from adacomp.engine.metrics import StepStats
 
     backend = adacomp.init("torch")
@@ -61,7 +62,7 @@ def _artopk_worker(selections: list[str]) -> dict:
             G = {e.name: e.tensor.clone() for e in entries}
             stats = StepStats(step=step)
             env = CommEnv(backend, stats, step=step, bucket_index=3)
-            res = comm.finish(comm.start(entries, env), env)
+            res = exchange(comm, entries, env)
             rec.append({"G": G, "out": {e.name: r.clone() for e, r in zip(entries, res)},
                         "residual": {n: mem.residuals[n].clone() for n in SHAPES},
                         "root": int(stats.extra["artopk_root_b3"]), "gain": stats.gain,

@@ -17,7 +17,8 @@ TOPK = {"compressor": {"name": "topk", "density": 0.05}, "memory": {"name": "res
         "communicator": {"name": "allgather"}, "min_numel": 512}
 DGC = {"compressor": {"name": "dgc", "density": 0.05, "sample_ratio": 0.1}, "memory": {"name": "dgc", "momentum": 0.9},
        "communicator": {"name": "allgather"}, "min_numel": 512}
-CONFIGS = {"topk": TOPK, "dgc": DGC}
+ALLTOALL = {**TOPK, "communicator": {"name": "alltoall"}}  # its second-stage error is a declared memory
+CONFIGS = {"topk": TOPK, "dgc": DGC, "alltoall": ALLTOALL}
 
 
 def _build(cfg: dict[str, Any]):
@@ -149,9 +150,19 @@ def _world_job(plan: list[tuple[str | None, str | None, int]]) -> list[dict[str,
     return results
 
 
-def _assert_owed_equal(before: list[dict[str, Any]], after: list[dict[str, Any]], what: str) -> None:
+def _owner(method: str) -> Any:
+    """An optimizer of ``method``'s config: its components know their resharding rules."""
+    import adacomp
+    adacomp.init()
+    try:
+        return _build(CONFIGS[method])[1]
+    finally:
+        adacomp.shutdown()
+
+
+def _assert_owed_equal(before: list[dict[str, Any]], after: list[dict[str, Any]], what: str, owner: Any) -> None:
     from adacomp.runtime.checkpoint import owed
-    a, b = owed(before), owed(after)
+    a, b = owed(before, owner), owed(after, owner)
     assert a and set(a) == set(b), (what, sorted(a), sorted(b))
     nonzero = False
     for k in a:
@@ -176,27 +187,46 @@ def test_resume_on_another_world_size_keeps_what_the_averaged_update_owes(tmp_pa
     back = _world_job([(two, None, 0)])                                            # 2 -> 1
     chains = ((w4, [r[0] for r in w2], "4 -> 2"), ([w1[0]], [r[1] for r in w2], "1 -> 2"),
               ([r[0] for r in w2], [back[0]], "2 -> 1"))
+    from adacomp.runtime.checkpoint import owed
     for m in CONFIGS:
+        owner = _owner(m)
+        if m == "alltoall":  # parts of the averaged tensor: every rank holds a different one
+            assert any("communicator/" in k for k in owed([r[m]["saved"] for r in w4], owner))
         for old, new, what in chains:
-            _assert_owed_equal([r[m]["saved"] for r in old], [r[m]["loaded"] for r in new], f"{m} {what}")
-            # every new rank starts from the same state, and the wrapped optimizer's is carried over
+            _assert_owed_equal([r[m]["saved"] for r in old], [r[m]["loaded"] for r in new], f"{m} {what}", owner)
+            # every new rank starts from the same state (but its own part of the averaged tensor),
+            # and the wrapped optimizer's is carried over
             for r in new:
-                assert state_diff(r[m]["loaded"], new[0][m]["loaded"]) == [], (m, what)
+                if m != "alltoall":
+                    assert state_diff(r[m]["loaded"], new[0][m]["loaded"]) == [], (m, what)
                 assert state_diff(_wrapped(r[m]["loaded"]), _wrapped(old[0][m]["saved"])) == [], (m, what)
         assert [r[0][m]["step"] for r in w2] == [3, 3] and [r[1][m]["step"] for r in w2] == [2, 2]
         assert back[0][m]["step"] == 5
 
 
-def test_reshard_rule_on_plain_states() -> None:
-    """The rule itself: memory residuals averaged, communicator parts re-split, the rest from s % W."""
+def test_reshard_asks_each_component_for_its_rule() -> None:
+    """Route memory residuals averaged, the alltoall's declared memory re-cut, compressor state and
+    the wrapped optimizer's from old rank s % W, a route the optimizer does not have now built
+    from its saved spec: every rule is the component's own method, no key path is matched."""
     from adacomp.runtime.checkpoint import reshard
+    owner = _owner("alltoall")
+    live = owner.io.components()
+    mem = next(k for k in live if k.startswith("memory/") and "alltoall" in k)
+    comm = mem.replace("memory/", "communicator/", 1)
+    other = next(k for k in live if k.startswith("memory/") and k != mem).replace('"allreduce"', '"alltoall"')
     old = [{"state": {"r": r}, "adacomp": {"steps": 5, "components": {
-        "memory/0": {"residuals": {"w": torch.full((3,), float(r + 1))}},
-        "communicator/0": {"residuals": {"w": torch.arange(3.0) + 3 * r}}}}} for r in range(2)]
-    one = reshard(old, 1, 0)
-    assert torch.equal(one["adacomp"]["components"]["memory/0"]["residuals"]["w"], torch.full((3,), 1.5))
-    assert torch.equal(one["adacomp"]["components"]["communicator/0"]["residuals"]["w"], torch.arange(6.0))
-    three = [reshard(old, 3, s) for s in range(3)]
+        mem: {"residuals": {"w": torch.full((3,), float(r + 1))}},
+        comm: {"residuals": {"w": torch.arange(3.0) + 3 * r}},
+        other.replace("memory/", "communicator/", 1): {"residuals": {"v": torch.arange(2.0) + 2 * r}},
+        "compressor/fc1.weight": {"seen": r}}}} for r in range(2)]
+    one = reshard(old, 1, 0, owner)["adacomp"]["components"]
+    assert torch.equal(one[mem]["residuals"]["w"], torch.full((3,), 1.5))
+    assert torch.equal(one[comm]["residuals"]["w"], torch.arange(6.0))
+    assert torch.equal(one[other.replace("memory/", "communicator/", 1)]["residuals"]["v"], torch.arange(4.0))
+    three = [reshard(old, 3, s, owner) for s in range(3)]
     assert [t["state"]["r"] for t in three] == [0, 1, 0]
-    parts = [t["adacomp"]["components"]["communicator/0"]["residuals"]["w"] for t in three]
+    assert [t["adacomp"]["components"]["compressor/fc1.weight"]["seen"] for t in three] == [0, 1, 0]
+    parts = [t["adacomp"]["components"][comm]["residuals"]["w"] for t in three]
     assert torch.equal(torch.cat(parts), torch.arange(6.0)) and [p.numel() for p in parts] == [2, 2, 2]
+    with pytest.raises(ValueError, match="DistributedOptimizer"):
+        reshard(old, 1, 0, torch.optim.SGD([torch.zeros(1)], lr=0.1))

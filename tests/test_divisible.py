@@ -89,6 +89,7 @@ def simulate(world: int, steps: int, name: str, params: dict, feedback: bool) ->
 def _divisible_worker(name: str, params: dict, feedback: bool, steps: int) -> list:
     import adacomp.backends
     from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.error_feedback import exchange
     from adacomp.engine.metrics import StepStats
     backend = adacomp.backends.create("torch")
     comm = communicators.get("alltoall", feedback=feedback)
@@ -99,7 +100,7 @@ def _divisible_worker(name: str, params: dict, feedback: bool, steps: int) -> li
         entries = [Entry(f"t{i}", mem.compensate(_grad(backend.rank(), step, i), f"t{i}"), comp, mem)
                    for i in range(len(SHAPES))]
         env = CommEnv(backend, StepStats(), step)
-        out.append(comm.finish(comm.start(entries, env), env))
+        out.append(exchange(comm, entries, env))
     return plain(out)
 
 
@@ -131,13 +132,21 @@ def test_alltoall_refuses_multi_round_compressors() -> None:
 
 
 def test_alltoall_state_roundtrip() -> None:
+    """The second-stage error is a declared memory: saved, loaded (also under the older per-part
+    keys), listed for the engine and resharded by its own rule (parts concatenated and re-cut)."""
     comm = communicators.get("alltoall")
-    comm.residuals["w/part0"] = torch.ones(3)
+    assert comm.memories() == [comm.second]
+    comm.second.residuals["w"] = torch.ones(3)
     other = communicators.get("alltoall")
     other.load_state_dict(comm.state_dict())
-    assert torch.equal(other.residuals["w/part0"], torch.ones(3))
+    assert torch.equal(other.second.residuals["w"], torch.ones(3))
+    other.load_state_dict({"residuals": {"w/part1": torch.zeros(2)}})  # written before the memory was declared
+    assert torch.equal(other.second.residuals["w"], torch.zeros(2))
     with pytest.raises(ValueError, match="unknown state keys"):
         other.load_state_dict({"bogus": 1})
+    old = [{"residuals": {"w": torch.arange(3.0) + 3 * r}} for r in range(2)]
+    three = [comm.reshard(old, 3, s)["residuals"]["w"] for s in range(3)]
+    assert torch.equal(torch.cat(three), torch.arange(6.0)) and [t.numel() for t in three] == [2, 2, 2]
 
 
 # --- offload: compression on the CPU worker thread ----------------------------------------------

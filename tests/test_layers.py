@@ -28,9 +28,6 @@ LAYERS: list[tuple[str, list[str]]] = [
 KNOWN: set[tuple[str, str]] = {
     # the shaped backend follows a netem schedule file while training runs
     ("adacomp.backends.shaped", "adacomp.netem.schedule"),
-    # communicators still call the error-feedback cycle themselves (Entry, commit, commit_rounds)
-    ("adacomp.communicators.allreduce", "adacomp.engine.error_feedback"),
-    ("adacomp.communicators.base", "adacomp.engine.error_feedback"),
     # config validates names against the policy and outer-optimizer registries
     ("adacomp.config", "adacomp.outer"),
     ("adacomp.config", "adacomp.policies"),

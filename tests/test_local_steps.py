@@ -159,8 +159,9 @@ def _run_worker(cfg: dict | None, steps: int, inner: str) -> dict:
     model, opt, sent = _train(cfg, steps, inner)
     out = {"params": _params(model), "sent": sent}
     if cfg is not None:
-        out["residuals"] = _residuals(opt)
         out["synced"] = {n: s.detach().clone() for fr in opt.outer.fragments for n, s in zip(fr.names, fr.synced)}
+        opt.outer.settle()  # a round still in flight (overlap) charges its memory when it finishes
+        out["residuals"] = _residuals(opt)
     return out
 
 

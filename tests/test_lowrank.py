@@ -15,6 +15,7 @@ from adacomp import compressors, memories
 from adacomp.backends.base import LocalBackend
 from adacomp.communicators.allreduce import AllreduceCommunicator
 from adacomp.communicators.base import CommEnv, Entry
+from adacomp.engine.error_feedback import exchange
 from adacomp.compressors._lowrank import orthogonalize
 from adacomp.engine.metrics import StepStats
 
@@ -282,7 +283,7 @@ def test_allreduce_communicator_drives_rounds_with_mixed_and_dense_only_buckets(
         outs = {}
         for names in buckets:
             entries = [Entry(n, mem.compensate(grads[n].clone(), n), comp, mem) for n in names]
-            outs.update(zip(names, comm.finish(comm.start(entries, env), env)))
+            outs.update(zip(names, exchange(comm, entries, env)))
         comp.on_step(comp.step + 1)
         expected = step(ref_c, ref_m, [grads])[0]
         for k in grads:

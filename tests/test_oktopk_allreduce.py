@@ -24,6 +24,7 @@ def _worker(comp: dict, comm: dict, steps: int) -> list:
     import adacomp.backends
     from adacomp import memories
     from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.error_feedback import exchange
     from adacomp.engine.metrics import StepStats
     backend = adacomp.backends.create("torch")
     rank = backend.rank()
@@ -37,7 +38,7 @@ def _worker(comp: dict, comm: dict, steps: int) -> list:
         accs = [mem.compensate(grad(rank, step, i), f"t{i}").clone() for i in range(len(SHAPES))]
         entries = [Entry(f"t{i}", a, c, mem) for i, a in enumerate(accs)]
         env = CommEnv(backend, StepStats(), step)
-        res = com.finish(com.start(entries, env), env)
+        res = exchange(com, entries, env)
         resid = [mem.residuals[f"t{i}"].clone() for i in range(len(SHAPES))]
         out.append((accs, res, resid, dict(env.stats.extra)))
     return plain(out)

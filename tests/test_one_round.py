@@ -38,7 +38,7 @@ COMMUNICATORS: dict[str, dict[str, Any]] = {
             "communicator": {"name": "allgather"}},
 }
 # state that must really be there, so "unchanged" is not vacuous
-EXPECT = {"allgather": "residuals", "alltoall": "/part", "oktopk": "threshold", "artopk": "residuals",
+EXPECT = {"allgather": "residuals", "alltoall": "alltoall\"}]/residuals", "oktopk": "threshold", "artopk": "residuals",
           "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity"}
 NAN_RANK, NAN_PARAM = 1, "fc1.weight"
 BEFORE, AFTER = 3, 3

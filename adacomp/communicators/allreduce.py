@@ -15,7 +15,6 @@ from adacomp.backends.base import Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.communicators.fuse import flatten, unflatten
 from adacomp.compressors.base import Compressor
-from adacomp.engine.error_feedback import commit_rounds
 
 
 @dataclass
@@ -77,6 +76,7 @@ class AllreduceCommunicator(Communicator):
         out = []
         with env.stats.timing("compress"):
             for e, mean in zip(p.entries, means):
-                commit_rounds(e, mean)
+                if e.compressor.rounds > 1:  # the residual is measured against what every rank applies
+                    e.report(e.compressor, mean, e.ctx)
                 out.append(e.compressor.decompress(mean, e.ctx).view(e.tensor.shape))
         return out

@@ -22,7 +22,10 @@ Choices the paper leaves open, stated here:
 * **Error feedback on both compressions.** The first compression feeds the configured memory
   (residual / dgc) exactly like ``allgather``. With ``feedback: true`` (default) rank ``j`` also
   keeps the error of its second compression of part ``j`` and adds it to the next step's average,
-  as DoubleSqueeze (Tang et al., 2019) does on its server side; ``false`` drops that error.
+  as DoubleSqueeze (Tang et al., 2019) does on its server side; ``false`` drops that error. That
+  error lives in a declared memory (:class:`~adacomp.memories.parts.PartResidualMemory`): the
+  engine updates it with the route memories after ``finish``, rolls it back and rescales it with
+  them, and checkpoints reshard it by its own rule.
 """
 from __future__ import annotations
 
@@ -33,19 +36,10 @@ import torch
 from torch import Tensor
 
 from adacomp.communicators.allgather import _split_counts, _workspace, gather_payloads, layout, pack, unpack
-from adacomp.communicators.base import CommEnv, Communicator, Entry, register
+from adacomp.communicators.base import Charge, CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
-
-
-def bounds(numel: int, world: int) -> list[tuple[int, int]]:
-    """Contiguous parts as ``torch.tensor_split``: the first ``numel % world`` parts get one more."""
-    base, extra = divmod(numel, world)
-    out, lo = [], 0
-    for j in range(world):
-        hi = lo + base + (1 if j < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+from adacomp.memories.base import Memory
+from adacomp.memories.parts import PartResidualMemory, bounds
 
 
 @dataclass
@@ -71,8 +65,8 @@ def _decompress_into(out: Tensor, comp: Compressor, payload: list[Tensor], ctx: 
 
 
 class _Joined:
-    """The parts of one tensor seen as one compression: what ``memory.update`` and the step's
-    statistics expect (``decompress`` gives the whole tensor; sparse payloads use global indices)."""
+    """The parts of one tensor seen as one compression: what the route memory's update and the
+    step's statistics expect (``decompress`` gives the whole tensor; sparse payloads use global indices)."""
 
     def __init__(self, comp: Compressor, parts: list[_Part], spans: list[tuple[int, int]], like: Tensor):
         self.comp, self.parts, self.spans, self.like = comp, parts, spans, like
@@ -123,7 +117,7 @@ class AlltoallCommunicator(Communicator):
 
     def __init__(self, feedback: bool = True):
         self.feedback = bool(feedback)
-        self.residuals: dict[str, Tensor] = {}
+        self.second = PartResidualMemory()
 
     def check(self, compressor: Compressor) -> None:
         if compressor.rounds != 1:
@@ -138,7 +132,7 @@ class AlltoallCommunicator(Communicator):
         parts = [_compress(e.compressor, flat[lo:hi], f"{e.name}/part{j}") for j, (lo, hi) in enumerate(spans)]
         joined = _Joined(e.compressor, parts, spans, e.tensor)
         e.payload, e.ctx = joined.payload(), joined
-        e.memory.update(e.tensor, e.name, joined, e.payload, None)
+        e.report(joined, e.payload, None)
 
     def precompress(self, entries: list[Entry], world: int) -> None:
         self._world = world
@@ -213,20 +207,27 @@ class AlltoallCommunicator(Communicator):
                 _decompress_into(tmp, e.compressor, payload, ctx)
                 acc.add_(tmp)
         acc.div_(world)
-        key = f"{e.name}/part{me}"
-        if self.feedback and key in self.residuals:
-            acc.add_(self.residuals[key])
-        part = _compress(e.compressor, acc, f"{e.name}/agg{me}")
         if self.feedback:
-            _decompress_into(tmp, e.compressor, part.payload, part.ctx)
-            self.residuals[key] = acc - tmp  # a new tensor: a payload may be a view of acc
+            self.second.compensate(acc, e.name)
+        part = _compress(e.compressor, acc, f"{e.name}/agg{me}")
+        if self.feedback:  # the engine stores acc minus what the recompressed part reconstructs
+            e.also_charge(Charge(self.second, acc, e.name, e.compressor, part.payload, part.ctx))
         return part
 
+    def memories(self) -> list[Memory]:
+        return [self.second]
+
+    def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+        return self.second.reshard(states, world, rank)
+
+    def owed(self, states: list[dict[str, Any]]) -> dict[str, Tensor]:
+        return self.second.owed(states)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+        return self.second.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = sorted(set(state) - {"residuals"})
         if unknown:
             raise ValueError(f"communicator 'alltoall' got unknown state keys {unknown}")
-        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self.second.load_state_dict(state)

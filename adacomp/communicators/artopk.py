@@ -11,8 +11,8 @@ Per step and per bucket (all entries of the bucket are fused into one broadcast 
    allgather of N floats (lines 10-13; ties go to the lowest rank);
 2. that rank runs the compressor's Top-k and broadcasts the indices (line 14); the other ranks know
    the count from ``k = max(1, round(density * numel))``;
-3. each rank gathers ``G[idx]`` (line 15) and ``memory.update`` stores ``G - scatter(G[idx])``
-   (line 16, the residual identity);
+3. each rank gathers ``G[idx]`` (line 15) and reports ``[G[idx], idx]`` as its contribution, from
+   which the engine's memory update stores ``G - scatter(G[idx])`` (line 16, the residual identity);
 4. one allreduce (mean) of the values (line 17); ``finish`` scatters the mean into zeros.
 
 ``start`` *blocks* on the broadcast (values cannot be gathered before the indices arrive), so with
@@ -160,7 +160,6 @@ class ARTopkCommunicator(Communicator):
                 v = flat.index_select(0, idx)  # int32 indices are accepted: no int64 copy, no advanced indexing
                 e.payload = [v, idx]
                 e.ctx = SparseCtx(e.tensor.shape, flat.numel(), e.tensor.dtype, e.tensor.device)
-                e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
                 values.append(v)
                 indices.append(idx)
                 env.stats.add_gain(square_sum(v), square_sum(flat))

@@ -1,10 +1,16 @@
 """Communicator contract: move the payloads of one fusion bucket and return the mean over ranks.
 
-The optimizer hands a communicator a bucket (a list of :class:`Entry`, one per parameter, or one
+The engine hands a communicator a bucket (a list of :class:`Entry`, one per parameter, or one
 entry for a whole bucket when the compressor's granularity is ``"bucket"``). ``start`` compresses
-the entries, updates error-feedback memory and launches the collective(s) without waiting;
-``finish`` waits, runs any further rounds (PowerSGD's Q), decompresses and returns, per entry, the
-**mean over ranks** of what the ranks sent, in the entry's shape.
+the entries and launches the collective(s) without waiting; ``finish`` waits, runs any further
+rounds (PowerSGD's Q), decompresses and returns, per entry, the **mean over ranks** of what the
+ranks sent, in the entry's shape.
+
+Communicators move payloads only: they never touch error-feedback memory. Where what this rank
+actually contributed differs from its compressed payload (AR-Topk's broadcast indices, Ok-Topk's
+global selection, a multi-round compressor's last mean, the divisible scheme's parts) the
+communicator says so with :meth:`Entry.report`; the engine updates the memory from that report
+once ``finish`` has returned (:func:`adacomp.engine.error_feedback.settle`).
 
 The optimizer calls ``start`` for buckets in bucket-index order and ``finish`` in the same order on
 every rank; a communicator must launch its collectives in an order that depends only on that
@@ -21,10 +27,61 @@ from torch import Tensor
 
 from adacomp.backends.base import Backend
 from adacomp.compressors.base import Compressor
-from adacomp.engine.error_feedback import Entry, commit
+from adacomp.memories.base import Memory
 from adacomp.errors import IncompatibleComponentsError
 from adacomp.engine.metrics import StepStats
 from adacomp.registry import Registry
+
+@dataclass
+class Charge:
+    """One error-feedback update the engine owes after ``finish``: ``memory`` keeps ``tensor``
+    minus what ``compressor`` reconstructs from ``payload`` (what this rank contributed)."""
+
+    memory: Memory
+    tensor: Tensor
+    name: str
+    compressor: Any
+    payload: list[Tensor]
+    ctx: Any
+
+    def apply(self) -> None:
+        self.memory.update(self.tensor, self.name, self.compressor, self.payload, self.ctx)
+
+
+@dataclass
+class Entry:
+    """One tensor travelling through a communicator.
+
+    ``tensor`` is the error-compensated gradient in its original shape; ``payload`` / ``ctx`` are
+    filled when it is compressed. The payload travels; ``ctx`` stays on this rank. A communicator
+    whose contribution differs from ``payload`` says so with :meth:`report`; one that keeps a
+    declared memory of its own adds that memory's update with :meth:`also_charge`.
+    """
+
+    name: str
+    tensor: Tensor
+    compressor: Compressor
+    memory: Memory
+    payload: list[Tensor] | None = None
+    ctx: Any = None
+    sent: Charge | None = None
+    extra: list[Charge] = field(default_factory=list)
+
+    def report(self, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
+        """What this rank actually contributed, in place of the compressed payload."""
+        self.sent = Charge(self.memory, self.tensor, self.name, compressor, payload, ctx)
+
+    def also_charge(self, charge: Charge) -> None:
+        self.extra.append(charge)
+
+    def charges(self) -> list[Charge]:
+        """Every memory update this entry owes: its route memory's (by default from the compressed
+        payload) and any the communicator added."""
+        if self.sent is None:
+            assert self.payload is not None, f"{self.name}: the entry was never compressed"
+            self.sent = Charge(self.memory, self.tensor, self.name, self.compressor, self.payload, self.ctx)
+        return [self.sent, *self.extra]
+
 
 registry: Registry["Communicator"] = Registry("communicator", "adacomp.communicators")
 register = registry.register
@@ -52,7 +109,7 @@ class Communicator:
         """Raise :class:`IncompatibleComponentsError` if ``compressor``'s payload cannot travel here."""
 
     def start(self, entries: list[Entry], env: CommEnv) -> Any:
-        """Compress ``entries``, update memory, launch the collective(s); return a pending object."""
+        """Compress ``entries`` and launch the collective(s); return a pending object."""
         raise NotImplementedError(f"{type(self).__name__} must implement start()")
 
     def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
@@ -66,25 +123,42 @@ class Communicator:
         if state:
             raise ValueError(f"communicator {self.name!r} is stateless but got keys {sorted(state)}")
 
+    def memories(self) -> list[Memory]:
+        """Error-feedback memories this communicator keeps itself (the divisible scheme's
+        second-stage error). Declared so the engine rolls them back and rescales them with the
+        route memories, and checkpoints reshard them by their own rule. A communicator that
+        declares memories keeps its whole state in them."""
+        return []
+
+    def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+        """This communicator's state for ``rank`` of ``world`` from every old rank's state (rank
+        order): by default old rank ``rank % len(states)``'s (thresholds, bounds: equal on every
+        rank). A communicator whose state is a declared memory defers to that memory's rule."""
+        return states[rank % len(states)]
+
+    def owed(self, states: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """What the ranks' declared memories still owe (see ``Memory.owed``); none by default."""
+        return {}
+
     # Offloading (ByteComp §4.2 Dimension 2, "compress on CPU") -------------------------------
     #: True when ``start`` compresses every entry with :meth:`precompress` before any collective,
     #: so the optimizer may run that stage on its CPU worker thread and call ``start`` later.
     offloadable: ClassVar[bool] = False
 
     def precompress(self, entries: list[Entry], world: int) -> None:
-        """Compress (and update memory for) every entry not compressed yet. Touches no collective
-        and no step statistics, so it is safe on a worker thread."""
+        """Compress every entry not compressed yet. Touches no collective, no memory and no step
+        statistics, so it is safe on a worker thread."""
         for e in entries:
             if e.payload is None:
                 self.compress_one(e)
 
     def compress_one(self, e: Entry) -> None:
-        commit(e)  # the error-feedback cycle lives in adacomp.engine.error_feedback
+        e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
 
     # Shared helpers ---------------------------------------------------------------------------
     def compress_entries(self, entries: list[Entry], env: CommEnv) -> None:
-        """Compress every entry not compressed yet (an offloaded entry already is); for
-        single-round compressors update memory right away. Records compress time and gain."""
+        """Compress every entry not compressed yet (an offloaded entry already is). Records
+        compress time and gain."""
         with env.stats.timing("compress"):
             self.precompress(entries, env.backend.size())
         self.record(entries, env)

@@ -27,7 +27,7 @@ about k/P pairs from each rank, not a dense region's worth). Between re-balancin
 kept.
 
 **Error feedback for both stages.** Ok-Topk keeps in the residual every error-compensated value
-the global result did not use: a rank's ``memory.update`` receives as payload only its local pairs
+the global result did not use: a rank reports as its contribution only its local pairs
 whose index made the global selection, so what the local stage dropped *and* what the global
 threshold dropped at its indices stays in its residual (sum over ranks of what is applied plus
 the residuals equals the sum of the compensated gradients).
@@ -245,7 +245,7 @@ class OkTopkCommunicator(Communicator):
                 all_idx.append(i.to(torch.int64))
                 off += tot
             g_idx, g_vals = torch.cat(all_idx), torch.cat(all_vals)  # ascending: regions are ordered
-            self._feedback(p, g_idx)
+            self._report_kept(p, g_idx)
             return self._means(p, g_idx, g_vals, world)
 
     def _global_select(self, key: str, k: int, mags: Tensor, backend: Backend,
@@ -312,9 +312,9 @@ class OkTopkCommunicator(Communicator):
         return sel, [int(c) for c in counts]
 
     @staticmethod
-    def _feedback(p: _Pending, g_idx: Tensor) -> None:
-        """``memory.update`` with this rank's pairs whose index the global selection kept: the
-        residual keeps every compensated value the aggregate did not use (both stages' drops)."""
+    def _report_kept(p: _Pending, g_idx: Tensor) -> None:
+        """Report this rank's pairs whose index the global selection kept: the residual the
+        engine stores keeps every compensated value the aggregate did not use (both stages' drops)."""
         kept = torch.isin(p.idx, g_idx)
         kept_unsorted = torch.empty_like(kept)
         kept_unsorted[p.perm] = kept
@@ -324,7 +324,7 @@ class OkTopkCommunicator(Communicator):
             mask = kept_unsorted[start:start + n]
             start += n
             vals, idx = e.payload[0].reshape(-1), e.payload[1].reshape(-1)  # type: ignore[index]
-            e.memory.update(e.tensor, e.name, e.compressor, [vals[mask], idx[mask]], e.ctx)
+            e.report(e.compressor, [vals[mask], idx[mask]], e.ctx)
 
     @staticmethod
     def _means(p: _Pending, g_idx: Tensor, g_vals: Tensor, world: int) -> list[Tensor]:

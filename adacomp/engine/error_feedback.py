@@ -2,10 +2,11 @@
 
 * :func:`entries` compensates a bucket's gradients with what earlier steps did not send
   (``memory.compensate``) and wraps them as communicator entries;
-* :func:`commit` compresses one entry and, for single-round compressors, updates the memory from
-  the payload this rank actually sent. Communicators call it (through
-  ``Communicator.precompress``), multi-round ones call :func:`commit_rounds` with the last round's
-  mean once the rounds are done;
+* the communicator compresses and moves them, and reports what this rank actually contributed
+  (:meth:`~adacomp.communicators.base.Entry.charges`);
+* :func:`settle` updates every memory from that report once the bucket's ``finish`` has returned
+  (for multi-round compressors the report is the last round's mean, so that must wait for
+  ``finish``). Communicators never touch a memory;
 * :class:`Rollback` keeps the state a round may change (memories, compressors, policy) so a
   non-finite round can be undone bitwise on every rank;
 * :class:`LossScale` keeps residuals in the units of the current loss scale: when a
@@ -16,12 +17,12 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch import Tensor
 
+from adacomp.communicators.base import Entry
 from adacomp.compressors.base import Compressor
 from adacomp.memories.base import Memory, NoneMemory
 
@@ -29,22 +30,6 @@ if TYPE_CHECKING:
     from adacomp.engine.routes import Bucket
 
 _NO_MEMORY = NoneMemory()
-
-
-@dataclass
-class Entry:
-    """One tensor travelling through a communicator.
-
-    ``tensor`` is the error-compensated gradient in its original shape; ``payload`` / ``ctx`` are
-    filled by :func:`commit`. The payload travels; ``ctx`` stays on this rank.
-    """
-
-    name: str
-    tensor: Tensor
-    compressor: Compressor
-    memory: Memory
-    payload: list[Tensor] | None = None
-    ctx: Any = None
 
 
 def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor],
@@ -80,18 +65,20 @@ def _flatten(b: "Bucket", grads: list[Tensor]) -> Tensor:
     return torch.cat([g.reshape(-1) for g in grads], out=b.workspace.output(torch.Size([n]), n, g0.dtype, g0.device))
 
 
-def commit(e: Entry) -> None:
-    """Compress ``e``; a single-round compressor's residual is what *this* rank did not send."""
-    e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
-    if e.compressor.rounds == 1:
-        e.memory.update(e.tensor, e.name, e.compressor, e.payload, e.ctx)
+def settle(entries: list[Entry]) -> None:
+    """Error feedback for one finished bucket: each memory keeps what its rank did not contribute
+    (``tensor`` minus what the reported payload reconstructs)."""
+    for e in entries:
+        for charge in e.charges():
+            charge.apply()
 
 
-def commit_rounds(e: Entry, mean: list[Tensor]) -> None:
-    """Multi-round compressors (PowerSGD, ACP-SGD): the residual is measured against the
-    approximation every rank applies, built from the last round's mean payload."""
-    if e.compressor.rounds > 1:
-        e.memory.update(e.tensor, e.name, e.compressor, mean, e.ctx)
+def exchange(communicator: Any, entries: list[Entry], env: Any) -> list[Tensor]:
+    """One bucket through ``communicator`` outside a round (tools, benchmarks, component tests):
+    start, finish, settle. Returns the means."""
+    out = communicator.finish(communicator.start(entries, env), env)
+    settle(entries)
+    return out
 
 
 class _Stateful(Protocol):
@@ -156,4 +143,4 @@ class LossScale:
         self.units = state.get("units")
 
 
-__all__ = ["Entry", "LossScale", "Rollback", "commit", "commit_rounds", "entries"]
+__all__ = ["Entry", "LossScale", "Rollback", "entries", "exchange", "settle"]

@@ -78,6 +78,39 @@ class ComponentState:
         self.loss_scale.load_state_dict(state.get("loss_scale", {}))
         self._set_steps(int(state["steps"]))
 
+    def _owners(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The live component for each saved key, or a fresh one built from the key's route spec
+        (a route the table does not have now)."""
+        live = self.components()
+        return {k: live[k] if k in live else self.table.component_at(k) for k in saved}
+
+    def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+        """The ``"adacomp"`` state for ``rank`` of ``world`` from every old rank's (rank order):
+        each component reshards its own part by its own rule (``reshard(states, world, rank)``:
+        memories average what the ranks owe, the divisible scheme's parts are re-cut, the outer
+        loop recurses into its fragments); a component without the method takes old rank
+        ``rank % W_old``'s state (thresholds, generators, the policy: equal on every rank or
+        per-rank seeds)."""
+        base = states[rank % len(states)]
+        owners = self._owners(base["components"])
+        out: dict[str, Any] = {}
+        for key, node in base["components"].items():
+            rule = getattr(owners[key], "reshard", None)
+            out[key] = rule([s["components"].get(key, {}) for s in states], world, rank) if rule else node
+        return {**base, "components": out}
+
+    def owed(self, states: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """What the averaged update of the ranks whose ``"adacomp"`` states are given still owes,
+        per ``component key/tensor key`` (what :meth:`reshard` keeps; for checks and tests)."""
+        owners = self._owners(states[0]["components"])
+        out: dict[str, Tensor] = {}
+        for key, owner in owners.items():
+            rule = getattr(owner, "owed", None)
+            if rule is not None:
+                for k, t in rule([s["components"].get(key, {}) for s in states]).items():
+                    out[f"{key}/{k}"] = t
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's torch state dict (``state``, ``param_groups``) plus one extra
         key, ``"adacomp"``, with every compressor, memory, communicator and policy state."""
@@ -132,11 +165,14 @@ def keeps_state(obj: Any) -> bool:
 
 def round_components(table: RouteTable) -> tuple[list[Any], list[Any]]:
     """(memories, other stateful components) a round over ``table`` may change: what a non-finite
-    round rolls back. Components that keep no state are left out (nothing to copy)."""
+    round rolls back and a loss-scale change rescales. Memories include those communicators
+    declare (a communicator that declares memories keeps its whole state in them); components
+    that keep no state are left out (nothing to copy)."""
+    comms = list({id(r.communicator): r.communicator for r in table.routes.values()}.values())
     memories = list({id(r.memory): r.memory for r in table.routes.values()}.values())
+    memories += [m for c in comms for m in c.memories()]
     others: list[Any] = [c for c in table.unique_compressors() if keeps_state(c)]
-    others += [c for c in {id(r.communicator): r.communicator for r in table.routes.values()}.values()
-               if keeps_state(c)]
+    others += [c for c in comms if keeps_state(c) and not c.memories()]
     return memories, others
 
 

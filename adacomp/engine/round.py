@@ -1,6 +1,7 @@
 """One communication round, the same for both front ends.
 
-begin -> launch buckets in order -> vote -> finish in order -> roll back or hand the means over.
+begin -> launch buckets in order -> vote -> finish in order (memories settled) -> roll back or hand
+the means over.
 
 :class:`adacomp.engine.step_engine.StepEngine` (the optimizer: gradients from ``p.grad`` hooks,
 means written to ``p.grad``) and :class:`adacomp.engine.ddp.HookState` (gradients from DDP's
@@ -43,7 +44,7 @@ class RoundState:
     keep_outputs: bool = False  # hand the means over even for a shadowing rank (the outer loop needs them)
     used: set[str] = field(default_factory=set)  # parameters this rank contributed in this round
     nonfinite: list[str] = field(default_factory=list)  # this rank's parameters with NaN / Inf
-    order: list[tuple[Bucket, Any]] = field(default_factory=list)  # launched buckets and their handles
+    order: list[tuple[Bucket, list[Entry], Any]] = field(default_factory=list)  # launched: bucket, entries, handle
     launched: bool = False
     passes: int = 0  # finished backward passes in this round
     ready: list[int] = field(default_factory=list)  # per bucket: gradients in
@@ -117,19 +118,22 @@ class Rounds:
         """Start bucket ``b`` from entries already compensated (and maybe compressed off-thread)."""
         st.launched = True
         st.env.bucket_index = b.index
-        st.order.append((b, b.communicator.start(entries, st.env)))
+        st.order.append((b, entries, b.communicator.start(entries, st.env)))
 
     def complete(self, st: RoundState) -> tuple[list[list[Tensor]], Vote] | None:
-        """Vote, finish every launched bucket in launch order, then roll back (a non-finite vote)
-        or keep. Returns the means per launched bucket and the vote; None for a rank that only
+        """Vote, finish every launched bucket in launch order and settle its error feedback (the
+        memories keep what each rank did not contribute), then roll back (a non-finite vote) or
+        keep. Returns the means per launched bucket and the vote; None for a rank that only
         shadowed the collectives (joined) and needs no outputs."""
         handle = self._start_vote(st)
         outs: list[list[Tensor]] = []
-        for b, pending in st.order:
+        for b, entries, pending in st.order:
             st.env.bucket_index = b.index
             t0 = time.perf_counter()
             outs.append(b.communicator.finish(pending, st.env))
             dt = time.perf_counter() - t0
+            with st.stats.timing("compress"):
+                error_feedback.settle(entries)
             st.stats.bucket_sync_s[b.index] = st.stats.bucket_sync_s.get(b.index, 0.0) + dt
         vote = self._read_vote(handle.wait())
         self.last_vote = vote

@@ -164,6 +164,22 @@ class RouteTable:
         return key, route
 
     @staticmethod
+    def component_at(key: str) -> Memory | Communicator | None:
+        """A fresh memory or communicator for a saved component key (``memory/<route spec>``,
+        ``communicator/<route spec>``): a route this table does not have now, e.g. in a checkpoint
+        written after a policy re-routed tensors. None for any other key."""
+        kind, _, spec = key.partition("/")
+        if kind not in ("memory", "communicator"):
+            return None
+        try:
+            _, mem, comm = json.loads(spec.removesuffix("+offload"))
+        except ValueError:
+            return None
+        d = dict(mem if kind == "memory" else comm)
+        name = d.pop("name")
+        return memories.get(name, **d) if kind == "memory" else communicators.get(name, **d)
+
+    @staticmethod
     def _check(name: str, route: Route, compressor: Compressor) -> None:
         try:
             route.communicator.check(compressor)

@@ -7,11 +7,13 @@ One gradient's path (docs/architecture.md draws it):
    engine, as DDP's reducer does;
 2. when every gradient of its fusion bucket is in, buckets are launched strictly in bucket-index
    order (:meth:`StepEngine._launch_ready`): :func:`adacomp.engine.error_feedback.entries` compensates,
-   the communicator compresses (:func:`adacomp.engine.error_feedback.commit`) and starts its collective;
+   the communicator compresses and starts its collective;
 3. at the end of the last backward pass of a round the callback launches what is left (buckets
    of parameters nobody used), one small *vote* allreduce (non-finite flag, which parameters any
-   rank used, which ranks are still active under ``join``), finishes every bucket in order and
-   writes the averaged gradients (:meth:`StepEngine._finish_round`).
+   rank used, which ranks are still active under ``join``), finishes every bucket in order,
+   settles error feedback from what each communicator reports this rank contributed
+   (:func:`adacomp.engine.error_feedback.settle`) and writes the averaged gradients
+   (:meth:`StepEngine._finish_round`).
 
 So when ``loss.backward()`` returns, every parameter's ``.grad`` holds the average, and
 ``optimizer.step()`` only steps. A *round* is the backward passes up to one communication:
@@ -216,7 +218,7 @@ class StepEngine:
             return  # a joined rank only shadowed the collectives
         outs, vote = result
         self.skip_update = vote.nonfinite and self.options.nonfinite == "skip"
-        for (b, _), bucket_outs in zip(st.order, outs):
+        for (b, _, _), bucket_outs in zip(st.order, outs):
             self._write(st, b, bucket_outs, vote)
         self.synced = True
 

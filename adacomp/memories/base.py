@@ -55,12 +55,57 @@ class Memory:
     def restore(self, snap: Any) -> None:
         self.load_state_dict(copy.deepcopy(snap))
 
+    #: the keys of :meth:`state_dict` holding per-name tensors the averaged update still owes
+    owed_keys: ClassVar[tuple[str, ...]] = ()
+
+    def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+        """This memory's state for ``rank`` of ``world`` from every old rank's state (rank order),
+        on resuming with another number of ranks (:mod:`adacomp.checkpoint_reshard`).
+
+        A rank's memory holds what *its* compression has not sent, so the averaged update of
+        ``W_old`` ranks still owes ``(1/W_old) * sum_r e_r``. Every new rank gets that mean (a
+        name missing on a rank counts as zero): ``(1/W_new) * sum_s e'_s`` is then the same debt,
+        and every rank starts from the same memory. Keys outside ``owed_keys`` come from old rank
+        ``rank % W_old``."""
+        out = dict(states[rank % len(states)])
+        for key in self.owed_keys:
+            out[key] = {name: _mean(f"{self.name}/{key}/{name}", [s.get(key, {}).get(name) for s in states])
+                        for name in _names(states, key)}
+        return out
+
+    def owed(self, states: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """What the averaged update of the ranks whose ``states`` are given still owes, per
+        ``key/name`` (checks and tests: :meth:`reshard` must keep it)."""
+        out: dict[str, Tensor] = {}
+        for key in self.owed_keys:
+            for name in _names(states, key):
+                ts = [s.get(key, {}).get(name) for s in states]
+                out[f"{key}/{name}"] = sum((t.to(torch.float64) for t in ts if t is not None),
+                                           torch.zeros((), dtype=torch.float64)) / len(states)
+        return out
+
     def rescale(self, factor: float) -> None:
         """Multiply stored state by ``factor`` (the loss scale changed; see
         :class:`adacomp.engine.error_feedback.LossScale`). Stateless memories have nothing to do."""
         if self.state_dict():
             raise NotImplementedError(f"memory {self.name!r} keeps state but cannot follow a changing "
                                       "loss scale; implement rescale()")
+
+
+def _names(states: list[dict[str, Any]], key: str) -> list[str]:
+    return sorted({n for s in states for n in s.get(key, {})})
+
+
+def _mean(what: str, tensors: list[Tensor | None]) -> Tensor:
+    present = [t for t in tensors if t is not None]
+    shapes = {tuple(t.shape) for t in present}
+    if len(shapes) != 1:
+        raise ValueError(f"cannot resume {what} on another world size: its shape differs across the "
+                         f"old ranks ({sorted(shapes)}); expected one shape per tensor name")
+    acc = torch.zeros_like(present[0], dtype=torch.float64)
+    for t in present:
+        acc += t.to(torch.float64)
+    return (acc / len(tensors)).to(present[0].dtype)
 
 
 def get(name: str, **params: Any) -> Memory:
@@ -87,6 +132,7 @@ class ResidualMemory(Memory):
     """Classic error feedback (EF-SGD; ADTopk paper §2.2, GRACE's ResidualMemory).
 
     compensate: ``g + beta * r``; update: ``r = compensated - decompress(compress(compensated))``.
+    Resumed on another world size, every rank gets the mean residual (:meth:`Memory.reshard`).
     ``beta`` scales the residual (1.0 = plain error feedback); ``gamma`` scales the new gradient.
 
     No model-size tensor is allocated per step: ``compensate`` adds the residual into the gradient
@@ -95,6 +141,8 @@ class ResidualMemory(Memory):
     of the round before (two buffers per tensor, alternating). The residual stored now is never
     written, so a snapshot holding references stays valid (:meth:`snapshot`).
     """
+
+    owed_keys = ("residuals",)
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
         if not 0.0 <= beta <= 1.0:

@@ -89,6 +89,8 @@ class DGCMemory(Memory):
             self.velocity.pop(name, None)
             self.accumulated.pop(name, None)
 
+    owed_keys = ("velocity", "accumulated")  # both are per-rank debt (checkpoint resharding averages them)
+
     def rescale(self, factor: float) -> None:
         self.velocity = {k: v * factor for k, v in self.velocity.items()}
         self.accumulated = {k: v * factor for k, v in self.accumulated.items()}

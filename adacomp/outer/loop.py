@@ -277,6 +277,22 @@ class OuterLoop:
                                "merge_at": fr.merge_at, "discard": fr.discard, "dirty": fr.dirty,
                                "components": fr.io.adacomp_state_dict()} for fr in self.fragments]}
 
+    def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+        """Resume on another world size: synced parameters and outer optimizer state are equal on
+        every rank; each fragment's compression state is resharded by its components' rules."""
+        out = dict(states[rank % len(states)])
+        out["fragments"] = [{**fr_state, "components": fr.io.reshard([s["fragments"][i]["components"] for s in states],
+                                                                     world, rank)}
+                            for i, (fr, fr_state) in enumerate(zip(self.fragments, out["fragments"]))]
+        return out
+
+    def owed(self, states: list[dict[str, Any]]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for i, fr in enumerate(self.fragments):
+            for k, t in fr.io.owed([s["fragments"][i]["components"] for s in states]).items():
+                out[f"fragment{i}/{k}"] = t
+        return out
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         frs = state.get("fragments", [])
         if len(frs) != len(self.fragments) or any(s["names"] != fr.names for s, fr in zip(frs, self.fragments)):

@@ -466,7 +466,7 @@ def load_set(directory: PathLike, model: torch.nn.Module | None, optimizer: Any,
             data = files[0]
         else:
             base = files[rank % w_old]
-            opt_state = (reshard([f["optimizer"] for f in files], world, rank)
+            opt_state = (reshard([f["optimizer"] for f in files], world, rank, optimizer)
                          if base["optimizer"] is not None else None)
             data = {**base, "optimizer": opt_state}
             mine["step"], mine["set"] = base["header"].get("step"), base["header"].get("set")
