@@ -1,0 +1,27 @@
+"""Test selection: every test in a module that starts processes (real collectives over gloo / MPI /
+Horovod, launchers, subprocesses) is marked ``slow``, so ``make test-fast`` (``-m "not slow"``)
+runs the single-process tests only. ``make test`` runs everything. Marked here, by what a module
+does, so a new multi-process test cannot be forgotten."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SPAWNS = ("run_workers(", "subprocess", "mp.spawn", "multiprocessing", "torchrun", "mpirun", "horovodrun",
+          "Popen(")
+
+_seen: dict[Path, bool] = {}
+
+
+def spawns(path: Path) -> bool:
+    if path not in _seen:
+        text = path.read_text(encoding="utf-8")
+        _seen[path] = any(token in text for token in SPAWNS)
+    return _seen[path]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if spawns(Path(str(item.fspath))):
+            item.add_marker(pytest.mark.slow)
