@@ -18,8 +18,8 @@ from adacomp.errors import (AdacompError, CommunicationError, ConfigError, Incom
                             NonFiniteGradientError)
 from adacomp.runtime.hvd_api import *  # noqa: F401,F403 - Horovod's module-level API (rank, allreduce, ...)
 from adacomp.runtime.hvd_api import __all__ as _hvd_api_all
-from adacomp.runtime.hvd_compat import (Compression, SyncBatchNorm, apply_optimizer_kwargs, global_process_set,
-                                resolve_compression)
+from adacomp.engine.hvd_keywords import (Compression, apply_optimizer_kwargs, global_process_set,
+                                         resolve_compression)
 from adacomp.engine.optimizer import Average, DistributedOptimizer, Sum
 from adacomp.runtime.sync import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 

@@ -194,10 +194,10 @@ def check_scalar(value: Any, tp: Any, path: str) -> Any:
 
 
 def _registry(kind: str):
-    from adacomp import communicators, compressors, memories, outer, policies
+    from adacomp import communicators, compressors, memories, registry
     return {"compressor": compressors.registry, "memory": memories.registry,
-            "communicator": communicators.registry, "policy": policies.registry,
-            "outer_optimizer": outer.registry}[kind]
+            "communicator": communicators.registry, "policy": registry.policies,
+            "outer_optimizer": registry.outer_optimizers}[kind]
 
 
 def parse_component(value: Any, kind: str, path: str) -> ComponentSpec:

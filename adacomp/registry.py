@@ -8,7 +8,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-from typing import Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from adacomp.policies.base import Policy
 
 T = TypeVar("T")
 
@@ -65,3 +68,10 @@ class Registry(Generic[T]):
         sig = inspect.signature(self.cls(name).__init__)
         return {k: p for k, p in sig.parameters.items()
                 if k != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+# The extension points that live above the config layer are declared here, in the core, so that config
+# can check a name against them without importing the engine (docs/architecture.md, "Layers"); their
+# packages are imported by name on the first lookup, as for every registry.
+policies: Registry["Policy"] = Registry("policy", "adacomp.policies")
+outer_optimizers: Registry[Any] = Registry("outer optimizer", "adacomp.outer")

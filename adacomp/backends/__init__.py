@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import Any, Callable
 
 from adacomp.backends.base import Backend, Handle, LocalBackend
 
@@ -56,4 +56,23 @@ def create(name: str = "auto", **kwargs: Any) -> Backend:
     return getattr(mod, cls)(**kwargs)
 
 
-__all__ = ["Backend", "Handle", "LocalBackend", "create", "detect", "names"]
+_process_backend: Callable[[], Backend] | None = None
+
+
+def provide_process_backend(provider: Callable[[], Backend]) -> None:
+    """Called once by the runtime layer (:mod:`adacomp.runtime.context`, which ``adacomp.init()``
+    fills) so that layers below it can reach the process's backend without importing upwards."""
+    global _process_backend
+    _process_backend = provider
+
+
+def process_backend() -> Backend:
+    """The backend ``adacomp.init()`` started (Horovod's implicit context): the default of every
+    component built without an explicit ``backend=``."""
+    if _process_backend is None:  # only if adacomp.runtime was never imported (``import adacomp`` imports it)
+        raise RuntimeError("no process backend: import adacomp and call adacomp.init(), or pass backend=")
+    return _process_backend()
+
+
+__all__ = ["Backend", "Handle", "LocalBackend", "create", "detect", "names", "process_backend",
+           "provide_process_backend"]

@@ -213,6 +213,23 @@ REDUCERS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+def broadcast_tensors(backend: Backend, tensors: Sequence[Tensor], root: int = 0) -> None:
+    """Overwrite ``tensors`` in place with ``root``'s values, fused per dtype into one broadcast each
+    (a model costs a few collectives). Every rank passes the same tensors in the same order."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        group = by_dtype[dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        backend.broadcast(flat, root=root)
+        off = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+
 def check_splits(splits: Sequence[int], world: int, what: str) -> list[int]:
     """``splits`` as a list of ``world`` non-negative ints, or ValueError saying what was expected."""
     try:

@@ -45,7 +45,7 @@ from adacomp.backends.base import Backend, Handle
 from adacomp.backends.forwarding import ForwardingBackend
 from adacomp.units import parse_duration, parse_rate
 from adacomp.errors import ConfigError
-from adacomp.netem.schedule import SCHEDULE_ENV, STEP_FILE_ENV, Schedule, load_schedule, read_progress
+from adacomp.netschedule import SCHEDULE_ENV, STEP_FILE_ENV, Schedule, load_schedule, read_progress
 
 COSTS = ("flat", "table1")
 _STEP_FILE_POLL_S = 0.05  # re-read the progress file at most this often

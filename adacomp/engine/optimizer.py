@@ -23,15 +23,13 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from adacomp import policies
-from adacomp.runtime import context
-from adacomp.runtime import sync
-from adacomp.backends.base import Backend
+from adacomp import backends, policies
+from adacomp.backends.base import Backend, broadcast_tensors
 from adacomp.communicators.base import Communicator
 from adacomp.config import ComponentSpec, Config, load
 from adacomp.errors import CommunicationError, ConfigError
 from adacomp.engine.error_feedback import LossScale
-from adacomp.runtime.hvd_compat import Average, Sum, apply_optimizer_kwargs
+from adacomp.engine.hvd_keywords import Average, Sum, apply_optimizer_kwargs
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.optimizer_state import ComponentState, keeps_state
 from adacomp.engine.routes import Bucket, Route, RouteTable
@@ -94,7 +92,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.op = op
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.backward_passes_per_step = backward_passes_per_step
-        self.backend = backend if backend is not None else context.current()
+        self.backend = backend if backend is not None else backends.process_backend()
         self.params = _name_parameters(optimizer, named_parameters)
         self.steps = 0
         self.steps_per_epoch: int | None = None  # set by training loops that know it (lgreco's period)
@@ -322,7 +320,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._end_step()
         self.engine.joined = False
         root = max(last) if last else 0
-        sync.broadcast_parameters(self.params, root_rank=root, backend=self.backend)
+        broadcast_tensors(self.backend, [p for _, p in self.params], root)
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if self.outer is not None:

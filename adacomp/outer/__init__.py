@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from adacomp.registry import Registry
+from adacomp import registry as registries
 
-registry: Registry[Any] = Registry("outer optimizer", "adacomp.outer")
+registry = registries.outer_optimizers
 register = registry.register
 
 

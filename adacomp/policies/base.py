@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol
 
 from adacomp.engine.metrics import StepStats
-from adacomp.registry import Registry
+from adacomp import registry as registries
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -46,7 +46,7 @@ class Host(Protocol):
     def snapshot(self) -> dict[str, Any]: ...
     def restore(self, snap: dict[str, Any]) -> None: ...
 
-registry: Registry["Policy"] = Registry("policy", "adacomp.policies")
+registry = registries.policies
 register = registry.register
 
 

@@ -75,6 +75,9 @@ def current() -> Backend:
     return _current
 
 
+backends.provide_process_backend(current)
+
+
 def is_initialized() -> bool:
     """True between ``init()`` and ``shutdown()`` (Horovod's ``hvd.is_initialized``)."""
     return _current is not None

@@ -29,8 +29,8 @@ from torch import Tensor
 from adacomp.runtime import context
 from adacomp.backends.base import Handle
 from adacomp.errors import CommunicationError
-from adacomp.runtime.hvd_compat import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product, Sum,
-                                 check_process_set, global_process_set)
+from adacomp.engine.hvd_keywords import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product, Sum,
+                                         check_process_set, global_process_set)
 
 _OPS = (Average, Sum, Min, Max, Product)
 
@@ -497,7 +497,23 @@ def join(device: int = -1) -> int:
     return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
 
 
-__all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum",
+class SyncBatchNorm(torch.nn.SyncBatchNorm):
+    """Batch norm with statistics over all ranks: torch's ``SyncBatchNorm`` on the torch backend's
+    process group. Other backends have no process group for it, so construction fails there with
+    the alternative to use (``horovod.torch.SyncBatchNorm`` under horovodrun)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        be = context.current()
+        name = getattr(be, "name", "")
+        if be.size() > 1 and name != "torch":
+            alt = ("horovod.torch.SyncBatchNorm" if name == "horovod"
+                   else "the torch backend (launch with `adacomp run` or torchrun)")
+            raise RuntimeError(f"adacomp.SyncBatchNorm needs the torch backend's process group; the running backend "
+                               f"is {name!r}. Use {alt}, or torch.nn.BatchNorm (per-rank statistics)")
+        super().__init__(*args, **kwargs)
+
+
+__all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "SyncBatchNorm",
            "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
            "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
            "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built",

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from adacomp.runtime import context
-from adacomp.backends.base import Backend
+from adacomp.backends.base import Backend, broadcast_tensors
 
 Params = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]] | Iterable[Tensor]
 
@@ -38,19 +38,7 @@ def broadcast_parameters(params: Params, root_rank: int = 0, backend: Backend | 
 
     Tensors are fused per dtype into one broadcast each, so a model costs a few collectives.
     """
-    be = backend or context.current()
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in _as_tensor_list(params):
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        tensors = by_dtype[dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        be.broadcast(flat, root=root_rank)
-        off = 0
-        with torch.no_grad():
-            for t in tensors:
-                t.copy_(flat[off:off + t.numel()].view_as(t))
-                off += t.numel()
+    broadcast_tensors(backend or context.current(), _as_tensor_list(params), root_rank)
 
 
 def _sparse_param_ids(model: torch.nn.Module | None) -> set[int]:
@@ -101,6 +89,6 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, back
                      process_set: Any = None) -> Any:
     """Pickle-able ``obj`` from root to every rank. ``name`` is accepted for Horovod compatibility
     (collectives are matched by order here, not by name)."""
-    from adacomp.runtime.hvd_compat import check_process_set
+    from adacomp.engine.hvd_keywords import check_process_set
     check_process_set(process_set)
     return (backend or context.current()).broadcast_object(obj, root=root_rank)

@@ -1,5 +1,6 @@
 """Horovod's optimizer-side surface mapped onto adacomp: ``Compression``, the extra
-``DistributedOptimizer`` keywords, process sets and ``SyncBatchNorm``.
+``DistributedOptimizer`` keywords and process sets (``SyncBatchNorm`` needs the running backend and
+lives with the module API in :mod:`adacomp.runtime.hvd_api`).
 
 Each Horovod keyword either maps onto the config (``compression`` -> the compressor registry,
 ``groups`` -> fusion buckets) or is refused with an error that names what to use instead, so a
@@ -165,26 +166,6 @@ def apply_optimizer_kwargs(config: Config, params: Iterable[Tensor], *, compress
     return dataclasses.replace(config, fusion=fusion)
 
 
-# ------------------------------------------------------------------------------------------------
-# SyncBatchNorm
-# ------------------------------------------------------------------------------------------------
-class SyncBatchNorm(torch.nn.SyncBatchNorm):
-    """Batch norm with statistics over all ranks: torch's ``SyncBatchNorm`` on the torch backend's
-    process group. Other backends have no process group for it, so construction fails there with
-    the alternative to use (``horovod.torch.SyncBatchNorm`` under horovodrun)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        from adacomp.runtime import context
-        be = context.current()
-        name = getattr(be, "name", "")
-        if be.size() > 1 and name != "torch":
-            alt = ("horovod.torch.SyncBatchNorm" if name == "horovod"
-                   else "the torch backend (launch with `adacomp run` or torchrun)")
-            raise RuntimeError(f"adacomp.SyncBatchNorm needs the torch backend's process group; the running backend "
-                               f"is {name!r}. Use {alt}, or torch.nn.BatchNorm (per-rank statistics)")
-        super().__init__(*args, **kwargs)
-
-
 __all__ = ["ADASUM_HINT", "Adasum", "Average", "Compression", "FP16Compressor", "Max", "Min", "NoneCompressor",
-           "Product", "Sum", "SyncBatchNorm", "apply_optimizer_kwargs", "check_process_set", "global_process_set",
+           "Product", "Sum", "apply_optimizer_kwargs", "check_process_set", "global_process_set",
            "resolve_compression"]
