@@ -28,3 +28,8 @@ class CommunicationError(AdacompError, RuntimeError):
 
 class NonFiniteGradientError(AdacompError, FloatingPointError):
     """A gradient contains NaN or Inf and ``nonfinite: raise`` is configured."""
+
+
+class RankStateError(AdacompError, ValueError):
+    """Compression state saved by one rank (or world size) loaded by another: residuals and factors
+    are per rank, so loading them elsewhere would silently train differently."""

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("engine", ["adacomp.engine", "adacomp.policies", "adacomp.outer"]),
     ("runtime", ["adacomp.runtime", "adacomp.checkpoint_reshard", "adacomp.preemption", "adacomp.ddp"]),
     ("api", ["adacomp"]),
-    ("tools", ["adacomp.tools", "adacomp.netem"]),
+    ("tools", ["adacomp.tools", "adacomp.bench", "adacomp.netem", "adacomp.integrations"]),
 ]
 
 # (importer, imported): the debt, to be paid down (issue 29)

@@ -100,7 +100,7 @@ class Front:
         return self.hook.steps if self.hook is not None else self.opt.steps
 
     def state(self) -> dict[str, Any]:
-        comp = self.hook.state_dict() if self.hook is not None else self.opt.state_dict()["adacomp"]
+        comp = (self.hook if self.hook is not None else self.opt).adacomp_state_dict()
         inner = (self.opt.inner if self.hook is None else self.opt).state_dict()
         return copy.deepcopy({"adacomp": comp, "inner": inner,
                               "params": {k: v.clone() for k, v in self.base.state_dict().items()}})

@@ -100,7 +100,7 @@ class HookState:
         self._waiting: list[_Waiting] = []
         self.last_stats: StepStats | None = None
         self.io = ComponentState(None, self.table, self.loss_scale, lambda: None, lambda: self.steps,
-                                 self._set_steps)
+                                 self._set_steps, owner=self._owner)
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -113,6 +113,7 @@ class HookState:
         if not self.table.params:
             raise ValueError("adacomp.ddp.hook(..., named_parameters=model.named_parameters()) is needed to load "
                              "hook state before the first step")
+        self.io.check_owner(state)  # before anything is applied
         comps = dict(state["components"])
         fused = {k: comps.pop(k) for k in list(comps) if k.startswith("compressor/bucket:")}
         for k in [k for k in fused if k.removeprefix("compressor/") in self.table.outside_fused]:
@@ -120,8 +121,19 @@ class HookState:
         self.io.load_adacomp_state_dict({**state, "components": comps})
         self._fused_state = {k.removeprefix("compressor/"): v for k, v in fused.items()}
 
+    # the names adacomp.checkpoint.PerRank and DistributedOptimizer use for the compression state
+    adacomp_state_dict = state_dict
+    load_adacomp_state_dict = load_state_dict
+
     def _set_steps(self, steps: int) -> None:
         self.steps = steps
+
+    def _owner(self) -> tuple[int, int] | None:
+        """(rank, world) once the process group exists (Lightning / Accelerate create it after the
+        state), else None: nothing to record or check yet."""
+        if self._backend is None and not torch.distributed.is_initialized():
+            return None
+        return self.backend.rank(), self.backend.size()
 
     @property
     def backend(self) -> Backend:
@@ -209,11 +221,15 @@ class HookState:
             c.on_step(self.steps)
 
 
-def register(ddp_model: Any, config: Any = None, grad_scaler: Any = None) -> HookState:
+def register(ddp_model: Any, config: Any = None, grad_scaler: Any = None,
+             named_parameters: Iterable[tuple[str, Tensor]] | None = None) -> HookState:
     """Register adacomp's hook on ``ddp_model`` over the model's own process group (as DDP's
-    ``register_comm_hook`` with PyTorch's hooks); returns the state for checkpoints."""
+    ``register_comm_hook`` with PyTorch's hooks); returns the state for checkpoints.
+    ``named_parameters``: default the wrapped module's; a framework that wraps the user's module
+    again passes the user's own names (state keys and name-seeded factors then match it)."""
     module = getattr(ddp_model, "module", ddp_model)
-    state = HookState(config, module.named_parameters(), grad_scaler=grad_scaler,
+    named = module.named_parameters() if named_parameters is None else named_parameters
+    state = HookState(config, named, grad_scaler=grad_scaler,
                       process_group=getattr(ddp_model, "process_group", None))
     ddp_model.register_comm_hook(state, _call)
     return state
@@ -240,6 +256,10 @@ def hook(config: Any = None, named_parameters: Iterable[tuple[str, Tensor]] | No
 def _call(state, bucket):  # type: ignore[no-untyped-def]
     # DDP inspects this signature (bucket annotated dist.GradBucket, or not at all); with
     # postponed annotations a string would fail its check, so the hook is left unannotated.
+    if not isinstance(state, HookState):
+        raise TypeError(f"adacomp's DDP hook got state {state!r}: register it with the state adacomp.ddp.hook() returns, "
+                        "`state, hook = adacomp.ddp.hook(config, named_parameters=model.named_parameters()); "
+                        "ddp_model.register_comm_hook(state, hook)`, or call adacomp.ddp.register(ddp_model, config)")
     return state(bucket)
 
 

@@ -121,7 +121,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         setattr(optimizer, _WRAPPED, self)
         self.io = ComponentState(optimizer, self.table, self.loss_scale, lambda: self.policy,
                                  lambda: self.steps, self._set_steps,
-                                 extra=(lambda: {"outer": self.outer}) if self.outer is not None else None)
+                                 extra=(lambda: {"outer": self.outer}) if self.outer is not None else None,
+                                 owner=lambda: (self.backend.rank(), self.backend.size()))
         if any(r.memory.name == "dgc" for r in self.table.routes.values()) and \
                 any(g.get("momentum", 0) for g in optimizer.param_groups):
             warnings.warn("memory 'dgc' applies momentum itself (DGC §3.2); the wrapped optimizer should "

@@ -20,9 +20,11 @@ import torch
 from torch import Tensor
 
 from adacomp.engine.error_feedback import LossScale
+from adacomp.errors import RankStateError
 from adacomp.engine.routes import RouteTable
 
 STATE_KEY = "adacomp"  # the one extra key in the wrapped optimizer's torch state dict
+DELEGATED = {"saved_by": "adacomp.checkpoint.PerRank"}  # its value when PerRank holds the compression state
 
 
 class ComponentState:
@@ -30,7 +32,8 @@ class ComponentState:
 
     def __init__(self, inner: torch.optim.Optimizer | None, table: RouteTable, loss_scale: LossScale,
                  policy: Callable[[], Any], steps: Callable[[], int], set_steps: Callable[[int], None],
-                 extra: Callable[[], dict[str, Any]] | None = None):
+                 extra: Callable[[], dict[str, Any]] | None = None,
+                 owner: Callable[[], tuple[int, int] | None] | None = None):
         self.inner = inner  # None for the DDP hook: DDP users checkpoint their own optimizer
         self._extra = extra
         self.table = table
@@ -38,6 +41,8 @@ class ComponentState:
         self._policy = policy
         self._steps = steps
         self._set_steps = set_steps
+        self._owner = owner  # (rank, world) of this process, recorded in and checked against the state
+        self.delegated = False  # adacomp.checkpoint.PerRank saves the compression state, not state_dict()
 
     def components(self, include_policy: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -58,11 +63,38 @@ class ComponentState:
         return out
 
     def adacomp_state_dict(self, include_policy: bool = True) -> dict[str, Any]:
-        return {"steps": self._steps(), "overrides": self.table.overrides_state(),
-                "loss_scale": self.loss_scale.state_dict(),
-                "components": {k: c.state_dict() for k, c in self.components(include_policy).items()}}
+        out = {"steps": self._steps(), "overrides": self.table.overrides_state(),
+               "loss_scale": self.loss_scale.state_dict(),
+               "components": {k: c.state_dict() for k, c in self.components(include_policy).items()}}
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None:
+            out["owner"] = {"rank": owner[0], "world": owner[1]}
+        return out
+
+    def check_owner(self, state: dict[str, Any]) -> None:
+        """Refuse another rank's (or another world size's) state: residuals, DGC velocities and
+        sampling generators are per rank, and the DDP habit "rank 0 saves, every rank loads" would
+        otherwise give every rank rank 0's (docs/checkpointing.md, "Per-rank state")."""
+        saved = state.get("owner")
+        mine = self._owner() if self._owner is not None else None
+        if not saved or mine is None or (saved["rank"], saved["world"]) == mine:
+            return
+        rank, world = mine
+        how = ("save every rank's state: adacomp.checkpoint.save_set / load_set, or adacomp.checkpoint.PerRank(...) "
+               "inside a framework checkpoint (Lightning: adacomp.integrations.lightning.DDPStrategy; Accelerate: "
+               "accelerator.register_for_checkpointing(adacomp.checkpoint.PerRank(...))); or delete the "
+               f"'{STATE_KEY}' key before loading to start compression state fresh")
+        if saved["world"] != world:
+            raise RankStateError(f"this compression state was saved by rank {saved['rank']} of a {saved['world']}-rank "
+                                 f"job; this job has {world} ranks: the world size changed. Resume with "
+                                 "adacomp.checkpoint.load_set (applies the world-size rule to every rank's file) "
+                                 f"or PerRank, which reshard; or delete the '{STATE_KEY}' key to start it fresh")
+        raise RankStateError(f"rank {rank} of {world} is loading the compression state of rank {saved['rank']} (error "
+                             f"feedback residuals, factors and generators are per rank; loading rank "
+                             f"{saved['rank']}'s would silently train differently): {how}")
 
     def load_adacomp_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_owner(state)
         overrides = RouteTable.overrides_from_state(state.get("overrides", {}))
         if overrides != self.table.overrides:
             self.table.set_overrides(overrides)
@@ -97,7 +129,10 @@ class ComponentState:
         for key, node in base["components"].items():
             rule = getattr(owners[key], "reshard", None)
             out[key] = rule([s["components"].get(key, {}) for s in states], world, rank) if rule else node
-        return {**base, "components": out}
+        resharded = {**base, "components": out}
+        if "owner" in base:
+            resharded["owner"] = {"rank": rank, "world": world}
+        return resharded
 
     def owed(self, states: list[dict[str, Any]]) -> dict[str, Tensor]:
         """What the averaged update of the ranks whose ``"adacomp"`` states are given still owes,
@@ -116,7 +151,7 @@ class ComponentState:
         key, ``"adacomp"``, with every compressor, memory, communicator and policy state."""
         assert self.inner is not None
         sd = self.inner.state_dict()
-        sd[STATE_KEY] = self.adacomp_state_dict()
+        sd[STATE_KEY] = DELEGATED if self.delegated else self.adacomp_state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -131,6 +166,14 @@ class ComponentState:
             raise ValueError("expected an optimizer state dict (keys 'state' and 'param_groups', plus "
                              f"'{STATE_KEY}' when written by adacomp); got keys {sorted(state_dict)[:6]}")
         assert self.inner is not None
+        if ours == DELEGATED:
+            self.inner.load_state_dict(torch_sd)
+            if not self.delegated:
+                warnings.warn("this optimizer state was saved with adacomp.checkpoint.PerRank, which holds the "
+                              "compression state: load that too (the residuals start fresh otherwise)", stacklevel=3)
+            return
+        if ours is not None:
+            self.check_owner(ours)  # before anything is applied
         self.inner.load_state_dict(torch_sd)
         if ours is None:
             warnings.warn("loaded a plain torch optimizer state dict: error-feedback residuals, thresholds, "

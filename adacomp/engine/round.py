@@ -13,6 +13,7 @@ vote, the rollback, the error raised) lives here once, so the two front ends can
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -77,6 +78,7 @@ class Rounds:
         self._extra_state = extra_state
         self.rollback = Rollback()
         self.last_vote: Vote | None = None
+        self._warned_scale = False
 
     @property
     def backend(self) -> Backend:
@@ -144,8 +146,23 @@ class Rounds:
             if self.nonfinite == "raise":
                 self._raise_nonfinite(st)
             st.stats.extra["nonfinite"] = 1.0
+            self._warn_unfollowed_scale()
         self.rollback.clear()
         return outs, vote
+
+    def _warn_unfollowed_scale(self) -> None:
+        """A skipped round is what a GradScaler overflow looks like from here; the scaler then lowers
+        its scale, and residuals kept in the old units would be off by that factor. Said once."""
+        if self.loss_scale.scaler is not None or self._warned_scale:
+            return
+        if all(m.name == "none" for m in self.stateful()[0]):
+            return  # no residuals to be in the wrong units
+        self._warned_scale = True
+        warnings.warn("adacomp skipped a round with non-finite gradients. If a GradScaler's overflow caused it, the "
+                      "scaler now changes its scale and error-feedback residuals stay in the old units unless adacomp "
+                      "follows it: pass grad_scaler=<your GradScaler> to adacomp.ddp.hook / adacomp.ddp.register / "
+                      "adacomp.DistributedOptimizer (adacomp.integrations.lightning and .accelerate pass the "
+                      "framework's)", RuntimeWarning, stacklevel=2)
 
     # --- the vote ---------------------------------------------------------------------------------
     def _start_vote(self, st: RoundState) -> Handle:

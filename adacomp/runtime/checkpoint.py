@@ -45,6 +45,7 @@ import torch
 from adacomp.checkpoint_reshard import owed, reshard
 from adacomp.errors import AdacompError
 from adacomp.preemption import PREEMPTED_EXIT_CODE, Preemption
+from adacomp.runtime.per_rank import PerRank, load_per_rank, save_per_rank
 
 FORMAT_VERSION = 2
 MAGIC = b"ADACOMP-CHECKPOINT 2\n"
@@ -507,6 +508,6 @@ def _read_member(sdir: Path, manifest: dict[str, Any], r: int) -> dict[str, Any]
     return data
 
 
-__all__ = ["FORMAT_VERSION", "PREEMPTED_EXIT_CODE", "CheckpointError", "CheckpointWriteError", "Preemption",
-           "atomic_save", "atomic_write", "encode", "latest", "load", "load_set", "owed", "rank_path", "read",
-           "read_header", "reshard", "save", "save_set", "state"]
+__all__ = ["FORMAT_VERSION", "PREEMPTED_EXIT_CODE", "CheckpointError", "CheckpointWriteError", "PerRank", "Preemption",
+           "atomic_save", "atomic_write", "encode", "latest", "load", "load_per_rank", "load_set", "owed", "rank_path",
+           "read", "read_header", "reshard", "save", "save_per_rank", "save_set", "state"]

@@ -1,0 +1,91 @@
+"""Every rank's compression state inside one framework checkpoint.
+
+Error-feedback residuals, DGC velocities, PowerSGD factors and sampling generators differ per rank,
+but Lightning's checkpoints, Accelerate's ``save_state`` and the plain DDP habit ("rank 0 saves")
+write one file from rank 0. :class:`PerRank` is the piece such a file can hold: its
+``state_dict()`` is *collective* (every rank's state, gathered in rank order) and its
+``load_state_dict()`` gives each rank its own entry back, or, when the world size changed, the
+state the world-size rule builds from every old rank's (:meth:`ComponentState.reshard`).
+
+    per_rank = adacomp.checkpoint.PerRank(opt_or_hook_state)
+    accelerator.register_for_checkpointing(per_rank)     # Accelerate calls state_dict() on every rank
+    adacomp.checkpoint.save_per_rank("ckpt/adacomp.pt", opt)   # any trainer: one file, every rank's state
+    adacomp.checkpoint.load_per_rank("ckpt/adacomp.pt", opt)
+
+Once wrapped, the holder's own ``state_dict()`` leaves its compression state out (a marker says
+where it went), so a framework that loads rank 0's optimizer file on every rank loads only the
+torch optimizer part from it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adacomp.errors import RankStateError
+
+FORMAT = "adacomp.PerRank/1"
+
+
+class PerRank:
+    """Collective ``state_dict`` / ``load_state_dict`` over every rank's compression state of
+    ``holder`` (an :class:`adacomp.DistributedOptimizer` or a DDP hook state)."""
+
+    def __init__(self, holder: Any):
+        for attr in ("adacomp_state_dict", "load_adacomp_state_dict", "io", "backend"):
+            if not hasattr(holder, attr):
+                raise TypeError(f"PerRank wraps an adacomp.DistributedOptimizer or the state of adacomp.ddp.hook; "
+                                f"got {type(holder).__name__} (no {attr!r})")
+        self.holder = holder
+        holder.io.delegated = True  # the holder's own state_dict now leaves the compression state to us
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: call it on every rank (frameworks do; rank 0 alone would wait for the others)."""
+        be = self.holder.backend
+        return {"format": FORMAT, "world": be.size(), "ranks": be.allgather_object(self.holder.adacomp_state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Not collective: each rank takes its own entry (or its resharded state)."""
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise RankStateError(f"expected a state written by adacomp.checkpoint.PerRank ({FORMAT}); got "
+                                 f"{type(state).__name__} with keys {sorted(state)[:5] if isinstance(state, dict) else []}")
+        be = self.holder.backend
+        rank, world = be.rank(), be.size()
+        ranks = state["ranks"]
+        mine = ranks[rank] if len(ranks) == world else self.holder.io.reshard(ranks, world, rank)
+        self.holder.load_adacomp_state_dict(mine)
+
+
+def save_per_rank(path: str | os.PathLike[str], holder: Any) -> Path:
+    """Collective: gather every rank's compression state and write it atomically to one file from
+    rank 0 (:func:`adacomp.checkpoint.atomic_save`); every rank returns after the write, and a write
+    that failed on rank 0 raises on every rank."""
+    from adacomp.runtime.checkpoint import atomic_save
+    state = PerRank(holder).state_dict()
+    be = holder.backend
+    error = None
+    if be.rank() == 0:
+        try:
+            atomic_save(state, path)
+        except OSError as exc:
+            error = f"rank 0 could not write {str(path)!r}: {exc}"
+    error = be.broadcast_object(error, root=0)
+    if error:
+        raise OSError(error)
+    return Path(path)
+
+
+def load_per_rank(path: str | os.PathLike[str], holder: Any) -> None:
+    """Every rank reads the file :func:`save_per_rank` wrote and takes its own state (resharded when
+    the world size changed)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no per-rank compression state at {str(path)!r} (written by "
+                                "adacomp.checkpoint.save_per_rank)") from None
+    PerRank(holder).load_state_dict(state)
+
+
+__all__ = ["PerRank", "load_per_rank", "save_per_rank"]
