@@ -101,3 +101,36 @@ def test_rank0_saves_every_rank_loads_is_refused_and_per_rank_resumes(front: str
         assert "world size changed" in r["world"] and "4-rank job" in r["world"], r["world"]
         assert r["resume_diff"] == [], r["resume_diff"]
         assert r["residual_keys"] > 0
+
+
+def _load_on_two(path: str) -> str:
+    import torch.distributed as dist
+
+    import adacomp
+    from adacomp.backends.torch_dist import TorchBackend
+    from adacomp.models import DigitsCNN
+    dist.init_process_group("gloo")
+    model = DigitsCNN()
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       config=_config("allgather"), backend=TorchBackend())
+    try:
+        adacomp.checkpoint.load(adacomp.checkpoint.rank_path(path, dist.get_rank()), model, opt)
+        return "loaded"
+    except adacomp.checkpoint.CheckpointError as exc:
+        return str(exc)
+    finally:
+        opt.remove_hooks()
+
+
+def test_one_rank_checkpoint_on_two_ranks_says_the_world_size_changed(tmp_path: Path) -> None:
+    import adacomp
+    from adacomp.backends.base import LocalBackend
+    from adacomp.models import DigitsCNN
+    model = DigitsCNN()
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       config=_config("allgather"), backend=LocalBackend())
+    path = tmp_path / "ckpt.pt"
+    adacomp.checkpoint.save(adacomp.checkpoint.rank_path(path, 0), model, opt, step=1, rank=0, world_size=1)
+    opt.remove_hooks()
+    for msg in run_workers(_load_on_two, 2, str(path), timeout=300):
+        assert "written by a 1-rank job" in msg and "has 2 ranks" in msg and "load_set" in msg, msg

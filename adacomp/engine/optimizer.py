@@ -101,6 +101,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.history: deque[dict[str, float]] = deque(maxlen=1000)
         self._should_sync = True
         self._user_synchronized = False
+        self._ddp_checked = False  # _refuse_ddp_wrapped runs at the first step
         weights_differ = self._check_consistency()
         self.table = RouteTable(self.config, self.params)
         self.loss_scale = LossScale(grad_scaler)
@@ -324,6 +325,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         broadcast_tensors(self.backend, [p for _, p in self.params], root)
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        if not self._ddp_checked:
+            self._ddp_checked = True
+            _refuse_ddp_wrapped(self.params)
         if self.outer is not None:
             return self._local_step(closure, **kwargs)
         if self._should_sync:
@@ -404,6 +408,26 @@ def _init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
         setattr(opt, attr, OrderedDict())
     opt._patch_step_function()  # type: ignore[attr-defined]
+
+
+def _refuse_ddp_wrapped(params: list[tuple[str, Tensor]]) -> None:
+    """A model wrapped in DDP (``accelerator.prepare(model, DistributedOptimizer(...))``, or by hand)
+    has its gradients averaged by DDP and then again here: twice the traffic, and compression sees an
+    average instead of this rank's gradient. Checked once, at the first step (the wrap may come after
+    the optimizer is built); a scan of live DDP objects, as the parameters carry no mark of theirs."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+    ours = {id(p) for _, p in params}
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and any(id(p) in ours for p in obj.module.parameters()):
+            raise RuntimeError(
+                "this model is wrapped in torch's DistributedDataParallel, which already averages its gradients, "
+                "and adacomp.DistributedOptimizer would average them again (with Accelerate: "
+                "accelerator.prepare(model, adacomp.DistributedOptimizer(...)) does this). Use one of them: keep "
+                "DDP and compress in its hook (adacomp.ddp.register(ddp_model, config), or "
+                "adacomp.integrations.accelerate.register(accelerator, model, config) with a plain torch "
+                "optimizer), or train the unwrapped model with adacomp.DistributedOptimizer")
 
 
 def _name_parameters(optimizer: torch.optim.Optimizer,

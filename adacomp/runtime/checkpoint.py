@@ -302,7 +302,9 @@ def load(path: PathLike, model: torch.nn.Module | None, optimizer: Any, *, backe
         mine.update(step=h.get("step"), set=h.get("set"), rank=h.get("rank"), world_size=h.get("world_size"),
                     config_hash=h.get("config_hash"))
         mine["error"] = _check_own(h, p, rank, world) or _config_mismatch(h, optimizer, config_hash, p)
-    except (CheckpointError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
+        mine["error"] = _world_changed(p, rank, world) or str(exc)
+    except CheckpointError as exc:
         mine["error"] = str(exc)
     if collective:
         _agree(b, mine)
@@ -311,6 +313,25 @@ def load(path: PathLike, model: torch.nn.Module | None, optimizer: Any, *, backe
     assert data is not None
     _apply(data, model, optimizer)
     return dict(data["extra"])
+
+
+def _world_changed(p: Path, rank: int, world: int) -> str | None:
+    """This rank's file is missing: if rank 0's file of the same name says another world size wrote
+    it, say that (a 1-rank checkpoint resumed on 2 ranks), not merely "does not exist"."""
+    suffix = f".rank{rank}{p.suffix}"
+    if not p.name.endswith(suffix):
+        return None
+    first = p.with_name(p.name[:-len(suffix)] + f".rank0{p.suffix}")
+    try:
+        old = read_header(first).get("world_size")
+    except (OSError, CheckpointError):
+        return None
+    if old in (None, world):
+        return None
+    return (f"{p} does not exist: this checkpoint was written by a {old}-rank job ({first} says so) and this job "
+            f"has {world} ranks. The world size changed: per-rank files cannot be matched one to one; save with "
+            "adacomp.checkpoint.save_set and resume with load_set, which applies the world-size rule "
+            "(docs/reliability.md), or keep the compression state in adacomp.checkpoint.PerRank")
 
 
 def _config_mismatch(header: dict[str, Any], optimizer: Any, config_hash: str | None, p: Path) -> str | None:
