@@ -26,7 +26,7 @@ test: install horovod
 test-fast: install
 	$(PYTHON) -m pytest -q tests -m "not slow"
 
-# Real data for scripts/time_to_accuracy.py (not for `make test` / `make demo`: the tests write their own
+# Real data for `adacomp bench time_to_accuracy` (not for `make test` / `make demo`: the tests write their own
 # small IDX files, the demo uses scikit-learn's digits). Debian packages, read from disk at run time:
 # dataset-fashion-mnist (IDX files in /usr/share/datasets/fashion-mnist, ~30 MB) and fortunes
 # (~2.5 MB of plain text in /usr/share/games/fortunes). Needs root and a reachable apt mirror once.

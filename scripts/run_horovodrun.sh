@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Launch any adacomp script with horovodrun (Gloo controller):  scripts/run_horovodrun.sh NP script.py [args]
+# Launch any adacomp benchmark with horovodrun (Gloo controller):  scripts/run_horovodrun.sh NP NAME [args]   (NAME: see `adacomp bench`)
 set -euo pipefail
-np=${1:?usage: run_horovodrun.sh NP script.py [args]}; shift
+np=${1:?usage: run_horovodrun.sh NP NAME [args]}; shift
 command -v horovodrun >/dev/null || { echo "horovodrun not found: run 'make horovod' first" >&2; exit 2; }
-exec horovodrun --gloo -np "$np" python "$@"
+exec horovodrun --gloo -np "$np" python -m adacomp.tools.cli bench "$@"

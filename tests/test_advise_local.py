@@ -113,7 +113,7 @@ def test_the_table_is_separate_and_prints_the_caveat() -> None:
     plain = _report(ranked, preds, est, prof, args, N)
     assert "local steps" not in plain and "local steps (DiLoCo family" in text
     flat = " ".join(text.split())
-    assert " ".join(LOCAL_CAVEAT.split()) in flat and "scripts/time_to_accuracy.py" in flat
+    assert " ".join(LOCAL_CAVEAT.split()) in flat and "adacomp bench time_to_accuracy" in flat
     assert "upper bounds on time-to-accuracy gains" in flat
     lines = text.splitlines()
     # the per-step rows (digit first, 8 columns) are those of the ranking alone; the YAML stays last

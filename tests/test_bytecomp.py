@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from adacomp.bench.adaptive import random_instance
 from adacomp.policies.bytecomp import brute_force, decide, decide_device, decide_offload
 from adacomp.policies.timeline import (CPU_AG, DEVICE_A2A, DEVICE_AG, NONE, CostModel, EmpiricalTime,
-                                       TensorProfile, _simulate_des, _simulate_fast, cost_model, simulate,
+                                       TensorProfile, _simulate_des, _simulate_fast, simulate,
                                        size_grid)
 
 
@@ -106,21 +107,7 @@ def test_divisible_scheme_timeline():
     assert tl.of(0, "comm2") == (4, 5) and tl.of(0, "decompress") == (5, 5.5)
 
 
-def _random_instance(seed: int, n: int = 8):
-    """Sizes 0.2-16 MB, compute 0.2-3 ms, 1-100 Gbit/s, device compression 0.5-10 GB/s and CPU
-    compression 10-50x slower than the device (the GPU / CPU gap ByteComp exploits)."""
-    rng = random.Random(seed)
-    T = []
-    for i in range(n):
-        nb = rng.choice([2e5, 1e6, 4e6, 1.6e7])
-        T.append(TensorProfile(f"T{i}", nb, rng.uniform(0.2e-3, 3e-3), nb * 0.02))
-    alpha, beta = rng.choice([1e-5, 1e-4]), rng.choice([1 / 1.25e8, 1 / 1.25e9, 1 / 1.25e10])
-    dc = rng.uniform(0.05, 1) * 1e-10
-    cc = dc * rng.uniform(10, 50)
-    m = cost_model(rng.choice([2, 4, 8]), alpha, beta,
-                   {"device": lambda M: 2e-5 + M * dc, "cpu": lambda M: 5e-5 + M * cc},
-                   {"device": lambda M: 1e-5 + M * dc / 4, "cpu": lambda M: 2e-5 + M * cc / 4})
-    return T, m
+_random_instance = random_instance  # adacomp bench adaptive draws the same timelines
 
 
 def test_fast_path_equals_event_simulation():

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +23,7 @@ from adacomp.errors import ConfigError
 from adacomp.netem.schedule import ScheduleController, load_schedule, parse_schedule, read_progress, report_step
 
 PREFIX = "acnt"
-TRANSFER = str(Path(__file__).resolve().parents[1] / "scripts" / "netem_transfer.py")
+TRANSFER = [sys.executable, "-m", "adacomp.bench.netem_transfer"]  # adacomp bench netem_transfer
 
 
 def _netns_unavailable() -> str | None:
@@ -144,7 +143,7 @@ def hosts(unrelated):
 
 
 def _in_host(i: int, *argv: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(netem.wrap_command(i, [sys.executable, TRANSFER, *argv], PREFIX), text=True, **kw)
+    return subprocess.Popen(netem.wrap_command(i, [*TRANSFER, *argv], PREFIX), text=True, **kw)
 
 
 def _rate(intervals: list, lo: float, hi: float, interval: float) -> float:

@@ -1,5 +1,6 @@
-"""adacomp.tools.stepclock: when two measured methods count as ordered, and the extra passes that
-:func:`resolve_close` spends only on the fastest methods still inside the noise."""
+"""adacomp.tools.stepclock: the one step-timing loop (:func:`time_steps`), when two measured methods
+count as ordered, and the extra passes that :func:`resolve_close` spends only on the fastest methods
+still inside the noise."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,34 @@ from typing import Any
 
 import pytest
 
-from adacomp.tools.stepclock import StepMeasure, close_methods, resolve_close
+from adacomp.tools.stepclock import StepMeasure, close_methods, resolve_close, time_steps
+
+
+def test_time_steps_times_only_the_step_after_the_warm_up() -> None:
+    """A fake clock: each step takes 1 + its index, sync and after cost 100 outside the timed span."""
+    now = [0.0]
+    log: list[str] = []
+    calls = [0]
+
+    def step() -> None:
+        calls[0] += 1
+        now[0] += calls[0]
+        log.append("step")
+
+    def sync() -> None:
+        now[0] += 100
+        log.append("sync")
+
+    seen: list[float] = []
+
+    def after(seconds: float) -> None:
+        now[0] += 100
+        seen.append(seconds)
+
+    times = time_steps(step, 3, 2, sync=sync, after=after, clock=lambda: now[0])
+    assert times == [3.0, 4.0, 5.0] and seen == times  # warm-up steps 1 and 2 are not returned
+    assert log == ["sync", "step"] * 5  # the barrier before every step, warm-up included
+    assert time_steps(step, 0, 1) == [] and calls[0] == 6
 
 
 def _m(step: float, d: float, n: int = 6) -> StepMeasure:

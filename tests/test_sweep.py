@@ -1,8 +1,7 @@
-"""scripts/sweep.py: the summary (speedups over bf16, top-3 agreement) on hand-made rows, and one
+"""``adacomp bench sweep`` (adacomp/bench/sweep.py): the summary (speedups over bf16, top-3 agreement) on hand-made rows, and one
 tiny end-to-end sweep on 2 real ranks over a shaped link."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,10 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sweep():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("sweep_script", ROOT / "scripts" / "sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from adacomp.bench import sweep
+    return sweep
 
 
 def test_summary_speedups_and_ranking_agreement() -> None:
@@ -55,10 +52,10 @@ def test_order_within_noise_tolerates_only_gaps_inside_the_measured_spread() -> 
 
 def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "scripts/sweep.py", "--models", "lstm_lm", "--bandwidths", "10gbit", "--methods", "fp32",
+    cmd = [sys.executable, "-m", "adacomp.tools.cli", "bench", "sweep", "--models", "lstm_lm", "--bandwidths", "10gbit", "--methods", "fp32",
            "bf16", "--steps", "1", "--warmup", "1", "--repeats", "1", "--batch", "2", "--rounds", "2",
            "--calibration-steps", "1", "--calibration-rounds", "2", "--resolve", "2", "--out-dir", str(tmp_path)]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert {row["method"] for row in data["rows"]} == {"fp32", "bf16"}
@@ -75,4 +72,5 @@ def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
         assert abs(a.gap_in_se(b)) >= 2.0
     md = (tmp_path / "sweep.md").read_text()
     assert "in each of 2 passes over the arms" in md and f"{2 * (passes[0] - 2)} extra passes in all" in md and "1 x 2 real steps per method" in md
+    assert "Produced by: `adacomp run ... adacomp bench sweep --models lstm_lm" in md
     assert "REDUCED SIZE" in md and "| 10gbit |" in md and (tmp_path / "sweep.png").stat().st_size > 0

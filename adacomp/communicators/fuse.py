@@ -11,7 +11,7 @@ def flatten(tensors: list[Tensor], cache: dict | None = None,
 
     With ``cache`` the buffer for ``key`` is reused across steps: a fresh multi-MB allocation
     every step costs page faults that are a large share of a CPU step (measured in
-    scripts/bench_dense.py). The caller must be done with the previous step's buffer.
+    ``adacomp bench dense``). The caller must be done with the previous step's buffer.
     """
     layout = [(t.shape, t.numel()) for t in tensors]
     total = sum(n for _, n in layout)

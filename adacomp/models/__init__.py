@@ -27,16 +27,35 @@ class DigitsCNN(nn.Module):
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
-class MLP(nn.Module):
-    """A plain MLP; ``width`` and ``depth`` scale it for benchmarks (e.g. ~10M parameters)."""
+class FashionCNN(nn.Module):
+    """conv 5x5 (32) - pool - conv 5x5 (64) - pool - fc 128 - fc 10 for 28x28 images (~0.45M
+    parameters): ``adacomp bench time_to_accuracy``'s Fashion-MNIST model."""
 
-    def __init__(self, inputs: int = 64, width: int = 256, depth: int = 2, classes: int = 10):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 5, padding=2)
+        self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
+        self.fc1 = nn.Linear(64 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+class MLP(nn.Module):
+    """A plain MLP; ``width`` and ``depth`` scale it for benchmarks (e.g. ~10M parameters).
+    ``hidden`` gives each hidden layer's width instead (e.g. ``(2048, 2048, 1024)``)."""
+
+    def __init__(self, inputs: int = 64, width: int = 256, depth: int = 2, classes: int = 10,
+                 hidden: tuple[int, ...] | None = None):
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         d = inputs
-        for _ in range(depth):
-            layers += [nn.Linear(d, width), nn.ReLU()]
-            d = width
+        for w in (hidden if hidden is not None else (width,) * depth):
+            layers += [nn.Linear(d, w), nn.ReLU()]
+            d = w
         layers.append(nn.Linear(d, classes))
         self.net = nn.Sequential(*layers)
 

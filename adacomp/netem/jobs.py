@@ -1,18 +1,44 @@
-"""Run one script's workers on emulated hosts: the drive / trampoline pair that every netem
-experiment (``scripts/netem_experiment.py``, ``scripts/time_to_accuracy.py``) needs.
+"""Run one benchmark's workers on emulated hosts: the drive / trampoline pair that every netem
+experiment (``adacomp bench netem_experiment``, ``adacomp bench time_to_accuracy``) needs.
 
 The driver (root) brings the hosts up, starts ``hosts`` local workers through the launcher, each
-of which first runs the script with ``--in-host``: that trampoline re-executes the real worker
+of which first runs the benchmark with ``--in-host``: that trampoline re-executes the real worker
 inside its own network namespace, so gloo's traffic crosses the capped link. The hosts are torn
 down however the run ends.
 """
 from __future__ import annotations
 
+import argparse
 import os
-import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 from adacomp.netem import hosts as netem
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the benchmark's own arguments, the command after ``--``: what the trampoline runs in its host)."""
+    if "--" not in argv:
+        return argv, []
+    return argv[:argv.index("--")], argv[argv.index("--") + 1:]
+
+
+def add_role_arguments(ap: argparse.ArgumentParser) -> None:
+    """The hidden options :func:`run_on_hosts` starts the benchmark with (``--hosts`` and ``--prefix``
+    are the benchmark's own)."""
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--in-host", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--master-addr", help=argparse.SUPPRESS)
+
+
+def run_role(args: argparse.Namespace, rest: list[str], worker: Callable[[], object], drive: Callable[[], int]) -> int:
+    """This process's part: the trampoline into its host (``--in-host``), a worker (``--worker``),
+    or the driver that brings the hosts up and starts the workers."""
+    if args.in_host:
+        return exec_in_host(args.hosts, args.master_addr, args.prefix, rest)
+    if args.worker:
+        worker()
+        return 0
+    return drive()
 
 
 def exec_in_host(hosts: int, master_addr: str, prefix: str, command: list[str]) -> int:
@@ -24,15 +50,16 @@ def exec_in_host(hosts: int, master_addr: str, prefix: str, command: list[str]) 
     return 1  # not reached
 
 
-def run_on_hosts(script: str, hosts: int, bandwidth: str, prefix: str, worker_argv: list[str],
+def run_on_hosts(command: Sequence[str], hosts: int, bandwidth: str, prefix: str, worker_argv: list[str],
                  prepare: Callable[[], object] | None = None) -> int:
-    """Start ``script --worker worker_argv`` on ``hosts`` emulated hosts at ``bandwidth``.
+    """Start ``command --worker worker_argv`` on ``hosts`` emulated hosts at ``bandwidth``
+    (``command``: how to start the benchmark, e.g. ``python -m adacomp.bench.NAME``).
 
     Without root nothing is measured: the reason is printed and 0 returned (``make results`` goes
     on). ``prepare`` runs after the root check and before any host exists (e.g. fail early on
     missing data rather than in four workers)."""
     from adacomp.runtime.launch import run_local
-    name = os.path.splitext(os.path.basename(script))[0]
+    name = command[-1].rsplit(".", 1)[-1]
     try:
         netem.require_root()
     except netem.NetemError as exc:
@@ -44,9 +71,8 @@ def run_on_hosts(script: str, hosts: int, bandwidth: str, prefix: str, worker_ar
     try:
         print(f"netem up: {hosts} hosts (prefix {prefix}) at {bandwidth}", flush=True)
         netem.up(hosts, bandwidth, prefix)
-        me = os.path.relpath(script)
-        cmd = [sys.executable, me, "--in-host", "--hosts", str(hosts), "--prefix", prefix,
-               "--master-addr", netem.host_address(0, prefix), "--", sys.executable, me, "--worker", *worker_argv]
+        cmd = [*command, "--in-host", "--hosts", str(hosts), "--prefix", prefix,
+               "--master-addr", netem.host_address(0, prefix), "--", *command, "--worker", *worker_argv]
         return run_local(cmd, hosts)
     finally:
         removed = netem.down(prefix)

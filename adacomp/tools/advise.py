@@ -59,7 +59,7 @@ inner step and bytes, not how many steps a local-step run needs to reach a targe
 on H, the outer optimizer, the data and the model (DiLoCo matches synchronous training at H up to
 500 on C4 for LLMs; small models and short runs may need more steps), so a local-step speed-up is an
 upper bound on the time-to-accuracy gain unless the steps to the target are equal; measure that
-with scripts/time_to_accuracy.py.
+with ``adacomp bench time_to_accuracy``.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ LOCAL_CAVEAT = (
     "needs to reach a target loss. That depends on H, the outer optimizer, the data and the model (DiLoCo "
     "reports matching synchronous training at H up to 500 on C4 for LLMs, but small models and short runs "
     "may need more steps), so these speed-ups are upper bounds on time-to-accuracy gains unless the steps "
-    "to the target are equal. Measure them with scripts/time_to_accuracy.py.")
+    "to the target are equal. Measure them with `adacomp bench time_to_accuracy`.")
 """Printed with the local-step table: what its numbers do and do not say."""
 ALLREDUCE_LIKE = ("allreduce",)
 ALLGATHER_LIKE = ("allgather", "allgather_fast")

@@ -12,7 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("adacomp.tools.train", "train the built-in job from a config (default: configs/quickstart.yaml)"),
     "netem": ("adacomp.tools.netem_cmd", "emulate N hosts with capped bandwidth (root): up | set | down | status"),
     "plan": ("adacomp.tools.plan_cmd", "profile a model and print ByteComp's per-tensor compression plan"),
-    "bench": ("adacomp.tools.bench_cmd", "list the benchmark scripts and how to launch them"),
+    "bench": ("adacomp.tools.bench_cmd", "list the benchmarks (adacomp.bench) or run one: adacomp bench NAME [args]"),
     "advise": ("adacomp.tools.advise", "probe the link, profile a model, rank methods against bf16 DDP (+ YAML)"),
 }
 

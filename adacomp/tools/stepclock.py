@@ -1,7 +1,8 @@
 """Timing real DDP training steps of several compression methods on one shared machine.
 
-Used by ``adacomp advise`` (its calibration) and ``scripts/sweep.py`` (the measurements advise is
-checked against). Two facts of a shared machine shape it:
+Used by ``adacomp advise`` (its calibration) and ``adacomp bench sweep`` (the measurements advise
+is checked against). :func:`time_steps` is the one step-timing loop of the tools and every
+benchmark in :mod:`adacomp.bench`. Two facts of a shared machine shape it:
 
 * it drifts by more than the gap between close methods, so methods are timed in *interleaved
   passes* (every method once per pass), and each pass's median is kept: their spread is this
@@ -66,6 +67,29 @@ class StepMeasure(NamedTuple):
         return diff / se
 
 
+def time_steps(step: Callable[[], object], steps: int, warmup: int = 0, *, sync: Callable[[], object] | None = None,
+               after: Callable[[float], object] | None = None, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """The one step-timing loop: ``warmup`` untimed calls of ``step``, then ``steps`` timed ones;
+    returns the seconds of each timed call.
+
+    ``sync`` (a barrier, a device synchronisation) runs before every call, warm-up included, outside
+    the timed span; ``after(seconds)`` runs after every *timed* call, also outside it (read the
+    step's stats there). ``clock`` is ``time.perf_counter`` (wall time) unless the caller wants e.g.
+    ``time.process_time``."""
+    times: list[float] = []
+    for i in range(warmup + steps):
+        if sync is not None:
+            sync()
+        t0 = clock()
+        step()
+        dt = clock() - t0
+        if i >= warmup:
+            times.append(dt)
+            if after is not None:
+                after(dt)
+    return times
+
+
 def step_samples(config: dict[str, Any], model: nn.Module, loss: Callable[[nn.Module], torch.Tensor], backend: Any,
                  steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """This rank's seconds and payload bytes of each of ``steps`` real training steps after
@@ -78,16 +102,15 @@ def step_samples(config: dict[str, Any], model: nn.Module, loss: Callable[[nn.Mo
     state, hook = adacomp.engine.ddp.hook(config, named_parameters=model.named_parameters(), backend=backend)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
-    times, sent = [], []
-    for i in range(warmup + steps):
-        backend.barrier()
-        t0 = time.perf_counter()
+    sent: list[float] = []
+
+    def step() -> None:
         opt.zero_grad()
         loss(ddp).backward()
         opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            sent.append(float(state.last_stats.bytes_sent if state.last_stats else 0))
+
+    times = time_steps(step, steps, warmup, sync=backend.barrier,
+                       after=lambda _: sent.append(float(state.last_stats.bytes_sent if state.last_stats else 0)))
     return times, sent
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Convergence suite: every compressor on two real offline tasks, accuracy vs dense.
 
 Tasks: ``digits`` (scikit-learn's 8x8 digits, DigitsCNN, SGD + momentum) and ``text`` (a
@@ -10,12 +9,13 @@ plus a row on the compressor's own ``default_communicator`` where it has one (ok
 memory ``auto`` (residual error feedback for biased compressors). All arms run inside ONE launch:
 each worker loops over the arms, building a fresh model (fixed seed) and DistributedOptimizer per arm.
 
-    python scripts/convergence.py                                  # spawns 2 workers itself
-    adacomp run -np 2 -- python scripts/convergence.py             # or torchrun / mpirun / horovodrun
-    python scripts/convergence.py --np 4 --tasks digits --compressors none topk
+    adacomp bench convergence                                  # spawns 2 workers itself
+    adacomp run -np 2 -- adacomp bench convergence             # or torchrun / mpirun / horovodrun
+    adacomp bench convergence --np 4 --tasks digits --compressors none topk
 
 Budget: the defaults (2 tasks x 30 arms, 150 steps each) are sized for < 20 min on 2 shared cores.
-Writes docs/results/convergence.{md,csv,json} and convergence_<task>.png.
+Writes docs/results/convergence.{md,csv,json} and convergence_<task>.png under the current
+directory (``--out-dir``).
 """
 from __future__ import annotations
 
@@ -28,17 +28,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adacomp.bench.common import RESULTS, bench_command, last_stats, worker_or_spawn, write_result
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench convergence"  # spawns --np workers itself, or under any launcher
 
 PREFERRED_COMMS = ("allreduce", "allgather_fast", "allgather")
-LAUNCHER_KEYS = ("ADACOMP_BACKEND", "OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "TORCHELASTIC_RUN_ID")  # _bench_util reads them
+LAUNCHER_KEYS = ("ADACOMP_BACKEND", "OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "TORCHELASTIC_RUN_ID")  # common.launcher reads them
 
 
 def arms(names: list[str], densities: list[float], rank: int, bits: int) -> list[dict[str, Any]]:
@@ -119,31 +121,42 @@ def run_arm(task: Task, arm: dict[str, Any], args: argparse.Namespace) -> dict[s
     adacomp.broadcast_parameters(model.state_dict(), root_rank=0)
     per_rank = len(task.y) // world
     steps_per_epoch = max(1, per_rank // args.batch)
-    curve, stats, train_s, status = [], [], 0.0, "ok"
+    curve: list[dict[str, Any]] = []
+    stats: list[tuple[float, float, float, float]] = []
+    status = "ok"
     acc, loss = task.evaluate(model)
     curve.append({"step": 0, "wall_s": 0.0, "test_acc": acc, "test_loss": loss})
+    cur = SimpleNamespace(step=-1, idx=None, j=None, train_s=0.0)
+
+    def next_batch() -> None:
+        cur.step += 1
+        epoch, s = divmod(cur.step, steps_per_epoch)
+        if s == 0:
+            cur.idx = shard(len(task.y), rank, world, epoch, args.seed)
+        cur.j = cur.idx[s * args.batch:(s + 1) * args.batch]
+
+    def train_step() -> None:
+        opt.zero_grad()
+        task.loss(model(task.x[cur.j]), task.y[cur.j]).backward()
+        opt.synchronize()
+        if task.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
+        with opt.skip_synchronize():
+            opt.step()
+
+    def record(seconds: float) -> None:
+        cur.train_s += seconds
+        st = last_stats(opt)
+        stats.append((st.bytes_sent, st.dense_bytes, st.compress_s, st.comm_s))
+        if (cur.step + 1) % args.eval_every == 0 or cur.step + 1 == args.steps:
+            acc, loss = task.evaluate(model)
+            curve.append({"step": cur.step + 1, "wall_s": cur.train_s, "test_acc": acc, "test_loss": loss})
+
     try:
-        for step in range(args.steps):
-            epoch, s = divmod(step, steps_per_epoch)
-            if s == 0:
-                idx = shard(len(task.y), rank, world, epoch, args.seed)
-            j = idx[s * args.batch:(s + 1) * args.batch]
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            task.loss(model(task.x[j]), task.y[j]).backward()
-            opt.synchronize()
-            if task.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
-            with opt.skip_synchronize():
-                opt.step()
-            train_s += time.perf_counter() - t0
-            st = opt.last_stats
-            stats.append((st.bytes_sent, st.dense_bytes, st.compress_s, st.comm_s))
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                acc, loss = task.evaluate(model)
-                curve.append({"step": step + 1, "wall_s": train_s, "test_acc": acc, "test_loss": loss})
+        time_steps(train_step, args.steps, sync=next_batch, after=record)
     except adacomp.NonFiniteGradientError:  # raised on every rank alike: record and go on
         status = f"diverged at step {opt.steps}"
+    train_s = cur.train_s
     opt.remove_hooks()
     warm = stats[min(5, len(stats) - 1):] if stats else [(0, 0, 0.0, 0.0)]
     med = [statistics.median(v[i] for v in warm) for i in range(4)]
@@ -181,14 +194,13 @@ def worker(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- report
 def report(results: list[dict[str, Any]], descs: dict[str, str], world: int, args: argparse.Namespace,
            total_s: float) -> None:
-    from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dense = {r["task"]: r for r in results if r["compressor"] == "none"}
     fields = ["task", "label", "compressor", "communicator", "status", "steps", "final_acc", "final_loss",
               "acc_vs_dense_pp", "wall_s", "step_ms", "compress_ms", "comm_ms", "bytes_per_step",
               "dense_bytes_per_step", "compression_ratio"]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in results:
         d = dense.get(r["task"])
         rows.append({**{k: r.get(k) for k in fields}, "acc_vs_dense_pp": 100 * (r["final_acc"] - d["final_acc"]) if d else None,
@@ -199,7 +211,7 @@ def report(results: list[dict[str, Any]], descs: dict[str, str], world: int, arg
         for row in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
     (out / "convergence.json").write_text(json.dumps(
-        {"world": world, "total_s": total_s, "descs": descs, "argv": sys.argv[1:], "results": results,
+        {"world": world, "total_s": total_s, "descs": descs, "argv": args.argv, "results": results,
          "launcher_env": {k: os.environ[k] for k in LAUNCHER_KEYS if k in os.environ}}, indent=1))
     lines = [f"{world} workers, {args.steps} steps per arm, batch {args.batch} per worker, seed {args.seed}, "
              f"{args.threads} torch thread(s) per worker; whole run {total_s / 60:.1f} min. Wall time is training "
@@ -221,7 +233,8 @@ def report(results: list[dict[str, Any]], descs: dict[str, str], world: int, arg
                          f"{row['bytes_per_step'] / 1024:.1f} | {row['compression_ratio']:.0f}x | {row['status']} |")
         lines += ["", summary([r for r in rows if r["task"] == task]), ""]
         plot(results, task, out / f"convergence_{task}.png")
-    write_result(str(out / "convergence.md"), "Convergence: every compressor vs dense on real offline data", lines)
+    write_result(out / "convergence.md", "Convergence: every compressor vs dense on real offline data", lines,
+                 args.command)
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
@@ -264,7 +277,7 @@ def plot(results: list[dict[str, Any]], task: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="adacomp bench convergence", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--np", type=int, default=2, help="workers to spawn when not started by a launcher (2-4)")
     ap.add_argument("--tasks", nargs="+", default=["digits", "text"], choices=["digits", "text"])
     ap.add_argument("--compressors", nargs="*", help="subset of registered names (default: all)")
@@ -276,27 +289,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--out-dir", default=RESULTS, help="relative to the current directory (default: %(default)s)")
     ap.add_argument("--from-json", help="rebuild md / csv / png from a convergence.json without training")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.command = bench_command("convergence", args.argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         run_args = ap.parse_args(saved["argv"])
         run_args.out_dir = args.out_dir
-        # The results file names the command and launcher that measured them; both are put back
-        # afterwards so a caller in the same process (tests) keeps its own argv and environment.
-        old_argv, old_env = sys.argv, dict(os.environ)
-        sys.argv = [sys.argv[0], *saved["argv"]]
+        run_args.argv = saved["argv"]
+        run_args.command = bench_command("convergence", saved["argv"])
+        # The results file names the launcher that measured them; the environment is put back
+        # afterwards so a caller in the same process (tests) keeps its own.
+        old_env = dict(os.environ)
         os.environ.update(saved.get("launcher_env", {}))
         try:
             report(saved["results"], saved["descs"], saved["world"], run_args, saved["total_s"])
         finally:
-            sys.argv = old_argv
             os.environ.clear()
             os.environ.update(old_env)
         return 0
-    from adacomp.runtime.launch import worker_or_spawn
-    return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
+    return worker_or_spawn(lambda: worker(args), args.np, "convergence", argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":

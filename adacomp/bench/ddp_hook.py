@@ -1,7 +1,7 @@
 """Step time of adacomp's DDP communication hook vs plain DDP, DDP's fp16 hook and PyTorch's own
 PowerSGD hook, and vs adacomp's DistributedOptimizer with the same configs: one run, alternating arms.
 
-    adacomp run -np 2 -- python scripts/bench_ddp_hook.py      # writes docs/results/ddp_hook.md
+    adacomp run -np 2 -- adacomp bench ddp_hook    # writes docs/results/ddp_hook.md (from the current directory)
 
 Every arm trains its own copy of the same MLP on the same batches; blocks of steps alternate
 between arms so machine noise hits all of them; the job's step time is the slowest rank's median.
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -21,11 +18,13 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import ensure_torch_group, write_result  # noqa: E402
+import adacomp
+import adacomp.ddp
+from adacomp.bench.common import (RESULTS, add_mlp_arguments, alternating_blocks, bench_command, start_mlp_job,
+                                  write_result)
+from adacomp.models import MLP
 
-import adacomp  # noqa: E402
-from adacomp.models import MLP  # noqa: E402
+LAUNCH = "adacomp run -np 2 -- adacomp bench ddp_hook"  # or torchrun / mpirun / horovodrun
 
 CONFIGS = {
     "powersgd r4": {"compressor": {"name": "powersgd", "rank": 4, "min_compression_rate": 0.0}, "min_numel": 0},
@@ -34,52 +33,40 @@ CONFIGS = {
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--inputs", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per arm")
-    ap.add_argument("--block", type=int, default=5)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adacomp bench ddp_hook", description=(__doc__ or "").split("\n\n")[0])
+    add_mlp_arguments(ap, width=1024, depth=3, steps=20)
     ap.add_argument("--bucket-mb", type=float, default=100.0,
                     help="one bucket: PyTorch's PowerSGD hook times out on gloo with DDP's default multi-bucket "
                          "layout (its chained per-bucket rounds run in different orders on different ranks)")
-    ap.add_argument("--out", default="docs/results/ddp_hook.md")
-    args = ap.parse_args()
-    adacomp.init()
-    ensure_torch_group()
-    rank, world = adacomp.rank(), adacomp.size()
-    torch.manual_seed(0)
+    ap.add_argument("--out", default=f"{RESULTS}/ddp_hook.md", help="markdown result, relative to the current "
+                    "directory (default: %(default)s)")
+    args = ap.parse_args(argv)
+    rank, world, x, y = start_mlp_job(args)
     ref = MLP(args.inputs, args.width, args.depth)
     nparams = sum(p.numel() for p in ref.parameters())
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.inputs, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
 
     def copy() -> torch.nn.Module:
         m = MLP(args.inputs, args.width, args.depth)
         m.load_state_dict(ref.state_dict())
         return m
 
-    def timed_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], float]:
-        def step() -> float:
-            t0 = time.perf_counter()
+    def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def step() -> None:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-            return time.perf_counter() - t0
         return step
 
-    def ddp_arm(register: Callable[[DDP], None] | None) -> Callable[[], float]:
+    def ddp_arm(register: Callable[[DDP], None] | None) -> Callable[[], None]:
         model = DDP(copy(), bucket_cap_mb=args.bucket_mb)
         if register is not None:
             register(model)
-        return timed_step(model, torch.optim.SGD(model.parameters(), lr=0.01))
+        return train_step(model, torch.optim.SGD(model.parameters(), lr=0.01))
 
-    def opt_arm(cfg: dict) -> Callable[[], float]:
+    def opt_arm(cfg: dict) -> Callable[[], None]:
         model = copy()
-        return timed_step(model, adacomp.DistributedOptimizer(
+        return train_step(model, adacomp.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
             config={**cfg, "fusion": {"bucket_mb": args.bucket_mb}}))
 
@@ -89,7 +76,7 @@ def main() -> None:
             model.register_comm_hook(state, hook)
         return register
 
-    arms: dict[str, Callable[[], float]] = {
+    arms: dict[str, Callable[[], None]] = {
         "DDP": ddp_arm(None),
         "DDP + fp16 hook": ddp_arm(lambda m: m.register_comm_hook(None, default_hooks.fp16_compress_hook)),
         "DDP + PyTorch PowerSGD hook r4": ddp_arm(lambda m: m.register_comm_hook(
@@ -99,13 +86,8 @@ def main() -> None:
     for name, cfg in CONFIGS.items():
         arms[f"DDP + adacomp hook {name}"] = ddp_arm(adacomp_hook(cfg))
         arms[f"adacomp DistributedOptimizer {name}"] = opt_arm(cfg)
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(3):  # warm-up (PowerSGD hook's dense iterations included)
-        for step in arms.values():
-            step()
-    while len(times["DDP"]) < args.steps:
-        for name, step in arms.items():
-            times[name] += [step() for _ in range(args.block)]
+    # 3 warm-up steps per arm before its first block (PowerSGD hook's dense iterations included)
+    times = alternating_blocks(arms, args.steps, args.block)
     med = torch.tensor([statistics.median(times[k]) for k in arms])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -127,8 +109,9 @@ def main() -> None:
             "On loopback the network is fast, so compression can only cost time here; the table shows what the",
             "hook path costs next to the optimizer path (same compressors, same math: tests/test_ddp_hook.py checks",
             "their parameters agree within 1e-6 over 50 steps) and next to PyTorch's own PowerSGD hook.",
-        ])
+        ], bench_command("ddp_hook", argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

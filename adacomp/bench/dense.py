@@ -1,45 +1,36 @@
 """Dense path overhead: adacomp (compressor none + allreduce) vs PyTorch DDP, same model, one run.
 
-Launch under any launcher, e.g. ``adacomp run -np 2 -- python scripts/bench_dense.py`` (also
+Launch under any launcher, e.g. ``adacomp run -np 2 -- adacomp bench dense`` (also
 torchrun / mpirun / horovodrun: DDP then gets a gloo group of its own). Both arms train the same
 ~10M-parameter MLP on the same batches; blocks of steps alternate between the arms so machine
-noise hits both. Rank 0 prints the ratio and writes docs/results/dense.md.
+noise hits both. Rank 0 prints the ratio and writes docs/results/dense.md (relative to the current
+directory: run it from a checkout, or pass ``--out``).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import ensure_torch_group, write_result  # noqa: E402
+import adacomp
+from adacomp.bench.common import (RESULTS, add_mlp_arguments, alternating_blocks, bench_command, start_mlp_job,
+                                  write_result)
+from adacomp.models import MLP
 
-import adacomp  # noqa: E402
-from adacomp.models import MLP  # noqa: E402
+LAUNCH = "adacomp run -np 2 -- adacomp bench dense"  # or torchrun / mpirun / horovodrun
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--inputs", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=30, help="measured steps per arm")
-    ap.add_argument("--block", type=int, default=5, help="steps per alternating block")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adacomp bench dense", description=(__doc__ or "").split("\n\n")[0])
+    add_mlp_arguments(ap, width=2048, depth=3, steps=30)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
-    ap.add_argument("--out", default="docs/results/dense.md")
-    args = ap.parse_args()
-
-    adacomp.init()
-    ensure_torch_group()
-    rank, world = adacomp.rank(), adacomp.size()
-    torch.manual_seed(0)
+    ap.add_argument("--out", default=f"{RESULTS}/dense.md", help="markdown result, relative to the current "
+                    "directory (default: %(default)s)")
+    args = ap.parse_args(argv)
+    rank, world, x, y = start_mlp_job(args)
     ours = MLP(args.inputs, args.width, args.depth)
     theirs = MLP(args.inputs, args.width, args.depth)
     theirs.load_state_dict(ours.state_dict())
@@ -48,30 +39,19 @@ def main() -> None:
                                        config={"fusion": {"bucket_mb": args.bucket_mb}})
     ddp = torch.nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=args.bucket_mb)
     dopt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.inputs, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
 
-    def step_ours() -> float:
-        t0 = time.perf_counter()
+    def step_ours() -> None:
         opt.zero_grad()
         F.cross_entropy(ours(x), y).backward()
         opt.step()
-        return time.perf_counter() - t0
 
-    def step_ddp() -> float:
-        t0 = time.perf_counter()
+    def step_ddp() -> None:
         dopt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
         dopt.step()
-        return time.perf_counter() - t0
 
-    for _ in range(3):  # warm-up both
-        step_ours(), step_ddp()
-    t_ours, t_ddp = [], []
-    while len(t_ours) < args.steps:
-        t_ours += [step_ours() for _ in range(args.block)]
-        t_ddp += [step_ddp() for _ in range(args.block)]
+    times = alternating_blocks({"ours": step_ours, "ddp": step_ddp}, args.steps, args.block)
+    t_ours, t_ddp = times["ours"], times["ddp"]
     # Per-step time of the job = the slowest rank.
     med = torch.tensor([statistics.median(t_ours), statistics.median(t_ddp)])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
@@ -89,8 +69,9 @@ def main() -> None:
             f"| PyTorch DDP | {1e3 * med[1]:.1f} | 1.000 |",
             f"| adacomp dense (none + allreduce) | {1e3 * med[0]:.1f} | {ratio:.3f} |",
             "", f"Goal: adacomp <= 1.05x DDP. Parameters of the two arms after training differ by at most {same:.1e}.",
-        ])
+        ], bench_command("dense", argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

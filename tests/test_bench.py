@@ -1,12 +1,13 @@
-"""End-to-end smoke tests of the result scripts at tiny sizes, plus the text corpus and CharLSTM.
+"""``adacomp bench``: the listing and its errors, end-to-end smoke tests of the benchmarks
+(adacomp/bench) at tiny sizes, plus the text corpus and CharLSTM.
 
-Each script runs as a user would run it (``adacomp run -np 2 -- python scripts/X.py``; the netem
-experiment drives its own hosts and needs root) and must write its results files into a temporary
-directory. Sizes are tiny: these check the plumbing, not the numbers.
+Each benchmark runs as a user would run it (``adacomp run -np 2 -- adacomp bench NAME``; the netem
+experiment drives its own hosts and needs root), from a directory that is not the checkout, and
+must write its results files into a temporary directory. Sizes are tiny: these check the plumbing,
+not the numbers.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,16 +21,60 @@ ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 600  # only against a hung run; no test here measures time
 
 
-def _run(args: list[str]) -> str:
+BENCH = [sys.executable, "-m", "adacomp.tools.cli", "bench"]  # `adacomp bench`
+
+
+def _run(args: list[str], cwd: Path, expect: int = 0) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == expect, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
 
 
-def _launch(script: str, *args: str) -> str:
-    return _run([sys.executable, "-m", "adacomp.tools.cli", "run", "-np", "2", "--",
-                 sys.executable, f"scripts/{script}", *args])
+def _launch(name: str, *args: str, cwd: Path) -> str:
+    """``adacomp run -np 2 -- adacomp bench NAME args`` in ``cwd``."""
+    return _run([sys.executable, "-m", "adacomp.tools.cli", "run", "-np", "2", "--", *BENCH, name, *args], cwd).stdout
+
+
+def test_bench_lists_every_benchmark_module_with_its_launch_line(tmp_path):
+    from adacomp.tools.bench_cmd import benchmarks
+    modules = {p.stem for p in (ROOT / "adacomp" / "bench").glob("*.py")} - {"__init__", "common", "cost_shapes"}
+    found = benchmarks()
+    assert set(found) == modules and len(modules) >= 18
+    out = _run(BENCH, tmp_path).stdout  # the installed command, outside the checkout
+    for name, b in found.items():
+        assert f"  {name} " in out and f"$ {b.launch}" in out and b.summary.endswith(".")
+        assert b.launch.startswith(("adacomp bench " + name, "adacomp run -np 2 -- adacomp bench " + name)), b.launch
+    assert "$ adacomp run -np 2 -- adacomp bench dense" in out and "docs/results/ under the current directory" in out
+
+
+def test_bench_unknown_name_exits_2_with_the_valid_names(tmp_path):
+    proc = _run([*BENCH, "no_such_bench"], tmp_path, expect=2)
+    assert "unknown benchmark 'no_such_bench'" in proc.stderr
+    assert "valid names: adaptive, adaptive_network, collectives" in proc.stderr and "zoo" in proc.stderr
+
+
+def test_nothing_in_the_package_runs_from_the_source_tree():
+    """No benchmark script paths (they moved into adacomp/bench) and no sys.path hacks."""
+    import re
+    for path in (ROOT / "adacomp").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"scripts/\w+\.py", text) and "sys.path.insert" not in text, path
+
+
+def test_python_m_runs_a_benchmark(tmp_path):
+    """``python -m adacomp.bench.NAME`` is the same entry point (here: --help, measuring nothing)."""
+    proc = _run([sys.executable, "-m", "adacomp.bench.dense", "--help"], tmp_path)
+    assert "adacomp bench dense" in proc.stdout and "relative to the current directory" in proc.stdout
+
+
+def test_dense_under_the_launcher(tmp_path):
+    """The dense-path benchmark times both arms with the shared loop and records the command typed."""
+    out = _launch("dense", "--inputs", "16", "--width", "32", "--depth", "1", "--steps", "2", "--block", "1",
+                  "--out", "res/dense.md", cwd=tmp_path)
+    assert "ratio" in out and "max |param diff| 0.00e+00" in out
+    md = (tmp_path / "res" / "dense.md").read_text()
+    assert "Produced by: `adacomp run ... adacomp bench dense --inputs 16" in md and "Median of 2 steps per arm" in md
 
 
 def test_char_corpus_split_is_seeded_and_disjoint():
@@ -54,75 +99,71 @@ def test_charlstm_shapes_and_validation():
         CharLSTM(hidden=0)
 
 
-def test_convergence_script(tmp_path):
-    out = _launch("convergence.py", "--compressors", "none", "topk", "--densities", "0.1", "--steps", "3",
-                  "--eval-every", "2", "--out-dir", str(tmp_path))
+def test_convergence_bench(tmp_path):
+    out = _launch("convergence", "--compressors", "none", "topk", "--densities", "0.1", "--steps", "3",
+                  "--eval-every", "2", "--out-dir", str(tmp_path), cwd=tmp_path)
     assert "text 2/2" in out
     for name in ("convergence.md", "convergence.csv", "convergence.json", "convergence_digits.png", "convergence_text.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     md = (tmp_path / "convergence.md").read_text()
-    assert "| topk density=0.1 | allgather_fast |" in md and "Produced by" in md
+    assert "| topk density=0.1 | allgather_fast |" in md
+    assert "Produced by: `adacomp run ... adacomp bench convergence --compressors none topk" in md
     rebuilt = tmp_path / "again"  # tables and plots rebuild from the saved curves, in-process
-    spec = importlib.util.spec_from_file_location("convergence_script", ROOT / "scripts" / "convergence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    argv = sys.argv
-    try:
-        assert module.main(["--from-json", str(tmp_path / "convergence.json"), "--out-dir", str(rebuilt)]) == 0
-    finally:
-        sys.argv = argv
-    assert (rebuilt / "convergence.md").read_text().count("| topk density=0.1 |") == 2
+    from adacomp.bench import convergence
+    assert convergence.main(["--from-json", str(tmp_path / "convergence.json"), "--out-dir", str(rebuilt)]) == 0
+    again = (rebuilt / "convergence.md").read_text()
+    assert again.count("| topk density=0.1 |") == 2
+    assert "Produced by: `adacomp run ... adacomp bench convergence --compressors none topk" in again
 
 
-def test_throughput_script(tmp_path):
-    _launch("bench_throughput.py", "--inputs", "32", "--width", "64", "--steps", "1", "--warmup", "1",
-            "--compressors", "none", "topk", "--out-dir", str(tmp_path))
+def test_throughput_bench(tmp_path):
+    _launch("throughput", "--inputs", "32", "--width", "64", "--steps", "1", "--warmup", "1",
+            "--compressors", "none", "topk", "--out-dir", str(tmp_path), cwd=tmp_path)
     rows = (tmp_path / "throughput.csv").read_text().splitlines()
     # none fits allreduce / allgather / allgather_fast / alltoall, topk fits allgather /
     # allgather_fast / alltoall / artopk / oktopk
     assert len(rows) == 1 + 9, rows
     assert (tmp_path / "throughput.png").stat().st_size > 0
-    assert "## 2 workers" in (tmp_path / "throughput.md").read_text()
+    md = (tmp_path / "throughput.md").read_text()
+    assert "## 2 workers" in md and "Command: `adacomp run -np 2 -- adacomp bench throughput --inputs 32" in md
 
 
-def test_throughput_script_zoo_model(tmp_path):
-    _launch("bench_throughput.py", "--model", "lstm_lm", "--batch", "1", "--steps", "1", "--warmup", "1",
-            "--compressors", "none", "--communicators", "allreduce", "--out-dir", str(tmp_path))
+def test_throughput_bench_zoo_model(tmp_path):
+    _launch("throughput", "--model", "lstm_lm", "--batch", "1", "--steps", "1", "--warmup", "1",
+            "--compressors", "none", "--communicators", "allreduce", "--out-dir", str(tmp_path), cwd=tmp_path)
     md = (tmp_path / "throughput_lstm_lm.md").read_text()
     assert "lstm_lm (adacomp.models" in md and "| none |  | allreduce |" in md
     assert not (tmp_path / "throughput.csv").exists()  # the MLP tables are left alone
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
-def test_netem_experiment_script(tmp_path):
-    out = _run([sys.executable, "scripts/netem_experiment.py", "--hosts", "2", "--bandwidths", "200mbit",
+def test_netem_experiment_bench(tmp_path):
+    out = _run([*BENCH, "netem_experiment", "--hosts", "2", "--bandwidths", "200mbit",
                 "--arms", "dense", "topk_allgather", "--steps", "2", "--warmup", "1", "--inputs", "32",
-                "--width", "64", "--prefix", "acxt", "--out-dir", str(tmp_path)])
+                "--width", "64", "--prefix", "acxt", "--out-dir", str(tmp_path)], tmp_path).stdout
     assert "netem down" in out
-    assert "| 200mbit | topk_allgather |" in (tmp_path / "netem.md").read_text()
+    md = (tmp_path / "netem.md").read_text()
+    assert "| 200mbit | topk_allgather |" in md and "Produced by: `adacomp bench netem_experiment --hosts 2" in md
     assert (tmp_path / "netem.png").stat().st_size > 0
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "acxt-" not in left
 
 
-def test_bench_zoo_script(tmp_path):
+def test_zoo_bench(tmp_path):
     """Full-size zoo model, real DDP arm and one method alternating in one launch; ratio to DDP reported."""
     import json
-    out = _launch("bench_zoo.py", "--models", "lstm_lm", "--methods", "topk", "--batch", "2", "--warmup", "1",
-                  "--steps", "1", "--rounds", "2", "--out-dir", str(tmp_path))
+    out = _launch("zoo", "--models", "lstm_lm", "--methods", "topk", "--batch", "2", "--warmup", "1",
+                  "--steps", "1", "--rounds", "2", "--out-dir", str(tmp_path), cwd=tmp_path)
     assert "lstm_lm round 2/2" in out
     rows = {r["method"]: r for r in json.loads((tmp_path / "zoo_steps.json").read_text())["rows"]}
     assert set(rows) == {"ddp", "topk"} and rows["ddp"]["ratio"] == 1.0 and len(rows["topk"]["rounds_ms"]) == 2
     md = (tmp_path / "zoo_steps.md").read_text()
-    assert "| topk |" in md and "python scripts/bench_zoo.py --models lstm_lm" in md
+    assert "| topk |" in md and "    adacomp bench zoo --models lstm_lm" in md
 
 
-def _tta_module():
-    spec = importlib.util.spec_from_file_location("tta_script", ROOT / "scripts" / "time_to_accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves postponed annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+def _tta_module():  # type: ignore[no-untyped-def]
+    from adacomp.bench import time_to_accuracy
+    return time_to_accuracy
 
 
 def test_time_to_accuracy_verdict():
@@ -162,10 +203,10 @@ def test_time_to_accuracy_lm_tiny(tmp_path):
                                             for i in range(400)) + "\n")
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), ADACOMP_FORTUNES_DIR=str(text))
-    proc = subprocess.run([sys.executable, "scripts/time_to_accuracy.py", "--size", "tiny", "--tasks", "lm",
+    proc = subprocess.run([*BENCH, "time_to_accuracy", "--size", "tiny", "--tasks", "lm",
                            "--hosts", "2", "--bandwidths", "1gbit", "--max-seconds", "1", "--local-every", "4",
                            "--prefix", "acty", "--out-dir", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "communication share" in proc.stdout and "synchronising steps" in proc.stdout
     rows = {r["arm"]: r for r in json.loads((out / "time_to_accuracy.json").read_text())}
@@ -175,5 +216,6 @@ def test_time_to_accuracy_lm_tiny(tmp_path):
     md = (out / "time_to_accuracy.md").read_text()
     assert "Communication share of bf16 DDP's step" in md and "| diloco (H=4) |" in md
     assert "tokens to target" in md and "bytes vs ddp_bf16" in md and "**Verdict at 1gbit" in md
+    assert "Produced by: `adacomp bench time_to_accuracy --size tiny --tasks lm" in md
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "acty-" not in left

@@ -1,26 +1,27 @@
-#!/usr/bin/env python
 """Cost of every compression method on real architectures' gradient shapes (issue 17, item 3).
 
 Per model (ResNet-50, VGG-16, GPT-2-small-like, 2-layer LSTM LM) and method, one process per cell
 runs the method's full per-step path as rank 0 of a world of two whose peer sent the same bytes
-(``_cost_shapes.MirrorBackend``: compensate, compress, memory update, exchange, aggregate /
+(``adacomp.bench.cost_shapes.MirrorBackend``: compensate, compress, memory update, exchange, aggregate /
 decompress; no second process competes for the cores): fusion buckets of 25 MB, tensors under
 1024 elements dense, as the optimizer's defaults route them. It records
 
 * compression time per step (median of ``--steps`` after one warm-up step) and its share of one
-  backward pass of the model (``_cost_models``, batch given in the table);
+  backward pass of the model (the zoo in ``adacomp.models``, batch given in the table);
 * extra memory held after the step (residuals, scratch buffers, recycled outputs: every tensor
   reachable from the compressor, memory and communicator objects) and the peak-RSS growth during
   the steps, both as a share of the model's gradient bytes;
 * bytes this rank sends per step as a share of a dense allreduce's;
 * the same step time for 10 / 100 / 1000 equal tensors of the same total size.
 
-"Before" numbers come from running the same script against another checkout:
+"Before" numbers come from the same command run against another checkout that has this benchmark
+(each cell runs in a fresh ``python -m adacomp.bench.cost cell`` process, so the ``adacomp`` on
+``PYTHONPATH`` is the code measured):
 
-    PYTHONPATH=/path/to/old python scripts/bench_cost.py run --json /tmp/before.json --methods qsgd,efsignsgd,adtopk,artopk
-    PYTHONPATH=. python scripts/bench_cost.py run --json /tmp/after.json
-    PYTHONPATH=. python scripts/bench_cost.py backward --json /tmp/backward.json
-    PYTHONPATH=. python scripts/bench_cost.py report --before /tmp/before.json --after /tmp/after.json \\
+    PYTHONPATH=/path/to/old python -m adacomp.bench.cost run --json /tmp/before.json --methods qsgd,efsignsgd,adtopk,artopk
+    adacomp bench cost run --json /tmp/after.json
+    adacomp bench cost backward --json /tmp/backward.json
+    adacomp bench cost report --before /tmp/before.json --after /tmp/after.json \\
         --backward /tmp/backward.json --out docs/results/cost.md
 """
 from __future__ import annotations
@@ -32,12 +33,16 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Callable
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import torch
+
+from adacomp.bench.common import RESULTS, bench_command, module_command, write_result
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench cost run --json /tmp/cost.json"  # one fresh process per cell; then `backward` and `report`
 
 # method -> (compressor, params, communicator, memory)
 METHODS: dict[str, tuple[str, dict, str, str]] = {
@@ -56,7 +61,7 @@ MIN_NUMEL = 1024
 
 
 def _shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
-    import _cost_shapes as S
+    from adacomp.bench import cost_shapes as S
     if model.startswith("split"):
         return S.equal_split(SPLIT_TOTAL, int(model[5:]))
     return S.MODELS[model]()
@@ -86,7 +91,6 @@ def _buckets(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[list[list[tuple
 
 def _held_bytes(*objs: Any) -> int:
     """Bytes of distinct tensor storages reachable from ``objs`` (dicts, lists, attributes)."""
-    import torch
     seen_obj: set[int] = set()
     storages: dict[int, int] = {}
 
@@ -103,7 +107,7 @@ def _held_bytes(*objs: Any) -> int:
         elif isinstance(o, (list, tuple, set)):
             for v in o:
                 walk(v, depth + 1)
-        elif hasattr(o, "__dict__") and not isinstance(o, type) and type(o).__module__.startswith(("adacomp", "_cost")):
+        elif hasattr(o, "__dict__") and not isinstance(o, type) and type(o).__module__.startswith("adacomp"):
             walk(vars(o), depth + 1)
 
     for o in objs:
@@ -113,12 +117,11 @@ def _held_bytes(*objs: Any) -> int:
 
 def cell(model: str, method: str, steps: int) -> dict:
     """One (model, method) measurement in this process."""
-    import torch
     from adacomp import communicators, compressors, memories
+    from adacomp.bench.cost_shapes import MirrorBackend
     from adacomp.communicators.base import CommEnv, Entry
     from adacomp.engine.error_feedback import exchange
     from adacomp.engine.metrics import StepStats
-    from _cost_shapes import MirrorBackend
 
     cname, cparams, comm_name, mem_name = METHODS[method]
     comp = compressors.get(cname, **cparams)
@@ -131,26 +134,27 @@ def cell(model: str, method: str, steps: int) -> dict:
     model_bytes = sum(4 * g.numel() for g in grads.values()) + dense_small
     backend = MirrorBackend(2)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    times, sent, dense = [], 0, 0
-    outs: list = []
-    for step in range(steps + 1):
-        stats = StepStats()
-        outs = []  # the previous step's means are released, as zero_grad(set_to_none) releases grads
-        fresh = {n: g.clone() for n, g in grads.items()}  # backward's new gradients (error feedback adds into them)
-        t0 = time.perf_counter()
+    cur = SimpleNamespace(step=-1, stats=StepStats(), outs=[], fresh={})
+
+    def prepare() -> None:
+        cur.step += 1
+        cur.stats = StepStats()
+        cur.outs = []  # the previous step's means are released, as zero_grad(set_to_none) releases grads
+        cur.fresh = {n: g.clone() for n, g in grads.items()}  # backward's new gradients (error feedback adds into them)
+
+    def one_step() -> None:
         for bi, b in enumerate(buckets):
             # AR-Topk: even steps make this rank the root (it runs Top-k); see MirrorBackend
-            env = CommEnv(backend, stats, step=2 * step, bucket_index=bi)
-            entries = [Entry(n, memory.compensate(fresh[n], n), comp, memory) for n, _ in b]
-            outs += exchange(comm, entries, env)
-        comp.on_step(step + 1)
-        dt = time.perf_counter() - t0
-        if step:
-            times.append(dt)
-            sent, dense = stats.bytes_sent, stats.dense_bytes
+            env = CommEnv(backend, cur.stats, step=2 * cur.step, bucket_index=bi)
+            entries = [Entry(n, memory.compensate(cur.fresh[n], n), comp, memory) for n, _ in b]
+            cur.outs += exchange(comm, entries, env)
+        comp.on_step(cur.step + 1)
+
+    times = time_steps(one_step, steps, 1, sync=prepare)
+    sent, dense = cur.stats.bytes_sent, cur.stats.dense_bytes  # the last step's
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     held = _held_bytes(comp, memory, comm)
-    del outs
+    del cur
     return {"model": model, "method": method, "tensors": len(shapes), "numel": model_bytes // 4,
             "step_s": statistics.median(times), "steps_s": times, "model_bytes": model_bytes,
             "held_bytes": held, "rss_extra_bytes": max(0, peak - base_rss),
@@ -168,7 +172,7 @@ def run(args: argparse.Namespace) -> None:
         for method in args.methods.split(","):
             if (model, method) in done:
                 continue
-            cmd = [sys.executable, __file__, "cell", "--model", model, "--method", method, "--steps", str(args.steps)]
+            cmd = [*module_command("cost"), "cell", "--model", model, "--method", method, "--steps", str(args.steps)]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             if res.returncode:
                 print(f"{model} {method}: failed\n{res.stderr[-2000:]}", file=sys.stderr)
@@ -185,10 +189,34 @@ def _code() -> str:
     return str(Path(adacomp.__file__).resolve().parents[1])
 
 
+# zoo model -> (its batch for the backward timing, description of the batch)
+BATCHES: dict[str, tuple[Callable[[], Any], str]] = {
+    "resnet50": (lambda: torch.randn(8, 3, 224, 224), "8 x 3 x 224 x 224"),
+    "vgg16": (lambda: torch.randn(4, 3, 224, 224), "4 x 3 x 224 x 224"),
+    "gpt2_small": (lambda: torch.randint(0, 50257, (4, 128)), "4 x 128 tokens"),
+    "lstm_lm": (lambda: torch.randint(0, 10000, (20, 35)), "20 x 35 tokens"),
+}
+
+
+def backward_seconds(name: str, repeats: int = 2) -> tuple[float, int, str]:
+    """Fastest of ``repeats`` backward passes of zoo model ``name`` (after one warm-up; the forward
+    pass is not timed), its parameter count, the batch."""
+    from adacomp.models import build
+    batch, desc = BATCHES[name]
+    torch.manual_seed(0)
+    model, x = build(name), batch()
+    cur = SimpleNamespace(loss=None)
+
+    def forward() -> None:
+        model.zero_grad(set_to_none=True)
+        cur.loss = model(x).float().square().mean()
+
+    best = min(time_steps(lambda: cur.loss.backward(), repeats, 1, sync=forward))
+    return best, sum(p.numel() for p in model.parameters()), desc
+
+
 def backward(args: argparse.Namespace) -> None:
-    import torch
     torch.set_num_threads(args.threads)
-    from _cost_models import backward_seconds
     out = {}
     for model in args.models.split(","):
         t, params, batch = backward_seconds(model)
@@ -202,8 +230,6 @@ def _pct(x: float) -> str:
 
 
 def report(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(HERE))
-    from _bench_util import write_result
     after = json.loads(Path(args.after).read_text())
     before = json.loads(Path(args.before).read_text()) if args.before else {"rows": []}
     bw = json.loads(Path(args.backward).read_text())
@@ -214,7 +240,7 @@ def report(args: argparse.Namespace) -> None:
         f"One process, {after['rows'][0]['threads']} thread(s) (what `adacomp run` gives each of 2 workers on 2 cores), "
         "each cell a fresh process: the method's whole per-step path (error-feedback compensate, compress, memory "
         "update, payload exchange, aggregation and decompression of both ranks' payloads) as rank 0 of a world of "
-        "two whose peer sent the same bytes (`scripts/_cost_shapes.py` MirrorBackend; no second process competes "
+        "two whose peer sent the same bytes (`adacomp/bench/cost_shapes.py` MirrorBackend; no second process competes "
         "for the cores). 25 MB buckets; tensors under 1024 elements dense (counted in the bytes). "
         "Median of the steps after one warm-up step. AR-Topk is measured on its root rank (the one running Top-k; "
         "the other ranks only gather values), so its figure is the per-step maximum.",
@@ -252,7 +278,7 @@ def report(args: argparse.Namespace) -> None:
             ms_before = f"{1e3 * o['step_s']:.0f}" if o else ""
             share_before = _pct(o["step_s"] / bws) if o and bws else ""
             share_after = _pct(r["step_s"] / bws) if bws else ""
-            def mem(key: str) -> str:
+            def mem(key: str, o: dict[str, Any] | None = o, r: dict[str, Any] = r) -> str:
                 old = f"{_pct(o[key] / o['model_bytes'])} -> " if o else ""
                 return old + _pct(r[key] / r["model_bytes"])
             lines.append(f"| {m} | {ms_before} | {1e3 * r['step_s']:.0f} | {share_before} | {share_after} | "
@@ -274,11 +300,12 @@ def report(args: argparse.Namespace) -> None:
         lines.append("")
     if args.notes:
         lines += ["", Path(args.notes).read_text().rstrip()]
-    write_result(args.out, "Compression cost per method and model", lines)
+    write_result(args.out, "Compression cost per method and model", lines, args.command)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adacomp bench cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("cell")
     c.add_argument("--model", required=True)
@@ -301,16 +328,18 @@ def main() -> None:
     p.add_argument("--after", required=True)
     p.add_argument("--before")
     p.add_argument("--backward", required=True)
-    p.add_argument("--out", default="docs/results/cost.md")
+    p.add_argument("--out", default=f"{RESULTS}/cost.md", help="relative to the current directory (default: %(default)s)")
     p.add_argument("--notes", default="", help="markdown file appended to the report (causes found)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.command = bench_command("cost", argv)
     if args.cmd == "cell":
         import torch
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         print(json.dumps(cell(args.model, args.method, args.steps)))
     else:
         {"run": run, "backward": backward, "report": report}[args.cmd](args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

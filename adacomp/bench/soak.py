@@ -1,7 +1,7 @@
 """Soak test: thousands of steps on 4 processes; does memory grow, does anything leak?
 
-    python scripts/soak.py                      # starts `adacomp run -np 4` itself
-    adacomp run -np 4 -- python scripts/soak.py --worker --steps 2000
+    adacomp bench soak                      # starts `adacomp run -np 4` itself
+    adacomp run -np 4 -- adacomp bench soak --worker --steps 2000
 
 Each worker trains the digits CNN on real data with every config given (default: top-k sparse
 allgather with error feedback, and PowerSGD's two-round allreduce), and records, after a warm-up:
@@ -15,7 +15,8 @@ allgather with error feedback, and PowerSGD's two-round allreduce), and records,
 
 The rank-failure watchdog (adacomp/runtime/watchdog.py) runs during the whole soak.
 
-Rank 0 gathers every rank's record and writes ``docs/results/soak.md``.
+Rank 0 gathers every rank's record and writes ``docs/results/soak.md`` under the current directory
+(``--out``). Configs are read relative to the current directory, else from the checkout's configs/.
 """
 from __future__ import annotations
 
@@ -26,21 +27,26 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from adacomp.bench.common import RESULTS, module_command
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench soak"  # starts `adacomp run -np 4` itself
+
 DEFAULT_CONFIGS = ("configs/topk.yaml", "configs/powersgd.yaml")
 SLACK_TENSORS = 2  # live tensor objects allowed above the warm-up count (storage bytes: none)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="adacomp bench soak", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--np", type=int, default=4, help="workers (default 4)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=200, help="steps before the baseline sample")
     p.add_argument("--every", type=int, default=50, help="RSS sample period in steps")
     p.add_argument("--config", action="append", help=f"config(s) to soak (default: {', '.join(DEFAULT_CONFIGS)})")
-    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "soak.md"))
+    p.add_argument("--out", default=f"{RESULTS}/soak.md", help="relative to the current directory (default: %(default)s)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -110,28 +116,34 @@ def soak_one(config_path: str, args: argparse.Namespace) -> dict[str, Any]:
                                        model.named_parameters(), config=config_path)
     adacomp.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y, _, _ = digits(seed=0)
-    batch, epoch, pos = 32, 0, 0
-    idx = shard(len(y), rank, world, epoch)
+    batch = 32
+    cur = SimpleNamespace(step=0, epoch=0, pos=0, idx=shard(len(y), rank, world, 0), j=None, loss=None)
     samples: list[tuple[int, int]] = []
     base: dict[str, Any] = {}
-    step_s: list[float] = []
-    t_start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        if pos + batch > len(idx):
-            epoch, pos = epoch + 1, 0
-            idx = shard(len(y), rank, world, epoch)
-        j = idx[pos:pos + batch]
-        pos += batch
-        t0 = time.perf_counter()
+
+    def next_batch() -> None:
+        cur.step += 1
+        if cur.pos + batch > len(cur.idx):
+            cur.epoch, cur.pos = cur.epoch + 1, 0
+            cur.idx = shard(len(y), rank, world, cur.epoch)
+        cur.j = cur.idx[cur.pos:cur.pos + batch]
+        cur.pos += batch
+
+    def train_step() -> None:
         opt.zero_grad()
-        loss = F.cross_entropy(model(x[j]), y[j])
-        loss.backward()
+        cur.loss = F.cross_entropy(model(x[cur.j]), y[cur.j])
+        cur.loss.backward()
         opt.step()
-        step_s.append(time.perf_counter() - t0)
-        if step % args.every == 0:
-            samples.append((step, rss_bytes()))
-        if step == args.warmup:
-            base = {"rss": rss_bytes(), "tensors": live_tensors(), **{f"{k}": v for k, v in internals(opt).items()}}
+
+    def sample(_: float) -> None:
+        if cur.step % args.every == 0:
+            samples.append((cur.step, rss_bytes()))
+        if cur.step == args.warmup:
+            base.update({"rss": rss_bytes(), "tensors": live_tensors(), **internals(opt)})
+
+    t_start = time.perf_counter()
+    step_s = time_steps(train_step, args.steps, sync=next_batch, after=sample)
+    loss = cur.loss
     end = {"rss": rss_bytes(), "tensors": live_tensors(), **internals(opt)}
     opt.remove_hooks()
     after = [(s, r) for s, r in samples if s >= args.warmup]
@@ -150,7 +162,7 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, world: int) 
     import torch
     mib = 2 ** 20
     lines = ["# Soak: memory and leaks over a long run", "",
-             f"Produced by: `python scripts/soak.py --np {world} --steps {args.steps} --warmup {args.warmup}` "
+             f"Produced by: `adacomp bench soak --np {world} --steps {args.steps} --warmup {args.warmup}` "
              f"(launches `adacomp run -np {world}`; gloo on localhost)",
              f"Machine: {os.cpu_count()} cores shared with other jobs, torch {torch.__version__}, "
              f"Python {sys.version.split()[0]}; model: digits CNN, batch 32 per rank, real data.", "",
@@ -191,6 +203,14 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace, world: int) 
     return "\n".join(lines)
 
 
+def config_path(name: str) -> Path:
+    """``name`` as given if it exists (absolute or relative to the current directory), else in the
+    checkout's configs/ (``configs/topk.yaml``)."""
+    from adacomp.tools.advise import CONFIGS
+    given = Path(name)
+    return given if given.exists() else CONFIGS.parent / name
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -199,9 +219,9 @@ def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     backend = adacomp.init()
     watchdog.start(backend, 60.0)  # soaked too: its thread and store run for the whole job
-    records = [soak_one(str(ROOT / c) if not os.path.isabs(c) else c, args) for c in args.config]
-    for r in records:
-        r["config"] = os.path.relpath(r["config"], ROOT)
+    records = [soak_one(str(config_path(c)), args) for c in args.config]
+    for r, c in zip(records, args.config):
+        r["config"] = c
     everyone = adacomp.backend().allgather_object(records)
     if adacomp.rank() == 0:
         text = report([r for rank_records in everyone for r in rank_records], args, adacomp.size())
@@ -222,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker or "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         return worker(args)
     from adacomp.runtime.launch import run_local
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps), "--warmup",
+    cmd = [*module_command("soak"), "--worker", "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--every", str(args.every), "--out", args.out]
     for c in args.config:
         cmd += ["--config", c]

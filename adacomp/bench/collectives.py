@@ -3,26 +3,27 @@
 Fits alpha (latency) and beta (seconds per byte) to the measurements with the AR-Topk paper's
 Table I models (adacomp.netmodel; alltoall: the pairwise-exchange model ByteComp's timeline uses,
 adacomp.policies.timeline.alltoall) and prints each measurement beside the model's prediction.
-Launch: ``adacomp run -np 2 -- python scripts/bench_collectives.py`` (or torchrun / mpirun /
-horovodrun; the backend follows the launcher). Writes docs/results/collectives.{md,csv,png}.
+Launch: ``adacomp run -np 2 -- adacomp bench collectives`` (or torchrun / mpirun / horovodrun; the
+backend follows the launcher). Writes docs/results/collectives.{md,csv,png} under the current
+directory (``--out``).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import statistics
-import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import write_result  # noqa: E402
+import adacomp
+from adacomp import netmodel
+from adacomp.bench.common import RESULTS, bench_command, write_result
+from adacomp.policies.timeline import alltoall
+from adacomp.tools.stepclock import time_steps
 
-import adacomp  # noqa: E402
-from adacomp import netmodel  # noqa: E402
-from adacomp.policies.timeline import alltoall  # noqa: E402
+LAUNCH = "adacomp run -np 2 -- adacomp bench collectives"  # or torchrun / mpirun / horovodrun
 
 MODELS = {"allreduce": netmodel.ring_allreduce, "allgather": netmodel.allgather, "broadcast": netmodel.broadcast,
           "alltoall": alltoall}
@@ -32,37 +33,43 @@ def gbps(beta: float) -> str:
     return f"{8e-9 / beta:.2f}" if beta > 0 else "inf"
 
 
-def time_op(be, op: str, nbytes: int, repeats: int) -> float:
+def time_op(be: Any, op: str, nbytes: int, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``op`` after 2 warm-up calls, each on a fresh buffer
+    after a barrier (slowest rank)."""
     n = max(1, nbytes // 4)
     t = torch.ones(n)
-    samples = []
-    for i in range(repeats + 2):
-        buf = t.clone()
+    buf = [t]
+
+    def prepare() -> None:
+        buf[0] = t.clone()
         be.barrier()
-        t0 = time.perf_counter()
+
+    def call() -> None:
         if op == "allreduce":
-            be.allreduce(buf)
+            be.allreduce(buf[0])
         elif op == "allgather":
-            be.allgather(buf, sizes=[n] * be.size())
+            be.allgather(buf[0], sizes=[n] * be.size())
         elif op == "alltoall":  # the message spread evenly over the ranks, as a divisible scheme does
             w = be.size()
             splits = [n // w + (1 if r < n % w else 0) for r in range(w)]
-            be.alltoall(buf, splits, recv_splits=[splits[be.rank()]] * w)
+            be.alltoall(buf[0], splits, recv_splits=[splits[be.rank()]] * w)
         else:
-            be.broadcast(buf, root=0)
-        if i >= 2:
-            samples.append(time.perf_counter() - t0)
+            be.broadcast(buf[0], root=0)
+
+    samples = time_steps(call, repeats, 2, sync=prepare)
     local = torch.tensor([statistics.median(samples)], dtype=torch.float64)
     return float(be.allgather(local, sizes=[1] * be.size()).max())  # the slowest rank ends it
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adacomp bench collectives", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--min-pow", type=int, default=4, help="smallest message 2^k bytes")
     ap.add_argument("--max-pow", type=int, default=24, help="largest message 2^k bytes")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="docs/results/collectives")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=f"{RESULTS}/collectives", help="results stem (.md, .csv, .png), relative "
+                    "to the current directory (default: %(default)s)")
+    args = ap.parse_args(argv)
+    args.command = bench_command("collectives", argv)
     adacomp.init()
     be = adacomp.backend()
     N = be.size()
@@ -75,6 +82,7 @@ def main() -> None:
         report(rows, N, be.name, args)
     be.barrier()
     adacomp.shutdown()
+    return 0
 
 
 def report(rows: list, N: int, backend_name: str, args: argparse.Namespace) -> None:
@@ -112,8 +120,8 @@ def report(rows: list, N: int, backend_name: str, args: argparse.Namespace) -> N
         f"Fitted over all points: alpha = {1e6 * alpha:.1f} us, beta = {beta:.3e} s/byte "
         f"({gbps(beta)} Gbit/s). Median |prediction error| {med_err:.0f}%.",
         "", "![collectives](collectives.png)", "",
-        "| op | bytes | measured ms | model ms | model error |", "|---|---|---|---|---|", *table])
+        "| op | bytes | measured ms | model ms | model error |", "|---|---|---|---|---|", *table], args.command)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -4,10 +4,11 @@ The AR-Topk paper's C1 experiment (§3-E, Fig. 6), scaled to one machine: four n
 (latency, bandwidth) = (low, high), (low, low), (high, low), (high, high), applied to every rank's
 collectives by :class:`adacomp.backends.shaped.ShapedBackend` (Table I costs; gloo on loopback
 underneath). Output: ``adaptive_network.md`` + ``adaptive_network.png`` (chosen CR and collective
-over time, predicted vs measured sync time with the error in %) and the raw ``adaptive_network.json``.
+over time, predicted vs measured sync time with the error in %) and the raw ``adaptive_network.json``,
+in docs/results/ under the current directory (``--out``).
 
-    python scripts/adaptive_network.py                 # spawns --world workers itself
-    adacomp run -np 2 -- python scripts/adaptive_network.py   # or torchrun --nproc_per_node 2 ...
+    adacomp bench adaptive_network                 # spawns --world workers itself
+    adacomp run -np 2 -- adacomp bench adaptive_network   # or torchrun --nproc_per_node 2 ...
 
 ``--config c2`` uses the C2 pattern (low, moderate, high, moderate, low). Ring vs tree: gloo cannot
 switch its allreduce algorithm, so the shaping wrapper here emulates the requested one (Table I
@@ -19,15 +20,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from adacomp.backends.shaped import ShapedBackend
+from adacomp.bench.common import RESULTS, bench_command
+from adacomp.models import MLP
+from adacomp.tools.stepclock import time_steps
 
-from adacomp.backends.shaped import ShapedBackend  # noqa: E402
+LAUNCH = "adacomp bench adaptive_network"  # spawns --world workers itself, or under any launcher
 
 MS, MBIT = 1e-3, 1e6 / 8  # seconds; bytes per second of one Mbit/s
 CONFIGS = {  # (name, alpha s, bandwidth bytes/s) per phase
@@ -69,9 +74,7 @@ def worker(args: argparse.Namespace) -> dict | None:
     phases = CONFIGS[args.config]
     backend = AlgorithmShapedBackend(base, phases[0][1], 1 / phases[0][2], cost="table1")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, 10))
+    model = MLP(64, args.hidden, 2)
     cfg = {"compressor": {"name": "topk", "density": 0.1}, "memory": {"name": "residual"},
            "communicator": {"name": "artopk"}, "min_numel": 0,
            "fusion": {"bucket_mb": 64, "fuse_before_compress": True},
@@ -79,33 +82,42 @@ def worker(args: argparse.Namespace) -> dict | None:
                       "check_every": 10, "cooldown": 50, "probe_bytes": 1 << 16}}
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                        named_parameters=model.named_parameters(), config=cfg, backend=backend)
-    pol = opt.policy
+    pol: Any = opt.policy  # the policy's own attributes (plan, density, ...)
     xtr, ytr, xte, yte = digits()
     rank, world = backend.rank(), backend.size()
-    rows, step, epoch, t_start = [], 0, 0, time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
     total = args.steps_per_phase * len(phases)
-    while step < total:
-        idx = shard(len(ytr), rank, world, epoch)
-        for i in range(0, len(idx) - args.batch + 1, args.batch):
-            if step >= total:
-                break
-            name, alpha, bw = phases[step // args.steps_per_phase]
-            backend.set_shape(alpha, 1 / bw)
-            b = idx[i:i + args.batch]
-            exploring = pol.exploring
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xtr[b]), ytr[b])
-            loss.backward()
-            opt.step()
-            rec = pol.flex.records[-1]
-            rows.append({"step": step, "phase": name, "alpha": alpha, "beta": 1 / bw,
-                         "alpha_est": rec["alpha"], "beta_est": rec["beta"], "density": pol.density,
-                         "collective": next(iter(pol.flex.choice.values()), "?"), "exploring": exploring,
-                         "predicted_s": rec["predicted_s"], "measured_s": rec["measured_s"],
-                         "step_s": time.perf_counter() - t0, "loss": float(loss.detach())})
-            step += 1
-        epoch += 1
+    cur = SimpleNamespace(step=-1, epoch=0, i=0, idx=shard(len(ytr), rank, world, 0), b=None, phase=phases[0],
+                          exploring=False, loss=None)
+
+    def prepare() -> None:
+        cur.step += 1
+        if cur.i + args.batch > len(cur.idx):  # next epoch
+            cur.epoch, cur.i = cur.epoch + 1, 0
+            cur.idx = shard(len(ytr), rank, world, cur.epoch)
+        cur.b = cur.idx[cur.i:cur.i + args.batch]
+        cur.i += args.batch
+        cur.phase = phases[cur.step // args.steps_per_phase]
+        backend.set_shape(cur.phase[1], 1 / cur.phase[2])
+        cur.exploring = pol.exploring
+
+    def step() -> None:
+        opt.zero_grad()
+        cur.loss = torch.nn.functional.cross_entropy(model(xtr[cur.b]), ytr[cur.b])
+        cur.loss.backward()
+        opt.step()
+
+    def record(seconds: float) -> None:
+        name, alpha, bw = cur.phase
+        rec = pol.flex.records[-1]
+        rows.append({"step": cur.step, "phase": name, "alpha": alpha, "beta": 1 / bw,
+                     "alpha_est": rec["alpha"], "beta_est": rec["beta"], "density": pol.density,
+                     "collective": next(iter(pol.flex.choice.values()), "?"), "exploring": cur.exploring,
+                     "predicted_s": rec["predicted_s"], "measured_s": rec["measured_s"],
+                     "step_s": seconds, "loss": float(cur.loss.detach())})
+
+    time_steps(step, total, sync=prepare, after=record)
     with torch.no_grad():
         acc = float((model(xte).argmax(1) == yte).float().mean())
     if rank != 0:
@@ -114,7 +126,7 @@ def worker(args: argparse.Namespace) -> dict | None:
             "wall_s": time.perf_counter() - t_start, "decisions": pol.decisions,
             "switches": pol.flex.switches, "explorations": pol.results,
             "probe_overhead_s": pol.flex.probe.total_overhead_s, "probes": len(pol.flex.probe.history),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()), "command": args.command}
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:
@@ -188,7 +200,7 @@ def report(res: dict, out: Path) -> None:
         return 100 * abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"]
     lines = ["# Adaptive compression while the network changes (AR-Topk paper §3-E, config "
              f"{res['config'].upper()})", "",
-             "Generated by `python scripts/adaptive_network.py` "
+             f"Generated by `{res.get('command', 'adacomp bench adaptive_network')}` "
              f"({res['world']} ranks on one machine, gloo + ShapedBackend with Table I costs, MLP with "
              f"{res['params']:,} parameters on scikit-learn digits, one fused Top-k bucket). "
              f"Wall time {res['wall_s']:.0f} s, final test accuracy {100 * res['accuracy']:.1f} %.", "",
@@ -196,7 +208,7 @@ def report(res: dict, out: Path) -> None:
              "| phase | alpha (ms) | bandwidth (Mbit/s) | probed alpha (ms) | probed bandwidth (Mbit/s) "
              "| densities used | collectives used | predicted sync (ms) | measured sync (ms) | median error % |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    order = []
+    order: list[Any] = []
     for r in rows:
         key = (r["phase"], r["alpha"], r["beta"])
         if not order or order[-1][0] != key:
@@ -245,7 +257,7 @@ def report(res: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="adacomp bench adaptive_network", description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--world", type=int, default=2, help="workers to spawn when not started by a launcher")
     ap.add_argument("--config", choices=sorted(CONFIGS), default="c1")
     ap.add_argument("--steps-per-phase", type=int, default=120)
@@ -253,9 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-every", type=int, default=30)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--out", default=RESULTS, help="output folder, relative to the current directory "
+                    "(default: %(default)s)")
     ap.add_argument("--report-only", action="store_true", help="re-render the report from the saved JSON")
     args = ap.parse_args(argv)
+    args.command = bench_command("adaptive_network", argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:

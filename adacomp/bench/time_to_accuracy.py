@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Time to accuracy on real data over emulated links: DDP fp32 / bf16 / PowerSGD vs adacomp's methods.
 
 4 emulated hosts (``adacomp netem``: network namespaces on a bridge, egress capped by tbf, one
@@ -26,12 +25,13 @@ and sees the same batches. The clock counts training only: evaluation (every ``-
 for local-step arms at the first multiple of H at or after it, right after a synchronisation; each
 host scores a slice of the test set) is paused out, and the time is the slowest host's.
 
-    python scripts/time_to_accuracy.py                   # reduced size, fmnist + text (~13 min on 2 shared cores)
-    python scripts/time_to_accuracy.py --size medium --tasks lm --merge  # lm: 9 arms, 2 links (~50 min)
-    python scripts/time_to_accuracy.py --size medium     # every method, all the data, a few epochs (~1-2 h)
-    python scripts/time_to_accuracy.py --size full       # every method, until convergence (many hours)
+    adacomp bench time_to_accuracy                   # reduced size, fmnist + text (~13 min on 2 shared cores)
+    adacomp bench time_to_accuracy --size medium --tasks lm --merge  # lm: 9 arms, 2 links (~50 min)
+    adacomp bench time_to_accuracy --size medium     # every method, all the data, a few epochs (~1-2 h)
+    adacomp bench time_to_accuracy --size full       # every method, until convergence (many hours)
 
-Needs root (namespaces); without it the script says so and measures nothing (exit 0).
+Needs root (namespaces); without it the benchmark says so and measures nothing (exit 0). Results go
+to docs/results/time_to_accuracy.{md,json,png} under the current directory (``--out-dir``).
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -48,9 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adacomp.bench.common import RESULTS, bench_command, ensure_torch_group, module_command, write_result
+from adacomp.models import FashionCNN
+from adacomp.netem.jobs import add_role_arguments, run_on_hosts, run_role, split_argv
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench time_to_accuracy"  # root: starts emulated hosts itself
 
 PREFIX = "actta"
 DDP_ARMS = ("ddp_fp32", "ddp_bf16", "ddp_powersgd")
@@ -95,22 +97,6 @@ SIZES: dict[str, dict[str, Any]] = {
 # the lm model per size: GPT2Small(width, layers, heads), context, per-host batch
 LM_MODEL = {"width": 384, "layers": 7, "heads": 6, "context": 64, "batch": 4}
 LM_MODEL_TINY = {"width": 32, "layers": 2, "heads": 2, "context": 16, "batch": 4}
-
-
-class FashionCNN(nn.Module):
-    """conv 5x5 (32) - pool - conv 5x5 (64) - pool - fc 128 - fc 10 for 28x28 images (~0.45M parameters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 5, padding=2)
-        self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
-        self.fc1 = nn.Linear(64 * 7 * 7, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
 @dataclass
@@ -247,7 +233,8 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = task.build()
-    cfg = {} if arm in BASELINES else yaml.safe_load((ROOT / "configs" / f"{arm}.yaml").read_text())
+    from adacomp.tools.advise import CONFIGS
+    cfg = {} if arm in BASELINES else yaml.safe_load((CONFIGS / f"{arm}.yaml").read_text())
     train_cfg = cfg.pop("train", None) or {}
     local = bool(cfg.get("local_steps"))
     fragments = 1
@@ -280,13 +267,14 @@ def train_arm(arm: str, task: Task, be: Any, args: argparse.Namespace) -> dict[s
         idx = shard(len(task.y), rank, world, epoch)
         for i in range(0, len(idx) - task.batch + 1, task.batch):
             b = idx[i:i + task.batch]
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            task.loss(net(task.x[b]), task.y[b]).backward()
-            opt.step()
-            if sched is not None:
-                sched.step()
-            times.append(time.perf_counter() - t0)
+
+            def train_step() -> None:
+                opt.zero_grad()
+                task.loss(net(task.x[b]), task.y[b]).backward()  # noqa: B023 - called before b changes
+                opt.step()
+                if sched is not None:
+                    sched.step()
+            times += time_steps(train_step, 1)  # one step at a time: evaluation may end the arm after any
             clock += times[-1]
             sent = ddp_bytes(arm, model, step) if arm in BASELINES else int(opt.last_stats.bytes_sent)
             nbytes += sent
@@ -358,15 +346,21 @@ def measure_compute(task: Task, rank: int, world: int, steps: int = 6, warmup: i
     opt = make_optimizer(task, model, {})
     idx = shard(len(task.y), rank, world, 0)
     dist.barrier()
-    times = []
-    for i in range(warmup + steps):
+    batches = iter(range(warmup + steps))
+    b = idx[:0]
+
+    def next_batch() -> None:
+        nonlocal b
+        i = next(batches)
         b = idx[i * task.batch:(i + 1) * task.batch]
-        t0 = time.perf_counter()
+
+    def train_step() -> None:
         opt.zero_grad()
         task.loss(model(task.x[b]), task.y[b]).backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
+
+    times = time_steps(train_step, steps, warmup, sync=next_batch)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
 
@@ -375,7 +369,6 @@ def worker(args: argparse.Namespace) -> None:
     import adacomp
     from adacomp import netmodel
     from adacomp.netem import hosts as netem
-    from _bench_util import ensure_torch_group
     be = adacomp.init()
     ensure_torch_group()
     torch.set_num_threads(1)
@@ -399,8 +392,7 @@ def worker(args: argparse.Namespace) -> None:
             for arm in task.arms:
                 r = train_arm(arm, task, be, args)
                 r.update(bandwidth=bw, probe_mbit=est.bandwidth_gbps * 1e3, alpha_us=est.alpha * 1e6, size=args.size,
-                         command=" ".join(["python", os.path.relpath(__file__, ROOT),
-                                           *[a for a in sys.argv[1:] if a != "--worker"]]))
+                         command=bench_command("time_to_accuracy", args.argv, drop=("--worker",)))
                 if compute_s is not None:
                     r["compute_step_s"] = compute_s
                 rows.append(r)
@@ -473,7 +465,6 @@ def verdict(sub: list[dict[str, Any]], bw: str) -> str | None:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "time_to_accuracy.json"
@@ -570,10 +561,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                  f"{BAR_LINK} a local-step arm reaches the target >= {BAR_SPEEDUP:g}x sooner than bf16 DDP with >= "
                  f"{BAR_BYTES:g}x fewer bytes per host), judged on the fastest local-step arm that meets it, else "
                  "the fastest that reached the target.")
-    sys.argv = [os.path.relpath(__file__)] + [a for a in sys.argv[1:] if a != "--worker"]
     os.environ.pop("ADACOMP_BACKEND", None)
-    write_result(str(out / "time_to_accuracy.md"), "Time to accuracy on real data: compression vs DDP fp32 / bf16 "
-                 "over emulated links", lines)
+    write_result(out / "time_to_accuracy.md", "Time to accuracy on real data: compression vs DDP fp32 / bf16 "
+                 "over emulated links", lines, bench_command("time_to_accuracy", args.argv, drop=("--worker",)))
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -607,15 +597,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def drive(args: argparse.Namespace, worker_argv: list[str]) -> int:
-    from adacomp.netem.jobs import run_on_hosts
-    return run_on_hosts(__file__, args.hosts, args.bandwidths[0], args.prefix, worker_argv, prepare=lambda: make_tasks(argparse.Namespace(**{**vars(args), "tasks": args.tasks})))
+    return run_on_hosts(module_command("time_to_accuracy"), args.hosts, args.bandwidths[0], args.prefix, worker_argv, prepare=lambda: make_tasks(argparse.Namespace(**{**vars(args), "tasks": args.tasks})))
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    own, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
+    ap = argparse.ArgumentParser(prog="adacomp bench time_to_accuracy", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--size", choices=list(SIZES), default="reduced")
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--bandwidths", nargs="+", default=["100mbit", "1gbit"])
@@ -639,11 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from time_to_accuracy.json, "
                     "measuring nothing")
     ap.add_argument("--prefix", default=PREFIX)
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--in-host", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--master-addr", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", default=RESULTS, help="relative to the current directory (default: %(default)s)")
+    add_role_arguments(ap)
     args = ap.parse_args(own)
+    args.argv = own
     size = SIZES[args.size]
     args.acc_target = args.acc_target or size["acc_target"]
     args.loss_target = args.loss_target or size["loss_target"]
@@ -654,13 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         args.merge = True
         report([], args)
         return 0
-    if args.in_host:
-        from adacomp.netem.jobs import exec_in_host
-        return exec_in_host(args.hosts, args.master_addr, args.prefix, rest)
-    if args.worker:
-        worker(args)
-        return 0
-    return drive(args, own)
+    return run_role(args, rest, lambda: worker(args), lambda: drive(args, own))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def vgg16() -> list[tuple[str, tuple[int, ...]]]:
 
 def gpt2_small() -> list[tuple[str, tuple[int, ...]]]:
     """GPT-2-small-like, tied embeddings: 148 tensors, 124M parameters."""
-    d, out = 768, [("wte.weight", (50257, 768)), ("wpe.weight", (1024, 768))]
+    d = 768
+    out: list[tuple[str, tuple[int, ...]]] = [("wte.weight", (50257, 768)), ("wpe.weight", (1024, 768))]
     for b in range(12):
         p = f"h.{b}"
         out += [(f"{p}.ln_1.weight", (d,)), (f"{p}.ln_1.bias", (d,)),
@@ -63,7 +64,7 @@ def gpt2_small() -> list[tuple[str, tuple[int, ...]]]:
 def lstm_lm() -> list[tuple[str, tuple[int, ...]]]:
     """2-layer LSTM language model (PTB-medium sizes: vocab 10k, 650 units): 11 tensors, 19.8M."""
     v, h = 10000, 650
-    out = [("encoder.weight", (v, h))]
+    out: list[tuple[str, tuple[int, ...]]] = [("encoder.weight", (v, h))]
     for layer in range(2):
         out += [(f"rnn.weight_ih_l{layer}", (4 * h, h)), (f"rnn.weight_hh_l{layer}", (4 * h, h)),
                 (f"rnn.bias_ih_l{layer}", (4 * h,)), (f"rnn.bias_hh_l{layer}", (4 * h,))]

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Step time of every method against PyTorch DDP on the model zoo at full size (issue 17).
 
 One launch, two (or more) processes on loopback: per model, the arms alternate round-robin
@@ -9,15 +8,16 @@ rounds, slowest rank; ratio = that over DDP's from the same run. ``compress`` is
 step the optimizer spent compressing, decompressing and in error feedback (``opt.last_stats``).
 lr is 0: every step does the same work, so arms are comparable however many steps they ran.
 
-    adacomp run -np 2 -- python scripts/bench_zoo.py                      # all four zoo models
-    python scripts/bench_zoo.py --models resnet50 --methods topk qsgd    # spawns 2 workers itself
+    adacomp run -np 2 -- adacomp bench zoo                      # all four zoo models
+    adacomp bench zoo --models resnet50 --methods topk qsgd    # spawns 2 workers itself
+
+Results go to docs/results/zoo_steps.{md,json} under the current directory (``--out-dir``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adacomp.bench.common import RESULTS, bench_command, ensure_torch_group, worker_or_spawn, write_result
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench zoo"  # spawns --np workers itself, or under any launcher
 
 METHODS = ["topk", "adtopk", "gaussiank", "dgc", "redsync", "sidco", "oktopk", "qsgd", "efsignsgd", "powersgd",
            "acpsgd", "artopk", "alltoall", "flexible", "moo", "lgreco", "bytecomp"]
@@ -75,18 +76,18 @@ def run_arm(method: str, model: torch.nn.Module, data: Any, args: argparse.Names
         opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
                                            config=cfg)
         warm = max(args.warmup, need)
-    times, comp = [], []
-    for i in range(warm + args.steps):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
+    comp: list[float] = []
+
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
         data.loss(net).backward()
         opt.step()
-        dt = time.perf_counter() - t0
-        if i >= warm:
-            times.append(dt)
-            st = getattr(opt, "last_stats", None)
-            comp.append(st.compress_s if st is not None else 0.0)
+
+    def record(_: float) -> None:
+        st = getattr(opt, "last_stats", None)
+        comp.append(st.compress_s if st is not None else 0.0)
+
+    times = time_steps(step, args.steps, warm, sync=torch.distributed.barrier, after=record)
     if method != "ddp":
         opt.remove_hooks()
     del opt, net
@@ -97,7 +98,6 @@ def run_arm(method: str, model: torch.nn.Module, data: Any, args: argparse.Names
 def worker(args: argparse.Namespace) -> None:
     import adacomp
     from adacomp.models import build, synthetic_batch
-    from _bench_util import ensure_torch_group
     be = adacomp.init()
     ensure_torch_group()
     torch.set_num_threads(args.threads)
@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
                          "compress_share": comp / step, "rounds_ms": [1e3 * s for s, _ in got[a]],
                          "before_ratio": BEFORE.get(mname, {}).get(a), "rounds": args.rounds,
                          "warmup": args.warmup, "steps": args.steps,
-                         "command": "python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]])})
+                         "command": args.command})
         del model, data
         gc.collect()
     if rank == 0:
@@ -141,7 +141,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
-    from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = {}
@@ -190,7 +189,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
         "Per-round step times (ms) are in zoo_steps.json (`rounds_ms`). Commands (each launch writes its rows; "
         "`--merge` keeps the others, `--report-only` rewrites this file from the JSON):", ""]
     lines += [f"    {c}" for c in dict.fromkeys(r.get("command", "?") for r in rows)]
-    write_result(str(out / "zoo_steps.md"), "Step time vs PyTorch DDP on the model zoo (2 processes, loopback)", lines)
+    write_result(out / "zoo_steps.md", "Step time vs PyTorch DDP on the model zoo (2 processes, loopback)", lines,
+                 args.command)
 
 
 def _schedule(rows: list[dict[str, Any]], model: str) -> str:
@@ -199,7 +199,7 @@ def _schedule(rows: list[dict[str, Any]], model: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="adacomp bench zoo", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--np", type=int, default=2, help="workers to spawn when not started by a launcher")
     ap.add_argument("--models", nargs="+", default=["resnet50", "gpt2_small", "vgg16", "lstm_lm"])
     ap.add_argument("--methods", nargs="+", default=METHODS)
@@ -210,16 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="measured steps per arm and round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--merge", action="store_true", help="keep rows of other models / methods in zoo_steps.json")
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--out-dir", default=RESULTS, help="relative to the current directory (default: %(default)s)")
     ap.add_argument("--report-only", action="store_true", help="rewrite zoo_steps.md from zoo_steps.json")
     args = ap.parse_args(argv)
+    args.command = bench_command("zoo", argv)
     if args.report_only:
         data = json.loads((Path(args.out_dir) / "zoo_steps.json").read_text())
         args.merge = True
         report([], args, data["world"])
         return 0
-    from adacomp.runtime.launch import worker_or_spawn
-    return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
+    return worker_or_spawn(lambda: worker(args), args.np, "zoo", argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Low-rank compression end to end: adacomp ``powersgd`` / ``acpsgd`` vs PyTorch DDP with
 ``powerSGD_hook`` and plain DDP, same model, rank, data and seeds, N processes on gloo.
 
@@ -7,10 +6,10 @@ when a model spans several DDP buckets ("collective mismatch": its chained per-b
 start from future callbacks in a different order on each rank), so its arm is retried and its
 failure rate reported; a second 8.4M-parameter model that DDP keeps in ONE bucket gives the
 step-time comparison a hook run to compare with. Results (ratios, command line) go to
-docs/results/lowrank.md.
+docs/results/lowrank.md under the current directory (``--out``).
 
-    python scripts/bench_lowrank.py                       # defaults: 2 processes, rank 4, 60 steps
-    python scripts/bench_lowrank.py --steps 100 --hook-runs 5 --device cuda
+    adacomp bench lowrank                       # defaults: 2 processes, rank 4, 60 steps
+    adacomp bench lowrank --steps 100 --hook-runs 5 --device cuda
 """
 from __future__ import annotations
 
@@ -22,9 +21,9 @@ import platform
 import queue
 import socket
 import statistics
-import sys
 import time
 import traceback
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -34,23 +33,23 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from adacomp.bench.common import RESULTS, bench_command
+from adacomp.models import MLP
+from adacomp.tools.stepclock import time_steps
 
-# Both ~8.4M parameters. "two_bucket": DDP (25 MB cap, 1 MB first bucket) makes 2 buckets;
-# "one_bucket": the only large tensor is the first layer, so DDP's first bucket takes everything.
+LAUNCH = "adacomp bench lowrank"  # spawns --np processes itself
+
+# Both ~8.4M parameters: inputs, hidden widths, classes. "two_bucket": DDP (25 MB cap, 1 MB first
+# bucket) makes 2 buckets; "one_bucket": the only large tensor is the first layer, so DDP's first
+# bucket takes everything.
 MODELS = {"two_bucket": [1024, 2048, 2048, 1024, 10], "one_bucket": [8192, 1024, 10]}
 ARMS = ("ddp", "ddp_powersgd_hook", "adacomp_powersgd", "adacomp_acpsgd")
 CLASSES = 10
 
 
-def build_model(widths: list[int]) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i in range(len(widths) - 1):
-        layers.append(nn.Linear(widths[i], widths[i + 1]))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+def build_model(widths: list[int]) -> nn.Module:
+    """The zoo's MLP with layer widths ``widths`` (inputs, hidden..., classes)."""
+    return MLP(widths[0], classes=widths[-1], hidden=tuple(widths[1:-1]))
 
 
 def batch(d_in: int, rank: int, step: int, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +69,8 @@ def _free_port() -> int:
 
 
 def _adacomp_config(method: str, args: argparse.Namespace) -> dict:
-    with open(os.path.join(ROOT, "configs", f"{method}.yaml"), encoding="utf-8") as fh:
+    from adacomp.tools.advise import CONFIGS
+    with open(CONFIGS / f"{method}.yaml", encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
     cfg["compressor"].update(rank=args.rank, start_iter=args.start_iter)
     cfg["backend"] = "torch"
@@ -95,17 +95,17 @@ def _build_arm(arm: str, model: nn.Module, args: argparse.Namespace) -> tuple[An
         return net, opt, lambda: state.total_numel_after_compression * 4
     import adacomp
     adacomp.init(backend="torch")
-    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), **opt_args),
-                                       named_parameters=model.named_parameters(),
-                                       config=_adacomp_config(arm.split("_", 1)[1], args))
-    return model, opt, lambda: opt.last_stats.bytes_sent if opt.last_stats else 0
+    dopt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), **opt_args),
+                                        named_parameters=model.named_parameters(),
+                                        config=_adacomp_config(arm.split("_", 1)[1], args))
+    return model, dopt, lambda: dopt.last_stats.bytes_sent if dopt.last_stats else 0
 
 
 def _bucket_count(arm: str, model: nn.Module, opt: Any) -> int | None:
     if arm.startswith("adacomp"):
         return len(opt.buckets)
     try:  # DDP's rebuilt buckets (from the 2nd step): 1 MiB first bucket, then 25 MiB, params reversed
-        params = list(reversed(list(model.parameters())))
+        params: list[torch.Tensor] = list(reversed(list(model.parameters())))
         idx, _ = dist._compute_bucket_assignment_by_size(  # private API; the count is informative only
             params, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2 ** 20], [False] * len(params))
         return len(idx)
@@ -123,21 +123,25 @@ def worker(rank: int, world: int, port: int, arm: str, model_name: str, args: ar
         torch.manual_seed(0)
         model = build_model(widths).to(args.device)
         net, opt, probe = _build_arm(arm, model, args)
-        times, sent = [], []
-        for step in range(args.steps):
-            x, y = batch(widths[0], rank, step, args.batch, args.device)
-            before = probe() if arm == "ddp_powersgd_hook" else 0
-            t0 = time.perf_counter()
+        sent: list[float] = []
+        cur = SimpleNamespace(step=-1, x=None, y=None, before=0, loss=None)
+
+        def prepare() -> None:
+            cur.step += 1
+            cur.x, cur.y = batch(widths[0], rank, cur.step, args.batch, args.device)
+            cur.before = probe() if arm == "ddp_powersgd_hook" else 0
+
+        def step() -> None:
             opt.zero_grad()
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
+            cur.loss = F.cross_entropy(net(cur.x), cur.y)
+            cur.loss.backward()
             opt.step()
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            if step >= args.warmup:
-                times.append(dt)
-                sent.append(probe() - before if arm == "ddp_powersgd_hook" else probe())
+
+        times = time_steps(step, args.steps - args.warmup, args.warmup, sync=prepare,
+                           after=lambda _: sent.append(probe() - cur.before if arm == "ddp_powersgd_hook" else probe()))
+        loss = cur.loss
         xe, ye = batch(widths[0], 999, 999, 1024, args.device)
         with torch.no_grad():
             eval_loss = float(F.cross_entropy(model(xe), ye))
@@ -195,7 +199,8 @@ def run_arm(arm: str, model_name: str, args: argparse.Namespace) -> dict:
 def run_model(model_name: str, args: argparse.Namespace) -> tuple[dict, dict]:
     """Every arm once, the hook ``--hook-runs`` times (its failure rate); a successful hook run's
     median step time is the median over its successful runs."""
-    rows, hook = {}, {"tries": 0, "failures": 0, "errors": []}
+    rows: dict[str, Any] = {}
+    hook: dict[str, Any] = {"tries": 0, "failures": 0, "errors": []}
     for arm in args.arms:
         runs = args.hook_runs if arm == "ddp_powersgd_hook" else 1
         good = []
@@ -279,14 +284,14 @@ def write_report(all_rows: dict, hooks: dict, args: argparse.Namespace, path: st
             if r.get("ok") and not r["same_params"]:
                 verdicts.append(f"- `{model_name}`: {arm} parameters DIFFER across ranks.")
     lines += ["## Goals", ""] + (verdicts or ["- no comparison possible (arms failed)"]) + ["", NOTES]
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
     return verdicts
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="adacomp bench lowrank", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--np", type=int, default=2, help="processes (ranks)")
     ap.add_argument("--rank", type=int, default=4, help="low-rank r for every low-rank arm")
     ap.add_argument("--steps", type=int, default=60)
@@ -301,12 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     ap.add_argument("--arm-timeout", type=float, default=600.0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (tensors on the GPU, gloo transport)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "lowrank.md"))
+    ap.add_argument("--out", default=f"{RESULTS}/lowrank.md", help="relative to the current directory (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.warmup < args.start_iter:
         ap.error("--warmup must be >= --start-iter so timed steps are compressed steps")
     args.load = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "n/a"
-    cmd = "python scripts/bench_lowrank.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = bench_command("lowrank", argv)
     all_rows, hooks = {}, {}
     for model_name in args.models:
         all_rows[model_name], hooks[model_name] = run_model(model_name, args)
@@ -317,4 +322,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

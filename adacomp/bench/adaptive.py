@@ -1,6 +1,7 @@
-"""Layer-wise and tensor-wise adaptivity, measured: writes docs/results/adaptive.md.
+"""Layer-wise and tensor-wise adaptivity, measured: writes docs/results/adaptive.md (under the
+current directory, or ``--out``).
 
-    python scripts/adaptive.py [--workers 2] [--epochs 12] [--quick]
+    adacomp bench adaptive [--workers 2] [--epochs 12] [--quick]
 
 1. L-GreCo vs uniform compression (topk, powersgd, qsgd) on scikit-learn's digits with the built-in
    CNN and N real gloo workers: test accuracy, measured compression ratio, and the DP's predicted
@@ -14,21 +15,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from adacomp.bench.common import RESULTS, bench_command, last_stats, machine
+from adacomp.policies.timeline import CostModel, TensorProfile, cost_model
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench adaptive --quick"  # spawns --workers gloo workers itself
 
 
-def _worker(rank: int, world: int, port: int, job: str, spec: dict, q) -> None:
+def _worker(rank: int, world: int, port: int, job: str, spec: dict, q: Any) -> None:
     from adacomp.runtime.launch import worker_env
     os.environ.update(worker_env(rank, world, port))
     os.environ.update(spec.get("env", {}))  # e.g. an emulated network (adacomp.backends.shaped)
@@ -82,13 +86,13 @@ def lgreco_job(spec: dict) -> dict:
             F.cross_entropy(model(x[j]), y[j]).backward()
             opt.step()
             if opt.steps > spec["measure_from"]:
-                sent += opt.last_stats.bytes_sent
-                dense += opt.last_stats.dense_bytes
+                sent += last_stats(opt).bytes_sent
+                dense += last_stats(opt).dense_bytes
     model.eval()
     with torch.no_grad():
         acc = float((model(xt).argmax(1) == yt).float().mean())
-    pol = opt.policy
-    out = {"acc": acc, "ratio": dense / max(sent, 1), "steps": opt.steps}
+    pol: Any = opt.policy  # the policy's own attributes (plan, density, ...)
+    out: dict[str, Any] = {"acc": acc, "ratio": dense / max(sent, 1), "steps": opt.steps}
     if getattr(pol, "history", None):
         h = [d for d in pol.history if "bytes" in d]
         out["dp_gain"] = statistics.mean(d["uniform_bytes"] / d["bytes"] for d in h)
@@ -147,19 +151,15 @@ def bytecomp_job(spec: dict) -> dict:
                                        named_parameters=model.named_parameters(), config=spec["config"])
     g = torch.Generator().manual_seed(adacomp.rank())
     x, y = torch.randn(64, 64, generator=g), torch.randint(0, 10, (64,), generator=g)
-    pol = opt.policy
+    pol: Any = opt.policy  # the policy's own attributes (plan, density, ...)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
 
     def run(n: int) -> list[float]:
-        times = []
-        t_prev = time.perf_counter()
-        for _ in range(n):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            now = time.perf_counter()
-            times.append(now - t_prev)
-            t_prev = now
-        return times[2:]  # the first steps after a re-route pay allocations
+        return time_steps(step, max(0, n - 2), min(n, 2))  # the first steps after a re-route pay allocations
     run(pol.profile_steps)
     plan = dict(pol.plan)
     strategies = {"plan_s": plan, "compress_all_s": {n: str(DEVICE_AG) for n in plan},
@@ -183,7 +183,7 @@ def bytecomp_section(world: int, quick: bool) -> list[str]:
     # (compressor, network, divisible + offload): loopback first, then an emulated 200 Mbit/s link
     # (Table I costs, adacomp.backends.shaped) where compression pays and every option is in play
     slow = {"ADACOMP_SHAPE_BANDWIDTH": "200mbit", "ADACOMP_SHAPE_ALPHA": "200us", "ADACOMP_SHAPE_COST": "table1"}
-    arms = (({"name": "efsignsgd"}, {}, False), ({"name": "topk", "density": 0.01}, {}, False),
+    arms: tuple[tuple[dict[str, Any], dict[str, str], bool], ...] = (({"name": "efsignsgd"}, {}, False), ({"name": "topk", "density": 0.01}, {}, False),
             ({"name": "topk", "density": 0.01}, slow, True))
     labels = {"plan_s": "ByteComp plan", "compress_all_s": "compress all (device+allgather)",
               "compress_all_alltoall_s": "compress all (device+alltoall)", "offload_all_s": "compress all (cpu+allgather)",
@@ -213,6 +213,24 @@ def bytecomp_section(world: int, quick: bool) -> list[str]:
 
 
 # --- 3. Decision time and optimality ------------------------------------------------------------
+def random_instance(seed: int, n: int = 8) -> tuple[list[TensorProfile], CostModel]:
+    """A random ByteComp timeline (also tests/test_bytecomp.py's): sizes 0.2-16 MB, compute 0.2-3 ms,
+    1-100 Gbit/s, device compression 0.5-10 GB/s and CPU compression 10-50x slower than the device
+    (the GPU / CPU gap ByteComp exploits)."""
+    rng = random.Random(seed)
+    T = []
+    for i in range(n):
+        nb = rng.choice([2e5, 1e6, 4e6, 1.6e7])
+        T.append(TensorProfile(f"T{i}", nb, rng.uniform(0.2e-3, 3e-3), nb * 0.02))
+    alpha, beta = rng.choice([1e-5, 1e-4]), rng.choice([1 / 1.25e8, 1 / 1.25e9, 1 / 1.25e10])
+    dc = rng.uniform(0.05, 1) * 1e-10
+    cc = dc * rng.uniform(10, 50)
+    m = cost_model(rng.choice([2, 4, 8]), alpha, beta,
+                   {"device": lambda M: 2e-5 + M * dc, "cpu": lambda M: 5e-5 + M * cc},
+                   {"device": lambda M: 1e-5 + M * dc / 4, "cpu": lambda M: 2e-5 + M * cc / 4})
+    return T, m
+
+
 def decision_section(quick: bool) -> list[str]:
     from adacomp.config import load
     from adacomp.datasets.digits import digits
@@ -235,39 +253,36 @@ def decision_section(quick: bool) -> list[str]:
                     f"{p['plan_s'] * 1e3:.2f} / {p['compress_all_s'] * 1e3:.2f} / {p['compress_none_s'] * 1e3:.2f} | "
                     f"{sum(o.compressed for o in S)} |")
         print(rows[-1], flush=True)
-    sys.path.insert(0, str(ROOT))
-    from tests.test_bytecomp import _random_instance
     from adacomp.policies.bytecomp import decide_device, decide_offload
     from adacomp.policies.timeline import simulate
     n = 30 if quick else 100
     gaps_alg, gaps_ref = [], []
     for seed in range(n):
-        T, m = _random_instance(seed)
+        T, m = random_instance(seed)
         _, best = brute_force(T, m)
         S = decide_offload(T, m, decide_device(T, m))
         gaps_alg.append(simulate(T, S, m).iteration_s / best - 1)
         gaps_ref.append(decide(T, m)[1]["plan_s"] / best - 1)
     rows += ["", f"Gap to brute force over {{none, device, cpu}}^8 on {n} random 8-tensor timelines "
-                 "(the distribution of `tests/test_bytecomp.py::_random_instance`):", "",
+                 "(`adacomp.bench.adaptive.random_instance`, also tests/test_bytecomp.py's):", "",
              "| decision | mean gap | max gap | instances > 5% |", "|---|---|---|---|"]
     for label, g in (("Alg. 1 + Alg. 2 (paper)", gaps_alg), ("+ refine (adacomp)", gaps_ref)):
         rows.append(f"| {label} | {statistics.mean(g):.2%} | {max(g):.2%} | {sum(v > 0.05 for v in g)}/{n} |")
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adacomp bench adaptive", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer epochs, steps and instances")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "adaptive.md"))
-    args = ap.parse_args()
-    from _bench_util import machine
+    ap.add_argument("--out", default=f"{RESULTS}/adaptive.md", help="relative to the current directory (default: %(default)s)")
+    args = ap.parse_args(argv)
     epochs = 4 if args.quick else args.epochs
     t0 = time.time()
     parts = ["# Adaptive compression: L-GreCo and ByteComp", "",
-             f"Generated by `python scripts/adaptive.py{' --quick' if args.quick else ''}` "
+             f"Generated by `{bench_command('adaptive', argv)}` "
              f"({args.workers} gloo workers on one machine; {machine()}). Timings on a shared 2-core "
              "machine are noisy; ratios and accuracies are the point.", "",
              f"## L-GreCo vs uniform ({epochs} epochs of digits, DigitsCNN, {args.seeds} seeds)", "",

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Emulated-network experiment: 4 hosts at 100 Mbit/s and at 1 Gbit/s per host, dense vs compressed.
 
 One command brings the hosts up (Linux namespaces on a bridge, egress capped by tbf, docs/netem.md),
@@ -6,8 +5,10 @@ runs every arm at every bandwidth inside ONE launch (rank r in host r; rank 0 ch
 between phases with ``netem.set_bandwidth``), and always brings the hosts down, also on failure or
 Ctrl-C. Needs root; otherwise it says so and exits 0 without measuring.
 
-    python scripts/netem_experiment.py                       # 4 hosts, 100mbit then 1gbit
-    python scripts/netem_experiment.py --bandwidths 20mbit --arms dense artopk
+    adacomp bench netem_experiment                       # 4 hosts, 100mbit then 1gbit
+    adacomp bench netem_experiment --bandwidths 20mbit --arms dense artopk
+
+Results go to docs/results/netem.{md,csv,png} under the current directory (``--out-dir``).
 
 Arms: dense (none + allreduce), topk 1% + allgather, topk 1% + alltoall, Ok-Topk 1% on its sparse
 allreduce (oktopk + oktopk), AR-Topk (configs/artopk.yaml), ACP-SGD
@@ -18,7 +19,7 @@ Cost model check: at each bandwidth alpha and beta are measured once with
 ``adacomp.netmodel.NetworkProbe`` (allreduce / broadcast / allgather at 8 B and 1 MiB). Every
 collective an arm issues is recorded (op, bytes) by a pass-through backend, and its predicted sync
 time is the sum of the AR-Topk paper's Table I costs of those collectives. It is compared with the
-measured communication time of the step (``opt.last_stats.comm_s``: time in collectives or waiting
+measured communication time of the step (``last_stats(opt).comm_s``: time in collectives or waiting
 on them that backward did not hide). The optimizer's one-float non-finite check is not timed by the
 optimizer, so it is left out of the prediction as well.
 """
@@ -29,22 +30,22 @@ import csv
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adacomp.backends.base import Backend, Handle
+from adacomp.backends.forwarding import ForwardingBackend
+from adacomp.bench.common import RESULTS, bench_command, last_stats, module_command, write_result
+from adacomp.netem.jobs import add_role_arguments, run_on_hosts, run_role, split_argv
+from adacomp.tools.stepclock import time_steps
 
-from adacomp.backends.base import Backend, Handle  # noqa: E402
-from adacomp.backends.forwarding import ForwardingBackend  # noqa: E402
+LAUNCH = "adacomp bench netem_experiment"  # root: starts emulated hosts itself
 
 PREFIX = "acx"  # not the user's default "acn" nor the tests' "acnt": never touches their hosts
-ARMS = {
+ARMS: dict[str, dict[str, Any] | str] = {
     "dense": {"compressor": {"name": "none"}, "communicator": {"name": "allreduce"}},
     "topk_allgather": {"compressor": {"name": "topk", "density": 0.01}, "memory": {"name": "residual"},
                        "communicator": {"name": "allgather"}},
@@ -112,11 +113,13 @@ def replay(be: Backend, events: list[tuple[str, float]], repeats: int = 3) -> fl
     # mean over the ranks, so all ranks agree on each buffer's size and on the alltoall splits.
     per_rank = be.allgather_object([nb for _, nb in events])
     sizes = [sum(col) / len(col) for col in zip(*per_rank)]
-    times = []
-    for _ in range(repeats):
-        bufs = [torch.zeros(max(1, int(nb) // 4)) for nb in sizes]
+    bufs: list[torch.Tensor] = []
+
+    def prepare() -> None:
+        bufs[:] = [torch.zeros(max(1, int(nb) // 4)) for nb in sizes]
         be.barrier()
-        t0 = time.perf_counter()
+
+    def run_events() -> None:
         for (op, _), buf in zip(events, bufs):
             if op == "allreduce":
                 be.allreduce(buf, average=True)
@@ -128,21 +131,23 @@ def replay(be: Backend, events: list[tuple[str, float]], repeats: int = 3) -> fl
                 be.alltoall(buf, splits, recv_splits=[splits[be.rank()]] * w)
             else:
                 be.broadcast(buf, root=0)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+    return statistics.median(time_steps(run_events, repeats, sync=prepare))
 
 
 def arm_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import yaml
     spec = ARMS[name]
-    cfg = yaml.safe_load((ROOT / spec).read_text()) if isinstance(spec, str) else dict(spec)
+    from adacomp.tools.advise import CONFIGS
+    cfg: dict[str, Any] = (yaml.safe_load((CONFIGS / Path(spec).name).read_text()) if isinstance(spec, str)
+                           else dict(spec))
     if name == "moo":
         cfg["policy"] = {**cfg["policy"], "explore_steps": args.moo_explore_steps}
     return cfg
 
 
 def run_arm(name: str, be: Backend, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
-            alpha: float, beta: float) -> dict[str, float]:
+            alpha: float, beta: float) -> dict[str, Any]:
     import adacomp
     from adacomp.models import MLP
     with torch.random.fork_rng(devices=[]):
@@ -151,19 +156,23 @@ def run_arm(name: str, be: Backend, args: argparse.Namespace, x: torch.Tensor, y
     rec = RecordingBackend(be)
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                        config=arm_config(name, args), backend=rec)
-    pol = opt.policy
+    pol: Any = opt.policy  # the policy's own attributes (plan, density, ...)
     limit = args.warmup + (6 * args.moo_explore_steps + 10 if name == "moo" else 0)
-    rows, i, events = [], 0, []
-    while len(rows) < args.steps:
-        rec.events = []
-        t0 = time.perf_counter()
+    rows: list[tuple[float, ...]] = []
+    events: list[tuple[str, float]] = []
+    i = 0
+
+    def step() -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        dt = time.perf_counter() - t0
+
+    while len(rows) < args.steps:  # warm-up until the policy settled: one timed step at a time
+        rec.events = []
+        (dt,) = time_steps(step, 1)
         settled = not getattr(pol, "exploring", False) and (name != "moo" or bool(pol.results))
         if i >= args.warmup and (settled or i >= limit):
-            st = opt.last_stats
+            st = last_stats(opt)
             rows.append((dt, st.comm_s, st.compress_s, float(st.bytes_sent), predict(rec.events, be.size(), alpha, beta)))
             events = list(rec.events)
         i += 1
@@ -223,7 +232,6 @@ def _error_pct(predicted: float, measured: float) -> float:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
-    from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for bw in args.bandwidths:
@@ -270,9 +278,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
         lines += ["", f"Median |prediction error|: {statistics.median(rerrs):.0f}% against the replayed collectives, "
                   f"{statistics.median(errs):.0f}% against the in-step communication time."]
     # The header names the one command that did all this (not the per-host worker command line).
-    sys.argv = [os.path.relpath(__file__)] + [a for a in sys.argv[1:] if a != "--worker"]
     os.environ.pop("ADACOMP_BACKEND", None)
-    write_result(str(out / "netem.md"), "Emulated network: compression vs dense at 100 Mbit/s and 1 Gbit/s", lines)
+    write_result(out / "netem.md", "Emulated network: compression vs dense at 100 Mbit/s and 1 Gbit/s", lines,
+                 bench_command("netem_experiment", args.argv, drop=("--worker",)))
 
 
 def plot(rows: list[dict[str, Any]], bandwidths: list[str], path: Path) -> None:
@@ -309,15 +317,12 @@ def plot(rows: list[dict[str, Any]], bandwidths: list[str], path: Path) -> None:
 
 
 def drive(args: argparse.Namespace, worker_argv: list[str]) -> int:
-    from adacomp.netem.jobs import run_on_hosts
-    return run_on_hosts(__file__, args.hosts, args.bandwidths[0], args.prefix, worker_argv)
+    return run_on_hosts(module_command("netem_experiment"), args.hosts, args.bandwidths[0], args.prefix, worker_argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    own, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
+    ap = argparse.ArgumentParser(prog="adacomp bench netem_experiment", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--bandwidths", nargs="+", default=["100mbit", "1gbit"])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
@@ -328,18 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--moo-explore-steps", type=int, default=3, help="moo: real steps per candidate density")
     ap.add_argument("--prefix", default=PREFIX, help="name prefix of the emulated hosts")
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--in-host", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--master-addr", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", default=RESULTS, help="relative to the current directory (default: %(default)s)")
+    add_role_arguments(ap)
     args = ap.parse_args(own)
-    if args.in_host:
-        from adacomp.netem.jobs import exec_in_host
-        return exec_in_host(args.hosts, args.master_addr, args.prefix, rest)
-    if args.worker:
-        worker(args)
-        return 0
-    return drive(args, own)
+    args.argv = own
+    return run_role(args, rest, lambda: worker(args), lambda: drive(args, own))
 
 
 if __name__ == "__main__":

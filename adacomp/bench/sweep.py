@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Bandwidth sweep: step time of every method under DDP over emulated links, speedup over bf16 DDP,
 and `adacomp advise`'s predictions checked against the measurements.
 
@@ -14,14 +13,15 @@ Per model: the backward and compression profile of ``adacomp advise`` is taken o
 alpha and beta are probed through the shaped link and ``adacomp.tools.advise.predict`` gives each
 method's step time, compared with the measured median.
 
-    python scripts/sweep.py                     # reduced zoo models, 2 ranks, 6 passes (~11 min on 2 shared cores)
-    python scripts/sweep.py --models gpt2_small --bandwidths 100mbit 1gbit --steps 10
+    adacomp bench sweep                     # reduced zoo models, 2 ranks, 6 passes (~11 min on 2 shared cores)
+    adacomp bench sweep --models gpt2_small --bandwidths 100mbit 1gbit --steps 10
+
+Results go to docs/results/<name>.{md,json,png} under the current directory (``--out-dir``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from dataclasses import replace
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adacomp.bench.common import RESULTS, bench_command, ensure_torch_group, worker_or_spawn, write_result
+
+LAUNCH = "adacomp bench sweep"  # spawns --np workers itself, or under any launcher
 
 # reduced zoo sizes: the full ones (25M-124M parameters) take minutes per step at 50 Mbit/s on 2 cores
 MODELS: dict[str, dict[str, int]] = {
@@ -52,7 +52,6 @@ def worker(args: argparse.Namespace) -> None:
     from adacomp.backends.shaped import ShapedBackend
     from adacomp.units import parse_duration, parse_rate
     from adacomp import netmodel
-    from _bench_util import ensure_torch_group
     be = adacomp.init()
     ensure_torch_group()
     torch.set_num_threads(1)
@@ -159,15 +158,15 @@ def summarise(rows: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[s
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
-    from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for r in rows:
         if r.get("pass_ms"):
             r["spread_pct"] = 100 * _measure(r).spread
     agree = summarise(rows)
-    command = " ".join([os.path.relpath(__file__), *(a for a in sys.argv[1:] if a != "--report-only")])
-    command = getattr(args, "command", None) or command
+    command = args.command
+    if not command.startswith("adacomp"):  # a JSON written before the benchmark moved into the package
+        command = f"python {command}"
     (out / f"{args.name}.json").write_text(json.dumps({"rows": rows, "agreement": agree, "command": command}, indent=1))
     plot(rows, args, out / f"{args.name}.png")
     errs = [abs(r["error_pct"]) for r in rows]
@@ -181,7 +180,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
               f"alone, before any comparison with advise; {extra} extra passes in all)"
               if getattr(args, "resolve", 0) else "") + ". The full run "
              "would use the zoo's default sizes (ResNet-50 25.6M, VGG-16 138M, GPT-2 small 124M, LSTM LM 66M "
-             "parameters) on 4+ ranks: `python scripts/sweep.py --models resnet50 vgg16 gpt2_small lstm_lm` after "
+             "parameters) on 4+ ranks: `adacomp bench sweep --models resnet50 vgg16 gpt2_small lstm_lm` after "
              "removing the reductions in `MODELS` (hours per model at 50 Mbit/s here).", "",
              f"Link: adacomp's `ShapedBackend` (Table I cost of every collective, latency {args.latency} per message, "
              "bandwidth as listed, overlapped with backward) around gloo on localhost; no namespaces needed. Every "
@@ -271,8 +270,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
                    or "none") + "."]
     if args.report_only:
         lines += ["", f"Report rewritten from {args.name}.json by `--report-only` (nothing re-measured)."]
-    sys.argv = command.split()
-    write_result(str(out / f"{args.name}.md"), "Bandwidth sweep: speedup over bf16 DDP, and advise's predictions", lines)
+    write_result(out / f"{args.name}.md", "Bandwidth sweep: speedup over bf16 DDP, and advise's predictions", lines,
+                 command)
 
 
 def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
@@ -298,7 +297,7 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> No
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="adacomp bench sweep", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2_small", "lstm_lm"], choices=list(MODELS))
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--bandwidths", nargs="+", default=["50mbit", "100mbit", "300mbit", "1gbit", "3gbit", "10gbit"])
@@ -317,20 +316,20 @@ def main(argv: list[str] | None = None) -> int:
                     "pass on the unshaped link (0: the uncalibrated model)")
     ap.add_argument("--calibration-rounds", type=int, default=6, help="advise's calibration: interleaved passes "
                     "(advise's default is 2; the loopback steps are cheap here)")
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--out-dir", default=RESULTS, help="relative to the current directory (default: %(default)s)")
     ap.add_argument("--name", default="sweep", help="file stem of the report (.md / .json / .png)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from its JSON, measuring nothing "
                     "(pass the measuring run's options)")
     args = ap.parse_args(argv)
+    args.command = bench_command("sweep", argv, drop=("--report-only",))
     if args.report_only:
         data = json.loads((Path(args.out_dir) / f"{args.name}.json").read_text())
-        args.command = data.get("command")
+        args.command = data.get("command") or args.command
         report(data["rows"], args, args.np)
         return 0
     if "bf16" not in args.methods:
         ap.error("--methods must include bf16 (the baseline)")
-    from adacomp.runtime.launch import worker_or_spawn
-    return worker_or_spawn(lambda: worker(args), args.np, __file__, argv)
+    return worker_or_spawn(lambda: worker(args), args.np, "sweep", argv)
 
 
 if __name__ == "__main__":

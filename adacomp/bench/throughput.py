@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """End-to-end throughput: samples/s per compressor x communicator, with the step split into
 compute / compress / communicate, on a ~6M-parameter MLP or a zoo model (``--model resnet50 |
 vgg16 | gpt2_small | lstm_lm``: adacomp.models, synthetic batches).
@@ -9,12 +8,13 @@ IncompatibleComponentsError at config time). Compressors with a ``density`` use 
 powersgd / acpsgd rank 4, qsgd 4 bits. All arms run inside one launch, each with a fresh model and
 DistributedOptimizer; data are fixed random batches (throughput does not depend on their values).
 
-    python scripts/bench_throughput.py                        # spawns --np 2 workers itself
-    python scripts/bench_throughput.py --model gpt2_small --batch 2 --compressors none topk
-    adacomp run -np 4 -- python scripts/bench_throughput.py   # or torchrun / mpirun / horovodrun
+    adacomp bench throughput                        # spawns --np 2 workers itself
+    adacomp bench throughput --model gpt2_small --batch 2 --compressors none topk
+    adacomp run -np 4 -- adacomp bench throughput   # or torchrun / mpirun / horovodrun
 
 The world size is the launcher's. Rows of other world sizes already in throughput.csv are kept, so
 running at 2 and then at 4 workers gives one table and one figure with both (make_results.sh does).
+Results go to docs/results/ under the current directory (``--out-dir``).
 A zoo model writes throughput_<model>.{csv,md,png} so the MLP tables are left alone.
 Time split (from ``opt.last_stats``): compress = compress + decompress + error feedback; communicate
 = time in collectives or waiting for them (what backward did not hide); compute = the rest.
@@ -34,21 +34,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adacomp.bench.common import RESULTS, bench_command, last_stats, worker_or_spawn, write_result
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench throughput"  # spawns --np workers itself, or under any launcher
+
 FIELDS = ["world", "backend", "compressor", "setting", "communicator", "samples_per_s", "step_ms", "compute_ms",
           "compress_ms", "comm_ms", "bytes_per_step", "dense_bytes_per_step", "params", "batch", "steps", "command"]
 
 
-def command_line(world: int) -> str:
+def command_line(world: int, command: str) -> str:
     """How this run was launched, for the table of its world size (rows of several runs share a file)."""
     env = os.environ
     launcher = (f"torchrun --nproc_per_node {world}" if "TORCHELASTIC_RUN_ID" in env else
                 f"adacomp run -np {world} --" if env.get("ADACOMP_BACKEND") == "torch" else
                 f"mpirun -np {world}" if "OMPI_COMM_WORLD_RANK" in env else
                 f"horovodrun -np {world}" if "HOROVOD_RANK" in env else f"({world} workers)")
-    return f"{launcher} python {os.path.relpath(__file__)} {' '.join(sys.argv[1:])}".strip()
+    return f"{launcher} {command}".strip()
 
 
 def setting_for(name: str, density: float) -> dict[str, Any]:
@@ -109,18 +111,20 @@ def measure(pair: dict[str, Any], args: argparse.Namespace, rank: int) -> list[f
     data = batch_for(model, args, rank)
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                        config=pair["config"])
-    rows = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+    stats: list[tuple[float, float, int, int]] = []
+
+    def step() -> None:
         opt.zero_grad()
         data.loss(model).backward()
         opt.step()
-        dt = time.perf_counter() - t0
-        st = opt.last_stats
-        if i >= args.warmup:
-            rows.append((dt, st.compress_s, st.comm_s, st.bytes_sent, st.dense_bytes))
+
+    def record(_: float) -> None:
+        st = last_stats(opt)
+        stats.append((st.compress_s, st.comm_s, st.bytes_sent, st.dense_bytes))
+
+    times = time_steps(step, args.steps, args.warmup, after=record)
     opt.remove_hooks()
-    return [statistics.median(r[k] for r in rows) for k in range(5)]
+    return [statistics.median(times), *(statistics.median(float(r[k]) for r in stats) for k in range(4))]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -143,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
                "step_ms": 1e3 * step, "compute_ms": 1e3 * max(0.0, step - comp - comm), "compress_ms": 1e3 * comp,
                "comm_ms": 1e3 * comm, "bytes_per_step": float(every[:, 3].mean()),
                "dense_bytes_per_step": float(every[:, 4].mean()), "params": nparams, "batch": args.batch,
-               "steps": args.steps, "command": command_line(world)}
+               "steps": args.steps, "command": command_line(world, args.command)}
         rows.append(row)
         if rank == 0:
             print(f"[{time.perf_counter() - t_all:5.0f}s] {i + 1}/{len(pairs)} {row['compressor']:<10} "
@@ -158,7 +162,6 @@ def worker(args: argparse.Namespace) -> None:
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Merge with rows of other world sizes in the CSV, then rewrite md and png from all of them."""
-    from _bench_util import write_result
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "throughput" if args.model == "mlp" else f"throughput_{args.model}"
@@ -208,7 +211,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                          f"| {r['step_ms']:.1f} | {r['compute_ms']:.1f} | {r['compress_ms']:.1f} | {r['comm_ms']:.1f} "
                          f"| {r['bytes_per_step'] / 1024:.0f} | {ratio:.0f}x |")
         lines.append("")
-    write_result(str(out / f"{stem}.md"), "Throughput per compressor x communicator x world size", lines)
+    write_result(out / f"{stem}.md", "Throughput per compressor x communicator x world size", lines, args.command)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -239,7 +242,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="adacomp bench throughput", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--np", type=int, default=2, help="workers to spawn when not started by a launcher")
     from adacomp.models import ZOO
     ap.add_argument("--model", default="mlp", choices=["mlp", *sorted(ZOO)], help="mlp (sized by --inputs/--width/--depth) "
@@ -255,14 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compressors", nargs="*", help="subset (default: every registered compressor)")
     ap.add_argument("--communicators", nargs="*", help="subset (default: every registered communicator)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--out-dir", default=RESULTS, help="relative to the current directory (default: %(default)s)")
     ap.add_argument("--report-only", action="store_true", help="rebuild md / png from throughput.csv, no runs")
     args = ap.parse_args(argv)
+    args.command = bench_command("throughput", argv)
     if args.report_only:
         report([], args)
         return 0
-    from adacomp.runtime.launch import worker_or_spawn
-    return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
+    return worker_or_spawn(lambda: worker(args), args.np, "throughput", argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,29 +1,31 @@
-#!/usr/bin/env python
 """Adaptive policies' decision steps on realistic models (issue 21): rank 0's decision time and
 the longest time any other rank waited inside one collective, on the zoo's GPT-2-small-like
 transformer and VGG-16 (synthetic batches, CPU, gloo).
 
-    python scripts/policy_decisions.py                      # spawns 2 workers
-    python scripts/policy_decisions.py --models vgg16 --policies bytecomp --no-write
+    adacomp bench policy_decisions                      # spawns 2 workers
+    adacomp bench policy_decisions --models vgg16 --policies bytecomp --no-write
 
 Each arm builds a fresh model and DistributedOptimizer (Top-k 1%), runs until the policy has
 decided and applied its decision, plus one step. Waits come from each policy's
 :class:`adacomp.policies.rendezvous.Rendezvous` (seconds inside one collective call). The table
-replaces the section between the markers in docs/results/adaptive.md (the rest is kept).
+replaces the section between the markers in docs/results/adaptive.md under the current directory
+(``--out``; the rest of the file is kept).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from adacomp.bench.common import RESULTS, bench_command, machine, worker_or_spawn
+from adacomp.tools.stepclock import time_steps
+
+LAUNCH = "adacomp bench policy_decisions"  # spawns --np workers itself, or under any launcher
+
 BEGIN, END = "<!-- policy-decisions: begin -->", "<!-- policy-decisions: end -->"
 NOTE = "Before issue 21, bytecomp timed every candidate size 100 times on rank 0 before broadcasting (one Top-k of VGG-16's 103M-element layer takes about 1 s here, so minutes), and lgreco / moo broadcast only after deciding: rank 1 sat in one `broadcast_object` for the whole decision (lgreco: 36 s on GPT-2 in this run, close to the 60 s timeout; its first version here also held the GIL for 9 s in a 38M-element `.tolist()`, now gone). bytecomp now profiles a few sizes (at most 4M elements, extrapolated beyond) within 2 s per rank, split across the ranks; its decision stays under 0.2 s for GPT-2's 148 tensors. lgreco's decision used to sort every layer (36 s on GPT-2 before its exact fast Top-k errors and pruned DP, docs/algorithms_adaptive.md) and moo evaluated t_sync per individual (4.9 s); both now decide in about 1 s, and however long a decision takes, progress rounds keep every wait in one collective to about 2 s at most. With gloo on loopback, communication is nearly free, so bytecomp compresses few or no tensors here."
 
@@ -50,14 +52,13 @@ def arm(model_name: str, policy: str, args: argparse.Namespace) -> dict[str, Any
            "fusion": {"fuse_before_compress": False}, "policy": pcfg}
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
                                        named_parameters=model.named_parameters(), config=cfg)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+    def step() -> None:
         opt.zero_grad()
         data.loss(model).backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
-    pol = opt.policy
+
+    times = time_steps(step, steps)
+    pol: Any = opt.policy  # the policy's own attributes (plan, density, ...)
     rv = pol.rendezvous
     out = {"model": model_name, "policy": policy, "tensors": len(list(model.parameters())),
            "decision_s": rv.decision_s, "max_wait_s": rv.max_wait_s, "rounds": rv.rounds,
@@ -100,8 +101,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    from _bench_util import machine
-    cmd = "python scripts/policy_decisions.py " + " ".join(sys.argv[1:])
+    cmd = args.command
     lines = [BEGIN, "## Decision steps on GPT-2-small-like and VGG-16 (issue 21)", "",
              f"Command: `{cmd.strip()}` (2 gloo processes on one machine; {machine()}; "
              f"{args.threads} torch thread per rank; batch {args.batch}, GPT-2 sequence {args.seq}, VGG-16 "
@@ -136,7 +136,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="adacomp bench policy_decisions", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--np", type=int, default=2, help="workers to spawn when not started by a launcher")
     ap.add_argument("--models", nargs="+", default=["gpt2_small", "vgg16"], choices=["gpt2_small", "vgg16",
                                                                                        "resnet50", "lstm_lm"])
@@ -145,12 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=16, help="GPT-2 / LSTM sequence length")
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "adaptive.md"))
+    ap.add_argument("--out", default=f"{RESULTS}/adaptive.md", help="relative to the current directory (default: %(default)s)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from adacomp.runtime.launch import worker_or_spawn
-    return worker_or_spawn(lambda: worker(args), args.np, __file__, argv if argv is not None else sys.argv[1:])
+    args.command = bench_command("policy_decisions", argv)
+    return worker_or_spawn(lambda: worker(args), args.np, "policy_decisions", argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Bulk TCP transfer between two emulated hosts: measures what ``adacomp netem`` really delivers.
 
-    python scripts/netem_transfer.py probe --src 0 --dst 1 --seconds 3     # as root, after netem up
+    adacomp bench netem_transfer probe --src 0 --dst 1 --seconds 3     # as root, after netem up
     -> {"mbit_s": 95.1, "intervals": [[0.25, 2981888], ...], ...}
 
 ``probe`` starts ``server`` inside host ``dst`` and ``client`` inside host ``src`` (via
@@ -16,10 +15,10 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = "adacomp bench netem_transfer probe --src 0 --dst 1"  # root, after `adacomp netem up`
+
 CHUNK = 64 * 1024
 GRACE_S = 10.0
 
@@ -78,10 +77,9 @@ def rate_mbit(result: dict, skip_s: float = 0.5, until_s: float | None = None) -
 
 
 def probe(src: int, dst: int, seconds: float, prefix: str, port: int, interval: float) -> dict:
-    # imported here: server / client start fast without torch (pulled in by the adacomp package)
-    sys.path.insert(0, REPO)
+    from adacomp.bench.common import module_command
     from adacomp.netem import hosts as netem
-    me = [sys.executable, os.path.abspath(__file__)]
+    me = module_command("netem_transfer")
     addr = netem.host_address(dst, prefix)
     srv = subprocess.Popen(netem.wrap_command(dst, [*me, "server", "--bind", addr, "--port", str(port),
                                                     "--seconds", str(seconds), "--interval", str(interval)], prefix),
@@ -102,8 +100,8 @@ def probe(src: int, dst: int, seconds: float, prefix: str, port: int, interval: 
     return result
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="adacomp bench netem_transfer", description=(__doc__ or "").split("\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("server")
     s.add_argument("--bind", required=True)
@@ -130,4 +128,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())
