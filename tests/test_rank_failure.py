@@ -37,6 +37,8 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=TIMEOUT_S)
     p.add_argument("--late-rank", type=int, default=-1, help="this rank works on alone after the last step")
     p.add_argument("--late-s", type=float, default=0.0)
+    p.add_argument("--quit-rank", type=int, default=-1, help="this rank leaves the loop early and exits cleanly")
+    p.add_argument("--quit-step", type=int, default=3)
     args = p.parse_args(argv)
 
     import torch
@@ -58,6 +60,9 @@ def worker(argv: list[str]) -> int:
                                        config=cfg)
     gen = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
+        if rank == args.quit_rank and step == args.quit_step:
+            print(f"rank {rank} ran out of data at step {step}", flush=True)
+            break  # uneven data without join(): the others go on into collectives this rank skips
         x = torch.randn(16, 1, 8, 8, generator=gen)
         opt.zero_grad()
         F.cross_entropy(model(x), torch.arange(16) % 10).backward()  # buckets start sending here
@@ -179,6 +184,39 @@ def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
     assert procs[dead].returncode == -signal.SIGKILL, outs[dead]
     assert procs[alive].returncode != 0, outs[alive]
     assert f"rank {dead} is lost" in outs[alive], outs[alive]
+
+
+def _two_workers(marker: str, extra: list[str]) -> tuple[list, list[str]]:
+    from adacomp.runtime.launch import free_port, worker_env
+    port = free_port()
+    procs = [subprocess.Popen(_worker_cmd(marker) + extra, cwd=ROOT, env={**_env(), **worker_env(r, 2, port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    return procs, _collect(procs, marker)
+
+
+@pytest.mark.parametrize("dead", [1, 0], ids=["rank1", "rank0-store-host"])
+def test_a_killed_rank_on_this_host_is_known_dead_without_waiting_out_timeout(dead: int) -> None:
+    """timeout_s 60 (the default), no launcher: a rank on this host killed with SIGKILL is seen as
+    gone (its process no longer exists) after a few heartbeats, not after the freeze tolerance; the
+    survivor names it and why, so the job ends in seconds as under torchrun."""
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    procs, outs = _two_workers(marker, ["--die-rank", str(dead), "--timeout", "60"])
+    alive = 1 - dead
+    assert procs[dead].returncode == -signal.SIGKILL, outs[dead]
+    assert procs[alive].returncode != 0, outs[alive]
+    assert f"rank {dead} is lost (its process (pid" in outs[alive] and "exited without saying goodbye" in outs[alive], \
+        outs[alive][-3000:]
+
+
+def test_a_rank_that_runs_out_of_data_without_join_is_named() -> None:
+    """Uneven data, no join(): rank 1 leaves its loop and exits cleanly; rank 0's next collective
+    fails with a message naming rank 1 as finished and pointing at join(), not gloo's bare
+    "Connection closed by peer" after the freeze tolerance."""
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    procs, outs = _two_workers(marker, ["--die-rank", "-1", "--steps", "20", "--quit-rank", "1", "--timeout", "60"])
+    assert procs[1].returncode == 0 and "rank 1 ran out of data" in outs[1], outs[1]
+    assert procs[0].returncode != 0, outs[0]
+    assert "rank 1 finished and left the job" in outs[0] and "opt.join()" in outs[0], outs[0][-3000:]
 
 
 @pytest.mark.parametrize("late", [0, 1], ids=["rank0-works-on", "rank1-works-on"])

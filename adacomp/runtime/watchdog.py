@@ -65,6 +65,7 @@ class Lost:
     rank: int
     silent_s: float
     why: str
+    final: bool = False  # its process is known to be gone (same host): it cannot come back
 
     def message(self, me: int, timeout_s: float) -> str:
         return (f"rank {self.rank} is lost ({self.why}; no heartbeat for {self.silent_s:.1f} s, limit "
@@ -144,9 +145,18 @@ class Watchdog:
         self._listener, self._server = listener, server  # rank 0 keeps the listening store alive
         self._store = TCPStore(addr, port, None, False, timeout=store_timeout)
         self.progress = 0  # guarded communication calls of the main thread (see guard)
+        self.call_since: float | None = None  # when the main thread entered the guarded call it is in
         self._put("hb", self.rank, "0:0")
+        self._put("who", self.rank, f"{socket.gethostname()}:{os.getpid()}")
         backend.barrier()  # every hb key exists before anyone reads them (get() would block)
         self._peers = [r for r in range(self.size) if r != self.rank]
+        # peers on this host, by pid: a process that is gone is known to be dead at once (a frozen
+        # one still exists), so a killed local rank need not wait out the freeze tolerance
+        self._local_pid: dict[int, int] = {}
+        for r, raw in zip(self._peers, self._store.multi_get([self._sign.key(f"who/{r}") for r in self._peers])):
+            host, _, pid = (self._sign.verify(f"who/{r}", raw) or "").rpartition(":")
+            if host == socket.gethostname() and pid.isdigit():
+                self._local_pid[r] = int(pid)
         now = time.monotonic()
         self._seen = {r: ("", now) for r in self._peers}
         self._moved = {r: (-1, now) for r in self._peers}  # last progress count and when it changed
@@ -156,6 +166,7 @@ class Watchdog:
         self._snapshot: tuple[int, list[Any], list[int]] = (0, [], [])
         self._judged = 0
         self._bye: set[int] = set()
+        self._bye_at = 0.0  # when this rank first saw a peer's goodbye
         self._beats = 0
         self._pid = os.getpid()
         self.lost: Lost | None = None
@@ -211,6 +222,10 @@ class Watchdog:
             self._last_ok = now
             if self._inflight_since is not None:
                 self._inflight_since = now
+        gone = self._gone(now)
+        if gone is not None:
+            self._declare(gone)
+            return
         if 0 not in self._bye and self.rank != 0:
             since = self._inflight_since
             if since is not None and now - since >= self.stale_s:
@@ -227,6 +242,8 @@ class Watchdog:
         if seq == self._judged:
             return
         self._judged = seq
+        if byes and not self._bye:
+            self._bye_at = now
         self._bye.update(byes)
         for r, b in zip(self._peers, beats):
             value = self._sign.verify(f"hb/{r}", b)
@@ -246,6 +263,26 @@ class Watchdog:
                                    "connection was lost"))
                 return
 
+    def _gone(self, now: float) -> Lost | None:
+        """A local peer whose heartbeat is late by three beats and whose process no longer exists
+        (or is a zombie): dead for certain, whatever timeout_s says. A goodbye, read every beat,
+        would have arrived before its heartbeat went quiet."""
+        for r, pid in self._local_pid.items():
+            if r in self._bye or now - self._seen[r][1] < 3 * self.interval_s:
+                continue
+            if _process_gone(pid):
+                return Lost(r, now - self._seen[r][1], f"its process (pid {pid} on this host) exited without "
+                            "saying goodbye: it was killed (SIGKILL, the out-of-memory killer) or crashed", final=True)
+        return None
+
+    def finished_message(self, ranks: list[int]) -> str:
+        who = ", ".join(f"rank {r}" for r in ranks)
+        return (f"{who} finished and left the job (said goodbye) while rank {self.rank} was still in a collective "
+                f"- seen by rank {self.rank}. Its data ran out first: every rank must enter the same collectives. "
+                "Wrap the training loop in `with opt.join():` (adacomp.DistributedOptimizer) or `with model.join():` "
+                "(DDP) so that ranks which run out shadow the others, or give every rank the same number of "
+                "batches (DistributedSampler(..., drop_last=True))")
+
     def _store_failure(self, exc: BaseException) -> str:
         text = str(exc).lower()
         where = f"{self.address[0]}:{self.address[1]}"
@@ -262,12 +299,19 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._tick()
+            since = self.call_since
+            if self.lost is None and self._bye and since is not None and \
+                    time.monotonic() - max(since, self._bye_at) >= self.stale_s:
+                # blocked in a collective a finished peer will never enter (a transport that waits, MPI)
+                print(f"adacomp watchdog: {self.finished_message(sorted(self._bye))}; exiting with code {EXIT_CODE}",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_CODE)
             if self.lost is None:
                 continue
             # Give the main thread the chance to raise the error itself (guard / check), and the
-            # lost rank the chance to come back; if neither happens, end the process so that no
-            # survivor hangs in a collective.
-            grace_end = time.monotonic() + GRACE_FRACTION * self.timeout_s
+            # lost rank the chance to come back (not a process known to be gone); if neither
+            # happens, end the process so that no survivor hangs in a collective.
+            grace_end = time.monotonic() + (2 * self.interval_s if self.lost.final else GRACE_FRACTION * self.timeout_s)
             while self.lost is not None and time.monotonic() < grace_end:
                 if self._stop.wait(self.interval_s):
                     return
@@ -301,8 +345,18 @@ class Watchdog:
         rank when every heartbeat stays fresh; ``exc`` itself otherwise."""
         if not _is_comm_error(exc) or self._stop.is_set():
             return exc
-        # a store call that hangs on a silent host takes up to timeout_s itself before it fails
-        self._lost_event.wait(self.stale_s + GRACE_FRACTION * self.timeout_s + 2 * self.interval_s)
+        # A peer that finished (said goodbye) closes its connections as it exits: its goodbye is
+        # read within a beat or two, so look for it first, then wait for a lost heartbeat.
+        # A store call that hangs on a silent host takes up to timeout_s itself before it fails.
+        deadline = time.monotonic() + self.stale_s + GRACE_FRACTION * self.timeout_s + 2 * self.interval_s
+        finished_by = time.monotonic() + 3 * self.interval_s
+        while not self._lost_event.is_set() and not self._bye and time.monotonic() < finished_by:
+            self._lost_event.wait(self.interval_s / 4)
+        if self.lost is None and self._bye:
+            err = CommunicationError(f"{self.finished_message(sorted(self._bye))}. Transport said: {exc}")
+            err.finished_ranks = sorted(self._bye)  # type: ignore[attr-defined]
+            return err
+        self._lost_event.wait(max(0.0, deadline - time.monotonic()))
         lost = self.lost
         if lost is not None:
             err = CommunicationError(f"{lost.message(self.rank, self.timeout_s)}. Transport said: {exc}")
@@ -346,6 +400,23 @@ class Watchdog:
         # the call in flight; a healthy store answers in milliseconds, a lost one is not waited for.
         self._io_thread.join(timeout=2 * self.interval_s + 1 if self.lost is not None
                              else max(2 * self.interval_s + 1, min(self.timeout_s, 10.0)))
+
+
+def _process_gone(pid: int) -> bool:
+    """True if ``pid`` no longer runs on this host (absent, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
 
 def start(backend: Any, timeout_s: float = 60.0, interval_s: float | None = None) -> Watchdog | None:
@@ -396,6 +467,9 @@ def guard(backend: Any) -> Iterator[None]:
         return
     wd.check()
     wd.progress += 1  # the main thread reached another collective (read by stuck-rank detection)
+    outer = wd.call_since is None
+    if outer:
+        wd.call_since = time.monotonic()
     try:
         yield
     except BaseException as exc:  # noqa: BLE001 - re-raised, translated or not
@@ -403,6 +477,9 @@ def guard(backend: Any) -> Iterator[None]:
         if new is exc:
             raise
         raise new from exc
+    finally:
+        if outer:
+            wd.call_since = None
 
 
 __all__ = ["EXIT_CODE", "Lost", "Watchdog", "activity", "guard", "start", "stop"]
