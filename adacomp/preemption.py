@@ -69,7 +69,7 @@ class Preemption:
         """Collective (every rank calls it after the same step): True on every rank iff any rank
         got a signal. Call it between steps, never inside one."""
         from adacomp.runtime import context
-        from adacomp.runtime import watchdog
+        from adacomp.backends import watchdog
         backend = self._backend or context.current()
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int64)
         if backend.size() > 1:

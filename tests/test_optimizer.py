@@ -200,7 +200,7 @@ def test_mismatch_across_ranks_names_the_ranks_and_what_differs(what: str, named
 
 
 def test_launcher_stops_everyone_and_names_the_failed_rank() -> None:
-    from adacomp.runtime.launch import run_local
+    from adacomp.tools.launch import run_local
     out = io.StringIO()
     code = run_local(["python", "-c",
                       "import os, sys, time\n"
@@ -211,7 +211,7 @@ def test_launcher_stops_everyone_and_names_the_failed_rank() -> None:
 
 
 def test_launcher_prefixes_output_and_sets_rendezvous() -> None:
-    from adacomp.runtime.launch import run_local
+    from adacomp.tools.launch import run_local
     out = io.StringIO()
     code = run_local(["python", "-c", "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'])"], np=2, out=out)
     assert code == 0

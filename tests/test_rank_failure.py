@@ -45,7 +45,7 @@ def worker(argv: list[str]) -> int:
     import torch.nn.functional as F
 
     import adacomp
-    from adacomp.runtime import watchdog
+    from adacomp.backends import watchdog
     from adacomp.models import DigitsCNN
 
     torch.set_num_threads(1)
@@ -171,7 +171,7 @@ def test_different_parameter_names_with_same_shapes_fail_at_init_naming_ranks_an
 def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
     """No launcher stops the survivor: the watchdog alone must end it, naming the dead rank (rank 0
     also hosts the heartbeat store, so its death is seen as the store going silent)."""
-    from adacomp.runtime.launch import free_port, worker_env
+    from adacomp.tools.launch import free_port, worker_env
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
     port = free_port()
     procs = []
@@ -187,7 +187,7 @@ def test_survivor_names_the_lost_rank_without_a_launcher(dead: int) -> None:
 
 
 def _two_workers(marker: str, extra: list[str]) -> tuple[list, list[str]]:
-    from adacomp.runtime.launch import free_port, worker_env
+    from adacomp.tools.launch import free_port, worker_env
     port = free_port()
     procs = [subprocess.Popen(_worker_cmd(marker) + extra, cwd=ROOT, env={**_env(), **worker_env(r, 2, port)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
@@ -223,7 +223,7 @@ def test_a_rank_that_runs_out_of_data_without_join_is_named() -> None:
 def test_a_rank_that_finishes_early_is_not_taken_for_dead(late: int) -> None:
     """After the last collective one rank works on alone for longer than the heartbeat limit while
     the others exit normally (rank 0 hosts the store): nobody may be declared lost."""
-    from adacomp.runtime.launch import free_port, worker_env
+    from adacomp.tools.launch import free_port, worker_env
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
     port = free_port()
     timeout = 2.0  # heartbeat limit 1.2 s; the late rank works 4 s alone
@@ -246,7 +246,7 @@ def test_adacomp_run_stops_everyone_and_names_the_rank() -> None:
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_torchrun_stops_everyone_and_names_the_rank() -> None:
-    from adacomp.runtime.launch import free_port
+    from adacomp.tools.launch import free_port
     marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
     code, out = _run_launcher(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
                                "--monitor_interval", "0.5", *_worker_cmd(marker)[1:]], marker)

@@ -33,7 +33,7 @@ HANG_GUARD_S = 120
 def _guarded_allreduce(backend) -> None:
     import torch
 
-    from adacomp.runtime import watchdog
+    from adacomp.backends import watchdog
     with watchdog.guard(backend):
         backend.allreduce(torch.ones(4))
 
@@ -121,7 +121,7 @@ def worker(argv: list[str]) -> int:
 def _run_pair(mode: str, *extra: str, env_extra: dict[str, str] | None = None,
               kill_after: int | None = None) -> list[tuple[int, str]]:
     """Both ranks without a launcher; if ``kill_after`` is a rank, the other is SIGKILLed once it ended."""
-    from adacomp.runtime.launch import free_port, worker_env
+    from adacomp.tools.launch import free_port, worker_env
     marker = f"adacomp-wdpriv-{uuid.uuid4().hex[:8]}"
     port = free_port()
     procs = []

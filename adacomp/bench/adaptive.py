@@ -33,7 +33,7 @@ LAUNCH = "adacomp bench adaptive --quick"  # spawns --workers gloo workers itsel
 
 
 def _worker(rank: int, world: int, port: int, job: str, spec: dict, q: Any) -> None:
-    from adacomp.runtime.launch import worker_env
+    from adacomp.tools.launch import worker_env
     os.environ.update(worker_env(rank, world, port))
     os.environ.update(spec.get("env", {}))  # e.g. an emulated network (adacomp.backends.shaped)
     torch.set_num_threads(1)
@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, job: str, spec: dict, q: Any) -> N
 
 
 def spawn(job: str, spec: dict, world: int) -> dict:
-    from adacomp.runtime.launch import free_port
+    from adacomp.tools.launch import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()

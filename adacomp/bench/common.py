@@ -56,7 +56,7 @@ def worker_or_spawn(worker: Callable[[], object], np: int, name: str, argv: Sequ
     run``) run ``worker()`` here; otherwise start ``np`` copies of ``python -m adacomp.bench.NAME
     argv`` with ``adacomp run``."""
     from adacomp.backends import detect
-    from adacomp.runtime.launch import run_local
+    from adacomp.tools.launch import run_local
     if detect() != "local":
         worker()
         return 0

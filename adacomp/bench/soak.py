@@ -13,7 +13,7 @@ allgather with error feedback, and PowerSGD's two-round allreduce), and records,
 * pending bucket handles / entries after ``step()`` (must be 0) and the sizes of the optimizer's
   internal containers (residuals, compressor / policy state, history) before and after.
 
-The rank-failure watchdog (adacomp/runtime/watchdog.py) runs during the whole soak.
+The rank-failure watchdog (adacomp/backends/watchdog.py) runs during the whole soak.
 
 Rank 0 gathers every rank's record and writes ``docs/results/soak.md`` under the current directory
 (``--out``). Configs are read relative to the current directory, else from the checkout's configs/.
@@ -215,7 +215,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     import adacomp
-    from adacomp.runtime import watchdog
+    from adacomp.backends import watchdog
     torch.set_num_threads(1)
     backend = adacomp.init()
     watchdog.start(backend, 60.0)  # soaked too: its thread and store run for the whole job
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     if args.worker or "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         return worker(args)
-    from adacomp.runtime.launch import run_local
+    from adacomp.tools.launch import run_local
     cmd = [*module_command("soak"), "--worker", "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--every", str(args.every), "--out", args.out]
     for c in args.config:

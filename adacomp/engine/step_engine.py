@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from adacomp.runtime import watchdog
+from adacomp.backends import watchdog
 from adacomp.backends.base import Backend
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats

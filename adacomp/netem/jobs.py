@@ -58,7 +58,7 @@ def run_on_hosts(command: Sequence[str], hosts: int, bandwidth: str, prefix: str
     Without root nothing is measured: the reason is printed and 0 returned (``make results`` goes
     on). ``prepare`` runs after the root check and before any host exists (e.g. fail early on
     missing data rather than in four workers)."""
-    from adacomp.runtime.launch import run_local
+    from adacomp.tools.launch import run_local
     name = command[-1].rsplit(".", 1)[-1]
     try:
         netem.require_root()

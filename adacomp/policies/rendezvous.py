@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from adacomp.runtime import watchdog
+from adacomp.backends import watchdog
 from adacomp.errors import CommunicationError
 
 if TYPE_CHECKING:

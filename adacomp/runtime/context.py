@@ -60,7 +60,7 @@ def init(backend: str = "auto", config: Any = None, timeout_s: float | None = No
     _current = wrap_from_env(backends.create(name, **kwargs))
     _topology = _discover(_current)
     if _current.size() > 1:  # heartbeats name a rank that dies instead of hanging on it
-        from adacomp.runtime import watchdog
+        from adacomp.backends import watchdog
         watchdog.start(_current, kwargs.get("timeout_s", 60.0))
     return _current
 
@@ -93,7 +93,7 @@ def shutdown() -> None:
     """Stop the watchdog and release the transport; ``init()`` may be called again afterwards."""
     global _current, _topology
     if _current is not None:
-        from adacomp.runtime import watchdog
+        from adacomp.backends import watchdog
         watchdog.stop(_current)
         _current.shutdown()
         _current = None

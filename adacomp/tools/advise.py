@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     if detect() == "local":
         if args.np < 2:
             raise SystemExit("adacomp advise: --np must be >= 2 (the link is measured between ranks)")
-        from adacomp.runtime.launch import run_local
+        from adacomp.tools.launch import run_local
         return run_local([sys.executable, "-m", "adacomp.tools.cli", "advise", *argv], args.np)
     import adacomp
     real = adacomp.init()

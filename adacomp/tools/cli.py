@@ -8,7 +8,7 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("adacomp.runtime.launch", "start N local workers (or hand over to mpirun / horovodrun)"),
+    "run": ("adacomp.tools.launch", "start N local workers (or hand over to mpirun / horovodrun)"),
     "train": ("adacomp.tools.train", "train the built-in job from a config (default: configs/quickstart.yaml)"),
     "netem": ("adacomp.tools.netem_cmd", "emulate N hosts with capped bandwidth (root): up | set | down | status"),
     "plan": ("adacomp.tools.plan_cmd", "profile a model and print ByteComp's per-tensor compression plan"),

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker or detect() != "local" or cfg.train.workers == 1:
         run_worker(cfg, args.checkpoint, args.checkpoint_every)
         return 0
-    from adacomp.runtime.launch import run_local
+    from adacomp.tools.launch import run_local
     cmd = [sys.executable, "-m", "adacomp.tools.train", "--worker", "--config", os.path.abspath(args.config),
            "--workers", str(cfg.train.workers), "--epochs", str(cfg.train.epochs), "--out", cfg.train.out_dir]
     if args.checkpoint:

@@ -247,13 +247,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def worker_or_spawn(worker: Callable[[], object], np: int, script: str, argv: Sequence[str]) -> int:
-    """Scripts that launch themselves: under a launcher (torchrun, mpirun, horovodrun, ``adacomp run``)
-    run ``worker()`` here; otherwise start ``np`` copies of ``python script argv`` with ``adacomp run``."""
-    from adacomp.backends import detect
-    if detect() != "local":
-        worker()
-        return 0
-    return run_local([sys.executable, os.path.relpath(script), *argv], np)
