@@ -76,8 +76,9 @@ def _overflow_without_scaler(front: str) -> list[str]:
     return [str(w.message) for w in seen if "grad_scaler" in str(w.message)]
 
 
-def test_skipped_round_without_grad_scaler_warns_once_in_both_front_ends() -> None:
-    for front in ("optimizer", "hook"):
-        out: list[Any] = run_workers(_overflow_without_scaler, 2, front, timeout=300)
-        for msgs in out:
-            assert len(msgs) == 1 and "residuals stay in the old units" in msgs[0], (front, msgs)
+def test_hook_warns_once_when_a_skipped_round_has_no_grad_scaler_to_follow() -> None:
+    """The hook cannot find a GradScaler by itself (the optimizer adopts the one calling its step:
+    tests/test_amp.py); a skipped round without ``grad_scaler=`` says once what to pass."""
+    out: list[Any] = run_workers(_overflow_without_scaler, 2, "hook", timeout=300)
+    for msgs in out:
+        assert len(msgs) == 1 and "residuals stay in the old units" in msgs[0], msgs

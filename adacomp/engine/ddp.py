@@ -94,7 +94,8 @@ class HookState:
                 self.table.ensure(n, p)
         self._fused_state: dict[str, Any] = {}  # loaded before its DDP bucket was first seen
         self.loss_scale = LossScale(grad_scaler)
-        self.rounds = Rounds(self.table, lambda: self.backend, self.config.nonfinite, self.loss_scale)
+        self.rounds = Rounds(self.table, lambda: self.backend, self.config.nonfinite, self.loss_scale,
+                             warn_unfollowed_scale=True)
         self.steps = 0
         self._round: RoundState | None = None
         self._waiting: list[_Waiting] = []

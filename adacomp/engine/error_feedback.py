@@ -136,6 +136,12 @@ class LossScale:
                 c.rescale(ratio)
         self.units = s
 
+    def adopt(self, scaler: Any) -> None:
+        """Follow ``scaler`` from now on, found calling ``optimizer.step`` (``scaler.step(opt)``)
+        without having been passed: this round's residuals are in its current scale."""
+        self.scaler = scaler
+        self.units = self.current()
+
     def state_dict(self) -> dict[str, Any]:
         return {"units": self.units}
 

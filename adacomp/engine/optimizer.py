@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import sys
 import warnings
 from collections import OrderedDict, deque
 from typing import Any, Iterable, Iterator
@@ -328,6 +329,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._ddp_checked:
             self._ddp_checked = True
             _refuse_ddp_wrapped(self.params)
+        if self.loss_scale.scaler is None:
+            scaler = _calling_grad_scaler()
+            if scaler is not None:  # AMP without wiring: residuals follow the scaler from here on
+                self.loss_scale.adopt(scaler)
         if self.outer is not None:
             return self._local_step(closure, **kwargs)
         if self._should_sync:
@@ -408,6 +413,20 @@ def _init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
         setattr(opt, attr, OrderedDict())
     opt._patch_step_function()  # type: ignore[attr-defined]
+
+
+def _calling_grad_scaler() -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step(optimizer)`` is calling ours, if any: GradScaler
+    calls ``optimizer.step()`` only for a finite step, from its own method a few frames up."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, torch.amp.GradScaler):
+            return obj
+        frame = frame.f_back
+    return None
 
 
 def _refuse_ddp_wrapped(params: list[tuple[str, Tensor]]) -> None:

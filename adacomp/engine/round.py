@@ -70,7 +70,7 @@ class Rounds:
     may change beyond the table's components (the optimizer's policy)."""
 
     def __init__(self, table: RouteTable, backend: Callable[[], Backend], nonfinite: str, loss_scale: LossScale,
-                 extra_state: Callable[[], list[Any]] | None = None):
+                 extra_state: Callable[[], list[Any]] | None = None, warn_unfollowed_scale: bool = False):
         self.table = table
         self._backend = backend
         self.nonfinite = nonfinite
@@ -78,7 +78,8 @@ class Rounds:
         self._extra_state = extra_state
         self.rollback = Rollback()
         self.last_vote: Vote | None = None
-        self._warned_scale = False
+        # the DDP hook cannot find a GradScaler itself (the optimizer adopts the one calling its step)
+        self._warned_scale = not warn_unfollowed_scale
 
     @property
     def backend(self) -> Backend:
