@@ -418,7 +418,7 @@ def _init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
 def _calling_grad_scaler() -> Any:
     """The ``torch.amp.GradScaler`` whose ``step(optimizer)`` is calling ours, if any: GradScaler
     calls ``optimizer.step()`` only for a finite step, from its own method a few frames up."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     for _ in range(4):
         if frame is None:
             return None

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 
     from adacomp.backends.base import Backend
     from adacomp.config import ComponentSpec, Config
-    from adacomp.engine.optimizer import DistributedOptimizer
 
 
 class Host(Protocol):
@@ -55,10 +54,10 @@ class Policy:
 
     name: ClassVar[str] = "base"
 
-    def attach(self, optimizer: "DistributedOptimizer") -> None:
+    def attach(self, optimizer: "Host") -> None:
         self.optimizer = optimizer
 
-    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+    def after_step(self, optimizer: "Host", stats: StepStats) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -81,5 +80,5 @@ def names() -> list[str]:
 class StaticPolicy(Policy):
     """The configuration as written, for the whole run."""
 
-    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+    def after_step(self, optimizer: "Host", stats: StepStats) -> None:
         return None

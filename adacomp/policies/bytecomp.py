@@ -28,7 +28,7 @@ from adacomp.policies.timeline import (ALL_OPTIONS, CPU_A2A, CPU_AG, DEVICE_A2A,
 from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
-    from adacomp.engine.optimizer import DistributedOptimizer
+    from adacomp.policies.base import Host
 
 
 # --- Alg. 1: device compression decisions -------------------------------------------------------
@@ -255,7 +255,7 @@ class ByteCompPolicy(Policy):
         self._step_end: list[float] = []
         self._handles: list[Any] = []
 
-    def attach(self, optimizer: "DistributedOptimizer") -> None:
+    def attach(self, optimizer: "Host") -> None:
         super().attach(optimizer)
         self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         cfg = optimizer.config
@@ -307,7 +307,7 @@ class ByteCompPolicy(Policy):
                                      sample.payload_bytes(p.shape, p.element_size())))
         return out, max(0.0, ready[order[0]] - first) if order else 0.0
 
-    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+    def after_step(self, optimizer: "Host", stats: StepStats) -> None:
         if optimizer.steps > self.profile_steps:
             return
         self._step_end.append(time.perf_counter())
@@ -381,7 +381,7 @@ class ByteCompPolicy(Policy):
         return {"plan": {t.name: str(o) for t, o in zip(tensors, S) if t.name in self.candidates},
                 "predicted": {**predicted, "alpha": alpha, "beta": beta}}
 
-    def apply(self, optimizer: "DistributedOptimizer", plan: dict[str, str]) -> None:
+    def apply(self, optimizer: "Host", plan: dict[str, str]) -> None:
         """Route every planned tensor as its option says (see the class docstring)."""
         comp, mem = self.compressed_spec
         for name, option in plan.items():

@@ -33,7 +33,8 @@ from adacomp.policies.base import Policy, register
 from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
-    from adacomp.engine.optimizer import Bucket, DistributedOptimizer
+    from adacomp.engine.optimizer import Bucket
+    from adacomp.policies.base import Host
 
 log = logging.getLogger(__name__)
 KINDS = tuple(netmodel.COLLECTIVES)
@@ -71,7 +72,7 @@ class FlexiblePolicy(Policy):
         self._comms: dict[str, Communicator] = {}
 
     # -------------------------------------------------------------- setup
-    def attach(self, optimizer: "DistributedOptimizer") -> None:
+    def attach(self, optimizer: "Host") -> None:
         super().attach(optimizer)
         # every rank computes the same choice from the allgathered probe (no rank decides alone, so
         # no rank waits for another's work); the probe's collectives are timed for issue 21's audit
@@ -88,7 +89,7 @@ class FlexiblePolicy(Policy):
         self.update(optimizer, probe=True)
 
     # -------------------------------------------------------------- cost model per bucket
-    def bucket_bytes(self, optimizer: "DistributedOptimizer", b: "Bucket", density: float | None = None) -> dict[str, float] | None:
+    def bucket_bytes(self, optimizer: "Host", b: "Bucket", density: float | None = None) -> dict[str, float] | None:
         """``M`` (dense bytes), ``values`` (Mc), index bytes per collective; None if not Top-k."""
         by_name = dict(optimizer.params)
         params = [by_name[n] for n in b.names]
@@ -112,7 +113,7 @@ class FlexiblePolicy(Policy):
                  "artopk_tree": sizes["artopk"] / V}
         return netmodel.best_collective(M, V / M, world, alpha, beta, kinds or self.allowed, ratio)
 
-    def predict_total(self, optimizer: "DistributedOptimizer", density: float | None = None,
+    def predict_total(self, optimizer: "Host", density: float | None = None,
                       switching: bool = True) -> float:
         """Predicted sync seconds of one step (sum over Top-k buckets) at ``density``."""
         est = self.probe.last
@@ -126,7 +127,7 @@ class FlexiblePolicy(Policy):
                 total += self.predict(sizes, optimizer.backend.size(), est.alpha, est.beta, kinds)[1]
         return total
 
-    def sync_predictor(self, optimizer: "DistributedOptimizer",
+    def sync_predictor(self, optimizer: "Host",
                        switching: bool = True) -> Callable[[np.ndarray], np.ndarray]:
         """:meth:`predict_total` for an array of densities at once, bit for bit the same numbers.
 
@@ -177,7 +178,7 @@ class FlexiblePolicy(Policy):
                 self._comms[key] = communicators.get("artopk", selection=self.selection, algorithm=algo)
         return self._comms[key]
 
-    def update(self, optimizer: "DistributedOptimizer", probe: bool = False) -> None:
+    def update(self, optimizer: "Host", probe: bool = False) -> None:
         """Probe if due, then re-choose every bucket's collective if any input changed."""
         if probe or self.probe.due(self._calls):
             self.rendezvous.call("network probe", self.probe.probe, optimizer.backend, self._calls)
@@ -207,7 +208,7 @@ class FlexiblePolicy(Policy):
                 log.info("flexible: step %d bucket %d %s -> %s (alpha=%.3g s, beta=%.3g s/B, c=%.4g, "
                          "predicted %.3g s)", rec["step"], b.index, old, kind, est.alpha, est.beta, rec["c"], cost)
 
-    def dense_predicted(self, optimizer: "DistributedOptimizer") -> float:
+    def dense_predicted(self, optimizer: "Host") -> float:
         """Ring-allreduce prediction (Table I) of the dense buckets, so a step's total is comparable."""
         est = self.probe.last
         if est is None:
@@ -239,7 +240,7 @@ class FlexiblePolicy(Policy):
                 opt.set_communicator(index, self._communicator(kind, comp.fixed_size))
         self._inputs = None
 
-    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+    def after_step(self, optimizer: "Host", stats: StepStats) -> None:
         self.records.append({"step": float(stats.step),
                              "predicted_s": sum(self.predicted.values()) + self.dense_predicted(optimizer),
                              "measured_s": stats.comm_s,

@@ -30,7 +30,7 @@ from adacomp.policies.base import Policy, register
 from adacomp.policies.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
-    from adacomp.engine.optimizer import DistributedOptimizer
+    from adacomp.policies.base import Host
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class LGreCoPolicy(Policy):
         self._handles: list[Any] = []
 
     # --- wiring -------------------------------------------------------------------------------------
-    def attach(self, optimizer: "DistributedOptimizer") -> None:
+    def attach(self, optimizer: "Host") -> None:
         super().attach(optimizer)
         self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         self.layers = []
@@ -343,7 +343,7 @@ class LGreCoPolicy(Policy):
                 self._acc[name] = g.clone() if acc is None else acc.add_(g)
         return hook
 
-    def _period(self, optimizer: "DistributedOptimizer") -> int:
+    def _period(self, optimizer: "Host") -> int:
         if self.period:
             return self.period
         per_epoch = getattr(optimizer, "steps_per_epoch", None)
@@ -356,7 +356,7 @@ class LGreCoPolicy(Policy):
         return 100
 
     # --- the decision -----------------------------------------------------------------------------
-    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+    def after_step(self, optimizer: "Host", stats: StepStats) -> None:
         for b, t in stats.bucket_sync_s.items():
             self._sync.setdefault(b, []).append(t)
         s = optimizer.steps
@@ -370,7 +370,7 @@ class LGreCoPolicy(Policy):
         self._acc.clear()
         self._sync.clear()
 
-    def bucket_cost(self, optimizer: "DistributedOptimizer") -> dict[str, float]:
+    def bucket_cost(self, optimizer: "Host") -> dict[str, float]:
         """Per-layer T(l): mean sync seconds of its bucket per payload byte of that bucket."""
         per_layer = {name: 1.0 for name, _, _ in self.layers}
         if self.objective != "time" or not self._sync:
@@ -389,7 +389,7 @@ class LGreCoPolicy(Policy):
             per_layer[name] = max(coef.get(optimizer.bucket_of(name).index, floor), floor)
         return per_layer
 
-    def decide(self, optimizer: "DistributedOptimizer") -> dict[str, Any]:
+    def decide(self, optimizer: "Host") -> dict[str, Any]:
         t0 = time.perf_counter()
         names = [n for n, _, _ in self.layers if n in self._acc]
         if not names:
@@ -433,7 +433,7 @@ class LGreCoPolicy(Policy):
                 "uniform_bytes": float(sum(size[i, j] for i, j in enumerate(uniform_idx))),
                 "dense_bytes": float(dense), "error_s": t_err, "decision_s": time.perf_counter() - t0}
 
-    def apply(self, optimizer: "DistributedOptimizer", assignment: dict[str, float]) -> None:
+    def apply(self, optimizer: "Host", assignment: dict[str, float]) -> None:
         kinds = {n: k for n, k, _ in self.layers}
         for name, value in assignment.items():
             set_knob(optimizer.compressor_for(name), kinds[name], value)

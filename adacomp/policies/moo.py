@@ -33,7 +33,7 @@ from adacomp.policies.rendezvous import Rendezvous
 from adacomp.policies.flexible import FlexiblePolicy
 
 if TYPE_CHECKING:
-    from adacomp.engine.optimizer import DistributedOptimizer
+    from adacomp.policies.base import Host
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class MOOPolicy(Policy):
     def exploring(self) -> bool:
         return self._snap is not None
 
-    def attach(self, optimizer: "DistributedOptimizer") -> None:
+    def attach(self, optimizer: "Host") -> None:
         super().attach(optimizer)
         self.rendezvous = Rendezvous.for_optimizer(optimizer, self.name)
         if self.switching:
@@ -165,7 +165,7 @@ class MOOPolicy(Policy):
             self.flex.probe.probe(optimizer.backend, 0)
 
     # -------------------------------------------------------------- per step
-    def after_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+    def after_step(self, optimizer: "Host", stats: StepStats) -> None:
         if self.switching:
             self.flex.after_step(optimizer, stats)
         else:  # no switching: keep probing for t_sync predictions (own counter: restore rewinds steps)
@@ -188,7 +188,7 @@ class MOOPolicy(Policy):
         elif msg and msg["action"] == "reoptimise":
             self._apply(optimizer, msg["c"], "network")
 
-    def _triggers(self, optimizer: "DistributedOptimizer") -> dict[str, Any] | None:
+    def _triggers(self, optimizer: "Host") -> dict[str, Any] | None:
         est = self.flex.probe.last
         if est is not None and self._ref_net is not None and \
                 max(_moved(est.alpha, self._ref_net[0]), _moved(est.beta, self._ref_net[1])) >= self.net_threshold:
@@ -203,25 +203,25 @@ class MOOPolicy(Policy):
         return None
 
     # -------------------------------------------------------------- exploration
-    def _set(self, optimizer: "DistributedOptimizer", c: float) -> None:
+    def _set(self, optimizer: "Host", c: float) -> None:
         optimizer.set_density(c)
         self.density = c
         if self.switching:
             self.flex.update(optimizer)
 
-    def _start_exploration(self, optimizer: "DistributedOptimizer") -> None:
+    def _start_exploration(self, optimizer: "Host") -> None:
         self._snap = optimizer.snapshot()
         self.results, self._cand, self._acc = [], 0, []
         self._set(optimizer, self.candidates[0])
 
-    def _restore(self, optimizer: "DistributedOptimizer") -> None:
+    def _restore(self, optimizer: "Host") -> None:
         self._restoring = True  # restore() reloads policy state too: keep our progress
         try:
             optimizer.restore(self._snap)  # type: ignore[arg-type]
         finally:
             self._restoring = False
 
-    def _explore_step(self, optimizer: "DistributedOptimizer", stats: StepStats) -> None:
+    def _explore_step(self, optimizer: "Host", stats: StepStats) -> None:
         self._acc.append((stats.gain if stats.gain is not None else 1.0, stats.compress_s, stats.comm_s))
         if len(self._acc) < self.explore_steps:
             return
@@ -241,7 +241,7 @@ class MOOPolicy(Policy):
         self._apply(optimizer, self.rendezvous.decide("the density optimisation", lambda: self._optimise(optimizer)),
                     "exploration")
 
-    def _optimise(self, optimizer: "DistributedOptimizer") -> float:
+    def _optimise(self, optimizer: "Host") -> float:
         r = self.results
         c, _, F = choose_density([x["c"] for x in r], [x["t_comp"] for x in r],
                                  [1.0 / max(x["gain"], 1e-12) for x in r],
@@ -250,7 +250,7 @@ class MOOPolicy(Policy):
         self._front_size = len(F)
         return c
 
-    def _apply(self, optimizer: "DistributedOptimizer", c: float, reason: str) -> None:
+    def _apply(self, optimizer: "Host", c: float, reason: str) -> None:
         self._set(optimizer, float(c))
         est = self.flex.probe.last
         self._ref_net = (est.alpha, est.beta) if est else None

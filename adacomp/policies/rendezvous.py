@@ -25,7 +25,7 @@ from adacomp.backends import watchdog
 from adacomp.errors import CommunicationError
 
 if TYPE_CHECKING:
-    from adacomp.engine.optimizer import DistributedOptimizer
+    from adacomp.policies.base import Host
 
 T = TypeVar("T")
 PROGRESS_FRACTION = 0.05   # of the collective timeout: one progress broadcast at least this often
@@ -62,7 +62,7 @@ class Rendezvous:
             self.interval_s = progress_interval(self.timeout_s)
 
     @classmethod
-    def for_optimizer(cls, optimizer: "DistributedOptimizer", policy: str) -> "Rendezvous":
+    def for_optimizer(cls, optimizer: "Host", policy: str) -> "Rendezvous":
         """The watchdog's timeout when one runs (it is the backend's), else the config's ``timeout_s``."""
         wd = getattr(optimizer.backend, "watchdog", None)
         timeout = getattr(wd, "timeout_s", None) or optimizer.config.timeout_s
