@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from adacomp.config import Config, load as load_config
-from adacomp import ddp
+from adacomp import ddp, fsdp
 from adacomp.runtime import checkpoint
 from adacomp.runtime.context import current as backend
 from adacomp.errors import (AdacompError, CommunicationError, ConfigError, IncompatibleComponentsError,
@@ -20,13 +20,13 @@ from adacomp.runtime.hvd_api import *  # noqa: F401,F403 - Horovod's module-leve
 from adacomp.runtime.hvd_api import __all__ as _hvd_api_all
 from adacomp.engine.hvd_keywords import (Compression, apply_optimizer_kwargs, global_process_set,
                                          resolve_compression)
-from adacomp.engine.optimizer import Average, DistributedOptimizer, Sum
+from adacomp.engine.optimizer import Average, DistributedOptimizer, InitialWeightsWarning, Sum
 from adacomp.runtime.sync import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
 
 __all__ = sorted({"AdacompError", "CommunicationError", "Compression", "Config", "ConfigError",
-                  "DistributedOptimizer", "IncompatibleComponentsError", "NonFiniteGradientError", "RankStateError",
+                  "DistributedOptimizer", "IncompatibleComponentsError", "InitialWeightsWarning", "NonFiniteGradientError", "RankStateError",
                   "SyncBatchNorm", "apply_optimizer_kwargs", "backend", "broadcast_object",
                   "broadcast_optimizer_state", "broadcast_parameters", "global_process_set", "load_config",
-                  "resolve_compression", "ddp", "checkpoint", *_hvd_api_all})
+                  "resolve_compression", "ddp", "fsdp", "checkpoint", *_hvd_api_all})

@@ -22,6 +22,7 @@ from adacomp.errors import ConfigError, IncompatibleComponentsError
 
 BACKENDS = ("auto", "torch", "mpi", "horovod", "local")
 NONFINITE = ("propagate", "skip", "raise")
+INITIAL_WEIGHTS = ("warn", "raise")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class Config:
     layers: list[LayerOverride] = field(default_factory=list)
     min_numel: int = field(default=1024, metadata={"min": 0})
     nonfinite: str = field(default="propagate", metadata={"choices": NONFINITE})
+    #: ranks whose weights still differ at the first backward: ``warn`` (Horovod runs such scripts) or ``raise``
+    initial_weights: str = field(default="warn", metadata={"choices": INITIAL_WEIGHTS})
     timeout_s: float = field(default=60.0, metadata={"min": 0.1})
     #: absent: every step communicates (the per-step path); present: the outer loop
     local_steps: LocalStepsConfig | None = None

@@ -209,8 +209,8 @@ def models_and_optimizers(rank: int) -> None:
         return opt.state_dict(), net.state_dict(), [p.grad for p in net.parameters()]
     both("broadcast_optimizer_state fresh Adam", fresh_adam)
 
-    def distributed(mod: Any, **kw: Any) -> Any:
-        torch.manual_seed(3)
+    def distributed(mod: Any, seed: int = 3, **kw: Any) -> Any:
+        torch.manual_seed(seed)
         net = Net()
         opt = mod.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=net.named_parameters(), **kw)
@@ -228,6 +228,9 @@ def models_and_optimizers(rank: int) -> None:
           lambda: _round(distributed(hvd, compression=hvd.Compression.fp16)))
     check("DistributedOptimizer groups=2 (3 steps)", lambda: distributed(adacomp, groups=2),
           lambda: distributed(hvd, groups=2))
+    # weights that differ per rank on purpose (no broadcast): Horovod trains on; adacomp warns and trains on
+    check("DistributedOptimizer different initial weights (3 steps)", lambda: distributed(adacomp, seed=rank),
+          lambda: distributed(hvd, seed=rank))
 
 
 def selfcheck() -> int:

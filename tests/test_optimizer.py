@@ -278,28 +278,49 @@ def test_state_dict_is_torch_format_plus_one_key() -> None:
     assert plain.state_dict()["param_groups"] == sd["param_groups"]
 
 
-def _different_seeds(broadcast: bool) -> str:
+def _different_seeds(broadcast: bool, config: dict | None = None) -> str:
+    """Every rank builds its own weights (as some Horovod tests do on purpose); returns "ok",
+    "warned: <message>" or "raised: <message>"."""
+    import warnings
     adacomp.init()
     torch.manual_seed(adacomp.rank())  # a forgotten broadcast: every rank has its own weights
     m = DigitsCNN()
-    opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), config=config)
     if broadcast:  # Horovod's order: build the optimizer, then broadcast
         adacomp.broadcast_parameters(m.state_dict(), root_rank=0)
-    try:
-        _loss(m).backward()
-    except adacomp.CommunicationError as exc:
-        return str(exc)
-    opt.step()
-    return "ok"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            for _ in range(2):  # the check runs once: one warning for two steps
+                opt.zero_grad()
+                _loss(m).backward()
+                opt.step()
+        except adacomp.CommunicationError as exc:
+            return f"raised: {exc}"
+    ours = [str(w.message) for w in seen if issubclass(w.category, adacomp.InitialWeightsWarning)]
+    assert len(ours) <= 1, ours
+    return f"warned: {ours[0]}" if ours else "ok"
 
 
-@pytest.mark.parametrize("broadcast", [False, True])
-def test_different_initial_weights_are_detected_at_first_backward(broadcast: bool) -> None:
-    for msg in run_workers(_different_seeds, 2, broadcast):
-        if broadcast:
-            assert msg == "ok"
-        else:
-            assert "different initial weights" in msg and "broadcast_parameters" in msg and "[1]" in msg, msg
+@pytest.mark.parametrize("broadcast,config,outcome", [
+    (True, None, "ok"),
+    (False, None, "warned"),  # Horovod runs such scripts: a warning that says what to call
+    (False, {"initial_weights": "raise"}, "raised"),  # the opt-in error
+    (True, {"initial_weights": "raise"}, "ok"),
+    (False, {"local_steps": {"every": 2}}, "raised"),  # local steps never start from different weights
+    (True, {"local_steps": {"every": 2}}, "ok"),
+])
+def test_different_initial_weights_are_detected_at_first_backward(broadcast: bool, config: dict | None,
+                                                                  outcome: str) -> None:
+    for msg in run_workers(_different_seeds, 2, broadcast, config):
+        assert msg.split(":")[0] == outcome, msg
+        if outcome != "ok":
+            assert "different initial weights" in msg and "broadcast_parameters(model.state_dict(), root_rank=0)" in msg
+            assert "[1]" in msg, msg
+        if outcome == "warned":
+            assert "initial_weights: raise" in msg, msg
+        if config and "local_steps" in config and outcome == "raised":
+            assert "local steps" in msg, msg
 
 
 def test_rerouting_keeps_fused_bucket_state_and_trains() -> None:

@@ -41,6 +41,10 @@ from adacomp.outer.loop import OuterLoop
 _WRAPPED = "_adacomp_wrapped_by"  # marks an optimizer that a DistributedOptimizer already wraps
 
 
+class InitialWeightsWarning(UserWarning):
+    """Ranks still hold different weights at the first backward (config ``initial_weights``)."""
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so gradients are compressed and averaged across ranks.
 
@@ -209,16 +213,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"than rank 0{detail}. Every rank must run the same config file and model.")
         return any(d["weights"] != ref["weights"] for d in everyone)
 
-    def _check_weights(self) -> None:
-        """Ranks started from different weights: fine if ``broadcast_parameters`` ran before
-        the first backward; an error naming the ranks otherwise (DDP syncs at construction)."""
+    def _check_weights(self, strict: bool = False) -> None:
+        """Ranks started from different weights: fine if ``broadcast_parameters`` ran before the
+        first backward. Otherwise a warning naming the ranks and what to call (Horovod runs such
+        scripts, and some differ per rank on purpose), or an error with ``initial_weights: raise``
+        or ``strict`` (local steps). One small allgather, at the same point on every rank."""
         everyone = self.backend.allgather_object(_weights_digest(self.params))
         bad = [r for r, d in enumerate(everyone) if d != everyone[0]]
-        if bad:
-            raise CommunicationError(
-                f"ranks {bad} hold different initial weights than rank 0, so their models would diverge. "
-                "Call adacomp.broadcast_parameters(model.state_dict(), root_rank=0) after building the "
-                "optimizer (and adacomp.broadcast_optimizer_state(opt, root_rank=0)), or seed every rank alike.")
+        if not bad:
+            return
+        msg = (f"ranks {bad} hold different initial weights than rank 0, so their models would diverge. "
+               "Call adacomp.broadcast_parameters(model.state_dict(), root_rank=0) after building the "
+               "optimizer (and adacomp.broadcast_optimizer_state(opt, root_rank=0)), or seed every rank alike")
+        if strict or self.config.initial_weights == "raise":
+            raise CommunicationError(msg + ("; local steps cannot start from different weights" if strict else ""))
+        warnings.warn(msg + " (config initial_weights: raise makes this an error)", InitialWeightsWarning, stacklevel=2)
 
     # --- host protocol for policies (adacomp.policies.base.Host) ---------------------------------
     @property
@@ -357,7 +366,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         assert self.outer is not None
         if not self.outer.started:
             if self._weights_differ:
-                self._check_weights()
+                self._check_weights(strict=True)
                 self._weights_differ = False
             self.outer.start()
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step (see __init__)
@@ -493,4 +502,4 @@ def _weights_digest(params: list[tuple[str, Tensor]]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-__all__ = ["Average", "Sum", "DistributedOptimizer", "Route", "Bucket", "ConfigError"]
+__all__ = ["Average", "Sum", "DistributedOptimizer", "InitialWeightsWarning", "Route", "Bucket", "ConfigError"]
