@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                     "adacomp.datasets", "adacomp.netmodel"]),
     ("config", ["adacomp.config"]),
     ("engine", ["adacomp.engine", "adacomp.policies", "adacomp.outer"]),
-    ("runtime", ["adacomp.runtime", "adacomp.checkpoint_reshard", "adacomp.preemption", "adacomp.ddp"]),
+    ("runtime", ["adacomp.runtime", "adacomp.checkpoint_reshard", "adacomp.preemption", "adacomp.ddp", "adacomp.fsdp"]),
     ("api", ["adacomp"]),
     ("tools", ["adacomp.tools", "adacomp.bench", "adacomp.netem", "adacomp.integrations"]),
 ]
