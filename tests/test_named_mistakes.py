@@ -82,3 +82,30 @@ def test_hook_warns_once_when_a_skipped_round_has_no_grad_scaler_to_follow() -> 
     out: list[Any] = run_workers(_overflow_without_scaler, 2, "hook", timeout=300)
     for msgs in out:
         assert len(msgs) == 1 and "residuals stay in the old units" in msgs[0], msgs
+
+
+def _hook_uneven_data() -> str:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import adacomp
+    from adacomp.models import DigitsCNN
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DDP(DigitsCNN())
+    adacomp.ddp.register(model, _config("allgather"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for _ in range(2 if rank == 1 else 20):  # rank 1 runs out of data, no join()
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 1, 8, 8)), torch.randint(0, 10, (8,))).backward()
+            opt.step()
+        return "finished"
+    except adacomp.CommunicationError as exc:
+        return str(exc)
+
+
+def test_hook_points_at_join_when_a_peer_leaves() -> None:
+    out = run_workers(_hook_uneven_data, 2, timeout=300)
+    assert out[1] == "finished", out
+    assert "went away during adacomp's hook round" in out[0] and "ddp_model.join()" in out[0], out[0]

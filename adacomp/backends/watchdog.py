@@ -74,7 +74,8 @@ class Lost:
                 "network?) and restart from the last checkpoint, or raise timeout_s if it was only slow")
 
 
-def _is_comm_error(exc: BaseException) -> bool:
+def is_comm_error(exc: BaseException) -> bool:
+    """True for the errors transports raise when a peer went away (gloo, c10d, MPI via our backends)."""
     if isinstance(exc, CommunicationError):
         return True
     if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):
@@ -343,7 +344,7 @@ class Watchdog:
         """The error to raise for ``exc``: one naming the lost rank when ``exc`` is a communication
         failure and a peer stops heartbeating within ``stale_s``, or naming the live but stuck
         rank when every heartbeat stays fresh; ``exc`` itself otherwise."""
-        if not _is_comm_error(exc) or self._stop.is_set():
+        if not is_comm_error(exc) or self._stop.is_set():
             return exc
         # A peer that finished (said goodbye) closes its connections as it exits: its goodbye is
         # read within a beat or two, so look for it first, then wait for a lost heartbeat.
@@ -482,4 +483,4 @@ def guard(backend: Any) -> Iterator[None]:
             wd.call_since = None
 
 
-__all__ = ["EXIT_CODE", "Lost", "Watchdog", "activity", "guard", "start", "stop"]
+__all__ = ["EXIT_CODE", "Lost", "Watchdog", "activity", "guard", "is_comm_error", "start", "stop"]

@@ -35,7 +35,8 @@ from torch import Tensor
 from adacomp import backends, compressors
 from adacomp.backends.base import Backend
 from adacomp.config import Config, load
-from adacomp.errors import ConfigError
+from adacomp.backends import watchdog
+from adacomp.errors import CommunicationError, ConfigError
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.optimizer_state import ComponentState
@@ -182,6 +183,19 @@ class HookState:
         return out
 
     def __call__(self, bucket: Any) -> torch.futures.Future:
+        try:
+            return self._hook(bucket)
+        except Exception as exc:  # noqa: BLE001 - re-raised, translated when a peer went away
+            if not watchdog.is_comm_error(exc) or isinstance(exc, CommunicationError):
+                raise
+            raise CommunicationError(
+                f"a peer of this DDP model's process group went away during adacomp's hook round ({exc}). "
+                "If one rank ran out of data and finished its loop, every rank must enter the same backward "
+                "passes: wrap the training loop in `with ddp_model.join():` (or give every rank the same number "
+                "of batches, DistributedSampler(..., drop_last=True)); otherwise the launcher's log names the "
+                "rank that died") from exc
+
+    def _hook(self, bucket: Any) -> torch.futures.Future:
         if self._round is None:
             self._round = self.rounds.begin(StepStats(step=self.steps), self.steps)
         st = self._round
