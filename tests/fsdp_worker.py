@@ -55,6 +55,7 @@ def run(arm: str) -> dict[str, Any]:
         losses.append(float(loss.detach()))
     out: dict[str, Any] = {"params": [p.full_tensor().detach().clone() for p in net.parameters()], "losses": losses}
     if state is not None:
+        out["adacomp"] = state.state_dict()
         units = state.state_dict()["units"]
         out["steps"] = state.steps
         out["residual_norm"] = sum(float(t.norm()) for u in units.values() for key, t in _tensors(u) if "residual" in key)
@@ -75,6 +76,47 @@ def _tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     return []
 
 
+def resume(arm: str, ckpt: str) -> dict[str, Any]:
+    """3 steps, a DCP checkpoint (model and optimizer via get_state_dict, adacomp's per-rank state),
+    a fresh model loaded from it, 3 more steps: the final parameters and adacomp state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import adacomp
+
+    def build() -> tuple[torch.nn.Module, Any, Any]:
+        net = model()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for m in net:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=mesh["shard"])
+        fully_shard(net, mesh=mesh["shard"])
+        state = adacomp.fsdp.register(net, ARMS[arm], replicate_group=mesh["replicate"].get_group())
+        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), state
+
+    def train(net: torch.nn.Module, opt: Any, steps: range) -> None:
+        rank = dist.get_rank()
+        for s in steps:
+            g = torch.Generator().manual_seed(100 * s + rank)
+            x = torch.randn(16, 32, generator=g)
+            opt.zero_grad()
+            F.cross_entropy(net(x), x[:, :4].argmax(dim=1)).backward()
+            opt.step()
+
+    net, opt, state = build()
+    train(net, opt, range(3))
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optim": osd, "adacomp": state.dcp_state_dict()}, checkpoint_id=ckpt)
+    net2, opt2, state2 = build()
+    msd2, osd2 = get_state_dict(net2, opt2)
+    template = {"model": msd2, "optim": osd2, "adacomp": state.dcp_state_dict()}  # shapes of this rank's entries
+    dcp.load(template, checkpoint_id=ckpt)
+    set_state_dict(net2, opt2, model_state_dict=template["model"], optim_state_dict=template["optim"])
+    state2.load_dcp_state_dict(template["adacomp"])
+    train(net2, opt2, range(3, STEPS))
+    return {"params": [p.full_tensor().detach().clone() for p in net2.parameters()], "adacomp": state2.state_dict()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -83,6 +125,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     for arm in ARMS:
         torch.save(run(arm), Path(args.out) / f"{arm}.rank{dist.get_rank()}.pt")
+    ckpt = [str(Path(args.out) / "dcp") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(ckpt, src=0)
+    torch.save(resume("topk", str(ckpt[0])), Path(args.out) / f"topk-resumed.rank{dist.get_rank()}.pt")
     print(f"FSDP_DONE rank={dist.get_rank()}", flush=True)
     dist.destroy_process_group()
 

@@ -3,6 +3,7 @@
 all-reduce hook.
 
 * ``compressor: none`` gives native HSDP's parameters (``fully_shard`` over the 2-D mesh) bitwise.
+* A DCP checkpoint (model, optimizer, adacomp's per-rank state) resumes bitwise.
 * Top-k with residual memory on the replicate dimension: every round compressed, fewer bytes than
   the dense shard, residuals kept per shard, and every rank ends with the same full parameters
   (both replicas applied the same average).
@@ -56,3 +57,14 @@ def test_topk_compresses_the_replicate_dimension_and_replicas_agree(runs: Path) 
         assert all(torch.equal(a, b) for a, b in zip(topk["params"], first["params"])), f"rank {rank}"
     native = _load(runs, "native", 0)
     assert any(not torch.equal(a, b) for a, b in zip(first["params"], native["params"]))  # it really compressed
+
+
+def test_dcp_save_and_resume_is_bitwise(runs: Path) -> None:
+    """3 steps, torch.distributed.checkpoint save (FSDP2 model and optimizer through get_state_dict,
+    adacomp's per-rank state under rank keys), a fresh model loaded, 3 more: the parameters and every
+    residual equal the uninterrupted run on every rank."""
+    from tests.test_checkpoint_resume import state_diff
+    for rank in range(4):
+        full, resumed = _load(runs, "topk", rank), _load(runs, "topk-resumed", rank)
+        assert all(torch.equal(a, b) for a, b in zip(full["params"], resumed["params"])), f"rank {rank}"
+        assert state_diff(full["adacomp"], resumed["adacomp"]) == [], f"rank {rank}"

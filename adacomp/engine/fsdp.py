@@ -16,8 +16,10 @@ divisions: tests/test_fsdp.py checks bitwise equality with ``fully_shard`` over 
 
 Each FSDP unit is one flat tensor to the round (its shard: the error-feedback state is sharded
 like the parameters, each rank keeping the residual of the shard it owns), keyed by the unit's
-module name. Not yet: compression of the reduce-scatter itself (plain FSDP2), DCP checkpoints of
-the state (``state_dict()`` is this rank's, as for the DDP hook), local steps on sharded parameters.
+module name. ``state_dict()`` is this rank's (as for the DDP hook); ``dcp_state_dict()`` puts it
+under a rank key for ``torch.distributed.checkpoint`` (resume is bitwise: tests/test_fsdp.py). Not
+yet: compression of the reduce-scatter itself (plain FSDP2), a DCP resume on another world size,
+local steps on sharded parameters.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class _Unit:
         self.key: Tensor | None = None
 
     def build(self, shard: Tensor) -> HookState:
-        self.key = torch.empty(shard.shape, dtype=shard.dtype)
+        self.key = torch.empty(shard.shape, dtype=shard.dtype, requires_grad=True)  # a "parameter" to the route table
         self.state = HookState(self.owner.config, [(self.name, self.key)], backend=self.owner.backend,
                                grad_scaler=self.owner.grad_scaler,
                                process_group=self.owner.group if self.owner.backend is None else None)
@@ -103,6 +105,21 @@ class ReplicaState:
     def state_dict(self) -> dict[str, Any]:
         out = {name: u.state.state_dict() for name, u in self.units.items() if u.state is not None}
         return {"units": {**self.pending, **out}}
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        """This rank's state under a key of its own, for ``torch.distributed.checkpoint``: DCP writes
+        a plain (non-DTensor) entry once, from one rank, when every rank has the same key; residuals
+        differ per rank (per shard and per replica), so each rank's go under ``rank<r>``. Load with
+        :meth:`load_dcp_state_dict` after ``dcp.load`` into a :meth:`dcp_state_dict` template (the
+        same world size and mesh; another world size is not supported yet)."""
+        return {f"rank{torch.distributed.get_rank()}": self.state_dict()}
+
+    def load_dcp_state_dict(self, state: dict[str, Any]) -> None:
+        key = f"rank{torch.distributed.get_rank()}"
+        if key not in state:
+            raise ValueError(f"adacomp.fsdp: the checkpoint holds {sorted(state)}, not this rank's {key!r}: was it "
+                             "written by a job with another world size?")
+        self.load_state_dict(state[key])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, unit_state in state["units"].items():
