@@ -35,17 +35,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[int]:
+def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000,
+          default: Sequence[int] | None = None) -> list[int]:
     """Alg. 1 (lines 6-31): one choice index per layer minimising total size subject to
     total *discretised* error <= ``budget``.
 
-    Errors are rounded **up** to multiples of ``budget / steps`` (the paper's ``E_max / D``), so the
-    real total error of the answer never exceeds ``budget``; the price is that a solution within
-    ``L * budget / steps`` of the budget may be missed. ``DP[l, b]`` is the least size of layers
-    ``0..l`` with discretised error exactly ``b``; ties go to the smaller error. Raises ValueError
-    when no assignment fits (the caller keeps its current one). When rounding up makes the DP
-    infeasible although the least-error assignment fits the budget (a tie such as budget ==
-    minimum total error), that assignment is returned. O(L * C * steps) time.
+    ``default`` is Alg. 1's "static default compression parameters to improve" (one choice per
+    layer; the policy passes the uniform assignment, whose error is the budget, §3 "The Error
+    Bound"). Errors are measured **from** it and rounded up, so the problem solved exactly is
+
+        minimise sum_l size(l, c_l)  s.t.  sum_l t(l, c_l) <= T,
+        t(l, c) = ceil((error(l, c) - error(l, d_l)) / u),  T = floor((budget - sum_l error(l, d_l)) / u)
+
+    with ``u = budget / steps`` (§4: steps of ``E_max / D``, D = 10000). What "within the
+    discretisation" means: (1) the real total error of the answer never exceeds ``budget``
+    (each t over-counts); (2) the default itself has t = 0 in every layer, so at budget = its own
+    error (the paper's operating point) it stays feasible and the answer never sends more than it
+    (issue 32: rounding absolute errors up pushed the default past the budget, and on 4 of the
+    30 instances of tests/test_lgreco_default.py the DP returned a larger plan); (3) a plan that
+    changes k layers from the default is found whenever its real error is <= ``budget - k u``.
+    Without ``default`` the origin is zero error in every layer (absolute errors rounded up, the
+    answers of the earlier DP).
+
+    ``DP[l, b]`` is the least size of layers ``0..l`` with discretised error ``b`` (counted from
+    the least t of each layer, so the table is at most ``steps + 1`` wide); ties go to the smaller
+    error. Raises ValueError when no assignment fits (the caller keeps its current one). When
+    rounding makes the DP infeasible although the least-error assignment fits the budget (a tie
+    such as budget == minimum total error), that assignment is returned. O(L * C * steps) time.
     """
     err = np.asarray(errors, dtype=np.float64)
     size = np.asarray(sizes, dtype=np.float64)
@@ -58,15 +74,10 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
         raise ValueError(f"steps must be >= 1, got {steps}")
     L, C = err.shape
     err = np.maximum(err, 0.0)
-    if budget > 0:
-        unit = budget / steps
-        with np.errstate(over="ignore", invalid="ignore"):
-            ticks = np.ceil(err / unit - 1e-9)          # 1e-9: an error equal to k units is k units
-        ticks = np.where(np.isfinite(ticks), ticks, steps + 1)
-    else:
-        ticks = np.where(err > 0, steps + 1, 0)
-    ticks = np.minimum(ticks, steps + 1).astype(np.int64)
-    width = steps + 1
+    ticks, cap = _discretise(err, budget, steps, _default_index(default, L, C))
+    if cap < 0:
+        return _infeasible(err, size, budget)
+    width = cap + 1
     dp = np.full(width, np.inf)
     choice = np.full((L, width), -1, dtype=np.int32)
     for c in range(C):                                   # Alg. 1 lines 9-12
@@ -84,11 +95,7 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
             np.copyto(row[e:], c, where=better)
         dp = new
     if not np.isfinite(dp).any():
-        fallback = _most_accurate(err, size, budget)
-        if fallback is not None:
-            return fallback
-        raise ValueError(f"no assignment has total error <= budget {budget:g}; the smallest possible "
-                         f"total error is {err.min(axis=1).sum():g}")
+        return _infeasible(err, size, budget)
     b = int(np.argmin(dp))                              # line 25: first (smallest error) minimum
     out = [0] * L
     for layer in range(L - 1, -1, -1):                   # lines 27-30
@@ -96,6 +103,47 @@ def solve(errors: Any, sizes: Any, budget: float, steps: int = 10000) -> list[in
         out[layer] = c
         b -= int(ticks[layer, c])
     return out
+
+
+def _infeasible(err: np.ndarray, size: np.ndarray, budget: float) -> list[int]:
+    fallback = _most_accurate(err, size, budget)
+    if fallback is not None:
+        return fallback
+    raise ValueError(f"no assignment has total error <= budget {budget:g}; the smallest possible "
+                     f"total error is {err.min(axis=1).sum():g}")
+
+
+def _default_index(default: Sequence[int] | None, L: int, C: int) -> np.ndarray | None:
+    if default is None:
+        return None
+    idx = np.asarray(default)
+    if idx.shape != (L,) or not np.issubdtype(idx.dtype, np.integer) or idx.min() < 0 or idx.max() >= C:
+        raise ValueError(f"default must hold one choice index in [0, {C}) per layer ({L}), "
+                         f"got {list(default)}")
+    return idx
+
+
+def _discretise(err: np.ndarray, budget: float, steps: int,
+                default: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """(t - min_c t per layer, T - sum of those minima): :func:`solve`'s discretised errors and
+    budget, shifted so that every layer's least t is 0. Entries above the budget read ``T + 1``.
+    The 1e-9 units absorb float noise: an error equal to k units is k units, and a budget equal
+    to the default's error (summed in another order) leaves a slack of 0 units, not -1."""
+    L = err.shape[0]
+    if budget == 0:  # only error-free choices fit; the default's error is then 0 too
+        return np.where(err > 0, 1, 0).astype(np.int64), 0
+    unit = budget / steps
+    base = err[np.arange(L), default] if default is not None else np.zeros(L)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ticks = np.ceil((err - base[:, None]) / unit - 1e-9)
+    ticks = np.where(np.isfinite(ticks), ticks, np.inf)
+    low = ticks.min(axis=1)
+    room = math.floor((budget - float(base.sum())) / unit + 1e-9) - float(low.sum())
+    if not np.isfinite(room) or room < 0:
+        return ticks, -1
+    cap = int(min(room, steps))    # <= steps anyway: each layer's least t >= -error(l, d_l) / u
+    shifted = np.minimum(ticks - low[:, None], cap + 1)
+    return shifted.astype(np.int64), cap
 
 
 def _distinct_ticks(ticks: np.ndarray, size: np.ndarray, width: int) -> list[int]:
@@ -417,14 +465,10 @@ class LGreCoPolicy(Policy):
         err, size = np.array(rows_err), np.array(rows_size)
         uni = [err[i, j] for i, j in enumerate(uniform_idx)]
         budget = self.alpha * float(np.sum(uni))
-        try:
-            pick = solve(err, np.array(rows_obj), budget, self.steps)
+        try:  # errors counted from the uniform assignment: it stays feasible at alpha >= 1 (issue 32)
+            pick = solve(err, np.array(rows_obj), budget, self.steps, default=uniform_idx)
         except ValueError:
             pick = list(uniform_idx)
-        obj = np.array(rows_obj)
-        if self.alpha >= 1.0 and sum(obj[i, j] for i, j in enumerate(pick)) > \
-                sum(obj[i, j] for i, j in enumerate(uniform_idx)):
-            pick = list(uniform_idx)  # rounding errors up can only cost; uniform meets the budget exactly
         dense = sum(optimizer.parameter(n).numel() * optimizer.parameter(n).element_size() for n in names)
         return {"assignment": {n: cands[i][j] for i, (n, j) in enumerate(zip(names, pick))},
                 "step": optimizer.steps, "budget": budget,
