@@ -16,6 +16,8 @@ Design notes (why it looks like this):
   integers with a float factor.
 * **bfloat16.** Horovod 0.28.1 has no bfloat16 type. Allreduce upcasts a copy to float32 and
   rounds back on ``wait()``; allgather / broadcast move the bits through an ``int16`` view (exact).
+  Likewise bool moves as ``uint8``, and reductions of uint8 / int8 / int16 (which Horovod's CPU
+  allreduce refuses) run on an int32 copy, so every dtype works in the caller's dtype.
 * **Differing first dims** are native to ``hvd.allgather``; ``sizes`` is only checked, never needed.
   Likewise ``hvd.alltoall`` exchanges row counts itself: ``recv_splits`` is only checked.
 * **CUDA tensors** need a Horovod built with GPU operations (``HOROVOD_GPU_OPERATIONS=NCCL``);
@@ -38,6 +40,9 @@ from adacomp.backends.base import Backend, Handle, check_alltoall
 from adacomp.errors import CommunicationError
 
 _BITS_VIEW = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+# Horovod's CPU allreduce refuses 8- and 16-bit integers ("Tensor type ... is not supported"):
+# reductions widen a copy to int32 and narrow the result back (wrap-around, as a native sum would).
+_WIDEN = {torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
 
 
 def _import_horovod() -> Any:
@@ -103,8 +108,9 @@ class HorovodBackend(Backend):
     # -------------------------------------------------------------------------- collectives
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
         hvd = self._hvd
-        upcast = tensor.dtype == torch.bfloat16
-        work = tensor.detach().float() if upcast else tensor.detach()
+        wide = torch.float32 if tensor.dtype == torch.bfloat16 else _WIDEN.get(tensor.dtype)
+        upcast = wide is not None
+        work = tensor.detach().to(wide) if wide else tensor.detach()
         floating = work.is_floating_point()
         op = hvd.Average if average and floating else hvd.Sum
         handle = hvd.allreduce_async_(work, name=self._name("allreduce"), op=op)
@@ -123,8 +129,15 @@ class HorovodBackend(Backend):
         native = {"min": "Min", "max": "Max", "product": "Product"}.get(op)
         if native is None or tensor.dtype == torch.bfloat16:
             return super().reduce_async(tensor, op)
-        handle = self._hvd.allreduce_async_(tensor.detach(), name=self._name(op), op=getattr(self._hvd, native))
-        return self._handle(handle, op, lambda _out: tensor)
+        wide = _WIDEN.get(tensor.dtype)
+        work = tensor.detach().to(wide) if wide else tensor.detach()
+        handle = self._hvd.allreduce_async_(work, name=self._name(op), op=getattr(self._hvd, native))
+
+        def finish(out: Tensor) -> Tensor:
+            if wide:
+                tensor.copy_(out)
+            return tensor
+        return self._handle(handle, op, finish)
 
     def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
         if sizes is not None and (len(sizes) != self.size() or sizes[self.rank()] != tensor.shape[0]):

@@ -20,9 +20,16 @@ from torch import Tensor
 from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits
 
 
-# alltoall only moves bytes, so a dtype the transport lacks (gloo and NCCL have no int16) travels
-# as a same-width dtype it has; the view is exact and free.
-_ALLTOALL_BITS = {torch.int16: torch.float16}
+# gloo and NCCL have no int16. Collectives that only move bytes (allgather, broadcast, alltoall)
+# carry it as a same-width dtype they have (the view is exact and free); reductions widen a copy
+# to int32 and narrow the result back (two's-complement wrap-around, as a native int16 sum would).
+_BITS = {torch.int16: torch.float16}
+_WIDEN = {torch.int16: torch.int32}
+
+
+def _bits(t: Tensor) -> Tensor:
+    bits = _BITS.get(t.dtype)
+    return t.view(bits) if bits else t
 _REDUCE_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
 
 
@@ -159,16 +166,20 @@ class TorchBackend(Backend):
         return self._local_rank
 
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        wide = _WIDEN.get(tensor.dtype)
+        buf = tensor.to(wide) if wide else tensor
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         size = self._size
 
         def wait() -> Tensor:
             work.wait()
             if average and size > 1:
-                if tensor.is_floating_point():
-                    tensor.div_(size)
+                if buf.is_floating_point():
+                    buf.div_(size)
                 else:
-                    tensor.floor_divide_(size)
+                    buf.floor_divide_(size)
+            if wide:
+                tensor.copy_(buf)
             return tensor
         return Handle(wait, work.is_completed)
 
@@ -178,15 +189,15 @@ class TorchBackend(Backend):
         if len(sizes) != self._size:
             raise ValueError(f"sizes has {len(sizes)} entries for a world of {self._size}")
         rows = max(sizes)
-        padded = _pad_rows(tensor.contiguous(), rows)
+        padded = _bits(_pad_rows(tensor.contiguous(), rows))
         outs = [torch.empty_like(padded) for _ in range(self._size)]
         work = dist.all_gather(outs, padded, group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
             if all(s == rows for s in sizes):
-                return torch.cat(outs)
-            return torch.cat([o[:s] for o, s in zip(outs, sizes)])
+                return torch.cat(outs).view(tensor.dtype)
+            return torch.cat([o[:s] for o, s in zip(outs, sizes)]).view(tensor.dtype)
         return Handle(wait, work.is_completed)
 
     def allgather_sizes(self, n: int) -> list[int]:
@@ -202,8 +213,7 @@ class TorchBackend(Backend):
             recv = self.alltoall_splits(counts)
         send = tensor.detach().contiguous()
         out = torch.empty((sum(recv),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
-        bits = _ALLTOALL_BITS.get(send.dtype)
-        work = dist.all_to_all_single(out.view(bits) if bits else out, send.view(bits) if bits else send,
+        work = dist.all_to_all_single(_bits(out), _bits(send),
                                       output_split_sizes=recv, input_split_sizes=counts, group=self._group,
                                       async_op=True)
 
@@ -220,7 +230,7 @@ class TorchBackend(Backend):
         return [int(x) for x in recv.tolist()]
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
-        work = dist.broadcast(tensor, src=self._global(root), group=self._group, async_op=True)
+        work = dist.broadcast(_bits(tensor), src=self._global(root), group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
@@ -231,10 +241,14 @@ class TorchBackend(Backend):
         """Native MIN / MAX / PRODUCT reductions (the generic version gathers every rank's copy)."""
         if op not in _REDUCE_OPS:
             return super().reduce_async(tensor, op)  # the generic version names the valid ops
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self._group, async_op=True)
+        wide = _WIDEN.get(tensor.dtype)
+        buf = tensor.to(wide) if wide else tensor
+        work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
+            if wide:
+                tensor.copy_(buf)
             return tensor
         return Handle(wait, work.is_completed)
 

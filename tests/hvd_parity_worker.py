@@ -1,0 +1,136 @@
+"""Issue 31: Horovod's own torch-test behaviours, adacomp next to ``horovod.torch`` (tests/test_hvd_parity.py).
+
+Under ``horovodrun --gloo -np 2`` (no argument): adacomp on the torch backend, then re-initialised on
+the Horovod backend, each check run against ``horovod.torch`` on the same inputs. Under ``mpirun``
+(argument ``mpi``): adacomp's MPI backend against results computed here from every rank's inputs.
+Prints ``HVD_PARITY_OK <checks>`` per rank when everything matched, else the mismatches, exit 1.
+
+Parts: every dtype Horovod's tests loop over through every raw collective (``dtypes``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+try:
+    import horovod.torch as hvd
+except ImportError:  # the MPI mode runs without Horovod
+    hvd = None
+
+import adacomp
+from tests.hvd_api_worker import _builtin_base, _free_port, same
+
+FAILURES: list[str] = []
+CHECKS = [0]
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+          torch.float64, torch.bool]
+
+
+def _run(fn: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "ok", fn()
+    except Exception as exc:  # noqa: BLE001 - compared by the caller
+        return "err", exc
+
+
+def compare(label: str, ours: Callable[[], Any], theirs: Callable[[], Any] | None, reference: Any = None,
+            superset: bool = False) -> None:
+    """adacomp against Horovod (when ``theirs`` is given) and against ``reference`` (when not None).
+    Horovod failing with "not supported" where ``superset`` is set is fine if adacomp gives the
+    reference: adacomp carries dtypes Horovod's CPU build refuses. Otherwise both must raise the
+    same builtin exception class, or agree on the value."""
+    CHECKS[0] += 1
+    ka, a = _run(ours)
+    if theirs is None:
+        if ka != "ok" or not same(a, reference):
+            FAILURES.append(f"{label}: adacomp {ka} {a!r} vs expected {reference!r}")
+        return
+    kb, b = _run(theirs)
+    if kb == "err" and superset and "not supported" in str(b):
+        if ka != "ok" or not same(a, reference):
+            FAILURES.append(f"{label}: Horovod refuses ({b}); adacomp {ka} {a!r} vs expected {reference!r}")
+    elif ka != kb:
+        FAILURES.append(f"{label}: adacomp {ka} {a!r} vs horovod {kb} {b!r}")
+    elif ka == "err" and not isinstance(a, _builtin_base(b)):
+        FAILURES.append(f"{label}: adacomp raised {type(a).__name__}({a}) vs horovod {type(b).__name__}({b})")
+    elif ka == "ok" and not (same(a, b) and (reference is None or same(a, reference))):
+        FAILURES.append(f"{label}: adacomp {a!r} vs horovod {b!r} (expected {reference!r})")
+
+
+def _value(rank: int, dtype: torch.dtype, rows: int = 4) -> torch.Tensor:
+    """Small values (sums and products of two ranks stay exact in every dtype)."""
+    return (torch.arange(rows * 2).reshape(rows, 2) % 3 + rank).to(dtype)
+
+
+def _bool_refused() -> None:
+    raise ValueError("Horovod 0.28.1: Tensor type torch.BoolTensor is not supported")
+
+
+def dtypes(rank: int, world: int) -> None:
+    """allgather, broadcast (both forms), alltoall, reducescatter and allreduce (every op) for every
+    dtype of Horovod's tests, results in the caller's dtype."""
+    for dt in DTYPES:
+        every = [_value(r, dt) for r in range(world)]
+        wide = torch.stack([e.double() for e in every])
+        mine = every[rank]
+        bigger = _value(rank, dt, rows=rank + 1)  # allgather with first dims differing per rank
+        cases: dict[str, tuple[Callable[[Any], Any], Any]] = {
+            "allgather": (lambda m: m.allgather(mine), torch.cat(every)),
+            "allgather differing rows": (lambda m: m.allgather(bigger),
+                                         torch.cat([_value(r, dt, rows=r + 1) for r in range(world)])),
+            "broadcast": (lambda m: m.broadcast(mine, world - 1), every[-1]),
+            "broadcast_": (lambda m: m.broadcast_(mine.clone(), world - 1), every[-1]),
+            "alltoall": (lambda m: m.alltoall(mine), torch.cat([e.chunk(world)[rank] for e in every])),
+        }
+        reductions = {"Sum": wide.sum(0), "Min": wide.amin(0), "Max": wide.amax(0), "Product": wide.prod(0),
+                      "Average": (wide.sum(0) / world).trunc() if not dt.is_floating_point else wide.sum(0) / world}
+        for op, want in reductions.items():
+            expect = None if dt == torch.bool else want.to(dt)
+            cases[f"allreduce op={op}"] = (lambda m, op=op: m.allreduce(mine, op=getattr(m, op)), expect)
+        rs = wide.sum(0).chunk(world)[rank]
+        cases["reducescatter Sum"] = (lambda m: m.reducescatter(mine, op=m.Sum),
+                                      None if dt == torch.bool else rs.to(dt))
+        for label, (call, want) in cases.items():
+            if want is None:  # bool reductions: Horovod raises ValueError, so does adacomp
+                compare(f"{label} {dt}", lambda: call(adacomp), (lambda: call(hvd)) if hvd else _bool_refused)
+                continue
+            if hvd is None:
+                compare(f"{label} {dt}", lambda: call(adacomp), None, want)
+            else:
+                compare(f"{label} {dt}", lambda: call(adacomp), lambda: call(hvd), want, superset=True)
+
+
+def checks(rank: int, world: int) -> None:
+    dtypes(rank, world)
+
+
+def main() -> int:
+    global hvd
+    if sys.argv[1:] == ["mpi"]:
+        hvd = None  # importable here, but compared only under horovodrun
+        adacomp.init("mpi")
+        rank = adacomp.rank()
+        checks(rank, adacomp.size())
+        adacomp.shutdown()
+    else:
+        hvd.init()
+        rank = hvd.rank()
+        port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="port")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(hvd.size()), LOCAL_RANK=str(hvd.local_rank()))
+        for backend in ("torch", "horovod"):
+            adacomp.init(backend)
+            checks(rank, hvd.size())
+            adacomp.shutdown()
+    if FAILURES:
+        print(f"rank {rank}: {len(FAILURES)} of {CHECKS[0]} checks differ:\n  " + "\n  ".join(FAILURES), flush=True)
+        return 1
+    print(f"HVD_PARITY_OK {CHECKS[0]} checks on rank {rank}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
