@@ -5,7 +5,8 @@ the Horovod backend, each check run against ``horovod.torch`` on the same inputs
 (argument ``mpi``): adacomp's MPI backend against results computed here from every rank's inputs.
 Prints ``HVD_PARITY_OK <checks>`` per rank when everything matched, else the mismatches, exit 1.
 
-Parts: every dtype Horovod's tests loop over through every raw collective (``dtypes``).
+Parts: every dtype Horovod's tests loop over through every raw collective (``dtypes``); requests that
+differ across ranks raise the same class on every rank and the job goes on (``mismatches``).
 """
 from __future__ import annotations
 
@@ -103,8 +104,70 @@ def dtypes(rank: int, world: int) -> None:
                 compare(f"{label} {dt}", lambda: call(adacomp), lambda: call(hvd), want, superset=True)
 
 
+def _mismatch_cases(r: int) -> dict[str, Callable[[Any], Any]]:
+    """Horovod's *_error tests: each rank asks for something else (rank r in a 2-rank job)."""
+    f32, f64, i32 = torch.float32, torch.float64, torch.int32
+    return {
+        "allreduce shape": lambda m: m.allreduce(torch.zeros(3 + r)),
+        "allreduce rank": lambda m: m.allreduce(torch.zeros(2, 2) if r else torch.zeros(4)),
+        "allreduce dtype": lambda m: m.allreduce(torch.zeros(3, dtype=f32 if r else f64)),
+        "allreduce op": lambda m: m.allreduce(torch.zeros(3), op=m.Sum if r else m.Max),
+        "allreduce prescale": lambda m: m.allreduce(torch.zeros(3), prescale_factor=1.0 + r),
+        "allreduce_async_ shape": lambda m: m.synchronize(m.allreduce_async_(torch.zeros(3 + r))),
+        "grouped_allreduce shape": lambda m: m.grouped_allreduce([torch.zeros(2), torch.zeros(3 + r)]),
+        "allgather trailing dims": lambda m: m.allgather(torch.zeros(2, 2 + r)),
+        "allgather rank": lambda m: m.allgather(torch.zeros(2, 2) if r else torch.zeros(2, 2, 1)),
+        "allgather dtype": lambda m: m.allgather(torch.zeros(3, dtype=f32 if r else i32)),
+        "broadcast root": lambda m: m.broadcast(torch.zeros(3), r),
+        "broadcast shape": lambda m: m.broadcast(torch.zeros(3 + r), 0),
+        "broadcast_ dtype": lambda m: m.broadcast_(torch.zeros(3, dtype=f32 if r else i32), 0),
+        "alltoall dtype": lambda m: m.alltoall(torch.zeros(4, dtype=f32 if r else i32)),
+        "alltoall trailing dims": lambda m: m.alltoall(torch.zeros(4, 1 + r)),
+        "reducescatter shape": lambda m: m.reducescatter(torch.zeros(4 + 2 * r)),
+        "reducescatter dtype": lambda m: m.reducescatter(torch.zeros(4, dtype=f32 if r else f64)),
+    }
+
+
+def mismatches(rank: int, world: int) -> None:
+    """Same exception class as Horovod on every rank, a message naming the ranks, and the next
+    collective works (Horovod's coordinator; gloo alone aborts the process)."""
+    for label, call in _mismatch_cases(rank).items():
+        if label == "allreduce prescale" and adacomp.backend().name == "horovod":
+            continue  # adacomp scales around Horovod's sum, so Horovod's coordinator never sees the factors (docs/horovod.md)
+        compare(f"mismatch {label}", lambda: call(adacomp), (lambda: call(hvd)) if hvd else _mismatch_raised)
+        CHECKS[0] += 1
+        try:
+            call(adacomp)
+            FAILURES.append(f"mismatch {label}: no error")
+        except adacomp.HorovodInternalError as exc:  # Horovod backend: Horovod's coordinator found it
+            if adacomp.backend().name != "horovod" and not (
+                    isinstance(exc, adacomp.MismatchError) and "ranks [0]" in str(exc) and "ranks [1]" in str(exc)):
+                FAILURES.append(f"mismatch {label}: not a MismatchError naming the ranks: {exc!r}")
+        compare(f"after mismatch {label}", lambda: adacomp.allreduce(torch.ones(2), op=adacomp.Sum), None,
+                torch.full((2,), float(world)))
+
+    def duplicate(m: Any) -> Any:
+        first = m.allreduce_async(torch.ones(3), name="duplicate_name")
+        try:
+            m.allreduce_async(torch.ones(3), name="duplicate_name")
+        finally:
+            m.synchronize(first)
+    compare("duplicate name in flight", lambda: duplicate(adacomp), (lambda: duplicate(hvd)) if hvd else _dup_raised)
+    compare("name free after synchronize", lambda: [m.synchronize(m.allreduce_async(torch.ones(1), name="again"))
+                                                    for m in (adacomp, adacomp)][1], None, torch.ones(1))
+
+
+def _mismatch_raised() -> None:
+    raise RuntimeError("Horovod 0.28.1 raises HorovodInternalError (a RuntimeError) for a mismatch")
+
+
+def _dup_raised() -> None:
+    raise ValueError("Horovod 0.28.1 raises ValueError for a second op with a name in flight")
+
+
 def checks(rank: int, world: int) -> None:
     dtypes(rank, world)
+    mismatches(rank, world)
 
 
 def main() -> int:

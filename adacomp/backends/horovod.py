@@ -7,7 +7,7 @@ with C++17 to compile against current PyTorch (DESIGN.md "Horovod on current PyT
 Design notes (why it looks like this):
 
 * **Names.** Horovod matches collectives across ranks by *name*, not by order, and refuses two
-  outstanding ops with one name. Each op gets ``adacomp.<op>.<n>`` from a per-backend counter; since
+  outstanding ops with one name. Each op gets ``adacomp.<n>`` from a per-backend counter; since
   every rank issues the same collectives in the same order (DESIGN.md), ``n`` agrees across ranks.
   The cost: a never-repeating name misses Horovod's response cache, so each op is negotiated by
   the coordinator (a few microseconds with the Gloo controller).
@@ -73,7 +73,9 @@ class HorovodBackend(Backend):
         self._rank, self._size, self._local_rank = self._hvd.rank(), self._hvd.size(), self._hvd.local_rank()
 
     def _name(self, op: str) -> str:
-        return f"adacomp.{op}.{next(self._counter)}"
+        """One name sequence for every kind of op: ranks that issue different ops at the same point
+        meet under one name, so Horovod's coordinator reports the mismatch instead of stalling."""
+        return f"adacomp.{next(self._counter)}"
 
     # ----------------------------------------------------------------------------- identity
     def rank(self) -> int:

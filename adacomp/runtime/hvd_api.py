@@ -8,9 +8,10 @@ Semantics follow ``horovod.torch`` 0.28 (tests/test_hvd_api.py compares both on 
 
 Differences, and why:
 
-* ``name=`` is accepted but not used for matching: adacomp's transports (gloo, MPI) match
-  collectives by *order*, so every rank must issue them in the same order (DESIGN.md). Horovod
-  scripts already do, because Horovod needs it to avoid deadlock too.
+* ``name=`` is not used for matching: adacomp's transports (gloo, MPI) match collectives by
+  *order*, so every rank must issue them in the same order (DESIGN.md). Names are compared across
+  ranks with the rest of the request (:mod:`adacomp.runtime.hvd_check`), so an op issued in another
+  order under other names raises instead of mixing tensors; a name already in flight is refused.
 * ``join()`` is a barrier that returns the last rank to arrive; unlike Horovod, a joined rank
   does not keep serving the others' allreduces with zeros, so call it only once every rank is
   done with collectives (the end of an epoch), as the Horovod examples do.
@@ -27,16 +28,13 @@ import torch
 from torch import Tensor
 
 from adacomp.runtime import context
+from adacomp.runtime.hvd_check import HorovodInternalError, MismatchError, agree, claim, release, request
 from adacomp.backends.base import Handle
 from adacomp.errors import CommunicationError
 from adacomp.engine.hvd_keywords import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product, Sum,
                                          check_process_set, global_process_set)
 
 _OPS = (Average, Sum, Min, Max, Product)
-
-
-class HorovodInternalError(CommunicationError):
-    """A collective failed in the transport (Horovod's name for it)."""
 
 
 class ScalarTensorError(ValueError, IndexError):
@@ -167,9 +165,11 @@ def mpi_threads_supported() -> bool:
 class AsyncHandle:
     """What the ``*_async`` functions return; pass it to :func:`poll` or :func:`synchronize`."""
 
-    def __init__(self, handle: Handle, finish: Callable[[Any], Any] = lambda out: out):
+    def __init__(self, handle: Handle, finish: Callable[[Any], Any] = lambda out: out,
+                 on_done: Callable[[], None] = lambda: None):
         self._handle = handle
         self._finish = finish
+        self._on_done = on_done  # frees the op's name (see hvd_check.claim)
         self._synchronized = False
 
     def poll(self) -> bool:
@@ -185,6 +185,8 @@ class AsyncHandle:
             raise
         except RuntimeError as exc:
             raise HorovodInternalError(str(exc)) from exc
+        finally:
+            self._on_done()
 
 
 def poll(handle: AsyncHandle) -> bool:
@@ -202,6 +204,22 @@ def synchronize(handle: AsyncHandle) -> Any:
 def _check_handle(handle: Any) -> None:
     if not isinstance(handle, AsyncHandle):
         raise TypeError(f"expected a handle returned by an adacomp *_async function, got {type(handle).__name__}")
+
+
+def _launch(name: str | None, requests: list[dict[str, Any]], start: Callable[[], AsyncHandle]) -> AsyncHandle:
+    """Horovod's order of checks: this rank's arguments were validated by the caller; then the
+    name (refused at once while in flight), then every rank's request (:func:`hvd_check.agree`:
+    a mismatch raises on every rank before any data moves), then the collective."""
+    be = context.current()
+    claim(be, name)
+    try:
+        agree(be, requests)
+        handle = start()
+    except BaseException:
+        release(be, name)
+        raise
+    handle._on_done = lambda: release(be, name)
+    return handle
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,13 +257,17 @@ def _scale(t: Tensor, factor: float) -> None:
         t.copy_((t.double() * factor).trunc())
 
 
+def _check_reducible(tensor: Tensor) -> None:
+    if tensor.dtype == torch.bool:  # Horovod has no bool reductions either
+        raise ValueError("a bool tensor cannot be allreduced; cast it first (e.g. t.to(torch.uint8))")
+
+
 def _reduce_into(work: Tensor, op: str, prescale: float, postscale: float,
                  result: Tensor | None = None) -> AsyncHandle:
     """Start reducing ``work`` in place across ranks; the handle's result is ``result`` (the
     caller's tensor object, of which ``work`` is the ``.data``) or ``work``."""
     be = context.current()
-    if work.dtype == torch.bool:  # Horovod has no bool reductions either
-        raise ValueError("a bool tensor cannot be allreduced; cast it first (e.g. t.to(torch.uint8))")
+    _check_reducible(work)
     _scale(work, prescale)
     with torch.no_grad():
         handle = be.allreduce_async(work, average=False) if op in (Average, Sum) else be.reduce_async(work, op)
@@ -264,7 +286,13 @@ def allreduce_async(tensor: Tensor, average: bool | None = None, name: str | Non
     op = _resolve_op(op, average)
     _check_tensor(tensor, "allreduce_async")
     check_process_set(process_set)
-    return _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)
+    _check_reducible(tensor)
+    return _launch(name, [_allreduce_request(tensor, name, op, prescale_factor, postscale_factor)],
+                   lambda: _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor))
+
+
+def _allreduce_request(tensor: Tensor, name: str | None, op: str, prescale: float, postscale: float) -> dict[str, Any]:
+    return request("allreduce", tensor, name, op=op, factors=(prescale, postscale))
 
 
 def allreduce_async_(tensor: Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
@@ -274,7 +302,9 @@ def allreduce_async_(tensor: Tensor, average: bool | None = None, name: str | No
     op = _resolve_op(op, average)
     _check_tensor(tensor, "allreduce_async_")
     check_process_set(process_set)
-    return _reduce_into(tensor.data, op, prescale_factor, postscale_factor, result=tensor)
+    _check_reducible(tensor)
+    return _launch(name, [_allreduce_request(tensor, name, op, prescale_factor, postscale_factor)],
+                   lambda: _reduce_into(tensor.data, op, prescale_factor, postscale_factor, result=tensor))
 
 
 class _Allreduce(torch.autograd.Function):
@@ -322,17 +352,29 @@ def grouped_allreduce_async(tensors: Sequence[Tensor], average: bool | None = No
                             op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = global_process_set) -> AsyncHandle:
     """Start allreducing every tensor of ``tensors`` (out of place); the result is a list."""
-    handles = [allreduce_async(t, average, name, op, prescale_factor, postscale_factor, process_set)
-               for t in tensors]
-    return _group(handles)
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor, process_set, inplace=False)
 
 
 def grouped_allreduce_async_(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
                              op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = global_process_set) -> AsyncHandle:
-    handles = [allreduce_async_(t, average, name, op, prescale_factor, postscale_factor, process_set)
-               for t in tensors]
-    return _group(handles)
+    return _grouped(tensors, average, name, op, prescale_factor, postscale_factor, process_set, inplace=True)
+
+
+def _grouped(tensors: Sequence[Tensor], average: bool | None, name: str | None, op: Any, prescale: float,
+             postscale: float, process_set: Any, inplace: bool) -> AsyncHandle:
+    """One cross-rank check for the whole group, then one allreduce per tensor."""
+    op = _resolve_op(op, average)
+    check_process_set(process_set)
+    for t in tensors:
+        _check_tensor(t, "grouped_allreduce")
+        _check_reducible(t)
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+
+    def start() -> AsyncHandle:
+        return _group([_reduce_into(t.data, op, prescale, postscale, result=t) if inplace
+                       else _reduce_into(t.detach().clone(), op, prescale, postscale) for t in tensors])
+    return _launch(name, [_allreduce_request(t, n, op, prescale, postscale) for t, n in zip(tensors, names)], start)
 
 
 def grouped_allreduce(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
@@ -368,7 +410,8 @@ def allgather_async(tensor: Tensor, name: str | None = None, process_set: Any = 
     if tensor.dim() == 0:
         raise ScalarTensorError("allgather needs a tensor with at least one dimension (rows along dim 0); "
                                 "use tensor.reshape(1)")
-    return AsyncHandle(context.current().allgather_async(tensor.detach()))
+    return _launch(name, [request("allgather", tensor, name, first_dim_free=True)],
+                   lambda: AsyncHandle(context.current().allgather_async(tensor.detach())))
 
 
 def allgather(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> Tensor:
@@ -387,8 +430,11 @@ def broadcast_async_(tensor: Tensor, root_rank: int, name: str | None = None,
     _check_tensor(tensor, "broadcast_async_")
     check_process_set(process_set)
     _check_root(root_rank)
-    with torch.no_grad():
-        return AsyncHandle(context.current().broadcast_async(tensor.data, root=root_rank), lambda _out: tensor)
+
+    def start() -> AsyncHandle:
+        with torch.no_grad():
+            return AsyncHandle(context.current().broadcast_async(tensor.data, root=root_rank), lambda _out: tensor)
+    return _launch(name, [request("broadcast", tensor, name, root=root_rank)], start)
 
 
 def broadcast_async(tensor: Tensor, root_rank: int, name: str | None = None,
@@ -432,9 +478,12 @@ def alltoall_async(tensor: Tensor, splits: Any = None, name: str | None = None,
     counts = _splits_list(tensor, splits)
     from adacomp.backends.base import check_alltoall
     check_alltoall(tensor, counts, None, be.size())
-    received = be.alltoall_splits(counts)
-    handle = be.alltoall_async(tensor.detach(), counts, recv_splits=received)
-    return AsyncHandle(handle, lambda out: (out, torch.tensor(received, dtype=torch.int32)))
+
+    def start() -> AsyncHandle:
+        received = be.alltoall_splits(counts)
+        handle = be.alltoall_async(tensor.detach(), counts, recv_splits=received)
+        return AsyncHandle(handle, lambda out: (out, torch.tensor(received, dtype=torch.int32)))
+    return _launch(name, [request("alltoall", tensor, name, first_dim_free=True)], start)
 
 
 def alltoall(tensor: Tensor, splits: Any = None, name: str | None = None,
@@ -460,12 +509,17 @@ def reducescatter_async(tensor: Tensor, name: str | None = None, op: Any = Avera
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension (rows along dim 0)")
     check_process_set(process_set)
+    _check_reducible(tensor)
     be = context.current()
     rows = _scatter_rows(int(tensor.shape[0]), be.size())
-    start = sum(rows[:be.rank()])
-    mine = slice(start, start + rows[be.rank()])
-    reduced = _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)
-    return AsyncHandle(reduced._handle, lambda out: reduced._finish(out)[mine].clone())
+    first = sum(rows[:be.rank()])
+    mine = slice(first, first + rows[be.rank()])
+
+    def start() -> AsyncHandle:
+        reduced = _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)
+        return AsyncHandle(reduced._handle, lambda out: reduced._finish(out)[mine].clone())
+    return _launch(name, [request("reducescatter", tensor, name, op=op, factors=(prescale_factor, postscale_factor))],
+                   start)
 
 
 def reducescatter(tensor: Tensor, name: str | None = None, compression: Any = Compression.none,
@@ -513,7 +567,8 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         super().__init__(*args, **kwargs)
 
 
-__all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "SyncBatchNorm",
+__all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "Min", "MismatchError", "Product", "Sum",
+           "SyncBatchNorm",
            "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
            "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
            "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built",

@@ -1,0 +1,127 @@
+"""Horovod's coordinator checks for the module API (``import adacomp as hvd``): ranks that disagree on
+a collective raise on every rank instead of aborting the process, and a name already in flight is
+refused at once (issue 31).
+
+Horovod's coordinator compares every rank's request (name, dtype, shape, reduction op, scale factors,
+root) before it runs an op, and answers a mismatch with ``HorovodInternalError`` (a RuntimeError) on
+every rank; the job goes on. gloo and MPI have no such step: a shape mismatch aborts the process
+(gloo: SIGABRT), a dtype or root mismatch returns garbage or hangs. So before each raw collective,
+:func:`agree` allgathers one int64 per rank, a digest of the request. Equal digests (the normal case)
+cost that one small collective; different digests (every rank sees the same gathered digests, so
+every rank takes this path) are followed by an allgather of the requests themselves to say which
+ranks differ and how, and :class:`MismatchError` is raised on every rank before any data moves.
+
+On the Horovod backend the check is left to Horovod's own coordinator, which compares the same
+fields and raises ``HorovodInternalError`` (its message says "one rank" instead of naming the
+ranks); adding ours there would double the negotiation. It does not see the user's names (the
+backend names ops itself) nor prescale / postscale factors (applied by adacomp around Horovod's sum).
+
+``ADACOMP_MISMATCH_CHECK_DISABLE=1`` (named like Horovod's ``HOROVOD_STALL_CHECK_DISABLE``; set it
+on every rank or none) skips the check: mismatches then fail in the transport as before.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from adacomp.backends.base import Backend
+from adacomp.errors import CommunicationError
+
+DISABLE_ENV = "ADACOMP_MISMATCH_CHECK_DISABLE"
+
+
+class HorovodInternalError(CommunicationError):
+    """A collective failed in the transport, or the ranks disagreed on it (Horovod's name for it)."""
+
+
+class MismatchError(HorovodInternalError):
+    """Ranks asked for different collectives (shape, dtype, op, root, name): raised on every rank."""
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+def request(kind: str, tensor: Tensor, name: str | None, *, first_dim_free: bool = False, op: Any = None,
+            factors: tuple[float, float] | None = None, root: int | None = None) -> dict[str, Any]:
+    """What a rank asks for, in the fields Horovod's coordinator compares. ``first_dim_free``:
+    allgather / alltoall, whose first dims may differ per rank (only the rank and trailing dims
+    must agree)."""
+    shape = list(tensor.shape)
+    req: dict[str, Any] = {"op": kind, "name": name, "dtype": str(tensor.dtype).replace("torch.", ""),
+                           "shape": ["*", *shape[1:]] if first_dim_free and shape else shape}
+    if op is not None:
+        req["reduction"] = str(op)
+    if factors is not None:
+        req["factors"] = [float(f) for f in factors]
+    if root is not None:
+        req["root"] = root
+    return req
+
+
+def agree(backend: Backend, requests: Sequence[dict[str, Any]]) -> None:
+    """Raise :class:`MismatchError` on every rank unless every rank made the same ``requests``
+    (one small allgather; nothing when the check is disabled or the world is one process)."""
+    if backend.size() == 1 or not enabled() or getattr(backend, "name", "") == "horovod":
+        return  # under horovodrun Horovod's coordinator compares the same fields before every op
+    blob = json.dumps(list(requests), sort_keys=True).encode()
+    digest = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little", signed=True)
+    gathered = backend.allgather(torch.tensor([digest], dtype=torch.int64), sizes=[1] * backend.size())
+    if bool((gathered == gathered[0]).all()):
+        return
+    everyone = backend.allgather_object(list(requests))  # every rank is here: the digests are the same everywhere
+    raise MismatchError(describe(everyone))
+
+
+_FIELDS = (("op", "collectives"), ("name", "names"), ("dtype", "data types"), ("shape", "tensor shapes"),
+           ("reduction", "reduction ops"), ("factors", "prescale / postscale factors"), ("root", "root ranks"))
+
+
+def describe(everyone: list[list[dict[str, Any]]]) -> str:
+    """Horovod's wording ("Mismatched ALLREDUCE tensor shapes: ...") naming each rank's value."""
+    counts = {len(reqs) for reqs in everyone}
+    if len(counts) > 1:
+        per = ", ".join(f"rank {r}: {len(reqs)}" for r, reqs in enumerate(everyone))
+        return f"Mismatched number of tensors in a grouped collective ({per}); every rank must pass the same list"
+    n = counts.pop()
+    for i in range(n):
+        reqs = [rank_reqs[i] for rank_reqs in everyone]
+        for key, what in _FIELDS:
+            values = [r.get(key) for r in reqs]
+            if any(v != values[0] for v in values):
+                kind = reqs[0]["op"].upper() if key != "op" else ""
+                by_value: dict[str, list[int]] = {}
+                for rank, v in enumerate(values):
+                    by_value.setdefault(json.dumps(v), []).append(rank)
+                said = "; ".join(f"ranks {ranks} sent {v}" for v, ranks in by_value.items())
+                where = f" (tensor {i} of the group)" if n > 1 else ""
+                return (f"Mismatched {kind + ' ' if kind else ''}{what}{where}: {said}. Every rank must call "
+                        f"the same collectives in the same order with the same arguments (first dims may "
+                        f"differ only in allgather / alltoall)")
+    return "Mismatched collective requests across ranks"  # digests differ only on a hash collision of equal requests
+
+
+# Names of async ops not yet synchronized, per backend (Horovod refuses a second op with a name in flight).
+_IN_FLIGHT: "weakref.WeakKeyDictionary[Backend, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def claim(backend: Backend, name: str | None) -> None:
+    """Refuse ``name`` while another op of that name is in flight (Horovod's ValueError, at once)."""
+    if name is None:
+        return
+    names = _IN_FLIGHT.setdefault(backend, set())
+    if name in names:
+        raise ValueError(f"Requested a collective on a tensor with the same name ({name!r}) as another one "
+                         "that is still in flight; synchronize() the first handle or use a different name")
+    names.add(name)
+
+
+def release(backend: Backend, name: str | None) -> None:
+    if name is not None:
+        _IN_FLIGHT.get(backend, set()).discard(name)
