@@ -307,19 +307,26 @@ def allreduce_async_(tensor: Tensor, average: bool | None = None, name: str | No
                    lambda: _reduce_into(tensor.data, op, prescale_factor, postscale_factor, result=tensor))
 
 
+def _differentiable(*tensors: Tensor) -> bool:
+    """Horovod's collectives are autograd functions; ours take that path only when a gradient can
+    flow (same values either way, without the autograd bookkeeping otherwise)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 class _Allreduce(torch.autograd.Function):
-    """Differentiable allreduce, as Horovod's: the gradient is allreduced with the same op and
-    factors (every rank must then run backward through it)."""
+    """Horovod's rule: the gradient is allreduced with the same op and factors (every rank must
+    then run backward through it)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, op: str, prescale: float, postscale: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor, op: str, prescale: float, postscale: float,  # type: ignore[override]
+                name: str | None) -> Tensor:
         ctx.args = (op, prescale, postscale)
-        return synchronize(allreduce_async(tensor, None, None, op, prescale, postscale))
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
         op, prescale, postscale = ctx.args
-        return synchronize(allreduce_async(grad.contiguous(), None, None, op, prescale, postscale)), None, None, None
+        return synchronize(allreduce_async(grad.contiguous(), None, None, op, prescale, postscale)), None, None, None, None
 
 
 def allreduce(tensor: Tensor, average: bool | None = None, name: str | None = None,
@@ -327,13 +334,13 @@ def allreduce(tensor: Tensor, average: bool | None = None, name: str | None = No
               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Tensor:
     """Average (default) or ``op``-reduce ``tensor`` over all ranks; returns a new tensor.
     ``compression`` (``adacomp.Compression.fp16``) casts for the transfer, as Horovod does.
-    Differentiable for ``Average`` / ``Sum`` when ``tensor`` requires grad."""
+    Differentiable (Horovod's rule: the gradient is allreduced with the same op and factors)."""
     op = _resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    if compressed.requires_grad and torch.is_grad_enabled() and op in (Average, Sum):
+    if _differentiable(compressed):
         _check_tensor(compressed, "allreduce")
         check_process_set(process_set)
-        out = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor)
+        out = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name)
     else:
         out = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor,
                                           process_set))
@@ -380,11 +387,33 @@ def _grouped(tensors: Sequence[Tensor], average: bool | None, name: str | None, 
 def grouped_allreduce(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[Tensor]:
-    """Allreduce a list of tensors (one call for the group); returns new tensors."""
+    """Allreduce a list of tensors (one call for the group); returns new tensors. Differentiable:
+    the gradients are grouped-allreduced with the same op and factors (Horovod's rule)."""
     pairs = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_allreduce_async([c for c, _ in pairs], average, name, op, prescale_factor,
-                                               postscale_factor, process_set))
+    compressed = [c for c, _ in pairs]
+    if _differentiable(*compressed):
+        check_process_set(process_set)
+        outs = list(_GroupedAllreduce.apply(_resolve_op(op, average), prescale_factor, postscale_factor, name,
+                                            *compressed))
+    else:
+        outs = synchronize(grouped_allreduce_async(compressed, average, name, op, prescale_factor,
+                                                   postscale_factor, process_set))
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, op: str, prescale: float, postscale: float, name: str | None,  # type: ignore[override]
+                *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.args = (op, prescale, postscale)
+        return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale, postscale)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:  # type: ignore[override]
+        op, prescale, postscale = ctx.args
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, prescale,
+                                                      postscale))
+        return (None, None, None, None, *reduced)
 
 
 def grouped_allreduce_(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
@@ -415,7 +444,26 @@ def allgather_async(tensor: Tensor, name: str | None = None, process_set: Any = 
 
 
 def allgather(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0. Differentiable (Horovod's rule: the
+    gradient is averaged over ranks and each rank keeps the rows it contributed)."""
+    if _differentiable(tensor):
+        check_process_set(process_set)
+        return _Allgather.apply(tensor, name)
     return synchronize(allgather_async(tensor, name, process_set))
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, name: str | None) -> Tensor:  # type: ignore[override]
+        ctx.rows = int(tensor.shape[0]) if tensor.dim() else 0
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average))
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int32))).tolist()
+        first = sum(rows[:rank()])
+        return reduced.narrow(0, first, ctx.rows), None
 
 
 def _check_root(root_rank: int) -> None:
@@ -446,7 +494,26 @@ def broadcast_async(tensor: Tensor, root_rank: int, name: str | None = None,
 
 def broadcast(tensor: Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> Tensor:
+    """``root_rank``'s ``tensor`` on every rank (a new tensor). Differentiable (Horovod's rule: the
+    gradient is averaged over ranks on the root, zero elsewhere)."""
+    if _differentiable(tensor):
+        check_process_set(process_set)
+        return _Broadcast.apply(tensor, root_rank, name)
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, root_rank: int, name: str | None) -> Tensor:  # type: ignore[override]
+        ctx.root = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average))
+        if rank() != ctx.root:
+            reduced.zero_()
+        return reduced, None, None
 
 
 def broadcast_(tensor: Tensor, root_rank: int, name: str | None = None,
@@ -488,9 +555,28 @@ def alltoall_async(tensor: Tensor, splits: Any = None, name: str | None = None,
 
 def alltoall(tensor: Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = global_process_set) -> Any:
-    """Horovod's return convention: ``output`` alone without ``splits``, else ``(output, received_splits)``."""
-    out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    """Horovod's return convention: ``output`` alone without ``splits``, else ``(output, received_splits)``.
+    Differentiable (Horovod's rule: the gradient goes back by an alltoall with the received splits)."""
+    if _differentiable(tensor):
+        check_process_set(process_set)
+        out, received = _Alltoall.apply(tensor, splits, name)
+    else:
+        out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
     return out if splits is None else (out, received)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, splits: Any, name: str | None) -> Any:  # type: ignore[override]
+        out, received = synchronize(alltoall_async(tensor, splits, name))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _received: Any) -> Any:  # type: ignore[override]
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received))
+        return back, None, None
 
 
 def _scatter_rows(n_rows: int, world: int) -> list[int]:
@@ -525,9 +611,28 @@ def reducescatter_async(tensor: Tensor, name: str | None = None, op: Any = Avera
 def reducescatter(tensor: Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: Any = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> Tensor:
+    """Reduce ``tensor`` over ranks and keep this rank's rows. Differentiable (Horovod's rule: the
+    gradient, times the world size for ``Sum`` and times both factors, is allgathered)."""
     compressed, ctx = compression.compress(tensor)
-    out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor, postscale_factor))
+    if _differentiable(compressed):
+        check_process_set(process_set)
+        out = _Reducescatter.apply(compressed, op, prescale_factor, postscale_factor, name)
+    else:
+        out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor, postscale_factor))
     return compression.decompress(out, ctx)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, op: Any, prescale: float, postscale: float,  # type: ignore[override]
+                name: str | None) -> Tensor:
+        ctx.factor = (size() if op == Sum else 1) * prescale * postscale
+        return synchronize(reducescatter_async(tensor, name, op, prescale_factor=prescale, postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        scaled = grad * ctx.factor if ctx.factor != 1 else grad.contiguous()
+        return synchronize(allgather_async(scaled.contiguous())), None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
