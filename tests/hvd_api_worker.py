@@ -324,11 +324,7 @@ def main() -> int:
     if sys.argv[1:] == ["selfcheck"]:
         print(f"HVD_SELFCHECK_OK {selfcheck()}", flush=True)
         return 0
-    hvd.init()
-    rank = hvd.rank()
-    port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="port")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(hvd.size()), LOCAL_RANK=str(hvd.local_rank()))
+    rank = horovod_world()
     for backend in ("torch", "horovod"):
         adacomp.init(backend)
         assert adacomp.backend().name == backend, adacomp.backend()
@@ -337,10 +333,26 @@ def main() -> int:
         sync_batch_norm(backend)
         adacomp.shutdown()
         assert not adacomp.is_initialized()
+    return report("HVD_API_OK", rank)
+
+
+def horovod_world() -> int:
+    """Under horovodrun: start Horovod and give adacomp's torch backend the env:// rendezvous of
+    a fresh port (agreed through Horovod), so both can run side by side. Returns the rank."""
+    hvd.init()
+    rank = hvd.rank()
+    port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="port")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(hvd.size()), LOCAL_RANK=str(hvd.local_rank()))
+    return rank
+
+
+def report(marker: str, rank: int) -> int:
+    """Print ``marker`` and the number of checks when all matched (exit 0), else the mismatches (1)."""
     if FAILURES:
         print(f"rank {rank}: {len(FAILURES)} of {CHECKS[0]} checks differ:\n  " + "\n  ".join(FAILURES), flush=True)
         return 1
-    print(f"HVD_API_OK {CHECKS[0]} checks on rank {rank}", flush=True)
+    print(f"{marker} {CHECKS[0]} checks on rank {rank}", flush=True)
     return 0
 
 

@@ -11,7 +11,6 @@ gradients through every differentiable collective (``gradients``).
 """
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable
 
@@ -23,10 +22,8 @@ except ImportError:  # the MPI mode runs without Horovod
     hvd = None
 
 import adacomp
-from tests.hvd_api_worker import _builtin_base, _free_port, same
+from tests.hvd_api_worker import CHECKS, FAILURES, _builtin_base, horovod_world, report, same
 
-FAILURES: list[str] = []
-CHECKS = [0]
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
           torch.float64, torch.bool]
 
@@ -219,20 +216,12 @@ def main() -> int:
         checks(rank, adacomp.size())
         adacomp.shutdown()
     else:
-        hvd.init()
-        rank = hvd.rank()
-        port = hvd.broadcast_object(_free_port() if rank == 0 else None, 0, name="port")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(hvd.size()), LOCAL_RANK=str(hvd.local_rank()))
+        rank = horovod_world()
         for backend in ("torch", "horovod"):
             adacomp.init(backend)
             checks(rank, hvd.size())
             adacomp.shutdown()
-    if FAILURES:
-        print(f"rank {rank}: {len(FAILURES)} of {CHECKS[0]} checks differ:\n  " + "\n  ".join(FAILURES), flush=True)
-        return 1
-    print(f"HVD_PARITY_OK {CHECKS[0]} checks on rank {rank}", flush=True)
-    return 0
+    return report("HVD_PARITY_OK", rank)
 
 
 if __name__ == "__main__":
