@@ -192,6 +192,10 @@ def gradients(rank: int, world: int) -> None:
         "reducescatter Sum scaled": ((4, 3), lambda m, w: m.reducescatter(w, op=m.Sum, prescale_factor=2.0,
                                                                           postscale_factor=0.25)),
     }
+    cases.update({
+        "grouped_allgather": ((rank + 1, 2), lambda m, w: m.grouped_allgather([w, w * w])),
+        "grouped_reducescatter Sum": ((5, 2), lambda m, w: m.grouped_reducescatter([w, w[1:] * 2], op=m.Sum)),
+    })
     for label, (shape, fwd) in cases.items():
         if hvd is None:  # MPI mode: a grad must exist and be finite (values are compared under horovodrun)
             compare(f"grad {label}", lambda: bool(torch.isfinite(_grad_of(rank, shape, lambda w: fwd(adacomp, w))).all()),
@@ -201,10 +205,36 @@ def gradients(rank: int, world: int) -> None:
                 lambda: _grad_of(rank, shape, lambda w: fwd(hvd, w)))
 
 
+def grouped(rank: int, world: int) -> None:
+    """grouped_allgather / grouped_reducescatter (and their async forms): values against horovod.torch's."""
+    every = [[torch.arange(6.).reshape(3, 2) * (r + 1), torch.arange(r + 1.) + 10 * r] for r in range(world)]
+    mine = every[rank]
+    gathered = [torch.cat([e[i] for e in every]) for i in range(2)]
+    summed = torch.stack([e[0] for e in every]).sum(0)
+    rows = [3 // world + (1 if r < 3 % world else 0) for r in range(world)]
+    first = sum(rows[:rank])
+    scattered = [summed[first:first + rows[rank]], (summed * 2)[first:first + rows[rank]] / world]
+    theirs = (lambda call: (lambda: call(hvd))) if hvd else (lambda call: None)
+    for label, call, want in [
+        ("grouped_allgather", lambda m: m.grouped_allgather(mine), gathered),
+        ("grouped_allgather_async", lambda m: m.synchronize(m.grouped_allgather_async(mine, name="ga")), gathered),
+        ("grouped_reducescatter", lambda m: m.grouped_reducescatter([mine[0], mine[0] * 2], op=m.Sum)[:1],
+         scattered[:1]),
+        ("grouped_reducescatter_async Average", lambda m: m.synchronize(
+            m.grouped_reducescatter_async([mine[0] * 2], name="grs"))[0], scattered[1]),
+        ("grouped_allgather mismatch", lambda m: m.grouped_allgather([mine[0], torch.zeros(2, 1 + rank)]), None),
+    ]:
+        if want is None:
+            compare(label, lambda: call(adacomp), theirs(call) or _mismatch_raised)
+        else:
+            compare(label, lambda: call(adacomp), theirs(call), want)
+
+
 def checks(rank: int, world: int) -> None:
     dtypes(rank, world)
     mismatches(rank, world)
     gradients(rank, world)
+    grouped(rank, world)
 
 
 def main() -> int:

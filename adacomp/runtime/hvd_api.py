@@ -376,7 +376,7 @@ def _grouped(tensors: Sequence[Tensor], average: bool | None, name: str | None, 
     for t in tensors:
         _check_tensor(t, "grouped_allreduce")
         _check_reducible(t)
-    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    names = _member_names(name, len(tensors))
 
     def start() -> AsyncHandle:
         return _group([_reduce_into(t.data, op, prescale, postscale, result=t) if inplace
@@ -434,13 +434,41 @@ def _group(handles: list[AsyncHandle]) -> AsyncHandle:
 # ------------------------------------------------------------------------------------------------
 def allgather_async(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> AsyncHandle:
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
+    _check_allgather(tensor, process_set)
+    return _launch(name, [request("allgather", tensor, name, first_dim_free=True)],
+                   lambda: AsyncHandle(context.current().allgather_async(tensor.detach())))
+
+
+def _check_allgather(tensor: Tensor, process_set: Any) -> None:
     _check_tensor(tensor, "allgather_async")
     check_process_set(process_set)
     if tensor.dim() == 0:
         raise ScalarTensorError("allgather needs a tensor with at least one dimension (rows along dim 0); "
                                 "use tensor.reshape(1)")
-    return _launch(name, [request("allgather", tensor, name, first_dim_free=True)],
-                   lambda: AsyncHandle(context.current().allgather_async(tensor.detach())))
+
+
+def _member_names(name: str | None, n: int) -> list[str | None]:
+    """Names of a group's members: ``name.i`` (None stays None)."""
+    return [None if name is None else f"{name}.{i}" for i in range(n)]
+
+
+def grouped_allgather_async(tensors: Sequence[Tensor], name: str | None = None,
+                            process_set: Any = global_process_set) -> AsyncHandle:
+    """Start allgathering every tensor of ``tensors`` (one cross-rank check for the group)."""
+    for t in tensors:
+        _check_allgather(t, process_set)
+    be = context.current()
+    requests = [request("allgather", t, n, first_dim_free=True) for t, n in zip(tensors, _member_names(name, len(tensors)))]
+    return _launch(name, requests, lambda: _group([AsyncHandle(be.allgather_async(t.detach())) for t in tensors]))
+
+
+def grouped_allgather(tensors: Sequence[Tensor], name: str | None = None,
+                      process_set: Any = global_process_set) -> list[Tensor]:
+    """:func:`allgather` of each tensor; differentiable with the same rule (each member's gradient
+    is what a lone allgather's would be, as in Horovod's grouped version)."""
+    if _differentiable(*tensors):
+        return [allgather(t, n, process_set) for t, n in zip(tensors, _member_names(name, len(tensors)))]
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
 def allgather(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> Tensor:
@@ -589,23 +617,56 @@ def reducescatter_async(tensor: Tensor, name: str | None = None, op: Any = Avera
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> AsyncHandle:
     """Start reducing ``tensor`` over ranks and keep this rank's block of rows (dim 0)."""
+    return _reducescatter([tensor], name, op, process_set, prescale_factor, postscale_factor, single=True)
+
+
+def grouped_reducescatter_async(tensors: Sequence[Tensor], name: str | None = None, op: Any = Average,
+                                process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> AsyncHandle:
+    """Start a reducescatter of every tensor of ``tensors`` (one cross-rank check for the group);
+    the result is a list."""
+    return _reducescatter(tensors, name, op, process_set, prescale_factor, postscale_factor, single=False)
+
+
+def _reducescatter(tensors: Sequence[Tensor], name: str | None, op: Any, process_set: Any, prescale_factor: float,
+                   postscale_factor: float, single: bool) -> AsyncHandle:
     if op not in (Average, Sum):  # Horovod fails the same way, from its background thread
         raise HorovodInternalError(f"reducescatter supports op=adacomp.Average or Sum, got {op!r}")
-    _check_tensor(tensor, "reducescatter_async")
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension (rows along dim 0)")
+    for tensor in tensors:
+        _check_tensor(tensor, "reducescatter_async")
+        if tensor.dim() == 0:
+            raise ValueError("reducescatter needs a tensor with at least one dimension (rows along dim 0)")
+        _check_reducible(tensor)
     check_process_set(process_set)
-    _check_reducible(tensor)
     be = context.current()
-    rows = _scatter_rows(int(tensor.shape[0]), be.size())
-    first = sum(rows[:be.rank()])
-    mine = slice(first, first + rows[be.rank()])
+
+    def mine(tensor: Tensor) -> slice:
+        rows = _scatter_rows(int(tensor.shape[0]), be.size())
+        first = sum(rows[:be.rank()])
+        return slice(first, first + rows[be.rank()])
+
+    def one(tensor: Tensor) -> AsyncHandle:
+        reduced, keep = _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor), mine(tensor)
+        return AsyncHandle(reduced._handle, lambda out: reduced._finish(out)[keep].clone())
 
     def start() -> AsyncHandle:
-        reduced = _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor)
-        return AsyncHandle(reduced._handle, lambda out: reduced._finish(out)[mine].clone())
-    return _launch(name, [request("reducescatter", tensor, name, op=op, factors=(prescale_factor, postscale_factor))],
-                   start)
+        return one(tensors[0]) if single else _group([one(t) for t in tensors])
+    names = [name] if single else _member_names(name, len(tensors))
+    return _launch(name, [request("reducescatter", t, n, op=op, factors=(prescale_factor, postscale_factor))
+                          for t, n in zip(tensors, names)], start)
+
+
+def grouped_reducescatter(tensors: Sequence[Tensor], name: str | None = None, compression: Any = Compression.none,
+                          op: Any = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[Tensor]:
+    """:func:`reducescatter` of each tensor; differentiable with the same rule."""
+    if _differentiable(*tensors):
+        return [reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor)
+                for t, n in zip(tensors, _member_names(name, len(tensors)))]
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_reducescatter_async([c for c, _ in pairs], name, op, process_set, prescale_factor,
+                                                   postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
 def reducescatter(tensor: Tensor, name: str | None = None, compression: Any = Compression.none,
@@ -678,7 +739,8 @@ __all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "M
            "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
            "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built",
            "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
-           "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized",
+           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+           "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized",
            "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
            "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown",
            "size", "synchronize"]
