@@ -228,6 +228,21 @@ def models_and_optimizers(rank: int) -> None:
           lambda: _round(distributed(hvd, compression=hvd.Compression.fp16)))
     check("DistributedOptimizer groups=2 (3 steps)", lambda: distributed(adacomp, groups=2),
           lambda: distributed(hvd, groups=2))
+    def step_without_skip(mod: Any) -> Any:
+        import warnings
+        net = Net()
+        opt = mod.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+        net(torch.randn(4, 4)).sum().backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.step()
+        if mod is adacomp:
+            opt.remove_hooks()
+        horovods = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown.")
+        return [str(w.message).startswith(horovods) for w in seen if "skip_synchronize" in str(w.message)]
+    both("step() after synchronize() without skip_synchronize warns in Horovod's words", step_without_skip)
     # weights that differ per rank on purpose (no broadcast): Horovod trains on; adacomp warns and trains on
     check("DistributedOptimizer different initial weights (3 steps)", lambda: distributed(adacomp, seed=rank),
           lambda: distributed(hvd, seed=rank))

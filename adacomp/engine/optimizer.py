@@ -346,9 +346,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._local_step(closure, **kwargs)
         if self._should_sync:
             if self._user_synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without the "
-                              "optimizer.skip_synchronize() context; wrap step() in it when you synchronize "
-                              "yourself (as with Horovod). Gradients are not sent twice.", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code. (Horovod's words; adacomp does not send "
+                              "the gradients twice.)", stacklevel=2)
             self.engine.finish()
         elif self.engine.state is not None and self.engine.state.launched:
             raise RuntimeError("step() inside skip_synchronize() requires an explicit synchronize() first")
