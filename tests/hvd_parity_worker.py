@@ -230,11 +230,26 @@ def grouped(rank: int, world: int) -> None:
             compare(label, lambda: call(adacomp), theirs(call), want)
 
 
+def sparse(rank: int, world: int) -> None:
+    """sparse_allreduce_async: entries of every rank (differing counts, a shared index) as
+    horovod.torch gives them, densified."""
+    def entries(r: int) -> torch.Tensor:
+        idx = torch.tensor([[0, 2, 3][: r + 2], [1, 0, 2][: r + 2]])
+        return torch.sparse_coo_tensor(idx, torch.arange(r + 2.) + 1 + r, (4, 3))
+    want = sum(entries(r).to_dense() for r in range(world))
+    for op, scale in (("Average", world), ("Sum", 1)):
+        def call(m: Any, op: str = op) -> Any:
+            return m.sparse_allreduce_async(entries(rank), name=f"sparse.{op}", op=getattr(m, op))().to_dense()
+        compare(f"sparse_allreduce_async {op}", lambda: call(adacomp), (lambda: call(hvd)) if hvd else None,
+                want / scale)
+
+
 def checks(rank: int, world: int) -> None:
     dtypes(rank, world)
     mismatches(rank, world)
     gradients(rank, world)
     grouped(rank, world)
+    sparse(rank, world)
 
 
 def main() -> int:

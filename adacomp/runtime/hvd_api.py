@@ -494,6 +494,28 @@ class _Allgather(torch.autograd.Function):
         return reduced.narrow(0, first, ctx.rows), None
 
 
+def sparse_allreduce_async(tensor: Tensor, name: str | None, op: Any, process_set: Any = global_process_set
+                           ) -> Callable[[], Tensor]:
+    """Horovod's sparse allreduce: every rank's entries of the sparse COO ``tensor`` are allgathered
+    (indices and values, two allgathers), so the result holds all of them, uncoalesced (duplicate
+    indices add up when coalesced or densified); ``op=Average`` divides the values by the world size,
+    any other op keeps the sum. Returns a function (Horovod's handle) that waits and gives the result."""
+    if not (isinstance(tensor, Tensor) and tensor.layout == torch.sparse_coo):
+        raise TypeError(f"sparse_allreduce_async expects a sparse COO tensor, got "
+                        f"{getattr(tensor, 'layout', type(tensor).__name__)}; use allreduce_async for dense tensors")
+    check_process_set(process_set)
+    indices = allgather_async(tensor._indices().t().contiguous(), None if name is None else f"{name}.indices")
+    values = allgather_async(tensor._values().contiguous(), None if name is None else f"{name}.values")
+
+    def handle() -> Tensor:
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if op == Average:
+            gathered_values = gathered_values / size()
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.size())
+    return handle
+
+
 def _check_root(root_rank: int) -> None:
     n = size()
     if not isinstance(root_rank, int) or not 0 <= root_rank < n:
@@ -740,7 +762,7 @@ __all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "M
            "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built",
            "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
            "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
-           "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized",
+           "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async", "init", "is_homogeneous", "is_initialized",
            "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
            "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown",
            "size", "synchronize"]
