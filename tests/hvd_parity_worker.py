@@ -151,6 +151,14 @@ def mismatches(rank: int, world: int) -> None:
         finally:
             m.synchronize(first)
     compare("duplicate name in flight", lambda: duplicate(adacomp), (lambda: duplicate(hvd)) if hvd else _dup_raised)
+    def reuse_after_poll(m: Any) -> Any:
+        first = m.allreduce_async(torch.ones(2), name="polled", op=m.Sum)
+        while not m.poll(first):
+            pass
+        second = m.allreduce_async(torch.ones(2), name="polled", op=m.Sum)
+        return m.synchronize(second), m.synchronize(first)
+    compare("name free once polled done", lambda: reuse_after_poll(adacomp),
+            (lambda: reuse_after_poll(hvd)) if hvd else None, (torch.full((2,), float(world)),) * 2)
     compare("name free after synchronize", lambda: [m.synchronize(m.allreduce_async(torch.ones(1), name="again"))
                                                     for m in (adacomp, adacomp)][1], None, torch.ones(1))
 

@@ -173,7 +173,10 @@ class AsyncHandle:
         self._synchronized = False
 
     def poll(self) -> bool:
-        return self._handle.poll()
+        done = self._handle.poll()
+        if done:  # Horovod frees a name once its op has completed
+            self._on_done()
+        return done
 
     def synchronize(self) -> Any:
         if self._synchronized:  # Horovod forgets a handle once synchronized
