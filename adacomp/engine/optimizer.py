@@ -449,8 +449,11 @@ def _refuse_ddp_wrapped(params: list[tuple[str, Tensor]]) -> None:
 
     from torch.nn.parallel import DistributedDataParallel
     ours = {id(p) for _, p in params}
-    for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel) and any(id(p) in ours for p in obj.module.parameters()):
+    # type(), not isinstance(): it never dereferences a dead weak proxy nor runs a class's
+    # __instancecheck__ (torch's deprecated reduce_op warns from there)
+    wrappers = [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel)]
+    for obj in wrappers:
+        if any(id(p) in ours for p in obj.module.parameters()):
             raise RuntimeError(
                 "this model is wrapped in torch's DistributedDataParallel, which already averages its gradients, "
                 "and adacomp.DistributedOptimizer would average them again (with Accelerate: "
