@@ -49,7 +49,21 @@ def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, 
 
 def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0,
                 env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` processes; return the per-rank results in rank order."""
+    """Run ``fn(*args)`` on ``world`` processes; return the per-rank results in rank order.
+
+    The rendezvous port is free when chosen but may be taken by another process before rank 0
+    binds it (parallel jobs on one machine): that start, and only that, is retried on a new port."""
+    for attempt in range(3):
+        try:
+            return _run_workers_once(fn, world, args, timeout, env)
+        except AssertionError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_workers_once(fn: Callable, world: int, args: tuple, timeout: float,
+                      env: dict[str, str] | None) -> list[Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
