@@ -1,7 +1,9 @@
 """Horovod's module-level torch API on adacomp's backends, so ``import adacomp as hvd`` runs a
 Horovod script unchanged under ``adacomp run``, torchrun, mpirun or horovodrun.
 
-Semantics follow ``horovod.torch`` 0.28 (tests/test_hvd_api.py compares both on the same inputs):
+Identity and capability queries live in :mod:`adacomp.runtime.hvd_info`, the cross-rank checks in
+:mod:`adacomp.runtime.hvd_check`; both are re-exported here. Semantics follow ``horovod.torch`` 0.28
+(tests/test_hvd_api.py and tests/test_hvd_parity.py compare both on the same inputs):
 ``allreduce`` averages by default and returns a new tensor, ``allreduce_`` works in place, the
 ``*_async`` forms return a handle for :func:`poll` / :func:`synchronize`, and ``prescale_factor``
 / ``postscale_factor`` multiply before / after the reduction.
@@ -20,7 +22,6 @@ Differences, and why:
 """
 from __future__ import annotations
 
-import importlib.util
 import time
 from typing import Any, Callable, Sequence
 
@@ -28,6 +29,10 @@ import torch
 from torch import Tensor
 
 from adacomp.runtime import context
+from adacomp.runtime.hvd_info import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,  # noqa: F401
+                                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+                                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+                                      shutdown, size)
 from adacomp.runtime.hvd_check import HorovodInternalError, MismatchError, agree, claim, release, request
 from adacomp.backends.base import Handle
 from adacomp.errors import CommunicationError
@@ -39,124 +44,6 @@ _OPS = (Average, Sum, Min, Max, Product)
 
 class ScalarTensorError(ValueError, IndexError):
     """A 0-d tensor where rows are needed (Horovod raises IndexError there; ValueError reads better)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Lifecycle and identity
-# ------------------------------------------------------------------------------------------------
-init = context.init
-shutdown = context.shutdown
-is_initialized = context.is_initialized
-
-
-def size() -> int:
-    return context.current().size()
-
-
-def rank() -> int:
-    return context.current().rank()
-
-
-def local_rank() -> int:
-    return context.current().local_rank()
-
-
-def local_size() -> int:
-    """Processes on this host (learnt at ``init()``)."""
-    return context.topology().local_size
-
-
-def cross_rank() -> int:
-    """This host's position among hosts (rank among processes with the same ``local_rank``)."""
-    return context.topology().cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts (processes that share this ``local_rank``)."""
-    return context.topology().cross_size
-
-
-def is_homogeneous() -> bool:
-    """True when every host runs the same number of processes."""
-    topo = context.topology()
-    return topo.local_size * topo.cross_size == size()
-
-
-# ------------------------------------------------------------------------------------------------
-# What this installation can do (the *_built / *_enabled queries answer for adacomp's transports)
-# ------------------------------------------------------------------------------------------------
-def _backend_name() -> str | None:
-    be = context._current  # noqa: SLF001 - a query must not start a context
-    return None if be is None else getattr(be, "name", None)
-
-
-def mpi_built() -> bool:
-    """True when the MPI backend can be used here (mpi4py installed)."""
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def gloo_built() -> bool:
-    """True when torch.distributed has gloo (the torch backend's CPU transport)."""
-    import torch.distributed as dist
-    return bool(dist.is_available() and dist.is_gloo_available())
-
-
-def nccl_built() -> int:
-    """NCCL version as an int (e.g. 21805) when torch has NCCL, else 0 (Horovod's convention)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
-        return 0
-    major, minor, patch = torch.cuda.nccl.version()
-    return major * 10000 + minor * 100 + patch
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return torch.version.cuda is not None
-
-
-def rocm_built() -> bool:
-    return getattr(torch.version, "hip", None) is not None
-
-
-def mpi_enabled() -> bool:
-    """True when the running job talks over MPI (mpirun launch, or Horovod's MPI controller)."""
-    name = _backend_name()
-    if name == "horovod":
-        import horovod.torch as hvd
-        return bool(hvd.mpi_enabled())
-    return name == "mpi"
-
-
-def gloo_enabled() -> bool:
-    """True when the running job talks over gloo (torch backend, or Horovod's Gloo controller)."""
-    name = _backend_name()
-    if name == "horovod":
-        import horovod.torch as hvd
-        return bool(hvd.gloo_enabled())
-    return name == "torch"
-
-
-def mpi_threads_supported() -> bool:
-    """Whether MPI was initialised with MPI_THREAD_MULTIPLE. Like Horovod, asking before
-    ``init()`` or in a job that does not use MPI is a ValueError."""
-    name = _backend_name()
-    if name is None:
-        raise ValueError("adacomp has not been initialized; use adacomp.init()")
-    if name == "horovod":
-        import horovod.torch as hvd
-        return bool(hvd.mpi_threads_supported())
-    if name != "mpi":  # Horovod raises here too when its MPI is not in use
-        raise ValueError(f"MPI is not in use (backend {name!r}); launch with mpirun to use the MPI backend")
-    from mpi4py import MPI
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 # ------------------------------------------------------------------------------------------------
@@ -759,13 +646,12 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
 
 
 __all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "Min", "MismatchError", "Product", "Sum",
-           "SyncBatchNorm",
-           "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-           "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-           "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-           "ddl_built", "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
-           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
-           "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async", "init", "is_homogeneous", "is_initialized",
-           "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-           "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown",
-           "size", "synchronize"]
+           "SyncBatchNorm", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+           "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+           "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+           "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+           "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+           "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+           "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+           "reducescatter", "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
+           "synchronize"]
