@@ -3,6 +3,7 @@
 * The DDP habit "rank 0 saves ``state_dict()``, every rank loads that file": rank 0 resumes, every
   other rank is refused with a :class:`adacomp.RankStateError` that names both ranks and says what to
   call, before anything is applied (its state stays bitwise as it was).
+* ``save_per_rank`` / ``load_per_rank`` (one file, from any trainer) give each rank its own state back.
 * :class:`adacomp.checkpoint.PerRank` in that same one file (its ``state_dict()`` gathers every rank's
   state; each rank loads its own) resumes bitwise equal to the uninterrupted run on every rank.
 * A state from another world size is refused with the world-size message (PerRank and checkpoint sets
@@ -68,6 +69,8 @@ def _job(front: str, tmp: str) -> dict[str, Any]:
     except adacomp.RankStateError as exc:
         out["world"] = str(exc)
     # PerRank in the one file rank 0 writes
+    sidecar = adacomp.checkpoint.save_per_rank(Path(tmp) / "sidecar.pt", holder)  # collective, one file
+    mine = holder.adacomp_state_dict()
     per = adacomp.checkpoint.PerRank(holder).state_dict()  # collective
     torch_opt = (run.opt if run.hook is not None else run.opt).state_dict()
     one_file = Path(tmp) / "per_rank.pt"
@@ -81,6 +84,10 @@ def _job(front: str, tmp: str) -> dict[str, Any]:
     wrapper = adacomp.checkpoint.PerRank(_holder(resumed))
     resumed.opt.load_state_dict(saved["opt"])
     wrapper.load_state_dict(saved["per_rank"])
+    other = Front(front, cfg, backend=backend)  # the sidecar file, from any trainer
+    adacomp.checkpoint.load_per_rank(sidecar, _holder(other))
+    out["sidecar_diff"] = state_diff(mine, _holder(other).adacomp_state_dict())
+    other.close()
     resumed.train(BEFORE, AFTER, rank)
     after = resumed.state()
     resumed.close()
@@ -100,6 +107,7 @@ def test_rank0_saves_every_rank_loads_is_refused_and_per_rank_resumes(front: str
     for r in (r0, r1):
         assert "world size changed" in r["world"] and "4-rank job" in r["world"], r["world"]
         assert r["resume_diff"] == [], r["resume_diff"]
+        assert r["sidecar_diff"] == [], r["sidecar_diff"]
         assert r["residual_keys"] > 0
 
 
