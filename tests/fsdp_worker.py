@@ -29,16 +29,21 @@ def model() -> torch.nn.Module:
                                torch.nn.Linear(128, 4))
 
 
-def run(arm: str) -> dict[str, Any]:
+def run(arm: str, habits: bool = False) -> dict[str, Any]:
+    """``habits``: FSDP2's MixedPrecisionPolicy (bf16 parameters and reduction) and gradient clipping
+    on the DTensor gradients, as users of sharded training write them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     import adacomp
     rank = dist.get_rank()
     net = model()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     target = mesh if arm == "native" else mesh["shard"]
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if habits else MixedPrecisionPolicy()
     for m in net:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=target)
-    fully_shard(net, mesh=target)
+            fully_shard(m, mesh=target, mp_policy=mp)
+    fully_shard(net, mesh=target, mp_policy=mp)
     state = None
     if arm != "native":
         state = adacomp.fsdp.register(net, ARMS[arm], replicate_group=mesh["replicate"].get_group())
@@ -51,6 +56,8 @@ def run(arm: str) -> dict[str, Any]:
         opt.zero_grad()
         loss = F.cross_entropy(net(x), y)
         loss.backward()
+        if habits:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
         opt.step()
         losses.append(float(loss.detach()))
     out: dict[str, Any] = {"params": [p.full_tensor().detach().clone() for p in net.parameters()], "losses": losses}
@@ -125,6 +132,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     for arm in ARMS:
         torch.save(run(arm), Path(args.out) / f"{arm}.rank{dist.get_rank()}.pt")
+        torch.save(run(arm, habits=True), Path(args.out) / f"{arm}-habits.rank{dist.get_rank()}.pt")
     ckpt = [str(Path(args.out) / "dcp") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ckpt, src=0)
     torch.save(resume("topk", str(ckpt[0])), Path(args.out) / f"topk-resumed.rank{dist.get_rank()}.pt")
