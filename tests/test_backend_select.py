@@ -33,3 +33,16 @@ def test_torch_backend_without_rendezvous_says_how_to_launch(monkeypatch) -> Non
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         backends.create("torch")
+
+
+@pytest.mark.parametrize("gpus,local,expected", [
+    (0, 2, "gloo"), (1, 1, "cpu:gloo,cuda:nccl"), (1, 2, "gloo"), (8, 8, "cpu:gloo,cuda:nccl")])
+def test_nccl_only_when_every_local_rank_has_a_gpu(monkeypatch, gpus, local, expected) -> None:
+    import torch
+    from adacomp.backends.torch_dist import process_group_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert process_group_backend({"LOCAL_WORLD_SIZE": str(local)}) == expected
+    assert process_group_backend({"ADACOMP_TORCH_BACKEND": "gloo", "LOCAL_WORLD_SIZE": "1"}) == "gloo"
+    with pytest.raises(ValueError, match="ADACOMP_TORCH_BACKEND='mpi': valid choices: gloo, nccl"):
+        process_group_backend({"ADACOMP_TORCH_BACKEND": "mpi"})

@@ -115,6 +115,26 @@ def _settle_at_exit() -> None:
         _SETTLE_REGISTERED = True
 
 
+PG_BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+
+
+def process_group_backend(env: Any) -> str:
+    """The process group's transports: gloo for CPU tensors, plus NCCL for CUDA tensors when every
+    local rank can have a GPU of its own (``LOCAL_WORLD_SIZE`` <= visible GPUs). NCCL refuses two
+    ranks on one device, and a group that offers it sends even ``barrier()`` through it, so more
+    local ranks than GPUs get gloo alone (gloo moves CUDA tensors through host memory).
+    ``ADACOMP_TORCH_BACKEND`` (one of :data:`PG_BACKENDS`) overrides."""
+    forced = env.get("ADACOMP_TORCH_BACKEND")
+    if forced:
+        if forced not in PG_BACKENDS:
+            raise ValueError(f"ADACOMP_TORCH_BACKEND={forced!r}: valid choices: {', '.join(PG_BACKENDS)}")
+        return forced
+    if not torch.cuda.is_available():
+        return "gloo"
+    local = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    return "cpu:gloo,cuda:nccl" if local <= torch.cuda.device_count() else "gloo"
+
+
 class TorchBackend(Backend):
     """torch.distributed with the default process group (created here unless one exists), or
     with ``group``: an existing sub-group (``dist.new_group``; a DDP model's ``process_group``).
@@ -133,7 +153,7 @@ class TorchBackend(Backend):
                 raise RuntimeError(
                     f"backend 'torch' needs the env:// rendezvous variables {missing}; launch with "
                     "`torchrun --nproc_per_node N script.py` or `adacomp run -np N -- python script.py`")
-            pg_backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            pg_backend = process_group_backend(os.environ)
             timeout = datetime.timedelta(seconds=timeout_s)
             store, rank, world = _elastic_store(timeout, int(os.environ.get(_GENERATION, "0")))
             if store is None:

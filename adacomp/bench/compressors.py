@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     names = sparsifiers(args.compressors)
     rows: list[dict] = []
-    for e in range(args.min_exp, args.max_exp + 1):
+    for e in args.exps or range(args.min_exp, args.max_exp + 1):
         n = 2 ** e
         x = torch.randn(*matrix(n), generator=gen, device=device)
         buf = torch.empty_like(x)
@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--min-exp", type=int, default=14)
     p.add_argument("--max-exp", type=int, default=24, help="largest size is 2^MAX_EXP elements (issue: up to 25)")
+    p.add_argument("--exps", type=int, nargs="+", help="these exponents only (instead of --min-exp .. --max-exp)")
     p.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.1])
     p.add_argument("--compressors", nargs="*", help="subset of registered names (default: every sparsifier)")
     p.add_argument("--warmup", type=int, default=2)

@@ -1,0 +1,224 @@
+"""One training step on a GPU per method: compression time as a share of backward, error feedback's
+extra GPU memory, and how much of the offload path's host compression hides behind backward (issue 33).
+
+One process, one GPU, adacomp's ``LocalBackend`` (world 1, no transport): what a method's step costs
+beyond the plain step (``torch.optim.SGD`` alone) is its own work on the device (error feedback,
+compress, decompress, the communicator's packing and unpacking), which is what it adds to every rank of a
+real job before any byte moves. Backward is timed with CUDA events around ``loss.backward()``; a step is
+timed on the host with a device synchronisation at its end. Arms alternate round-robin (``--rounds``) so
+clocks and caches treat them alike; every cell is a median over rounds x steps. Local-step methods
+(outer loop every ``--every`` inner steps) are timed over whole windows, so their cell is the mean cost
+per inner step. Memory: ``torch.cuda.memory_allocated`` held between steps beyond the plain step's
+(residuals, outer-loop copies, reused buffers) and the peak beyond the plain step's peak.
+
+    adacomp bench gpu_step                                   # ResNet-50 (batch 64) and GPT-2 small (8 x 1024)
+    adacomp bench gpu_step --models gpt2_small --methods topk sparseloco --rounds 1
+
+Writes docs/results/gpu_step.{md,json} (``--out-dir``). Needs a CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from adacomp.bench.common import RESULTS, bench_command, write_result
+
+LAUNCH = "adacomp bench gpu_step"  # one process, one GPU
+
+METHODS = ["bf16", "topk", "adtopk", "adtopk_i", "mstopk", "gaussiank", "dgc", "redsync", "sidco", "oktopk",
+           "randomk", "qsgd", "efsignsgd", "powersgd", "acpsgd", "offload", "localsgd", "diloco_topk", "sparseloco"]
+BATCH = {"resnet50": 64, "gpt2_small": 8}
+MODEL_ARGS: dict[str, dict[str, int]] = {"gpt2_small": {"seq": 1024}}
+OFFLOAD = {"compressor": {"name": "topk", "density": 0.01}, "memory": {"name": "residual"},
+           "communicator": {"name": "allgather"}, "min_numel": 1024, "layers": [{"match": "*", "offload": True}]}
+"""ByteComp's "compress on CPU" (§4.2, Alg. 2) for every tensor: Top-k 1 % with residuals on the host."""
+
+
+def arm_config(method: str, every: int) -> tuple[dict[str, Any], int]:
+    from adacomp.bench.zoo import arm_config as zoo_arm
+    if method == "offload":
+        return json.loads(json.dumps(OFFLOAD)), 0
+    cfg, warm = zoo_arm(method)
+    if "local_steps" in cfg:
+        cfg["local_steps"] = {**cfg["local_steps"], "every": every}
+    return cfg, warm
+
+
+class Arm:
+    """One method on the model: its optimizer, built fresh for each round (residuals start empty)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, data: Any, args: argparse.Namespace):
+        self.name, self.model, self.data, self.args = name, model, data, args
+        self.cfg, self.warm = (None, 0) if name == "plain" else arm_config(name, args.every)
+        self.local = self.cfg is not None and "local_steps" in self.cfg
+        self.times: list[float] = []
+        self.held: list[int] = []
+        self.peak: list[int] = []
+        self.offload_s: list[float] = []
+        self.ratio: list[float] = []
+
+    def round(self, base_held: int) -> None:
+        import adacomp
+        from adacomp.backends.base import LocalBackend
+        args, model = self.args, self.model
+        inner = torch.optim.SGD(model.parameters(), lr=0.0)
+        opt: Any = inner if self.cfg is None else adacomp.DistributedOptimizer(
+            inner, model.named_parameters(), config=self.cfg, backend=LocalBackend())
+        amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=False)
+            with amp:
+                loss = self.data.loss(model)
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize()
+
+        n = args.steps if not self.local else args.every * max(1, args.steps // args.every)
+        warm = max(args.warmup, self.warm) if not self.local else 2 * args.every
+        for _ in range(warm):
+            step()
+        torch.cuda.reset_peak_memory_stats()
+        t: list[float] = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            t.append(time.perf_counter() - t0)
+            st = getattr(opt, "last_stats", None)
+            if st is not None:
+                if "offload_s" in st.extra:
+                    self.offload_s.append(st.extra["offload_s"])
+                if st.dense_bytes:
+                    self.ratio.append(st.dense_bytes / max(st.bytes_sent, 1))
+        self.times.append(statistics.fmean(t) if self.local else statistics.median(t))
+        self.held.append(torch.cuda.memory_allocated() - base_held)
+        self.peak.append(torch.cuda.max_memory_allocated())
+        if self.cfg is not None:
+            opt.remove_hooks()
+        del opt, inner
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def backward_ms(model: torch.nn.Module, data: Any, amp: bool, n: int) -> float:
+    """Median milliseconds of ``loss.backward()`` alone (CUDA events)."""
+    out = []
+    for i in range(n + 3):
+        model.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss = data.loss(model)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        loss.backward()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    from adacomp.models import build, synthetic_batch
+    torch.manual_seed(0)
+    model = build(name, **MODEL_ARGS.get(name, {})).cuda()
+    batch = args.batch or BATCH[name]
+    data = synthetic_batch(model, batch, seed=0).to("cuda")
+    bwd = backward_ms(model, data, args.amp, 10)
+    model.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base_held = torch.cuda.memory_allocated()  # parameters, gradients, the batch
+    arms = {a: Arm(a, model, data, args) for a in ["plain", *args.methods]}
+    order = list(arms)
+    for r in range(args.rounds):
+        for a in order[r % len(order):] + order[:r % len(order)]:
+            arms[a].round(base_held)
+            say(f"{name} round {r + 1}/{args.rounds} {a:<12} {1e3 * arms[a].times[-1]:8.2f} ms/step")
+    plain = arms["plain"]
+    p_ms = 1e3 * statistics.median(plain.times)
+    p_held, p_peak = statistics.median(plain.held), statistics.median(plain.peak)
+    params = sum(p.numel() for p in model.parameters())
+    rows = []
+    for a, arm in arms.items():
+        ms = 1e3 * statistics.median(arm.times)
+        off = statistics.median(arm.offload_s) * 1e3 if arm.offload_s else None
+        extra = ms - p_ms
+        rows.append({
+            "model": name, "params_m": params / 1e6, "batch": batch, "amp_bf16": args.amp, "method": a,
+            "backward_ms": bwd, "step_ms": ms, "plain_step_ms": p_ms, "extra_ms": extra,
+            "share_of_backward": extra / bwd, "extra_held_mib": (statistics.median(arm.held) - p_held) / 2 ** 20,
+            "extra_peak_mib": (statistics.median(arm.peak) - p_peak) / 2 ** 20,
+            "param_mib": params * 4 / 2 ** 20, "compression": statistics.median(arm.ratio) if arm.ratio else None,
+            "offload_host_ms": off,
+            "offload_hidden": None if off is None else max(0.0, min(1.0, 1.0 - extra / off)),
+            "local_every": args.every if arm.local else None, "rounds_ms": [1e3 * t for t in arm.times]})
+    del model, data, arms
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_step.json").write_text(json.dumps({"rows": rows, "gpu": torch.cuda.get_device_name(),
+                                                   "command": args.command}, indent=1))
+    lines = [f"GPU: {torch.cuda.get_device_name()}; one process, `LocalBackend` (no transport), "
+             f"{'bf16 autocast' if args.amp else 'fp32'} forward, fp32 gradients, lr 0 (every step the same work); "
+             f"{args.rounds} round(s) x ({args.warmup} warm-up + {args.steps} measured steps), arms alternating. "
+             "`extra` = method step - plain SGD step (median); `share` = extra / backward; `held` = device memory kept "
+             "between steps beyond the plain step's; `peak` = peak beyond the plain step's peak. Local-step methods: "
+             f"outer sync every {args.every} inner steps, cost averaged per inner step.", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mr = [r for r in rows if r["model"] == model]
+        r0 = mr[0]
+        lines += [f"## {model} ({r0['params_m']:.1f}M parameters, {r0['param_mib']:.0f} MiB fp32; batch {r0['batch']})",
+                  "", f"backward {r0['backward_ms']:.1f} ms, plain step {r0['plain_step_ms']:.1f} ms", "",
+                  "| method | step ms | extra ms | share of backward | held MiB | peak MiB | compression | offload |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in mr:
+            if r["method"] == "plain":
+                continue
+            off = "" if r["offload_host_ms"] is None else \
+                f"host {r['offload_host_ms']:.1f} ms, {100 * r['offload_hidden']:.0f}% hidden"
+            comp = "" if r["compression"] is None else f"{r['compression']:.1f}x"
+            lines.append(f"| {r['method']} | {r['step_ms']:.1f} | {r['extra_ms']:.1f} | "
+                         f"{100 * r['share_of_backward']:.0f}% | {r['extra_held_mib']:.0f} | {r['extra_peak_mib']:.0f} | "
+                         f"{comp} | {off} |")
+        lines.append("")
+    write_result(out / "gpu_step.md", "One training step on a GPU per method", lines, args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="adacomp bench gpu_step", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(BATCH), choices=list(BATCH))
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--batch", type=int, default=0, help="0: the model's default in BATCH")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--every", type=int, default=8, help="local-step methods: inner steps per outer sync")
+    ap.add_argument("--no-amp", dest="amp", action="store_false", help="fp32 forward (default: bf16 autocast)")
+    ap.add_argument("--out-dir", default=RESULTS)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (no GPU visible to torch)")
+    args.command = bench_command("gpu_step", argv)
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for m in args.models:
+        rows += run_model(m, args, lambda s: print(f"[{time.perf_counter() - t0:6.0f}s] {s}", flush=True))
+        report(rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
