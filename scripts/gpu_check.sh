@@ -6,7 +6,7 @@
 # SUITE_S / BENCH_S bound the suite and each bench (seconds); SKIP_SUITE=1 leaves the suite out.
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=$PWD/.gpu_bin:$PATH
 RES=$(mktemp -d)
 CORES=$(nproc)
 pin() { if command -v taskset >/dev/null; then taskset -c "$@"; else shift; "$@"; fi; }

@@ -16,8 +16,14 @@ if [ "${OFFLINE:-0}" = 1 ]; then
     if compgen -G ".whl/*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
     fi
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+    # no registry, so no build backend for an editable install: adacomp runs from the checkout
+    # (the caller exports PYTHONPATH=$PWD and PATH=$PWD/.gpu_bin:$PATH, as scripts/gpu_check.sh does)
+    mkdir -p .gpu_bin
+    printf '#!/bin/sh\nexec %s -c "import sys; from adacomp.tools.cli import main; sys.exit(main())" "$@"\n' \
+        "$PY" > .gpu_bin/adacomp
+    chmod +x .gpu_bin/adacomp
 else
     "$PY" -m pip install -q -e ".[all,test]"
 fi
 "$PY" -c "import adacomp, pymoo; print('adacomp', adacomp.__file__)"
+adacomp bench >/dev/null && echo "adacomp CLI: $(command -v adacomp)"
