@@ -56,7 +56,10 @@ class Arm:
 
     def __init__(self, name: str, model: torch.nn.Module, data: Any, args: argparse.Namespace):
         self.name, self.model, self.data, self.args = name, model, data, args
-        self.cfg, self.warm = (None, 0) if name == "plain" else arm_config(name, args.every)
+        self.cfg: dict[str, Any] | None = None
+        self.warm = 0
+        if name != "plain":
+            self.cfg, self.warm = arm_config(name, args.every)
         self.local = self.cfg is not None and "local_steps" in self.cfg
         self.times: list[float] = []
         self.held: list[int] = []

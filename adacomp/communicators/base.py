@@ -185,13 +185,15 @@ class Communicator:
             f"Communicators that fit: {', '.join(fits)}")
 
 
-def square_sum(t: Tensor) -> float:
+def square_sum(t: Tensor) -> Tensor | float:
     """``sum(t ** 2)`` in one read (a dot product) without the two full-size temporaries of
-    ``t.float().square().sum()``; only feeds statistics (the compression gain)."""
+    ``t.float().square().sum()``; only feeds statistics (the compression gain). A 0-dim tensor on
+    ``t``'s device: :class:`StepStats` reads it when the gain is asked for, not per tensor (on an
+    accelerator each read waits for the device)."""
     flat = t.reshape(-1)
     if flat.dtype != torch.float32 and flat.dtype != torch.float64:
         flat = flat.float()
-    return float(torch.dot(flat, flat)) if flat.numel() else 0.0
+    return torch.dot(flat, flat) if flat.numel() else 0.0
 
 
 def get(name: str, **params: Any) -> Communicator:

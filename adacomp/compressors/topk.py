@@ -42,8 +42,11 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     n = flat.numel()
     if k >= n:
         return torch.arange(n, device=flat.device)
-    if workspace is None or n < PREFILTER_MIN_NUMEL or 4 * k > n or flat.dtype == torch.float64:
-        # float64 stays exact: the workspace's float32 magnitudes could create ties at the k-th value
+    if (workspace is None or n < PREFILTER_MIN_NUMEL or 4 * k > n or flat.dtype == torch.float64
+            or flat.device.type != "cpu"):
+        # float64 stays exact: the workspace's float32 magnitudes could create ties at the k-th value.
+        # On a GPU torch.topk is one radix selection on the device; the prefilter's candidate count is
+        # read back by the host (a wait per tensor), which costs more there than it saves (issue 33).
         return torch.topk(flat.abs(), k, sorted=False).indices
     a = workspace.magnitudes(flat)
     expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from torch import Tensor
+
 
 @dataclass
 class StepStats:
@@ -28,8 +30,8 @@ class StepStats:
     bytes_sent: int = 0
     dense_bytes: int = 0
     bucket_sync_s: dict[int, float] = field(default_factory=dict)
-    gain_num: float = 0.0
-    gain_den: float = 0.0
+    gain_num: float | Tensor = 0.0  # 0-dim device tensors until read (see add_gain)
+    gain_den: float | Tensor = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     @contextmanager
@@ -58,14 +60,19 @@ class StepStats:
         for k, v in other.extra.items():
             self.extra[k] = self.extra.get(k, 0.0) + v
 
-    def add_gain(self, compressed_sq: float, full_sq: float) -> None:
-        self.gain_num += float(compressed_sq)
-        self.gain_den += float(full_sq)
+    def add_gain(self, compressed_sq: float | Tensor, full_sq: float | Tensor) -> None:
+        """Add one tensor's squared norms. Tensors stay on their device and are summed there: reading
+        each back would make the host wait for the device once per tensor; :attr:`gain` reads once."""
+        self.gain_num = self.gain_num + compressed_sq
+        self.gain_den = self.gain_den + full_sq
 
     @property
     def gain(self) -> float | None:
         """E||g_c||^2 / E||g_e||^2 over this step's compressed tensors (None if nothing compressed)."""
-        return self.gain_num / self.gain_den if self.gain_den > 0 else None
+        num, den = float(self.gain_num), float(self.gain_den)
+        if isinstance(self.gain_num, Tensor) or isinstance(self.gain_den, Tensor):
+            self.gain_num, self.gain_den = num, den  # read once
+        return num / den if den > 0 else None
 
     @property
     def compression_ratio(self) -> float:
