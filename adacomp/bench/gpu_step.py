@@ -66,6 +66,7 @@ class Arm:
         self.peak: list[int] = []
         self.offload_s: list[float] = []
         self.ratio: list[float] = []
+        self.waits: list[int] = []
 
     def round(self, base_held: int) -> None:
         import adacomp
@@ -101,6 +102,7 @@ class Arm:
                 if st.dense_bytes:
                     self.ratio.append(st.dense_bytes / max(st.bytes_sent, 1))
         self.times.append(statistics.fmean(t) if self.local else statistics.median(t))
+        self.waits.append(host_waits(step))
         self.held.append(torch.cuda.memory_allocated() - base_held)
         self.peak.append(torch.cuda.max_memory_allocated())
         if self.cfg is not None:
@@ -108,6 +110,20 @@ class Arm:
         del opt, inner
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def host_waits(step: Callable[[], None]) -> int:
+    """How often one step makes the host wait for the device (torch's sync debug mode; the step's
+    own closing synchronisation included). Waits inside backward stop the host queueing ahead."""
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def backward_ms(model: torch.nn.Module, data: Any, amp: bool, n: int) -> float:
@@ -162,7 +178,7 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             "param_mib": params * 4 / 2 ** 20, "compression": statistics.median(arm.ratio) if arm.ratio else None,
             "offload_host_ms": off,
             "offload_hidden": None if off is None else max(0.0, min(1.0, 1.0 - extra / off)),
-            "local_every": args.every if arm.local else None, "rounds_ms": [1e3 * t for t in arm.times]})
+            "local_every": args.every if arm.local else None, "host_waits": max(arm.waits), "rounds_ms": [1e3 * t for t in arm.times]})
     del model, data, arms
     gc.collect()
     torch.cuda.empty_cache()
@@ -185,8 +201,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         r0 = mr[0]
         lines += [f"## {model} ({r0['params_m']:.1f}M parameters, {r0['param_mib']:.0f} MiB fp32; batch {r0['batch']})",
                   "", f"backward {r0['backward_ms']:.1f} ms, plain step {r0['plain_step_ms']:.1f} ms", "",
-                  "| method | step ms | extra ms | share of backward | held MiB | peak MiB | compression | offload |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| method | step ms | extra ms | share of backward | held MiB | peak MiB | compression | waits | offload |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in mr:
             if r["method"] == "plain":
                 continue
@@ -195,7 +211,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             comp = "" if r["compression"] is None else f"{r['compression']:.1f}x"
             lines.append(f"| {r['method']} | {r['step_ms']:.1f} | {r['extra_ms']:.1f} | "
                          f"{100 * r['share_of_backward']:.0f}% | {r['extra_held_mib']:.0f} | {r['extra_peak_mib']:.0f} | "
-                         f"{comp} | {off} |")
+                         f"{comp} | {r['host_waits']} | {off} |")
         lines.append("")
     write_result(out / "gpu_step.md", "One training step on a GPU per method", lines, args.command)
 
