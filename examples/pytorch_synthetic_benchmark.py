@@ -66,6 +66,10 @@ def main():
     args.cuda = not args.no_cuda and torch.cuda.is_available()
 
     hvd.init()
+    if args.cuda and hvd.local_size() > torch.cuda.device_count():
+        # one GPU per local rank, as in Horovod's example; more processes than GPUs on this host
+        # (say two on one GPU) would ask for a device that does not exist, so they train on the CPU
+        args.cuda = False
     if args.cuda:
         torch.cuda.set_device(hvd.local_rank())
     torch.set_num_threads(1)

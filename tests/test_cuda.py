@@ -160,7 +160,7 @@ def test_host_waits_for_the_device_do_not_grow_with_the_number_of_tensors(method
     if DEV != "cuda":
         pytest.skip("counts CUDA synchronisations")
     few, many = _syncs_per_step(method, 4), _syncs_per_step(method, 16)
-    assert many == few, (method, few, many)
+    assert many <= few, (method, few, many)
 
 
 def test_error_feedback_residual_stays_on_the_device_and_equals_the_cpu_one() -> None:

@@ -27,6 +27,9 @@ from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCo
                                         TINY, k_for, sample_value, scatter)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
+GPU_PREFILTER_MIN_NUMEL = 1 << 25
+"""On a GPU (H100, docs/results/cuda.md) torch.topk alone took 0.17-0.54 ms up to 2^24 elements against the
+prefilter's 0.65-0.89 ms, and 1.6-7.8 ms at 2^26-2^28 against the prefilter's 1.1-6.7 ms."""
 
 
 def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Tensor:
@@ -43,10 +46,11 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     if k >= n:
         return torch.arange(n, device=flat.device)
     if (workspace is None or n < PREFILTER_MIN_NUMEL or 4 * k > n or flat.dtype == torch.float64
-            or flat.device.type != "cpu"):
+            or (flat.device.type != "cpu" and n < GPU_PREFILTER_MIN_NUMEL)):
         # float64 stays exact: the workspace's float32 magnitudes could create ties at the k-th value.
-        # On a GPU torch.topk is one radix selection on the device; the prefilter's candidate count is
-        # read back by the host (a wait per tensor), which costs more there than it saves (issue 33).
+        # On a GPU torch.topk is one radix selection on the device, while the prefilter reads its
+        # candidate count back (the host waits for the device): below GPU_PREFILTER_MIN_NUMEL that
+        # wait costs more than the smaller selection saves.
         return torch.topk(flat.abs(), k, sorted=False).indices
     a = workspace.magnitudes(flat)
     expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
