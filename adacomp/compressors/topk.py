@@ -29,7 +29,7 @@ from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCo
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
 """On a GPU (H100, docs/results/cuda.md) torch.topk alone took 0.17-0.54 ms up to 2^24 elements against the
-prefilter's 0.65-0.89 ms, and 1.6-7.8 ms at 2^26-2^28 against the prefilter's 1.1-6.7 ms."""
+prefilter's 0.61-0.89 ms, and 1.6-7.8 ms at 2^26-2^28 against the prefilter's 1.1-6.7 ms."""
 
 
 def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Tensor:
