@@ -116,10 +116,10 @@ def resume(arm: str, ckpt: str) -> dict[str, Any]:
     dcp.save({"model": msd, "optim": osd, "adacomp": state.dcp_state_dict()}, checkpoint_id=ckpt)
     net2, opt2, state2 = build()
     msd2, osd2 = get_state_dict(net2, opt2)
-    template = {"model": msd2, "optim": osd2, "adacomp": state.dcp_state_dict()}  # shapes of this rank's entries
+    template = {"model": msd2, "optim": osd2}
     dcp.load(template, checkpoint_id=ckpt)
     set_state_dict(net2, opt2, model_state_dict=template["model"], optim_state_dict=template["optim"])
-    state2.load_dcp_state_dict(template["adacomp"])
+    state2.load_dcp(ckpt)  # every rank's entry read from the checkpoint: a fresh state has no residuals to template
     train(net2, opt2, range(3, STEPS))
     return {"params": [p.full_tensor().detach().clone() for p in net2.parameters()], "adacomp": state2.state_dict()}
 

@@ -23,6 +23,7 @@ local steps on sharded parameters.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,9 +91,12 @@ class ReplicaState:
     """Every FSDP unit's round over the replicate group; ``state_dict()`` / ``load_state_dict()``
     hold each unit's residuals and compressor state (this rank's: per-rank, as for the DDP hook)."""
 
+    kind = "hsdp"
+
     def __init__(self, config: Any, replicate_group: Any, backend: Backend | None = None, grad_scaler: Any = None):
         self.config: Config = load(config)
         self.group, self.backend, self.grad_scaler = replicate_group, backend, grad_scaler
+        self.world = torch.distributed.get_world_size(replicate_group)
         self.units: dict[str, _Unit] = {}
         self.pending: dict[str, dict[str, Any]] = {}  # loaded before a unit's first backward
 
@@ -107,19 +111,12 @@ class ReplicaState:
         return {"units": {**self.pending, **out}}
 
     def dcp_state_dict(self) -> dict[str, Any]:
-        """This rank's state under a key of its own, for ``torch.distributed.checkpoint``: DCP writes
-        a plain (non-DTensor) entry once, from one rank, when every rank has the same key; residuals
-        differ per rank (per shard and per replica), so each rank's go under ``rank<r>``. Load with
-        :meth:`load_dcp_state_dict` after ``dcp.load`` into a :meth:`dcp_state_dict` template (the
-        same world size and mesh; another world size is not supported yet)."""
-        return {f"rank{torch.distributed.get_rank()}": self.state_dict()}
+        """This rank's state for ``torch.distributed.checkpoint`` (see :func:`_dcp_state_dict`); resume
+        with :meth:`load_dcp`."""
+        return _dcp_state_dict(self)
 
-    def load_dcp_state_dict(self, state: dict[str, Any]) -> None:
-        key = f"rank{torch.distributed.get_rank()}"
-        if key not in state:
-            raise ValueError(f"adacomp.fsdp: the checkpoint holds {sorted(state)}, not this rank's {key!r}: was it "
-                             "written by a job with another world size?")
-        self.load_state_dict(state[key])
+    def load_dcp(self, checkpoint_id: Any, key: str = "adacomp") -> None:
+        _load_dcp(self, checkpoint_id, key)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, unit_state in state["units"].items():
@@ -133,27 +130,247 @@ class ReplicaState:
                 unit.state.load_state_dict(unit_state)
 
 
-def register(model: torch.nn.Module, config: Any = None, *, replicate_group: Any, backend: Backend | None = None,
-             grad_scaler: Any = None) -> ReplicaState:
-    """Install adacomp's round as the all-reduce hook of every FSDP unit in ``model`` (FSDP2 over a
-    1-D shard mesh), averaging each shard over ``replicate_group`` (HSDP's replicate dimension)."""
+
+# --- plain FSDP2: compression on the reduce-scatter ---------------------------------------------------
+
+@dataclass
+class _Piece:
+    """One parameter's place in an FSDP unit's reduce-scatter input: FSDP2 lays the input out as
+    ``[world, row]``, row r the concatenation of every parameter's r-th dim-0 chunk (padded)."""
+
+    name: str
+    shape: torch.Size  # the full (unsharded) shape
+    offset: int  # into a row
+    chunk: int  # numel of one rank's padded chunk
+
+
+class _Gradients:
+    """The bucket interface :class:`HookState` reads, over a unit's full gradients (one per
+    parameter, rebuilt from the reduce-scatter input); the means are written back into them."""
+
+    def __init__(self, keys: list[Tensor], grads: list[Tensor]):
+        self.keys, self.grads = keys, grads
+
+    def index(self) -> int:
+        return 0
+
+    def parameters(self) -> list[Tensor]:
+        return self.keys
+
+    def gradients(self) -> list[Tensor]:
+        return self.grads
+
+    def buffer(self) -> Tensor:
+        return self.grads[0]
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _reduce_scatter_base() -> type:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    return ReduceScatter
+
+
+class _Scatter:
+    """One FSDP unit's reduce-scatter (FSDP2's ``set_custom_reduce_scatter``): every rank's full
+    gradient goes through adacomp's round over the shard group (per parameter, with its model name
+    and full shape, so routes, compressors and residuals are the DDP path's), and each rank keeps
+    the rows of the mean it owns. A unit whose parameters all route to ``compressor: none`` runs
+    FSDP2's own ``reduce_scatter_single``: bitwise native, and half the bytes of an all-reduce."""
+
+    def __init__(self, owner: "ScatterState", name: str, pieces: list[_Piece], dtype: torch.dtype):
+        self.owner, self.name, self.pieces = owner, name, pieces
+        # stand-ins of the full shape for the route table (no storage: a 0-dim tensor expanded)
+        self.keys = [torch.zeros((), dtype=dtype).expand(pc.shape).requires_grad_() for pc in pieces]
+        self.state = HookState(owner.config, [(pc.name, k) for pc, k in zip(pieces, self.keys)],
+                               backend=owner.backend, grad_scaler=owner.grad_scaler,
+                               process_group=owner.group if owner.backend is None else None)
+        self.native = all(self.state.table.route_of[pc.name].compressor.name == "none" for pc in pieces)
+        self.calls = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        import torch.distributed as dist
+        self.calls += 1
+        if self.native:
+            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise RuntimeError(f"adacomp.fsdp (FSDP unit {self.name!r}): FSDP2 asked for reduce op {op!r}; adacomp "
+                               "averages (AVG) or sums (SUM) only, so set_reduce_scatter_divide_factor / "
+                               "set_gradient_divide_factor cannot be combined with compression")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if world != self.owner.world:
+            raise RuntimeError(f"adacomp.fsdp (FSDP unit {self.name!r}): reduce-scatter over {world} ranks, but the "
+                               f"state was registered for the unit's {self.owner.world}-rank shard mesh")
+        rows = input_tensor.view(world, -1)
+        grads = [rows[:, pc.offset:pc.offset + pc.chunk].reshape(-1, *pc.shape[1:])[:pc.shape[0]].contiguous()
+                 for pc in self.pieces]
+        self.state(_Gradients(self.keys, grads))  # the means replace grads, in place
+        for pc, g in zip(self.pieces, grads):
+            per_row = g[0].numel() if g.dim() > 0 and g.shape[0] else 1
+            n_rows = pc.chunk // per_row
+            lo, hi = min(rank * n_rows, pc.shape[0]), min((rank + 1) * n_rows, pc.shape[0])
+            dst = output_tensor[pc.offset:pc.offset + pc.chunk]
+            n = (hi - lo) * per_row
+            if n:
+                dst[:n].copy_(g.reshape(pc.shape[0], -1)[lo:hi].reshape(-1))
+            dst[n:].zero_()  # FSDP2's padding rows: the reduce-scatter of zeros
+            if op == dist.ReduceOp.SUM:  # FSDP2 divides afterwards (fp16 reduce dtype)
+                dst.mul_(world)
+        return None
+
+
+class ScatterState:
+    """Every FSDP unit's compressed reduce-scatter (plain FSDP2). ``state_dict()`` holds each
+    unit's residuals and compressor state: per rank, and *full size* (the residual of what this rank
+    compressed, its whole local gradient), so error feedback costs what it costs under DDP, not a
+    shard's worth."""
+
+    kind = "fsdp"
+
+    def __init__(self, config: Any, group: Any, world: int, backend: Backend | None = None, grad_scaler: Any = None):
+        self.config: Config = load(config)
+        self.group, self.world, self.backend, self.grad_scaler = group, world, backend, grad_scaler
+        self.units: dict[str, _Scatter] = {}
+
+    @property
+    def steps(self) -> int:
+        """Rounds completed by the first compressed unit (0 when every unit is native)."""
+        built = [u.state.steps for u in self.units.values() if not u.native]
+        return built[0] if built else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"units": {name: u.state.state_dict() for name, u in self.units.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, unit_state in state["units"].items():
+            if name not in self.units:
+                raise ValueError(f"adacomp.fsdp state has unit {name!r}, which this model does not have; units: "
+                                 f"{sorted(self.units)}")
+            self.units[name].state.load_state_dict(unit_state)
+
+    def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+        """This rank's state from every old rank's (rank order) for a job of ``world`` ranks: each
+        unit by the world-size rule of adacomp.checkpoint_reshard (residuals: the mean over the old
+        ranks, so what the averaged update owes is kept)."""
+        return {"units": {name: u.state.io.reshard([s["units"].get(name, {"components": {}}) for s in states],
+                                                    world, rank)
+                          for name, u in self.units.items() if name in states[0]["units"]}}
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        return _dcp_state_dict(self)
+
+    def load_dcp(self, checkpoint_id: Any, key: str = "adacomp") -> None:
+        _load_dcp(self, checkpoint_id, key)
+
+
+def _dcp_state_dict(state: Any) -> dict[str, Any]:
+    """This rank's state under ``rank<r>`` (DCP writes a plain entry once, from one rank, when every
+    rank has the same key; residuals differ per rank), and the layout it was saved with (equal on
+    every rank: written once) so a resume on another world size is recognised."""
+    import torch.distributed as dist
+    layout = {"kind": state.kind, "world": dist.get_world_size(), "group": int(state.world)}
+    return {f"rank{dist.get_rank()}": state.state_dict(), "layout": layout}
+
+
+def _load_dcp(state: Any, checkpoint_id: Any, key: str) -> None:
+    """Read every old rank's entry under ``key`` of a DCP checkpoint (not a template: a fresh state
+    has no residuals yet, and a template would silently load none) and load this rank's; on another
+    world size, plain FSDP2's full-size residuals are resharded by the world-size rule, HSDP's
+    (sharded by the old mesh) are refused naming both layouts."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    saved = _load_state_dict_from_keys({key}, checkpoint_id=checkpoint_id)[key]
+    layout = saved.get("layout")
+    if layout is None:
+        raise ValueError(f"adacomp.fsdp: the checkpoint's {key!r} entry has no layout: was it written by "
+                         "state.dcp_state_dict()?")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if layout["kind"] != state.kind:
+        raise ValueError(f"adacomp.fsdp: the checkpoint holds {layout['kind']} state (register(..., "
+                         f"replicate_group=...) {'with' if layout['kind'] == 'hsdp' else 'without'} a replicate group); "
+                         f"this model's state is {state.kind}")
+    if layout["world"] == world and layout["group"] == state.world:
+        state.load_state_dict(saved[f"rank{rank}"])
+        return
+    if state.kind == "hsdp":
+        raise ValueError(f"adacomp.fsdp: the checkpoint was written by {layout['world']} ranks with a replicate group "
+                         f"of {layout['group']}; this job has {world} ranks with a replicate group of {state.world}. "
+                         "HSDP's residuals are sharded like the parameters, and resharding them to another mesh is "
+                         "not supported: resume on the same mesh, or leave the 'adacomp' key out of the load to start "
+                         "error feedback fresh")
+    olds = [saved[f"rank{r}"] for r in range(layout["world"])]
+    state.load_state_dict(state.reshard(olds, world, rank))
+
+
+def _pieces(module: Any, names: dict[int, str], world: int) -> tuple[list[_Piece], torch.dtype]:
+    """The layout of a unit's reduce-scatter input, from its FSDP parameters (FSDP2 keeps them on
+    its param group; there is no public accessor in torch 2.13)."""
+    from torch.distributed.tensor import Shard
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if not groups:  # a unit whose parameters all belong to inner units (a root wrapper)
+        return [], torch.float32
+    if len(groups) != 1:
+        raise ValueError("adacomp.fsdp: a unit with several param groups (shard_placement_fn with per-parameter "
+                         "meshes) has no single reduce-scatter to compress")
+    out, offset, dtype = [], 0, torch.float32
+    for fp in groups[0].fsdp_params:
+        if fp.fsdp_placement != Shard(0):
+            raise ValueError(f"adacomp.fsdp: parameter {names.get(id(fp.sharded_param), '?')!r} is sharded on "
+                             f"{fp.fsdp_placement}; compression supports Shard(0) (fully_shard's default) only")
+        chunk = fp.padded_sharded_param_size.numel()
+        out.append(_Piece(names[id(fp.sharded_param)], torch.Size(fp.sharded_param.shape), offset, chunk))
+        offset, dtype = offset + chunk, fp.sharded_param.dtype
+    return out, dtype
+
+
+def register(model: torch.nn.Module, config: Any = None, *, replicate_group: Any = None,
+             backend: Backend | None = None, grad_scaler: Any = None) -> "ReplicaState | ScatterState":
+    """Compress every FSDP unit of ``model``'s gradient reduction with adacomp's round.
+
+    * ``replicate_group`` given (HSDP: FSDP2 over the 1-D shard mesh, replicas across it): each
+      shard is averaged over the replicate group from FSDP2's all-reduce hook; residuals are sharded.
+    * no ``replicate_group`` (plain FSDP2 over a 1-D mesh): each unit's reduce-scatter is replaced
+      through ``set_custom_reduce_scatter`` (docs.pytorch.org, ``FSDPModule``); full-size residuals.
+    """
     from torch.distributed.fsdp import FSDPModule
-    if replicate_group is None:
-        raise ConfigError("replicate_group", "adacomp.fsdp compresses HSDP's replicate dimension: pass the "
-                                             "replicate group (mesh['replicate'].get_group()); compressing plain "
-                                             "FSDP2's reduce-scatter is not supported yet")
-    state = ReplicaState(config, replicate_group, backend, grad_scaler)
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            if getattr(module, "_adacomp_fsdp", None) is not None:
-                raise RuntimeError(f"FSDP unit {name or '<root>'!r} already has an adacomp.fsdp hook")
-            unit = _Unit(state, name or "<root>")
-            state.units[unit.name] = unit
+    config = load(config)  # an invalid config fails here, on every rank, before any collective
+    units = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError("adacomp.fsdp.register: no FSDP unit in the model; call fully_shard(...) first")
+    for name, module in units:
+        if getattr(module, "_adacomp_fsdp", None) is not None:
+            raise RuntimeError(f"FSDP unit {name!r} already has an adacomp.fsdp hook")
+    if replicate_group is not None:
+        rstate = ReplicaState(config, replicate_group, backend, grad_scaler)
+        for name, module in units:
+            unit = _Unit(rstate, name)
+            rstate.units[name] = unit
             module.set_all_reduce_hook(unit)
             setattr(module, "_adacomp_fsdp", unit)  # marks the unit: one adacomp.fsdp state per model
-    if not state.units:
-        raise ValueError("adacomp.fsdp.register: no FSDP unit in the model; call fully_shard(...) first")
-    return state
+        return rstate
+    names = {id(p): n for n, p in model.named_parameters()}
+    meshes = {p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
+    if len(meshes) != 1 or next(iter(meshes)).ndim != 1:
+        raise ValueError(f"adacomp.fsdp.register without replicate_group compresses plain FSDP2's reduce-scatter over "
+                         f"one 1-D mesh; this model's parameters are on {len(meshes)} mesh(es) "
+                         f"{[m.ndim for m in meshes]}-D. For HSDP pass fully_shard the shard mesh and "
+                         "replicate_group=mesh['replicate'].get_group()")
+    mesh = next(iter(meshes))
+    sstate = ScatterState(config, mesh.get_group(), mesh.size(), backend, grad_scaler)
+    for name, module in units:
+        pieces, dtype = _pieces(module, names, mesh.size())
+        if not pieces:
+            continue
+        comm = _Scatter(sstate, name, pieces, dtype)
+        sstate.units[name] = comm
+        module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
+        setattr(module, "_adacomp_fsdp", comm)
+    return sstate
 
 
-__all__ = ["ReplicaState", "register"]
+__all__ = ["ReplicaState", "ScatterState", "register"]

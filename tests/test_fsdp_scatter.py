@@ -1,0 +1,248 @@
+"""adacomp on plain FSDP2's reduce-scatter (issue 34), 2 gloo ranks (3 for the resume on another
+world size): ``adacomp.fsdp.register(model, cfg)`` without a replicate group installs a custom
+reduce-scatter (``set_custom_reduce_scatter``) on every FSDP unit.
+
+* ``compressor: none`` gives plain FSDP2's parameters bitwise (the unit runs FSDP2's own
+  reduce-scatter through the custom comm).
+* A compressor gives the parameters the same compressor gives through adacomp's DDP hook on the
+  same batches (every rank's full gradient goes through the same round; only summation order may
+  differ), for a sparsifier, a low-rank method and a dense cast.
+* A DCP checkpoint of the error-feedback state resumes on another world size by the world-size
+  rule (each new rank's residual is the mean of the old ranks'), HSDP's on another mesh is refused
+  naming both layouts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import run_workers
+
+STEPS = 5
+CONFIGS: dict[str, dict[str, Any]] = {
+    "topk": {"compressor": {"name": "topk", "density": 0.05}, "memory": {"name": "residual"},
+             "communicator": {"name": "allgather"}, "min_numel": 0},
+    "powersgd": {"compressor": {"name": "powersgd", "rank": 2, "min_compression_rate": 0.0}, "min_numel": 0},
+    "bf16": {"compressor": {"name": "bf16"}, "communicator": {"name": "allreduce"}, "min_numel": 0},
+}
+
+
+def _model() -> torch.nn.Module:
+    """The last layer has 5 rows: dim 0 does not divide by 2 or 3 ranks, so FSDP2 pads it."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 5))
+
+
+def _shard(net: torch.nn.Module) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for m in net:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return mesh
+
+
+def _steps(net: torch.nn.Module, opt: Any, steps: range) -> list[float]:
+    import torch.nn.functional as F
+    rank, losses = torch.distributed.get_rank(), []
+    for s in steps:
+        g = torch.Generator().manual_seed(100 * s + rank)
+        x = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), x[:, :5].argmax(dim=1))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _full(net: torch.nn.Module) -> list[torch.Tensor]:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in net.parameters()]
+
+
+def _run(arm: str, cfg: dict[str, Any] | None) -> dict[str, Any]:
+    """One arm on this rank: ``fsdp-native`` (FSDP2 alone), ``fsdp`` (FSDP2 with adacomp's
+    reduce-scatter) or ``ddp`` (DDP with adacomp's hook), the same model, batches and optimizer."""
+    import adacomp
+    net = _model()
+    out: dict[str, Any] = {}
+    if arm == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model: Any = DDP(net)
+        hook_state = adacomp.ddp.register(model, cfg)
+    else:
+        _shard(net)
+        model = net
+        if arm == "fsdp":
+            state = adacomp.fsdp.register(net, cfg)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    out["losses"] = _steps(model, opt, range(STEPS))
+    out["params"] = _full(net)
+    if arm == "fsdp":
+        out["calls"] = {n: u.calls for n, u in state.units.items()}
+        out["native"] = {n: u.native for n, u in state.units.items()}
+        out["steps"] = state.steps
+        stats = [u.state.last_stats for u in state.units.values() if u.state.last_stats is not None]
+        out["sent"], out["dense"] = sum(s.bytes_sent for s in stats), sum(s.dense_bytes for s in stats)
+    if arm == "ddp":
+        out["steps"] = hook_state.steps
+    return out
+
+
+def _parity_worker(name: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    if name == "none":
+        return {"native": _run("fsdp-native", None), "fsdp": _run("fsdp", {"compressor": {"name": "none"}})}
+    return {"ddp": _run("ddp", CONFIGS[name]), "fsdp": _run("fsdp", CONFIGS[name])}
+
+
+def test_none_equals_plain_fsdp2_bitwise() -> None:
+    for rank, res in enumerate(run_workers(_parity_worker, 2, "none", timeout=300)):
+        ours, native = res["fsdp"], res["native"]
+        assert set(ours["calls"]) == {"0", "2", "4"} and all(ours["native"].values())
+        assert all(c == STEPS for c in ours["calls"].values()), ours["calls"]  # the custom comm ran every step
+        assert ours["losses"] == native["losses"], rank
+        assert all(torch.equal(a, b) for a, b in zip(ours["params"], native["params"])), rank
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_compressed_fsdp2_equals_the_ddp_hook(name: str) -> None:
+    """The same compressor, memory and communicator on every parameter's full gradient: the mean
+    is the same math, so FSDP2 and DDP agree to float rounding (summation order in the collectives)."""
+    results = run_workers(_parity_worker, 2, name, timeout=300)
+    for rank, res in enumerate(results):
+        fsdp, ddp = res["fsdp"], res["ddp"]
+        assert fsdp["steps"] == ddp["steps"] == STEPS
+        assert not any(fsdp["native"].values())
+        assert 0 < fsdp["sent"] < fsdp["dense"], (fsdp["sent"], fsdp["dense"])
+        for a, b in zip(fsdp["params"], ddp["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["params"], results[0]["fsdp"]["params"]))  # ranks agree
+    untouched = _model()
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(results[0]["fsdp"]["params"], untouched.parameters()))
+
+
+def _residuals(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every residual tensor of a ScatterState.state_dict(), by unit / component / key."""
+    out = {}
+    for unit, us in state["units"].items():
+        for comp, cs in us["components"].items():
+            if comp.startswith("memory/"):
+                for k, t in cs.items():
+                    if isinstance(t, torch.Tensor):
+                        out[f"{unit}/{k}"] = t
+                    elif isinstance(t, dict):
+                        out.update({f"{unit}/{k}/{kk}": v for kk, v in t.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _save_worker(ckpt: str) -> dict[str, Any]:
+    """3 Top-k steps under plain FSDP2 on this world, a DCP checkpoint (model, optimizer, adacomp)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import adacomp
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    net = _model()
+    _shard(net)
+    state = adacomp.fsdp.register(net, CONFIGS["topk"])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _steps(net, opt, range(3))
+    msd, osd = get_state_dict(net, opt)
+    dcp.save({"model": msd, "optim": osd, "adacomp": state.dcp_state_dict()}, checkpoint_id=ckpt)
+    return {"residuals": _residuals(state.state_dict()), "params": _full(net)}
+
+
+def _resume_worker(ckpt: str) -> dict[str, Any]:
+    """A fresh FSDP2 model on another world size resumes from the checkpoint, then trains 2 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import adacomp
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    net = _model()
+    _shard(net)
+    state = adacomp.fsdp.register(net, CONFIGS["topk"])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    msd, osd = get_state_dict(net, opt)
+    template = {"model": msd, "optim": osd}
+    dcp.load(template, checkpoint_id=ckpt)
+    set_state_dict(net, opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
+    state.load_dcp(ckpt)
+    out: dict[str, Any] = {"residuals": _residuals(state.state_dict()), "params": _full(net)}
+    out["losses"] = _steps(net, opt, range(3, 5))
+    out["steps"] = state.steps
+    return out
+
+
+def test_dcp_resume_on_another_world_size_applies_the_world_size_rule(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "dcp")
+    saved = run_workers(_save_worker, 2, ckpt, timeout=300)
+    resumed = run_workers(_resume_worker, 3, ckpt, timeout=300)
+    keys = set(saved[0]["residuals"])
+    assert keys and all(set(s["residuals"]) == keys for s in saved)
+    for rank, res in enumerate(resumed):
+        assert set(res["residuals"]) == keys, rank
+        for k in keys:  # every new rank owes the mean of what the old ranks owed
+            mean = (saved[0]["residuals"][k] + saved[1]["residuals"][k]) / 2
+            torch.testing.assert_close(res["residuals"][k], mean, rtol=1e-6, atol=1e-7)
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], saved[0]["params"])), rank
+        assert res["steps"] == 3 + 2 and all(torch.isfinite(torch.tensor(res["losses"])))
+
+
+def _hsdp_worker(ckpt: str, replicas: int) -> str:
+    """HSDP on 2 ranks as ``replicas`` x (2 / replicas): save on a 2 x 1 mesh, resume on 1 x 2."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import adacomp
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    net = _model()
+    mesh = init_device_mesh("cpu", (replicas, 2 // replicas), mesh_dim_names=("replicate", "shard"))
+    fully_shard(net, mesh=mesh["shard"])
+    state = adacomp.fsdp.register(net, CONFIGS["topk"], replicate_group=mesh["replicate"].get_group())
+    if replicas == 2:
+        _steps(net, torch.optim.SGD(net.parameters(), lr=0.1), range(2))
+        dcp.save({"adacomp": state.dcp_state_dict()}, checkpoint_id=ckpt)
+        return "saved"
+    try:
+        state.load_dcp(ckpt)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_hsdp_resume_on_another_mesh_is_refused_naming_both(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "dcp")
+    assert run_workers(_hsdp_worker, 2, ckpt, 2, timeout=300) == ["saved", "saved"]
+    for msg in run_workers(_hsdp_worker, 2, ckpt, 1, timeout=300):
+        assert "replicate group of 2" in msg and "replicate group of 1" in msg and "not supported" in msg, msg
+
+
+def _bad_config_worker() -> str:
+    import adacomp
+    torch.distributed.init_process_group("gloo")
+    net = _model()
+    _shard(net)
+    try:
+        adacomp.fsdp.register(net, {"compressor": {"name": "no-such"}})
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def test_invalid_config_fails_before_any_collective() -> None:
+    """Both ranks raise at register (no collective ran: a rank that passed would hang its peer)."""
+    for msg in run_workers(_bad_config_worker, 2, timeout=120):
+        assert "compressor" in msg and "no-such" in msg and "topk" in msg, msg
