@@ -1,5 +1,5 @@
-"""``from adacomp.fsdp import register``: adacomp's compression on HSDP's replicate dimension
-(FSDP2; the implementation is :mod:`adacomp.engine.fsdp`)."""
-from adacomp.engine.fsdp import ReplicaState, register
+"""``from adacomp.fsdp import register``: adacomp's compression on FSDP2, HSDP's replicate dimension
+or plain FSDP2's reduce-scatter (the implementation is :mod:`adacomp.engine.fsdp`)."""
+from adacomp.engine.fsdp import ReplicaState, ScatterState, register
 
-__all__ = ["ReplicaState", "register"]
+__all__ = ["ReplicaState", "ScatterState", "register"]

@@ -1,25 +1,38 @@
-"""adacomp's compressors on HSDP's replicate dimension (FSDP2, ``fully_shard``).
+"""adacomp's compressors on FSDP2 (``fully_shard``): HSDP's replicate dimension, or plain FSDP2's
+reduce-scatter.
 
+    # HSDP: shard inside a host, replicate across hosts; compress the replicate all-reduce
     mesh = init_device_mesh("cpu", (hosts, per_host), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks: fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     state = adacomp.fsdp.register(model, "configs/topk.yaml", replicate_group=mesh["replicate"].get_group())
 
-Why the replicate dimension: HSDP shards parameters inside a host (fast links) and replicates them
-across hosts (the slow link), where every step all-reduces each shard's gradient. That all-reduce is
-what compression should shrink. FSDP2 hands each unit's reduce-scatter output (this rank's shard of
-the gradient, averaged over the shard group) to ``set_all_reduce_hook`` when it runs over a 1-D shard
-mesh; :func:`register` installs a hook that averages it over ``replicate_group`` through adacomp's
-round (the same begin -> launch -> vote -> finish -> rollback code as the optimizer and the DDP hook),
-in place. With ``compressor: none`` this is exactly native HSDP's all-reduce (the same sums and
-divisions: tests/test_fsdp.py checks bitwise equality with ``fully_shard`` over a 2-D mesh).
+    # plain FSDP2 over a 1-D mesh: compress the reduce-scatter
+    state = adacomp.fsdp.register(model, "configs/topk.yaml")
 
-Each FSDP unit is one flat tensor to the round (its shard: the error-feedback state is sharded
-like the parameters, each rank keeping the residual of the shard it owns), keyed by the unit's
-module name. ``state_dict()`` is this rank's (as for the DDP hook); ``dcp_state_dict()`` puts it
-under a rank key for ``torch.distributed.checkpoint`` (resume is bitwise: tests/test_fsdp.py). Not
-yet: compression of the reduce-scatter itself (plain FSDP2), a DCP resume on another world size,
-local steps on sharded parameters.
+Why the replicate dimension: HSDP shards parameters inside a host (fast links) and replicates them
+across hosts (the slow link), where every step all-reduces each shard's gradient. FSDP2 hands each
+unit's reduce-scatter output to ``set_all_reduce_hook`` when it runs over a 1-D shard mesh; the hook
+averages it over ``replicate_group`` through adacomp's round (the optimizer's and the DDP hook's
+begin -> launch -> vote -> finish -> rollback), in place. Each unit's shard is one flat tensor to the
+round, so error feedback is sharded like the parameters. ``compressor: none`` is native HSDP bitwise.
+
+Plain FSDP2: a compressed payload cannot be summed piecewise by a reduce-scatter, so each unit's
+reduce-scatter (``set_custom_reduce_scatter``) sends every rank's *full* gradient through the round
+over the shard group (per parameter, with its model name and full shape: the DDP hook's routes,
+compressors and residuals; a sparsifier with ``allgather`` is allgather-then-reduce, a cast or
+quantiser with ``allreduce`` is dense) and each rank keeps its own rows of the mean. The cost, said
+plainly: the residual is of the full gradient on every rank (error feedback costs what it costs under
+DDP, ``W`` times a shard), and the mean is computed in full on every rank. A unit whose parameters
+all route to ``compressor: none`` runs FSDP2's own reduce-scatter (bitwise native).
+
+``state_dict()`` is this rank's (as for the DDP hook). ``dcp_state_dict()`` puts it under a rank
+key with the layout for ``torch.distributed.checkpoint``; ``load_dcp(checkpoint_id)`` reads every
+saved rank's entry and loads this rank's: bitwise on the same world size, by the world-size rule of
+:mod:`adacomp.checkpoint_reshard` for plain FSDP2 on another, refused for HSDP on another mesh.
+Tests: tests/test_fsdp.py (HSDP, 4 ranks), tests/test_fsdp_scatter.py (plain FSDP2, 2 and 3 ranks).
+Not yet: local steps on sharded parameters, a compressed reduce-scatter that moves only each owner's
+part (alltoall of compressed parts).
 """
 from __future__ import annotations
 
