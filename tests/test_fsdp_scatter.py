@@ -246,3 +246,24 @@ def test_invalid_config_fails_before_any_collective() -> None:
     """Both ranks raise at register (no collective ran: a rank that passed would hang its peer)."""
     for msg in run_workers(_bad_config_worker, 2, timeout=120):
         assert "compressor" in msg and "no-such" in msg and "topk" in msg, msg
+
+
+def test_bench_fsdp_writes_every_arm(tmp_path: Path) -> None:
+    """``adacomp bench fsdp`` at a tiny size (4 ranks it starts itself): the plumbing, not the
+    numbers; Top-k's payload is far below the dense gradient, the bf16 cast's about half of it."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "fsdp.md"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "adacomp.tools.cli", "bench", "fsdp", "--layers", "1", "--width", "64",
+                           "--vocab", "512", "--steps", "2", "--block", "2", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r[0].strip() for r in rows][0] == "FSDP2 (native reduce-scatter)" and len(rows) == 5
+    payload = {r[0].strip(): float(r[3]) for r in rows}
+    dense = payload["FSDP2 (native reduce-scatter)"]
+    assert payload["FSDP2 + adacomp Top-k 1 %"] < dense / 10
+    assert 0.45 * dense < payload["FSDP2 + adacomp bf16 cast"] < 0.6 * dense  # tensors under min_numel stay fp32
