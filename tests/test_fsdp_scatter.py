@@ -7,6 +7,8 @@ reduce-scatter (``set_custom_reduce_scatter``) on every FSDP unit.
 * A compressor gives the parameters the same compressor gives through adacomp's DDP hook on the
   same batches (every rank's full gradient goes through the same round; only summation order may
   differ), for a sparsifier, a low-rank method and a dense cast.
+* With FSDP2's bf16 / fp16 MixedPrecisionPolicy and clipping: ``none`` is native bitwise, a
+  lossless cast through the round lands within rounding (fp16 takes FSDP2's SUM op).
 * A DCP checkpoint of the error-feedback state resumes on another world size by the world-size
   rule (each new rank's residual is the mean of the old ranks'), HSDP's on another mesh is refused
   naming both layouts.
@@ -37,18 +39,21 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(64, 5))
 
 
-def _shard(net: torch.nn.Module) -> Any:
+def _shard(net: torch.nn.Module, reduce_dtype: torch.dtype | None = None) -> Any:
+    """fully_shard per Linear and at the root; ``reduce_dtype``: FSDP2's MixedPrecisionPolicy with
+    parameters and reduction in that dtype."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype) if reduce_dtype else MixedPrecisionPolicy()
     for m in net:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(net, mesh=mesh, mp_policy=mp)
     return mesh
 
 
-def _steps(net: torch.nn.Module, opt: Any, steps: range) -> list[float]:
+def _steps(net: torch.nn.Module, opt: Any, steps: range, clip: bool = False) -> list[float]:
     import torch.nn.functional as F
     rank, losses = torch.distributed.get_rank(), []
     for s in steps:
@@ -57,6 +62,8 @@ def _steps(net: torch.nn.Module, opt: Any, steps: range) -> list[float]:
         opt.zero_grad()
         loss = F.cross_entropy(net(x), x[:, :5].argmax(dim=1))
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
         opt.step()
         losses.append(float(loss.detach()))
     return losses
@@ -66,9 +73,10 @@ def _full(net: torch.nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in net.parameters()]
 
 
-def _run(arm: str, cfg: dict[str, Any] | None) -> dict[str, Any]:
+def _run(arm: str, cfg: dict[str, Any] | None, reduce_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """One arm on this rank: ``fsdp-native`` (FSDP2 alone), ``fsdp`` (FSDP2 with adacomp's
-    reduce-scatter) or ``ddp`` (DDP with adacomp's hook), the same model, batches and optimizer."""
+    reduce-scatter) or ``ddp`` (DDP with adacomp's hook), the same model, batches and optimizer;
+    with ``reduce_dtype``, FSDP2's mixed precision and gradient clipping on the DTensor gradients."""
     import adacomp
     net = _model()
     out: dict[str, Any] = {}
@@ -77,12 +85,12 @@ def _run(arm: str, cfg: dict[str, Any] | None) -> dict[str, Any]:
         model: Any = DDP(net)
         hook_state = adacomp.ddp.register(model, cfg)
     else:
-        _shard(net)
+        _shard(net, reduce_dtype)
         model = net
         if arm == "fsdp":
             state = adacomp.fsdp.register(net, cfg)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    out["losses"] = _steps(model, opt, range(STEPS))
+    out["losses"] = _steps(model, opt, range(STEPS), clip=reduce_dtype is not None)
     out["params"] = _full(net)
     if arm == "fsdp":
         out["calls"] = {n: u.calls for n, u in state.units.items()}
@@ -127,6 +135,29 @@ def test_compressed_fsdp2_equals_the_ddp_hook(name: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(fsdp["params"], results[0]["fsdp"]["params"]))  # ranks agree
     untouched = _model()
     assert any(not torch.equal(a, b.detach()) for a, b in zip(results[0]["fsdp"]["params"], untouched.parameters()))
+
+
+def _precision_worker(dtype: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rd = getattr(torch, dtype)
+    cast = {"compressor": {"name": {"bfloat16": "bf16", "float16": "fp16"}[dtype]}, "communicator": {"name": "allreduce"}, "min_numel": 0}
+    return {"native": _run("fsdp-native", None, rd), "none": _run("fsdp", {"compressor": {"name": "none"}}, rd),
+            "cast": _run("fsdp", cast, rd)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_and_clipping(dtype: str) -> None:
+    """FSDP2's MixedPrecisionPolicy (parameters and reduction in ``dtype``) and clip_grad_norm_ on the
+    DTensor gradients: ``none`` is native bitwise; a cast to the reduce dtype itself (lossless) goes
+    through adacomp's round and lands within rounding of native. With float16 FSDP2 asks for a SUM
+    (it divides before and after, against overflow): the SUM branch of the custom reduce-scatter."""
+    for rank, res in enumerate(run_workers(_precision_worker, 2, dtype, timeout=300)):
+        native, none, cast = res["native"], res["none"], res["cast"]
+        assert all(torch.equal(a, b) for a, b in zip(none["params"], native["params"])), rank
+        assert not any(cast["native"].values()) and cast["steps"] == STEPS
+        for a, b in zip(cast["params"], native["params"]):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
 def _residuals(state: dict[str, Any]) -> dict[str, torch.Tensor]:
