@@ -261,22 +261,32 @@ def test_hsdp_resume_on_another_mesh_is_refused_naming_both(tmp_path: Path) -> N
         assert "replicate group of 2" in msg and "replicate group of 1" in msg and "not supported" in msg, msg
 
 
-def _bad_config_worker() -> str:
+def _bad_config_worker() -> list[str]:
+    """An unknown compressor; a native HSDP model (2-D mesh) registered without a replicate group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     import adacomp
     torch.distributed.init_process_group("gloo")
-    net = _model()
+    net, hsdp = _model(), _model()
     _shard(net)
-    try:
-        adacomp.fsdp.register(net, {"compressor": {"name": "no-such"}})
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return f"{type(exc).__name__}: {exc}"
-    return "accepted"
+    fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")))
+    out = []
+    for model, cfg in ((net, {"compressor": {"name": "no-such"}}), (hsdp, CONFIGS["topk"])):
+        try:
+            adacomp.fsdp.register(model, cfg)
+            out.append("accepted")
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
 
 
 def test_invalid_config_fails_before_any_collective() -> None:
     """Both ranks raise at register (no collective ran: a rank that passed would hang its peer)."""
-    for msg in run_workers(_bad_config_worker, 2, timeout=120):
-        assert "compressor" in msg and "no-such" in msg and "topk" in msg, msg
+    for unknown, two_d in run_workers(_bad_config_worker, 2, timeout=120):
+        assert unknown.startswith("ConfigError") and "compressor" in unknown and "no-such" in unknown, unknown
+        assert "topk" in unknown, unknown  # the valid choices
+        assert two_d.startswith("ValueError") and "replicate_group" in two_d and "1-D" in two_d, two_d
 
 
 def test_bench_fsdp_writes_every_arm(tmp_path: Path) -> None:
