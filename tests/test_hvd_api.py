@@ -101,8 +101,10 @@ def test_optimizer_keywords() -> None:
     make(sparse_as_dense=True).remove_hooks()
     with pytest.raises(NotImplementedError, match="Adasum.*op=adacomp.Average"):
         make(op=adacomp.Adasum)
-    with pytest.raises(ValueError, match="process_set.*not supported.*global_process_set"):
+    with pytest.raises(ValueError, match="process_set.*not an adacomp process set.*add_process_set"):
         make(process_set=object())
+    with pytest.raises(ValueError, match="has not been added"):
+        make(process_set=adacomp.ProcessSet([0]))
     make(process_set=adacomp.global_process_set).remove_hooks()
     with pytest.raises(ValueError, match="groups as explicit lists.*fusion.bucket_mb"):
         make(groups=[[model[0].weight]])

@@ -127,6 +127,13 @@ class Backend(ABC):
     def shutdown(self) -> None:
         """Release the transport; safe to call twice."""
 
+    def subgroup(self, ranks: list[int]) -> "Backend | None":
+        """A backend over ``ranks`` (sorted ranks of this backend) for its members, None on the other
+        ranks: Horovod's process sets. Collective: every rank of this backend calls it, with the same
+        ranks, in the same order as its other collectives."""
+        raise NotImplementedError(f"backend {self.name!r} has no sub-groups (process sets); use the torch backend "
+                                  "(adacomp run / torchrun) or the MPI backend (mpirun)")
+
     # Convenience wrappers: blocking versions of the async calls.
     def allreduce(self, tensor: Tensor, average: bool = False) -> Tensor:
         return self.allreduce_async(tensor, average).wait()
@@ -203,6 +210,11 @@ class LocalBackend(Backend):
 
     def barrier(self) -> None:
         return None
+
+    def subgroup(self, ranks: list[int]) -> "Backend | None":
+        if list(ranks) != [0]:
+            raise ValueError(f"ranks {ranks} are not ranks of a one-process job (only [0])")
+        return self
 
 
 # Element-wise reductions over the ranks' rows of a (world, n) tensor, for Backend.reduce_async.

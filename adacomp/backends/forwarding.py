@@ -55,6 +55,11 @@ class ForwardingBackend(Backend):
     def shutdown(self) -> None:
         self.inner.shutdown()
 
+    def subgroup(self, ranks: list[int]) -> Backend | None:
+        """The inner backend's sub-group (what the wrapper adds, e.g. latency shaping, stays with
+        the whole group)."""
+        return self.inner.subgroup(ranks)
+
     @property
     def allreduce_algorithm(self) -> str | None:
         return self.inner.allreduce_algorithm

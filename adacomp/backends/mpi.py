@@ -73,9 +73,9 @@ class MPIBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, timeout_s: float = 60.0):
+    def __init__(self, timeout_s: float = 60.0, comm: Any = None):
         self._timeout_s = float(timeout_s)
-        self._comm = MPI.COMM_WORLD.Dup()
+        self._comm = MPI.COMM_WORLD.Dup() if comm is None else comm  # comm: a sub-communicator we own
         self._rank = self._comm.Get_rank()
         self._size = self._comm.Get_size()
         env_local = os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or os.environ.get("MPI_LOCALRANKID")
@@ -255,6 +255,17 @@ class MPIBackend(Backend):
 
     def barrier(self) -> None:
         self._wait(self._launch(self._comm.Ibarrier), "barrier")
+
+    def subgroup(self, ranks: list[int]) -> Backend | None:
+        """``Comm.Split`` of our communicator: members get a communicator of their own (ranks in
+        the order of ``ranks``, which is sorted), the others ``COMM_NULL`` and None."""
+        member = self._rank in ranks
+        comm = self._comm.Split(0 if member else MPI.UNDEFINED, self._rank)
+        if not member:
+            return None
+        sub = MPIBackend(self._timeout_s, comm=comm)
+        sub._local_rank = self._local_rank
+        return sub
 
     def shutdown(self) -> None:
         """Free our communicator (MPI itself is finalised by mpi4py at exit)."""

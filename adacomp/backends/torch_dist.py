@@ -144,6 +144,8 @@ class TorchBackend(Backend):
 
     def __init__(self, timeout_s: float = 60.0, group: Any = None):
         self._owns_group = False
+        self._owns_subgroup = False  # a group made by subgroup(): destroyed by shutdown()
+        self._timeout_s = float(timeout_s)
         self._group = group
         if group is not None and not dist.is_initialized():
             raise RuntimeError("backend 'torch' got a process group but torch.distributed is not initialised")
@@ -285,11 +287,27 @@ class TorchBackend(Backend):
     def barrier(self) -> None:
         dist.barrier(group=self._group)
 
+    def subgroup(self, ranks: list[int]) -> Backend | None:
+        """``dist.new_group`` over ``ranks`` (this backend's ranks): every rank of the default group
+        takes part in creating it, as torch requires and Horovod's ``add_process_set`` does."""
+        group = dist.new_group([self._global(r) for r in ranks],
+                               timeout=datetime.timedelta(seconds=self._timeout_s))
+        if self._rank not in ranks:
+            return None
+        sub = TorchBackend(self._timeout_s, group=group)
+        sub._local_rank = self._local_rank
+        sub._owns_subgroup = True
+        return sub
+
     def _global(self, rank: int) -> int:
         """A rank of this backend's group as torch's global rank (what ``src=`` takes)."""
         return rank if self._group is None else dist.get_global_rank(self._group, rank)
 
     def shutdown(self) -> None:
+        if self._owns_subgroup and dist.is_initialized():
+            self._owns_subgroup = False
+            dist.destroy_process_group(self._group)
+            return
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -15,6 +15,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from adacomp.backends import process_backend
+from adacomp.backends.base import Backend
 from adacomp.config import Config, from_dict
 from adacomp.errors import ConfigError
 
@@ -100,10 +102,103 @@ def resolve_compression(config: Config, compression: Any) -> Config:
 # ------------------------------------------------------------------------------------------------
 # Process sets
 # ------------------------------------------------------------------------------------------------
-class _GlobalProcessSet:
-    """Every rank; the only process set adacomp supports."""
+class RemovedProcessSetError(ValueError, TypeError):
+    """An op on a process set that was removed (or never added). Horovod 0.28.1 fails there with a
+    TypeError from its C++ binding (the set's id is None); a ValueError names the problem better,
+    so this is both."""
 
-    process_set_id = 0
+
+class ProcessSet:
+    """Horovod's ``hvd.ProcessSet``: a sorted list of global ranks that run collectives together.
+
+    Create it with ``adacomp.add_process_set(ranks)`` (collective: every rank calls it with the same
+    ranks; :mod:`adacomp.runtime.hvd_sets`), pass it as ``process_set=`` to any collective, to
+    ``DistributedOptimizer`` and to the ``broadcast_*`` helpers; only its members may call ops on it.
+    ``rank()`` is the rank inside the set (a ValueError on a non-member, as in Horovod), ``size()``
+    its size, ``included()`` whether this process belongs to it; ``rank()`` / ``size()`` are None
+    until the set is added and after it is removed. Roots (``broadcast(root_rank=)``) stay global
+    ranks, as in Horovod."""
+
+    process_set_id: int | None = None
+    ranks: list[int] | None = None
+
+    def __init__(self, ranks: Iterable[int]):
+        try:
+            ranks = sorted(ranks)
+        except TypeError:
+            raise ValueError("ProcessSet should be initialized with a list of process ranks") from None
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise ValueError("ProcessSet should be initialized with a list of process ranks (ints)")
+        self.ranks = list(ranks)
+        self._backend: Backend | None = None  # set by add_process_set on members
+
+    def _world_rank(self) -> int:
+        return process_backend().rank()
+
+    def size(self) -> int | None:
+        if self.process_set_id is None or self.ranks is None:
+            return None
+        return len(self.ranks)
+
+    def rank(self) -> int | None:
+        if self.process_set_id is None or self.ranks is None:
+            return None
+        me = self._world_rank()
+        if me not in self.ranks:
+            raise ValueError("Process is not part of provided process set.")
+        return self.ranks.index(me)
+
+    def included(self) -> bool | None:
+        if self.ranks is None:
+            return None
+        return self._world_rank() in self.ranks
+
+    def backend(self, what: str = "Collective") -> Backend:
+        """The transport of this set for a member; Horovod's ValueError for a non-member."""
+        if self.process_set_id is None:
+            raise RemovedProcessSetError(f"{what}: process set {self} has not been added (adacomp.add_process_set) "
+                                         "or was removed")
+        if not self.included() or self._backend is None:
+            raise ValueError(f"{what}: Rank {self._world_rank()} is not a member of the provided process set.")
+        return self._backend
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+        self._backend = None
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+class _GlobalProcessSet(ProcessSet):
+    """Every rank (id 0): the default of every op; its transport is the process's backend."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.process_set_id = 0
+
+    @property  # type: ignore[override]
+    def ranks(self) -> list[int]:  # noqa: D401 - every rank of the running job
+        return list(range(process_backend().size()))
+
+    @ranks.setter
+    def ranks(self, value: Any) -> None:
+        pass
+
+    def backend(self, what: str = "Collective") -> Backend:
+        return process_backend()
+
+    def rank(self) -> int:
+        return process_backend().rank()
+
+    def size(self) -> int:
+        return process_backend().size()
+
+    def included(self) -> bool:
+        return True
+
+    def _invalidate(self) -> None:  # never removed
+        pass
 
     def __repr__(self) -> str:
         return "adacomp.global_process_set"
@@ -112,14 +207,31 @@ class _GlobalProcessSet:
 global_process_set = _GlobalProcessSet()
 
 
+def is_global(process_set: Any) -> bool:
+    return (process_set is None or process_set is global_process_set
+            or getattr(process_set, "process_set_id", None) == 0)  # horovod.torch.global_process_set too
+
+
+def process_set_backend(process_set: Any, what: str = "Collective") -> Backend:
+    """The transport that ``process_set`` communicates over (the process's backend for the global
+    set); a ValueError for a non-member or anything that is not an adacomp process set."""
+    if is_global(process_set):
+        return process_backend()
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set={process_set!r} is not an adacomp process set: create one with "
+                         "adacomp.add_process_set(ranks) (a horovod.torch ProcessSet does not work here)")
+    return process_set.backend(what)
+
+
 def check_process_set(process_set: Any) -> None:
-    """Refuse anything but the global process set (adacomp reduces over every rank)."""
-    if process_set is None or process_set is global_process_set:
+    """A valid process set (global or added); raises like :func:`process_set_backend` otherwise.
+    Non-members are not refused here (the optimizer of a non-member just steps locally)."""
+    if is_global(process_set):
         return
-    if getattr(process_set, "process_set_id", None) == 0:  # horovod.torch.global_process_set
-        return
-    raise ValueError(f"process_set={process_set!r} is not supported: adacomp communicates over all ranks. "
-                     "Use adacomp.global_process_set (the default), or launch a separate job per group")
+    if not isinstance(process_set, ProcessSet):
+        process_set_backend(process_set)
+    elif process_set.process_set_id is None:
+        process_set.backend()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,7 +253,8 @@ def apply_optimizer_kwargs(config: Config, params: Iterable[Tensor], *, compress
       is its deprecated spelling (Horovod warns the same way). Explicit tensor lists are refused.
     * ``sparse_as_dense``: must be a bool. adacomp sends every gradient densely, which is what
       ``True`` asks for; sparse gradients themselves are not supported either way.
-    * ``op=Adasum`` and sub-``process_set`` are refused with the alternative to use.
+    * ``op=Adasum`` is refused with the alternative to use; ``process_set`` must be the global set or
+      one made by ``adacomp.add_process_set`` (the optimizer then averages over that set).
     """
     if op == Adasum:
         raise NotImplementedError(ADASUM_HINT)
@@ -167,5 +280,6 @@ def apply_optimizer_kwargs(config: Config, params: Iterable[Tensor], *, compress
 
 
 __all__ = ["ADASUM_HINT", "Adasum", "Average", "Compression", "FP16Compressor", "Max", "Min", "NoneCompressor",
-           "Product", "Sum", "apply_optimizer_kwargs", "check_process_set", "global_process_set",
+           "ProcessSet", "Product", "RemovedProcessSetError", "Sum", "apply_optimizer_kwargs", "check_process_set",
+           "global_process_set", "is_global", "process_set_backend",
            "resolve_compression"]

@@ -25,12 +25,12 @@ import torch
 from torch import Tensor
 
 from adacomp import backends, policies
-from adacomp.backends.base import Backend, broadcast_tensors
+from adacomp.backends.base import Backend, LocalBackend, broadcast_tensors
 from adacomp.communicators.base import Communicator
 from adacomp.config import ComponentSpec, Config, load
 from adacomp.errors import CommunicationError, ConfigError
 from adacomp.engine.error_feedback import LossScale
-from adacomp.engine.hvd_keywords import Average, Sum, apply_optimizer_kwargs
+from adacomp.engine.hvd_keywords import Average, Sum, apply_optimizer_kwargs, is_global
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.optimizer_state import ComponentState, keeps_state
 from adacomp.engine.routes import Bucket, Route, RouteTable
@@ -97,6 +97,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.op = op
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.backward_passes_per_step = backward_passes_per_step
+        self.process_set = process_set
+        if backend is None and not is_global(process_set):
+            # Horovod: only the set's members average; a non-member's gradients stay its own.
+            backend = process_set.backend("DistributedOptimizer") if process_set.included() else LocalBackend()
         self.backend = backend if backend is not None else backends.process_backend()
         self.params = _name_parameters(optimizer, named_parameters)
         self.steps = 0

@@ -36,8 +36,11 @@ from adacomp.runtime.hvd_info import (ccl_built, cross_rank, cross_size, cuda_bu
 from adacomp.runtime.hvd_check import HorovodInternalError, MismatchError, agree, claim, release, request
 from adacomp.backends.base import Handle
 from adacomp.errors import CommunicationError
-from adacomp.engine.hvd_keywords import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product, Sum,
-                                         check_process_set, global_process_set)
+from adacomp.engine.hvd_keywords import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product,  # noqa: F401
+                                         ProcessSet, RemovedProcessSetError, Sum, global_process_set, is_global,
+                                         process_set_backend)
+from adacomp.runtime.hvd_sets import add_process_set, init, remove_process_set  # noqa: F401,F811
+from adacomp.backends.base import Backend
 
 _OPS = (Average, Sum, Min, Max, Product)
 
@@ -96,11 +99,17 @@ def _check_handle(handle: Any) -> None:
         raise TypeError(f"expected a handle returned by an adacomp *_async function, got {type(handle).__name__}")
 
 
-def _launch(name: str | None, requests: list[dict[str, Any]], start: Callable[[], AsyncHandle]) -> AsyncHandle:
+def _set(process_set: Any, what: str) -> Backend:
+    """The transport of ``process_set`` (the process's backend for the global set); Horovod's
+    ValueError ("Rank r is not a member of the provided process set") on a non-member."""
+    return process_set_backend(process_set, what)
+
+
+def _launch(be: Backend, name: str | None, requests: list[dict[str, Any]],
+            start: Callable[[], AsyncHandle]) -> AsyncHandle:
     """Horovod's order of checks: this rank's arguments were validated by the caller; then the
     name (refused at once while in flight), then every rank's request (:func:`hvd_check.agree`:
-    a mismatch raises on every rank before any data moves), then the collective."""
-    be = context.current()
+    a mismatch raises on every rank of the set ``be`` before any data moves), then the collective."""
     claim(be, name)
     try:
         agree(be, requests)
@@ -152,11 +161,10 @@ def _check_reducible(tensor: Tensor) -> None:
         raise ValueError("a bool tensor cannot be allreduced; cast it first (e.g. t.to(torch.uint8))")
 
 
-def _reduce_into(work: Tensor, op: str, prescale: float, postscale: float,
+def _reduce_into(be: Backend, work: Tensor, op: str, prescale: float, postscale: float,
                  result: Tensor | None = None) -> AsyncHandle:
-    """Start reducing ``work`` in place across ranks; the handle's result is ``result`` (the
-    caller's tensor object, of which ``work`` is the ``.data``) or ``work``."""
-    be = context.current()
+    """Start reducing ``work`` in place across the ranks of ``be``; the handle's result is ``result``
+    (the caller's tensor object, of which ``work`` is the ``.data``) or ``work``."""
     _check_reducible(work)
     _scale(work, prescale)
     with torch.no_grad():
@@ -175,10 +183,10 @@ def allreduce_async(tensor: Tensor, average: bool | None = None, name: str | Non
     """Start an out-of-place allreduce; ``synchronize(handle)`` returns the reduced copy."""
     op = _resolve_op(op, average)
     _check_tensor(tensor, "allreduce_async")
-    check_process_set(process_set)
+    be = _set(process_set, "Allreduce")
     _check_reducible(tensor)
-    return _launch(name, [_allreduce_request(tensor, name, op, prescale_factor, postscale_factor)],
-                   lambda: _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor))
+    return _launch(be, name, [_allreduce_request(tensor, name, op, prescale_factor, postscale_factor)],
+                   lambda: _reduce_into(be, tensor.detach().clone(), op, prescale_factor, postscale_factor))
 
 
 def _allreduce_request(tensor: Tensor, name: str | None, op: str, prescale: float, postscale: float) -> dict[str, Any]:
@@ -191,10 +199,10 @@ def allreduce_async_(tensor: Tensor, average: bool | None = None, name: str | No
     """Start an in-place allreduce of ``tensor``."""
     op = _resolve_op(op, average)
     _check_tensor(tensor, "allreduce_async_")
-    check_process_set(process_set)
+    be = _set(process_set, "Allreduce")
     _check_reducible(tensor)
-    return _launch(name, [_allreduce_request(tensor, name, op, prescale_factor, postscale_factor)],
-                   lambda: _reduce_into(tensor.data, op, prescale_factor, postscale_factor, result=tensor))
+    return _launch(be, name, [_allreduce_request(tensor, name, op, prescale_factor, postscale_factor)],
+                   lambda: _reduce_into(be, tensor.data, op, prescale_factor, postscale_factor, result=tensor))
 
 
 def _differentiable(*tensors: Tensor) -> bool:
@@ -209,14 +217,15 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, op: str, prescale: float, postscale: float,  # type: ignore[override]
-                name: str | None) -> Tensor:
-        ctx.args = (op, prescale, postscale)
-        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale))
+                name: str | None, process_set: Any) -> Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        op, prescale, postscale = ctx.args
-        return synchronize(allreduce_async(grad.contiguous(), None, None, op, prescale, postscale)), None, None, None, None
+        op, prescale, postscale, process_set = ctx.args
+        return (synchronize(allreduce_async(grad.contiguous(), None, None, op, prescale, postscale, process_set)),
+                None, None, None, None, None)
 
 
 def allreduce(tensor: Tensor, average: bool | None = None, name: str | None = None,
@@ -229,8 +238,8 @@ def allreduce(tensor: Tensor, average: bool | None = None, name: str | None = No
     compressed, ctx = compression.compress(tensor)
     if _differentiable(compressed):
         _check_tensor(compressed, "allreduce")
-        check_process_set(process_set)
-        out = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name)
+        _set(process_set, "Allreduce")
+        out = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name, process_set)
     else:
         out = synchronize(allreduce_async(compressed, None, name, op, prescale_factor, postscale_factor,
                                           process_set))
@@ -262,16 +271,16 @@ def _grouped(tensors: Sequence[Tensor], average: bool | None, name: str | None, 
              postscale: float, process_set: Any, inplace: bool) -> AsyncHandle:
     """One cross-rank check for the whole group, then one allreduce per tensor."""
     op = _resolve_op(op, average)
-    check_process_set(process_set)
+    be = _set(process_set, "Allreduce")
     for t in tensors:
         _check_tensor(t, "grouped_allreduce")
         _check_reducible(t)
     names = _member_names(name, len(tensors))
 
     def start() -> AsyncHandle:
-        return _group([_reduce_into(t.data, op, prescale, postscale, result=t) if inplace
-                       else _reduce_into(t.detach().clone(), op, prescale, postscale) for t in tensors])
-    return _launch(name, [_allreduce_request(t, n, op, prescale, postscale) for t, n in zip(tensors, names)], start)
+        return _group([_reduce_into(be, t.data, op, prescale, postscale, result=t) if inplace
+                       else _reduce_into(be, t.detach().clone(), op, prescale, postscale) for t in tensors])
+    return _launch(be, name, [_allreduce_request(t, n, op, prescale, postscale) for t, n in zip(tensors, names)], start)
 
 
 def grouped_allreduce(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
@@ -282,9 +291,9 @@ def grouped_allreduce(tensors: Sequence[Tensor], average: bool | None = None, na
     pairs = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
     if _differentiable(*compressed):
-        check_process_set(process_set)
+        _set(process_set, "Allreduce")
         outs = list(_GroupedAllreduce.apply(_resolve_op(op, average), prescale_factor, postscale_factor, name,
-                                            *compressed))
+                                            process_set, *compressed))
     else:
         outs = synchronize(grouped_allreduce_async(compressed, average, name, op, prescale_factor,
                                                    postscale_factor, process_set))
@@ -294,16 +303,16 @@ def grouped_allreduce(tensors: Sequence[Tensor], average: bool | None = None, na
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, op: str, prescale: float, postscale: float, name: str | None,  # type: ignore[override]
-                *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.args = (op, prescale, postscale)
-        return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale, postscale)))
+                process_set: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(synchronize(grouped_allreduce_async(tensors, None, name, op, prescale, postscale, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:  # type: ignore[override]
-        op, prescale, postscale = ctx.args
+        op, prescale, postscale, process_set = ctx.args
         reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, prescale,
-                                                      postscale))
-        return (None, None, None, None, *reduced)
+                                                      postscale, process_set))
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce_(tensors: Sequence[Tensor], average: bool | None = None, name: str | None = None,
@@ -324,17 +333,18 @@ def _group(handles: list[AsyncHandle]) -> AsyncHandle:
 # ------------------------------------------------------------------------------------------------
 def allgather_async(tensor: Tensor, name: str | None = None, process_set: Any = global_process_set) -> AsyncHandle:
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
-    _check_allgather(tensor, process_set)
-    return _launch(name, [request("allgather", tensor, name, first_dim_free=True)],
-                   lambda: AsyncHandle(context.current().allgather_async(tensor.detach())))
+    be = _check_allgather(tensor, process_set)
+    return _launch(be, name, [request("allgather", tensor, name, first_dim_free=True)],
+                   lambda: AsyncHandle(be.allgather_async(tensor.detach())))
 
 
-def _check_allgather(tensor: Tensor, process_set: Any) -> None:
+def _check_allgather(tensor: Tensor, process_set: Any) -> Backend:
     _check_tensor(tensor, "allgather_async")
-    check_process_set(process_set)
+    be = _set(process_set, "Allgather")
     if tensor.dim() == 0:
         raise ScalarTensorError("allgather needs a tensor with at least one dimension (rows along dim 0); "
                                 "use tensor.reshape(1)")
+    return be
 
 
 def _member_names(name: str | None, n: int) -> list[str | None]:
@@ -345,11 +355,11 @@ def _member_names(name: str | None, n: int) -> list[str | None]:
 def grouped_allgather_async(tensors: Sequence[Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> AsyncHandle:
     """Start allgathering every tensor of ``tensors`` (one cross-rank check for the group)."""
+    be = _set(process_set, "Allgather")
     for t in tensors:
         _check_allgather(t, process_set)
-    be = context.current()
     requests = [request("allgather", t, n, first_dim_free=True) for t, n in zip(tensors, _member_names(name, len(tensors)))]
-    return _launch(name, requests, lambda: _group([AsyncHandle(be.allgather_async(t.detach())) for t in tensors]))
+    return _launch(be, name, requests, lambda: _group([AsyncHandle(be.allgather_async(t.detach())) for t in tensors]))
 
 
 def grouped_allgather(tensors: Sequence[Tensor], name: str | None = None,
@@ -365,23 +375,25 @@ def allgather(tensor: Tensor, name: str | None = None, process_set: Any = global
     """Every rank's ``tensor`` concatenated along dim 0. Differentiable (Horovod's rule: the
     gradient is averaged over ranks and each rank keeps the rows it contributed)."""
     if _differentiable(tensor):
-        check_process_set(process_set)
-        return _Allgather.apply(tensor, name)
+        _set(process_set, "Allgather")
+        return _Allgather.apply(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set))
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, name: str | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor, name: str | None, process_set: Any) -> Tensor:  # type: ignore[override]
         ctx.rows = int(tensor.shape[0]) if tensor.dim() else 0
-        return synchronize(allgather_async(tensor, name))
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average))
-        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int32))).tolist()
-        first = sum(rows[:rank()])
-        return reduced.narrow(0, first, ctx.rows), None
+        ps = ctx.process_set
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ps))
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int32), process_set=ps)).tolist()
+        first = sum(rows[:_set(ps, "Allgather").rank()])
+        return reduced.narrow(0, first, ctx.rows), None, None
 
 
 def sparse_allreduce_async(tensor: Tensor, name: str | None, op: Any, process_set: Any = global_process_set
@@ -393,36 +405,44 @@ def sparse_allreduce_async(tensor: Tensor, name: str | None, op: Any, process_se
     if not (isinstance(tensor, Tensor) and tensor.layout == torch.sparse_coo):
         raise TypeError(f"sparse_allreduce_async expects a sparse COO tensor, got "
                         f"{getattr(tensor, 'layout', type(tensor).__name__)}; use allreduce_async for dense tensors")
-    check_process_set(process_set)
-    indices = allgather_async(tensor._indices().t().contiguous(), None if name is None else f"{name}.indices")
-    values = allgather_async(tensor._values().contiguous(), None if name is None else f"{name}.values")
+    world = _set(process_set, "Allgather").size()
+    indices = allgather_async(tensor._indices().t().contiguous(), None if name is None else f"{name}.indices",
+                              process_set)
+    values = allgather_async(tensor._values().contiguous(), None if name is None else f"{name}.values", process_set)
 
     def handle() -> Tensor:
         gathered_values = synchronize(values)
         gathered_indices = synchronize(indices)
         if op == Average:
-            gathered_values = gathered_values / size()
+            gathered_values = gathered_values / world
         return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.size())
     return handle
 
 
-def _check_root(root_rank: int) -> None:
+def _set_root(root_rank: int, process_set: Any) -> int:
+    """``root_rank`` (a global rank, as in Horovod) as a rank of ``process_set``'s transport."""
     n = size()
     if not isinstance(root_rank, int) or not 0 <= root_rank < n:
         raise ValueError(f"root_rank must be a rank in [0, {n}), got {root_rank!r}")
+    if is_global(process_set):
+        return root_rank
+    ranks = process_set.ranks or []
+    if root_rank not in ranks:
+        raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set {process_set}")
+    return ranks.index(root_rank)
 
 
 def broadcast_async_(tensor: Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = global_process_set) -> AsyncHandle:
     """Start overwriting ``tensor`` in place with ``root_rank``'s value."""
     _check_tensor(tensor, "broadcast_async_")
-    check_process_set(process_set)
-    _check_root(root_rank)
+    be = _set(process_set, "Broadcast")
+    root = _set_root(root_rank, process_set)
 
     def start() -> AsyncHandle:
         with torch.no_grad():
-            return AsyncHandle(context.current().broadcast_async(tensor.data, root=root_rank), lambda _out: tensor)
-    return _launch(name, [request("broadcast", tensor, name, root=root_rank)], start)
+            return AsyncHandle(be.broadcast_async(tensor.data, root=root), lambda _out: tensor)
+    return _launch(be, name, [request("broadcast", tensor, name, root=root_rank)], start)
 
 
 def broadcast_async(tensor: Tensor, root_rank: int, name: str | None = None,
@@ -437,23 +457,24 @@ def broadcast(tensor: Tensor, root_rank: int, name: str | None = None,
     """``root_rank``'s ``tensor`` on every rank (a new tensor). Differentiable (Horovod's rule: the
     gradient is averaged over ranks on the root, zero elsewhere)."""
     if _differentiable(tensor):
-        check_process_set(process_set)
-        return _Broadcast.apply(tensor, root_rank, name)
+        _set(process_set, "Broadcast")
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, root_rank: int, name: str | None) -> Tensor:  # type: ignore[override]
-        ctx.root = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx: Any, tensor: Tensor, root_rank: int, name: str | None,  # type: ignore[override]
+                process_set: Any) -> Tensor:
+        ctx.root, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average))
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set))
         if rank() != ctx.root:
             reduced.zero_()
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast_(tensor: Tensor, root_rank: int, name: str | None = None,
@@ -462,8 +483,7 @@ def broadcast_(tensor: Tensor, root_rank: int, name: str | None = None,
     return tensor
 
 
-def _splits_list(tensor: Tensor, splits: Any) -> list[int]:
-    n = size()
+def _splits_list(tensor: Tensor, splits: Any, n: int) -> list[int]:
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension (rows along dim 0)")
     if splits is None:
@@ -480,9 +500,8 @@ def alltoall_async(tensor: Tensor, splits: Any = None, name: str | None = None,
     """Start sending rows ``splits[j]`` of ``tensor`` to rank j (equal shares without ``splits``).
     The result is ``(output, received_splits)`` (int32 rows from each rank)."""
     _check_tensor(tensor, "alltoall_async")
-    check_process_set(process_set)
-    be = context.current()
-    counts = _splits_list(tensor, splits)
+    be = _set(process_set, "Alltoall")
+    counts = _splits_list(tensor, splits, be.size())
     from adacomp.backends.base import check_alltoall
     check_alltoall(tensor, counts, None, be.size())
 
@@ -490,7 +509,7 @@ def alltoall_async(tensor: Tensor, splits: Any = None, name: str | None = None,
         received = be.alltoall_splits(counts)
         handle = be.alltoall_async(tensor.detach(), counts, recv_splits=received)
         return AsyncHandle(handle, lambda out: (out, torch.tensor(received, dtype=torch.int32)))
-    return _launch(name, [request("alltoall", tensor, name, first_dim_free=True)], start)
+    return _launch(be, name, [request("alltoall", tensor, name, first_dim_free=True)], start)
 
 
 def alltoall(tensor: Tensor, splits: Any = None, name: str | None = None,
@@ -498,8 +517,8 @@ def alltoall(tensor: Tensor, splits: Any = None, name: str | None = None,
     """Horovod's return convention: ``output`` alone without ``splits``, else ``(output, received_splits)``.
     Differentiable (Horovod's rule: the gradient goes back by an alltoall with the received splits)."""
     if _differentiable(tensor):
-        check_process_set(process_set)
-        out, received = _Alltoall.apply(tensor, splits, name)
+        _set(process_set, "Alltoall")
+        out, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:
         out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
     return out if splits is None else (out, received)
@@ -507,16 +526,17 @@ def alltoall(tensor: Tensor, splits: Any = None, name: str | None = None,
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, splits: Any, name: str | None) -> Any:  # type: ignore[override]
-        out, received = synchronize(alltoall_async(tensor, splits, name))
-        ctx.received = received
+    def forward(ctx: Any, tensor: Tensor, splits: Any, name: str | None,  # type: ignore[override]
+                process_set: Any) -> Any:
+        out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _received: Any) -> Any:  # type: ignore[override]
-        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received))
-        return back, None, None
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.process_set))
+        return back, None, None, None
 
 
 def _scatter_rows(n_rows: int, world: int) -> list[int]:
@@ -549,8 +569,7 @@ def _reducescatter(tensors: Sequence[Tensor], name: str | None, op: Any, process
         if tensor.dim() == 0:
             raise ValueError("reducescatter needs a tensor with at least one dimension (rows along dim 0)")
         _check_reducible(tensor)
-    check_process_set(process_set)
-    be = context.current()
+    be = _set(process_set, "Reducescatter")
 
     def mine(tensor: Tensor) -> slice:
         rows = _scatter_rows(int(tensor.shape[0]), be.size())
@@ -558,13 +577,13 @@ def _reducescatter(tensors: Sequence[Tensor], name: str | None, op: Any, process
         return slice(first, first + rows[be.rank()])
 
     def one(tensor: Tensor) -> AsyncHandle:
-        reduced, keep = _reduce_into(tensor.detach().clone(), op, prescale_factor, postscale_factor), mine(tensor)
+        reduced, keep = _reduce_into(be, tensor.detach().clone(), op, prescale_factor, postscale_factor), mine(tensor)
         return AsyncHandle(reduced._handle, lambda out: reduced._finish(out)[keep].clone())
 
     def start() -> AsyncHandle:
         return one(tensors[0]) if single else _group([one(t) for t in tensors])
     names = [name] if single else _member_names(name, len(tensors))
-    return _launch(name, [request("reducescatter", t, n, op=op, factors=(prescale_factor, postscale_factor))
+    return _launch(be, name, [request("reducescatter", t, n, op=op, factors=(prescale_factor, postscale_factor))
                           for t, n in zip(tensors, names)], start)
 
 
@@ -588,8 +607,8 @@ def reducescatter(tensor: Tensor, name: str | None = None, compression: Any = Co
     gradient, times the world size for ``Sum`` and times both factors, is allgathered)."""
     compressed, ctx = compression.compress(tensor)
     if _differentiable(compressed):
-        check_process_set(process_set)
-        out = _Reducescatter.apply(compressed, op, prescale_factor, postscale_factor, name)
+        _set(process_set, "Reducescatter")
+        out = _Reducescatter.apply(compressed, op, prescale_factor, postscale_factor, name, process_set)
     else:
         out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor, postscale_factor))
     return compression.decompress(out, ctx)
@@ -598,28 +617,29 @@ def reducescatter(tensor: Tensor, name: str | None = None, compression: Any = Co
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, op: Any, prescale: float, postscale: float,  # type: ignore[override]
-                name: str | None) -> Tensor:
-        ctx.factor = (size() if op == Sum else 1) * prescale * postscale
-        return synchronize(reducescatter_async(tensor, name, op, prescale_factor=prescale, postscale_factor=postscale))
+                name: str | None, process_set: Any) -> Tensor:
+        ctx.factor = (_set(process_set, "Reducescatter").size() if op == Sum else 1) * prescale * postscale
+        ctx.process_set = process_set
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor=prescale,
+                                               postscale_factor=postscale))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
         scaled = grad * ctx.factor if ctx.factor != 1 else grad.contiguous()
-        return synchronize(allgather_async(scaled.contiguous())), None, None, None, None
+        return synchronize(allgather_async(scaled.contiguous(), process_set=ctx.process_set)), None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
 # Objects, barrier, join
 # ------------------------------------------------------------------------------------------------
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
-    """Every rank's pickle-able ``obj``, in rank order."""
-    check_process_set(process_set)
-    return context.current().allgather_object(obj)
+    """Every rank's pickle-able ``obj``, in rank order (of ``process_set``: Horovod 0.28.1's
+    ``allgather_object`` has no ``process_set``; adacomp takes one)."""
+    return _set(process_set, "Allgather").allgather_object(obj)
 
 
 def barrier(process_set: Any = global_process_set) -> None:
-    check_process_set(process_set)
-    context.current().barrier()
+    _set(process_set, "Barrier").barrier()
 
 
 def join(device: int = -1) -> int:
@@ -645,7 +665,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         super().__init__(*args, **kwargs)
 
 
-__all__ = ["Adasum", "AsyncHandle", "Average", "HorovodInternalError", "Max", "Min", "MismatchError", "Product", "Sum",
+__all__ = ["Adasum", "AsyncHandle", "ProcessSet", "RemovedProcessSetError", "add_process_set", "remove_process_set", "Average", "HorovodInternalError", "Max", "Min", "MismatchError", "Product", "Sum",
            "SyncBatchNorm", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
            "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
            "broadcast_async", "broadcast_async_", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",

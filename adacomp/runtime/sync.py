@@ -12,6 +12,7 @@ from torch import Tensor
 
 from adacomp.runtime import context
 from adacomp.backends.base import Backend, broadcast_tensors
+from adacomp.engine.hvd_keywords import is_global, process_set_backend
 
 Params = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]] | Iterable[Tensor]
 
@@ -32,13 +33,27 @@ def _as_tensor_list(params: Params) -> list[Tensor]:
     return [t for t in items if isinstance(t, Tensor)]
 
 
-def broadcast_parameters(params: Params, root_rank: int = 0, backend: Backend | None = None) -> None:
+def _resolve(backend: Backend | None, process_set: Any, root_rank: int) -> tuple[Backend, int]:
+    """The transport and the root as its rank: ``backend`` as given, else ``process_set``'s (the
+    process's backend for the global set; ``root_rank`` is a global rank, as in Horovod)."""
+    if backend is not None or is_global(process_set):
+        return backend or context.current(), root_rank
+    be = process_set_backend(process_set, "Broadcast")
+    if root_rank not in (process_set.ranks or []):
+        raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set {process_set}")
+    return be, process_set.ranks.index(root_rank)
+
+
+def broadcast_parameters(params: Params, root_rank: int = 0, backend: Backend | None = None,
+                         process_set: Any = None) -> None:
     """Overwrite ``params`` in place with root's values: a state_dict, ``named_parameters()`` or a
     list of tensors (``list(model.parameters())``), the three inputs Horovod accepts.
+    ``process_set`` (an adacomp addition; Horovod 0.28.1's has none) limits it to a set's members.
 
     Tensors are fused per dtype into one broadcast each, so a model costs a few collectives.
     """
-    broadcast_tensors(backend or context.current(), _as_tensor_list(params), root_rank)
+    be, root = _resolve(backend, process_set, root_rank)
+    broadcast_tensors(be, _as_tensor_list(params), root)
 
 
 def _sparse_param_ids(model: torch.nn.Module | None) -> set[int]:
@@ -65,16 +80,17 @@ def initialise_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | 
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              model: torch.nn.Module | None = None, backend: Backend | None = None) -> None:
+                              model: torch.nn.Module | None = None, backend: Backend | None = None,
+                              process_set: Any = None) -> None:
     """Give every rank root's optimizer state (moments, momentum buffers, step counts and the
     hyper-parameters of every param group). A fresh optimizer is first initialised with
     :func:`initialise_state`, so a newly created Adam has state on every rank; ``model`` marks
     sparse embeddings, as in Horovod.
 
     For a :class:`~adacomp.DistributedOptimizer` only the wrapped optimizer's state is sent:
-    error-feedback residuals are per rank by design.
+    error-feedback residuals are per rank by design. ``process_set``: as in :func:`broadcast_parameters`.
     """
-    be = backend or context.current()
+    be, root_rank = _resolve(backend, process_set, root_rank)
     inner = getattr(optimizer, "inner", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state (its state is not per parameter); "
@@ -89,6 +105,5 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, back
                      process_set: Any = None) -> Any:
     """Pickle-able ``obj`` from root to every rank. ``name`` is accepted for Horovod compatibility
     (collectives are matched by order here, not by name)."""
-    from adacomp.engine.hvd_keywords import check_process_set
-    check_process_set(process_set)
-    return (backend or context.current()).broadcast_object(obj, root=root_rank)
+    be, root = _resolve(backend, process_set, root_rank)
+    return be.broadcast_object(obj, root=root)
