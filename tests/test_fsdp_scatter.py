@@ -10,8 +10,8 @@ reduce-scatter (``set_custom_reduce_scatter``) on every FSDP unit.
 * With FSDP2's bf16 / fp16 MixedPrecisionPolicy and clipping: ``none`` is native bitwise, a
   lossless cast through the round lands within rounding (fp16 takes FSDP2's SUM op).
 * A DCP checkpoint of the error-feedback state resumes on another world size by the world-size
-  rule (each new rank's residual is the mean of the old ranks'), HSDP's on another mesh is refused
-  naming both layouts.
+  rule (each new rank's residual is the mean of the old ranks'); HSDP's on another mesh is joined
+  per replica, averaged and cut into the new mesh's shards.
 """
 from __future__ import annotations
 
@@ -230,8 +230,10 @@ def test_dcp_resume_on_another_world_size_applies_the_world_size_rule(tmp_path: 
         assert res["steps"] == 3 + 2 and all(torch.isfinite(torch.tensor(res["losses"])))
 
 
-def _hsdp_worker(ckpt: str, replicas: int) -> str:
-    """HSDP on 2 ranks as ``replicas`` x (2 / replicas): save on a 2 x 1 mesh, resume on 1 x 2."""
+def _hsdp_worker(ckpt: str, replicas: int) -> dict[str, Any]:
+    """HSDP on 2 ranks as ``replicas`` x (2 / replicas): 2 Top-k steps and a save on a 2 x 1 mesh
+    (each rank a replica holding the whole shard), or a resume on 1 x 2 (one replica, two shards)
+    and one more step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -243,22 +245,37 @@ def _hsdp_worker(ckpt: str, replicas: int) -> str:
     mesh = init_device_mesh("cpu", (replicas, 2 // replicas), mesh_dim_names=("replicate", "shard"))
     fully_shard(net, mesh=mesh["shard"])
     state = adacomp.fsdp.register(net, CONFIGS["topk"], replicate_group=mesh["replicate"].get_group())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
     if replicas == 2:
-        _steps(net, torch.optim.SGD(net.parameters(), lr=0.1), range(2))
+        _steps(net, opt, range(2))
         dcp.save({"adacomp": state.dcp_state_dict()}, checkpoint_id=ckpt)
-        return "saved"
-    try:
+    else:
         state.load_dcp(ckpt)
-    except ValueError as exc:
-        return str(exc)
-    return "loaded"
+    out = {"residuals": _residuals(state.state_dict())}
+    if replicas == 1:
+        out["losses"] = _steps(net, opt, range(2, 3))
+        out["steps"] = state.steps
+    return out
 
 
-def test_hsdp_resume_on_another_mesh_is_refused_naming_both(tmp_path: Path) -> None:
+def test_hsdp_resume_on_another_mesh_reshards_the_residuals(tmp_path: Path) -> None:
+    """Saved on a 2 x 1 mesh (two replicas, each residual the whole unit's), resumed on 1 x 2: each
+    new rank's residual is its FSDP2 shard (torch.chunk rows, zero padding) of the replicas' mean."""
     ckpt = str(tmp_path / "dcp")
-    assert run_workers(_hsdp_worker, 2, ckpt, 2, timeout=300) == ["saved", "saved"]
-    for msg in run_workers(_hsdp_worker, 2, ckpt, 1, timeout=300):
-        assert "replicate group of 2" in msg and "replicate group of 1" in msg and "not supported" in msg, msg
+    saved = run_workers(_hsdp_worker, 2, ckpt, 2, timeout=300)
+    resumed = run_workers(_hsdp_worker, 2, ckpt, 1, timeout=300)
+    (key,) = saved[0]["residuals"]
+    mean = (saved[0]["residuals"][key] + saved[1]["residuals"][key]) / 2
+    shapes = [p.shape for p in _model().parameters()]
+    fulls = list(torch.split(mean, [s.numel() for s in shapes]))
+    for s, res in enumerate(resumed):
+        expect = []
+        for full, shape in zip(fulls, shapes):
+            rows = -(-shape[0] // 2)
+            chunk = torch.chunk(full.view(shape), 2, dim=0)[s].reshape(-1)
+            expect.append(torch.cat([chunk, torch.zeros(rows * full.numel() // shape[0] - chunk.numel())]))
+        torch.testing.assert_close(res["residuals"][key], torch.cat(expect), rtol=0, atol=0)
+        assert res["steps"] == 2 + 1 and all(torch.isfinite(torch.tensor(res["losses"])))
 
 
 def _bad_config_worker() -> list[str]:

@@ -29,7 +29,8 @@ all route to ``compressor: none`` runs FSDP2's own reduce-scatter (bitwise nativ
 ``state_dict()`` is this rank's (as for the DDP hook). ``dcp_state_dict()`` puts it under a rank
 key with the layout for ``torch.distributed.checkpoint``; ``load_dcp(checkpoint_id)`` reads every
 saved rank's entry and loads this rank's: bitwise on the same world size, by the world-size rule of
-:mod:`adacomp.checkpoint_reshard` for plain FSDP2 on another, refused for HSDP on another mesh.
+:mod:`adacomp.checkpoint_reshard` on another world size or mesh (plain FSDP2: the old ranks' mean;
+HSDP: each old replica's shards joined, the replicas averaged, cut into the new mesh's shards).
 Tests: tests/test_fsdp.py (HSDP, 4 ranks), tests/test_fsdp_scatter.py (plain FSDP2, 2 and 3 ranks).
 Not yet: local steps on sharded parameters, a compressed reduce-scatter that moves only each owner's
 part (alltoall of compressed parts).
@@ -76,8 +77,8 @@ class _Unit:
     """One FSDP unit's hook: its round state is built at the first backward, when the shard's size
     is known."""
 
-    def __init__(self, owner: "ReplicaState", name: str):
-        self.owner, self.name = owner, name
+    def __init__(self, owner: "ReplicaState", name: str, pieces: "list[_Piece] | None" = None):
+        self.owner, self.name, self.pieces = owner, name, pieces or []
         self.state: HookState | None = None
         self.key: Tensor | None = None
 
@@ -110,6 +111,7 @@ class ReplicaState:
         self.config: Config = load(config)
         self.group, self.backend, self.grad_scaler = replicate_group, backend, grad_scaler
         self.world = torch.distributed.get_world_size(replicate_group)
+        self.shard = torch.distributed.get_world_size() // self.world  # the shard mesh's size
         self.units: dict[str, _Unit] = {}
         self.pending: dict[str, dict[str, Any]] = {}  # loaded before a unit's first backward
 
@@ -286,7 +288,9 @@ def _dcp_state_dict(state: Any) -> dict[str, Any]:
     rank has the same key; residuals differ per rank), and the layout it was saved with (equal on
     every rank: written once) so a resume on another world size is recognised."""
     import torch.distributed as dist
-    layout = {"kind": state.kind, "world": dist.get_world_size(), "group": int(state.world)}
+    layout = {"kind": state.kind, "world": dist.get_world_size(), "group": int(state.world),
+              "shard": int(getattr(state, "shard", state.world)),
+              "pieces": {name: [[pc.name, list(pc.shape)] for pc in u.pieces] for name, u in state.units.items()}}
     return {f"rank{dist.get_rank()}": state.state_dict(), "layout": layout}
 
 
@@ -294,7 +298,7 @@ def _load_dcp(state: Any, checkpoint_id: Any, key: str) -> None:
     """Read every old rank's entry under ``key`` of a DCP checkpoint (not a template: a fresh state
     has no residuals yet, and a template would silently load none) and load this rank's; on another
     world size, plain FSDP2's full-size residuals are resharded by the world-size rule, HSDP's
-    (sharded by the old mesh) are refused naming both layouts."""
+    (sharded by the old mesh) by :func:`_reshard_hsdp`."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     saved = _load_state_dict_from_keys({key}, checkpoint_id=checkpoint_id)[key]
@@ -311,13 +315,82 @@ def _load_dcp(state: Any, checkpoint_id: Any, key: str) -> None:
         state.load_state_dict(saved[f"rank{rank}"])
         return
     if state.kind == "hsdp":
-        raise ValueError(f"adacomp.fsdp: the checkpoint was written by {layout['world']} ranks with a replicate group "
-                         f"of {layout['group']}; this job has {world} ranks with a replicate group of {state.world}. "
-                         "HSDP's residuals are sharded like the parameters, and resharding them to another mesh is "
-                         "not supported: resume on the same mesh, or leave the 'adacomp' key out of the load to start "
-                         "error feedback fresh")
+        state.load_state_dict(_reshard_hsdp(state, saved, layout))
+        return
     olds = [saved[f"rank{r}"] for r in range(layout["world"])]
     state.load_state_dict(state.reshard(olds, world, rank))
+
+
+def _rows(shape: list[int], shards: int) -> tuple[int, int]:
+    """(rows per shard, elements per row) of a parameter under FSDP2's dim-0 sharding with padding."""
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= d
+    return -(-shape[0] // shards), per_row
+
+
+def _unshard(flats: list[Tensor], shapes: list[list[int]]) -> Tensor:
+    """Every parameter's full values, concatenated, from the ``len(flats)`` shards of a unit's flat
+    reduce-scatter output (each shard: every parameter's padded rows, in order)."""
+    out, offset = [], 0
+    for shape in shapes:
+        rows, per_row = _rows(shape, len(flats))
+        n = rows * per_row
+        out.append(torch.cat([f[offset:offset + n] for f in flats])[:shape[0] * per_row])
+        offset += n
+    return torch.cat(out)
+
+
+def _shard_of(full: Tensor, shapes: list[list[int]], shards: int, index: int) -> Tensor:
+    """Shard ``index`` of ``shards`` of a unit's flat layout, from every parameter's full values."""
+    out, offset = [], 0
+    for shape in shapes:
+        rows, per_row = _rows(shape, shards)
+        n = shape[0] * per_row
+        padded = torch.zeros(rows * shards * per_row, dtype=full.dtype)
+        padded[:n] = full[offset:offset + n]
+        out.append(padded[index * rows * per_row:(index + 1) * rows * per_row])
+        offset += n
+    return torch.cat(out)
+
+
+def _reshard_hsdp(state: "ReplicaState", saved: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+    """This rank's HSDP state from a checkpoint of another mesh (``init_device_mesh(..., (R, S))``:
+    rank ``r * S + s`` is replica r, shard s). Residuals are per shard and per replica: every
+    replica's shards are joined into the unit's full residual, the replicas averaged (the world-size
+    rule: the averaged update owes the same), and this rank takes its shard of the new layout; the
+    rest (compressor state, steps) comes from old rank ``rank % W_old``."""
+    import torch.distributed as dist
+    from adacomp.engine.routes import RouteTable
+    old_r, old_s = layout["group"], layout["shard"]
+    rank = dist.get_rank()
+    new_s, my_s, my_r = state.shard, dist.get_rank() % state.shard, dist.get_rank(state.group)
+    base = saved[f"rank{rank % layout['world']}"]
+    units: dict[str, Any] = {}
+    for name, ust in base["units"].items():
+        mine = [[pc.name, list(pc.shape)] for pc in state.units[name].pieces] if name in state.units else None
+        if mine != layout["pieces"].get(name):
+            raise ValueError(f"adacomp.fsdp: FSDP unit {name!r} holds {mine} here but {layout['pieces'].get(name)} in "
+                             "the checkpoint; resharding HSDP state needs the same units and parameters")
+        shapes = [shape for _, shape in layout["pieces"][name]]
+        comps = dict(ust["components"])
+        for key, cstate in comps.items():
+            memory = RouteTable.component_at(key)
+            for owed in getattr(memory, "owed_keys", ()) if key.startswith("memory/") else ():
+                new = dict(cstate.get(owed, {}))
+                for tname, like in new.items():
+                    fulls = []
+                    for r in range(old_r):
+                        flats = [saved[f"rank{r * old_s + s}"]["units"][name]["components"].get(key, {}).get(owed, {})
+                                 .get(tname, torch.zeros_like(like)) for s in range(old_s)]
+                        fulls.append(_unshard(flats, shapes))
+                    new[tname] = _shard_of(sum(fulls) / old_r, shapes, new_s, my_s)
+                cstate = {**cstate, owed: new}
+            comps[key] = cstate
+        units[name] = {**ust, "components": comps}
+        if "owner" in ust:
+            units[name]["owner"] = {"rank": my_r, "world": state.world}
+    return {"units": units}
 
 
 def _pieces(module: Any, names: dict[int, str], world: int) -> tuple[list[_Piece], torch.dtype]:
@@ -360,8 +433,9 @@ def register(model: torch.nn.Module, config: Any = None, *, replicate_group: Any
             raise RuntimeError(f"FSDP unit {name!r} already has an adacomp.fsdp hook")
     if replicate_group is not None:
         rstate = ReplicaState(config, replicate_group, backend, grad_scaler)
+        names = {id(p): n for n, p in model.named_parameters()}
         for name, module in units:
-            unit = _Unit(rstate, name)
+            unit = _Unit(rstate, name, _pieces(module, names, rstate.shard)[0])
             rstate.units[name] = unit
             module.set_all_reduce_hook(unit)
             setattr(module, "_adacomp_fsdp", unit)  # marks the unit: one adacomp.fsdp state per model
