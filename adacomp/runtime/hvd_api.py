@@ -14,10 +14,11 @@ Differences, and why:
   *order*, so every rank must issue them in the same order (DESIGN.md). Names are compared across
   ranks with the rest of the request (:mod:`adacomp.runtime.hvd_check`), so an op issued in another
   order under other names raises instead of mixing tensors; a name already in flight is refused.
-* ``join()`` is a barrier that returns the last rank to arrive; unlike Horovod, a joined rank
-  does not keep serving the others' allreduces with zeros, so call it only once every rank is
-  done with collectives (the end of an epoch), as the Horovod examples do.
-* ``process_set`` accepts only the global set; sub-communicators are refused with a clear error.
+* ``join()`` follows Horovod: a joined rank answers the others' module-API allreduces with zeros
+  until every rank has joined (it rides on the cross-rank check); ``DistributedOptimizer``'s
+  gradients do not pass that check, so use ``with opt.join():`` there.
+* ``process_set=``: sets made by :func:`add_process_set` (:mod:`adacomp.runtime.hvd_sets`) map onto
+  sub-groups of the running backend (torch, MPI); roots stay global ranks, as in Horovod.
 * ``Adasum`` is refused (see :data:`ADASUM_HINT`).
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from adacomp.runtime.hvd_info import (ccl_built, cross_rank, cross_size, cuda_bu
                                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                                       shutdown, size)
 from adacomp.runtime.hvd_check import HorovodInternalError, MismatchError, agree, claim, release, request
+from adacomp.runtime import hvd_check
 from adacomp.backends.base import Handle
 from adacomp.errors import CommunicationError
 from adacomp.engine.hvd_keywords import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product,  # noqa: F401
@@ -643,10 +645,42 @@ def barrier(process_set: Any = global_process_set) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank called ``join()``; returns the rank that arrived last (see module
-    docstring for how this differs from Horovod's)."""
-    arrivals = context.current().allgather_object(time.time())
-    return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
+    """Horovod's join: this rank has no more data. Until every rank has joined it answers the other
+    ranks' module-API allreduces (every op, grouped, async, in place) with zeros, so their ``Average``
+    still divides by the whole world as in Horovod; an allgather / broadcast / alltoall /
+    reducescatter issued meanwhile raises Horovod's HorovodInternalError ("... is not supported
+    with Join") on the ranks that issued it. Returns the rank that joined last (the highest of
+    those that joined in the last round), on every rank.
+
+    It rides on the cross-rank check (:mod:`adacomp.runtime.hvd_check`): with
+    ``ADACOMP_MISMATCH_CHECK_DISABLE=1`` it is a barrier that returns the last rank to arrive by the
+    clock. Under horovodrun it is Horovod's own ``join``. Gradients of ``DistributedOptimizer`` do
+    not pass the check: use ``with opt.join():`` there (docs/horovod.md)."""
+    be = context.current()
+    if be.size() == 1:
+        return 0
+    if getattr(be, "name", "") == "horovod":
+        import horovod.torch as horovod
+        return int(horovod.join(device))
+    if not hvd_check.enabled():
+        arrivals = be.allgather_object(time.time())
+        return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
+    code = hvd_check.JOINED_NOW
+    while True:
+        codes = hvd_check.exchange(be, code)
+        live = hvd_check.active(codes)
+        if not live:
+            fresh = [r for r, c in enumerate(codes) if c == hvd_check.JOINED_NOW]
+            return max(fresh) if fresh else be.size() - 1
+        code = hvd_check.JOINED
+        everyone = be.allgather_object(None)  # the active ranks' requests (hvd_check.agree's second step)
+        first = everyone[live[0]]
+        if any(codes[r] != codes[live[0]] for r in live) or any(req["op"] != "allreduce" for req in first):
+            continue  # the active ranks raise (mismatch, or an op Horovod's join does not serve)
+        zeros = [torch.zeros(req["shape"], dtype=getattr(torch, req["dtype"])) for req in first]
+        handles = [_reduce_into(be, z, req["reduction"], *req["factors"]) for z, req in zip(zeros, first)]
+        for h in handles:
+            h.synchronize()
 
 
 class SyncBatchNorm(torch.nn.SyncBatchNorm):

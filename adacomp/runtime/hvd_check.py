@@ -65,29 +65,64 @@ def request(kind: str, tensor: Tensor, name: str | None, *, first_dim_free: bool
     return req
 
 
-def agree(backend: Backend, requests: Sequence[dict[str, Any]]) -> None:
-    """Raise :class:`MismatchError` on every rank unless every rank made the same ``requests``
-    (one small allgather; nothing when the check is disabled or the world is one process)."""
-    if backend.size() == 1 or not enabled() or getattr(backend, "name", "") == "horovod":
-        return  # under horovodrun Horovod's coordinator compares the same fields before every op
+# What a rank inside ``join()`` sends instead of a request digest (Horovod's join: it answers the
+# other ranks' allreduces with zeros until every rank has joined); no request digest takes these values.
+JOINED_NOW = -(2 ** 63)      # the first round of this rank's join (so the last rank to join is known)
+JOINED = -(2 ** 63) + 1      # a later round
+_JOIN_CODES = (JOINED_NOW, JOINED)
+
+
+def _digest(requests: Sequence[dict[str, Any]]) -> int:
     blob = json.dumps(list(requests), sort_keys=True).encode()
     digest = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little", signed=True)
-    gathered = backend.allgather(torch.tensor([digest], dtype=torch.int64), sizes=[1] * backend.size())
-    if bool((gathered == gathered[0]).all()):
+    return digest + 2 if digest in _JOIN_CODES else digest
+
+
+def exchange(backend: Backend, code: int) -> list[int]:
+    """The one small allgather of the check: every rank's digest (or join code)."""
+    gathered = backend.allgather(torch.tensor([code], dtype=torch.int64), sizes=[1] * backend.size())
+    return [int(x) for x in gathered.tolist()]
+
+
+def active(codes: Sequence[int]) -> list[int]:
+    return [r for r, c in enumerate(codes) if c not in _JOIN_CODES]
+
+
+def agree(backend: Backend, requests: Sequence[dict[str, Any]]) -> None:
+    """Raise :class:`MismatchError` on every rank unless every rank made the same ``requests``
+    (one small allgather; nothing when the check is disabled or the world is one process).
+
+    Ranks inside ``join()`` send a join code instead: then every rank allgathers the requests, so the
+    joined ranks can answer an allreduce with zeros (Horovod's join); any other collective raises
+    Horovod's error on the ranks that issued it ("... is not supported with Join")."""
+    if backend.size() == 1 or not enabled() or getattr(backend, "name", "") == "horovod":
+        return  # under horovodrun Horovod's coordinator compares the same fields before every op
+    digest = _digest(requests)
+    codes = exchange(backend, digest)
+    if all(c == digest for c in codes):
         return
-    everyone = backend.allgather_object(list(requests))  # every rank is here: the digests are the same everywhere
-    raise MismatchError(describe(everyone))
+    # every rank is here: the codes are the same everywhere, so every rank takes this path
+    everyone = backend.allgather_object(list(requests))
+    live = active(codes)
+    if any(codes[r] != digest for r in live):
+        raise MismatchError(describe([everyone[r] for r in live], live))
+    unsupported = sorted({req["op"] for req in requests if req["op"] != "allreduce"})
+    if unsupported:
+        raise HorovodInternalError(f"{unsupported[0].capitalize()} is not supported with Join at this time "
+                                   f"(ranks {[r for r in range(len(codes)) if r not in live]} called join())")
 
 
 _FIELDS = (("op", "collectives"), ("name", "names"), ("dtype", "data types"), ("shape", "tensor shapes"),
            ("reduction", "reduction ops"), ("factors", "prescale / postscale factors"), ("root", "root ranks"))
 
 
-def describe(everyone: list[list[dict[str, Any]]]) -> str:
-    """Horovod's wording ("Mismatched ALLREDUCE tensor shapes: ...") naming each rank's value."""
+def describe(everyone: list[list[dict[str, Any]]], ranks: Sequence[int] | None = None) -> str:
+    """Horovod's wording ("Mismatched ALLREDUCE tensor shapes: ...") naming each rank's value.
+    ``ranks``: the rank of each entry of ``everyone`` (default: its position)."""
+    ids = list(range(len(everyone))) if ranks is None else list(ranks)
     counts = {len(reqs) for reqs in everyone}
     if len(counts) > 1:
-        per = ", ".join(f"rank {r}: {len(reqs)}" for r, reqs in enumerate(everyone))
+        per = ", ".join(f"rank {ids[r]}: {len(reqs)}" for r, reqs in enumerate(everyone))
         return f"Mismatched number of tensors in a grouped collective ({per}); every rank must pass the same list"
     n = counts.pop()
     for i in range(n):
@@ -98,7 +133,7 @@ def describe(everyone: list[list[dict[str, Any]]]) -> str:
                 kind = reqs[0]["op"].upper() if key != "op" else ""
                 by_value: dict[str, list[int]] = {}
                 for rank, v in enumerate(values):
-                    by_value.setdefault(json.dumps(v), []).append(rank)
+                    by_value.setdefault(json.dumps(v), []).append(ids[rank])
                 said = "; ".join(f"ranks {ranks} sent {v}" for v, ranks in by_value.items())
                 where = f" (tensor {i} of the group)" if n > 1 else ""
                 return (f"Mismatched {kind + ' ' if kind else ''}{what}{where}: {said}. Every rank must call "

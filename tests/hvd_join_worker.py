@@ -1,0 +1,73 @@
+"""Issue 31: Horovod's ``join()`` through ``import adacomp as hvd`` next to ``horovod.torch`` under
+``horovodrun --gloo -np 3`` (tests/test_hvd_join.py): rank 2 joins at once, rank 1 after one
+allreduce, rank 0 goes on alone; the joined ranks answer allreduces (every op, factors, grouped,
+async, in place, integers) with zeros, other collectives raise the same class on the active rank,
+and every rank gets the same last-joined rank. adacomp on the torch backend, then on the Horovod
+backend. Prints ``HVD_JOIN_OK <checks>`` per rank when everything matched."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+import horovod.torch as hvd
+
+import adacomp
+from tests.hvd_api_worker import CHECKS, FAILURES, horovod_world, report
+from tests.hvd_parity_worker import compare
+
+
+def scenario(m: Any, rank: int) -> list[tuple[str, Callable[[], Any]]]:
+    """What each rank does with module ``m``; returns labelled results to compare."""
+    out: list[tuple[str, Any]] = []
+
+    def run(label: str, fn: Callable[[], Any]) -> None:
+        try:
+            out.append((label, ("ok", fn())))
+        except Exception as exc:  # noqa: BLE001 - compared by class below
+            out.append((label, ("err", exc)))
+    if rank == 2:
+        run("join", m.join)
+        return out
+    run("Average of two active ranks", lambda: m.allreduce(torch.full((3,), float(rank + 1))))
+    if rank == 1:
+        run("join", m.join)
+        return out
+    run("Average", lambda: m.allreduce(torch.full((3,), 6.0)))
+    run("Sum", lambda: m.allreduce(torch.full((3,), 4.0), op=m.Sum))
+    run("int Average", lambda: m.allreduce(torch.full((3,), 5), op=m.Average))
+    run("Max", lambda: m.allreduce(torch.full((2,), -4.0), op=m.Max))
+    run("Min", lambda: m.allreduce(torch.full((2,), 4.0), op=m.Min))
+    run("factors", lambda: m.allreduce(torch.full((2,), 4.0), op=m.Sum, prescale_factor=2.0, postscale_factor=3.0))
+    run("grouped", lambda: m.grouped_allreduce([torch.ones(2), torch.ones(3, 2)]))
+    run("allreduce_ async", lambda: m.synchronize(m.allreduce_async_(torch.full((2,), 3.0), op=m.Sum)))
+    run("allgather", lambda: m.allgather(torch.ones(2, 1)))
+    run("broadcast", lambda: m.broadcast(torch.ones(2), 0))
+    run("after refused ops", lambda: m.allreduce(torch.ones(2), op=m.Sum))
+    run("join", m.join)
+    return out
+
+
+def main() -> int:
+    rank = horovod_world()
+    theirs = scenario(hvd, rank)
+    for backend in ("torch", "horovod"):
+        adacomp.init(backend)
+        ours = scenario(adacomp, rank)
+        CHECKS[0] += 1
+        if [label for label, _ in ours] != [label for label, _ in theirs]:
+            FAILURES.append(f"{backend}: steps differ {ours} vs {theirs}")
+        for (label, (ka, a)), (_, (kb, b)) in zip(ours, theirs):
+            compare(f"{backend} rank {rank} {label}", lambda: _replay(ka, a), lambda: _replay(kb, b))
+        adacomp.shutdown()
+    return report("HVD_JOIN_OK", rank)
+
+
+def _replay(kind: str, value: Any) -> Any:
+    if kind == "err":
+        raise value
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
