@@ -48,7 +48,22 @@ def scenario(m: Any, rank: int) -> list[tuple[str, Callable[[], Any]]]:
     return out
 
 
+def before_init() -> list[tuple[str, Any]]:
+    """Horovod 0.28.1 before ``init()`` (under a launcher): ValueError from DistributedOptimizer and
+    rank(), HorovodInternalError (a RuntimeError) from collectives and broadcast_parameters."""
+    model = torch.nn.Linear(2, 2)
+    return [
+        ("DistributedOptimizer before init", lambda m: m.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())),
+        ("rank before init", lambda m: m.rank()),
+        ("allreduce before init", lambda m: m.allreduce(torch.ones(1))),
+        ("broadcast_parameters before init", lambda m: m.broadcast_parameters(model.state_dict(), root_rank=0)),
+    ]
+
+
 def main() -> int:
+    for label, call in before_init():
+        compare(label, lambda: call(adacomp), lambda: call(hvd))
     rank = horovod_world()
     theirs = scenario(hvd, rank)
     for backend in ("torch", "horovod"):

@@ -15,6 +15,12 @@ from adacomp.backends.base import Backend
 _current: Backend | None = None
 
 
+class NotInitializedError(ValueError, RuntimeError):
+    """Asked for the backend under a launcher before ``init()``. Horovod raises ValueError from
+    ``rank()`` / ``DistributedOptimizer`` and HorovodInternalError (a RuntimeError) from its
+    collectives there; this is both, so either ``except`` catches it."""
+
+
 @dataclass(frozen=True)
 class Topology:
     """Where this process sits, in Horovod's terms: ``local_size`` processes share its host;
@@ -71,7 +77,8 @@ def current() -> Backend:
     if _current is None:
         if backends.detect() == "local":
             return init("local")
-        raise RuntimeError("adacomp.init() has not been called; call it once at the start of the script")
+        raise NotInitializedError("adacomp has not been initialized; use adacomp.init() (adacomp.init() has not "
+                                  "been called; call it once at the start of the script)")
     return _current
 
 
