@@ -360,6 +360,8 @@ def report_floor(args: argparse.Namespace) -> None:
             mark = "" if x <= GOAL.get(meth, 3.0) else " ✗"
             cells += [f"{1e3 * r['step_s']:.0f}", f"{1e3 * r['floor_s']:.1f}", f"{x:.1f}x{mark}"]
         lines.append(f"| {meth} | " + " | ".join(cells) + f" | {GOAL.get(meth, 3.0):.0f}x |")
+    if args.note:
+        lines += ["", args.note]
     lines += ["", "✗ = above the goal. OkTopk is not in the table: its communicator's exchange needs real peers "
               "(the mirror backend answers only symmetric collectives). Tensors under 1024 elements go dense and are "
               "outside both the step and the floor."]
@@ -390,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("report-floor", help="write compress_floor.md from a run's JSON")
     f.add_argument("--after", required=True)
     f.add_argument("--out", default=f"{RESULTS}/compress_floor.md")
+    f.add_argument("--note", default="", help="a paragraph on the run's conditions")
     p = sub.add_parser("report")
     p.add_argument("--after", required=True)
     p.add_argument("--before")
