@@ -5,7 +5,8 @@ Under ``horovodrun --gloo -np 3`` (no argument): adacomp on the torch backend ag
 ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` on the same inputs: the sets' ``rank`` / ``size`` / ``included``,
 duplicates, every collective (and its async, in-place, grouped and differentiable forms) on a set of
 ranks [0, 2], what a non-member gets (the same exception class), a mismatch inside a set,
-``DistributedOptimizer(process_set=)``, removal and id reuse. Under ``mpirun -np 3`` (argument
+``DistributedOptimizer(process_set=)``, removal and id reuse; then the same on adacomp's Horovod
+backend (Horovod's own sets) against the values. Under ``mpirun -np 3`` (argument
 ``mpi``): adacomp's MPI backend against values computed here. Prints ``HVD_SETS_OK <checks>`` per
 rank when everything matched, else the mismatches, exit 1.
 """
@@ -27,6 +28,9 @@ from tests.hvd_api_worker import CHECKS, FAILURES, horovod_world, report
 from tests.hvd_parity_worker import compare
 
 MEMBERS = [0, 2]
+# adacomp on the Horovod backend: Horovod 0.28.1 (Gloo controller) stalls in an op on a set without
+# rank 0 while rank 0 is idle, so those two checks are left out there (docs/horovod.md).
+ON_HOROVOD = [False]
 
 
 def _x(r: int, rows: int = 4, cols: int = 2) -> torch.Tensor:
@@ -213,7 +217,7 @@ def removal(rank: int, world: int, sets: dict[Any, Any]) -> None:
     # ids 2 (the overlapping set) then 1 were removed: the first freed is reused, as in Horovod
     compare("re-added set reuses the first freed id", lambda: again[adacomp].process_set_id,
             _theirs(lambda m: again[m].process_set_id), 2)
-    if rank == 1:
+    if rank == 1 and not ON_HOROVOD[0]:
         compare("one-rank set", lambda: adacomp.allreduce(torch.ones(2), op=adacomp.Sum, process_set=again[adacomp]),
                 _theirs(lambda m: m.allreduce(torch.ones(2), op=m.Sum, process_set=again[m])), torch.ones(2))
     for m in again:
@@ -233,7 +237,7 @@ def checks(rank: int, world: int) -> None:
         members(rank, world, sets)
     else:
         non_member(rank, world, sets)
-    if rank in (1, 2):  # a second set, overlapping the first, used after it. Against the value only:
+    if rank in (1, 2) and not ON_HOROVOD[0]:  # a second set, overlapping the first, used after it. Against the value only:
         # Horovod 0.28.1 (Gloo controller) stalls in an op on a set that excludes rank 0 (rank 0 idle)
         compare("overlapping set allreduce", lambda: adacomp.allreduce(_x(rank), op=adacomp.Sum, process_set=other[adacomp]),
                 None, _x(1) + _x(2))
@@ -259,6 +263,13 @@ def main() -> int:
         adacomp.init("torch")
         checks(rank, hvd.size())
         adacomp.shutdown()
+        # adacomp on the Horovod backend (Horovod's own sets underneath), against the values: its
+        # sets live in the same Horovod runtime, where adding horovod.torch's twin set is a duplicate
+        horovod, hvd, ON_HOROVOD[0] = hvd, None, True
+        adacomp.init("horovod")
+        checks(rank, horovod.size())
+        adacomp.shutdown()
+        hvd, ON_HOROVOD[0] = horovod, False
     return report("HVD_SETS_OK", rank)
 
 

@@ -128,8 +128,9 @@ class Backend(ABC):
         """Release the transport; safe to call twice."""
 
     def subgroup(self, ranks: list[int]) -> "Backend | None":
-        """A backend over ``ranks`` (sorted ranks of this backend) for its members, None on the other
-        ranks: Horovod's process sets. Collective: every rank of this backend calls it, with the same
+        """A backend over ``ranks`` (sorted ranks of this backend) for its members; on the other ranks
+        None, or a backend only for ``shutdown()`` (where releasing the group is collective, as with
+        Horovod's process sets). Collective: every rank of this backend calls it, with the same
         ranks, in the same order as its other collectives."""
         raise NotImplementedError(f"backend {self.name!r} has no sub-groups (process sets); use the torch backend "
                                   "(adacomp run / torchrun) or the MPI backend (mpirun)")

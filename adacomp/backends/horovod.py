@@ -30,6 +30,7 @@ Design notes (why it looks like this):
 from __future__ import annotations
 
 import itertools
+import pickle
 import time
 from typing import Any, Callable
 
@@ -61,21 +62,50 @@ class HorovodBackend(Backend):
 
     name = "horovod"
 
-    def __init__(self, timeout_s: float = 60.0):
+    def __init__(self, timeout_s: float = 60.0, process_set: Any = None):
         self._hvd = _import_horovod()
         self._timeout_s = float(timeout_s)
         self._owns_init = False
-        if not self._hvd.is_initialized():
+        self._ps = process_set  # a Horovod process set (subgroup()); None: every rank
+        if process_set is None and not self._hvd.is_initialized():
             self._hvd.init()
             self._owns_init = True
         self._counter = itertools.count()
+        self._prefix = "adacomp" if process_set is None else f"adacomp.ps{process_set.process_set_id}"
         # Cached: identity stays readable after shutdown(), as with the other backends.
-        self._rank, self._size, self._local_rank = self._hvd.rank(), self._hvd.size(), self._hvd.local_rank()
+        self._local_rank = self._hvd.local_rank()
+        if process_set is None:
+            self._rank, self._size = self._hvd.rank(), self._hvd.size()
+        else:
+            self._size = len(process_set.ranks)
+            self._rank = process_set.ranks.index(self._hvd.rank()) if self._hvd.rank() in process_set.ranks else -1
+
+    def _set(self) -> dict[str, Any]:
+        """The ``process_set=`` keyword of Horovod's ops (empty on the global set)."""
+        return {} if self._ps is None else {"process_set": self._ps}
+
+    def _root(self, root: int) -> int:
+        """A rank of this backend as Horovod's root (a global rank, also for process sets)."""
+        return root if self._ps is None else int(self._ps.ranks[root])
+
+    def subgroup(self, ranks: list[int]) -> Backend | None:
+        """Horovod's own process set over ``ranks`` (``hvd.add_process_set``, collective; Horovod
+        needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` for it). Every rank gets a backend, because
+        removing the set (``shutdown()``) is collective in Horovod too; only members may use it."""
+        if self._ps is not None:
+            raise NotImplementedError("process sets of a process set are not supported")
+        try:
+            ps = self._hvd.add_process_set([int(r) for r in ranks])
+        except ValueError as exc:
+            if "HOROVOD_DYNAMIC_PROCESS_SETS" in str(exc):
+                raise ValueError(f"{exc} (Horovod's rule; adacomp's other backends do not need it)") from exc
+            raise
+        return HorovodBackend(self._timeout_s, process_set=ps)
 
     def _name(self, op: str) -> str:
         """One name sequence for every kind of op: ranks that issue different ops at the same point
         meet under one name, so Horovod's coordinator reports the mismatch instead of stalling."""
-        return f"adacomp.{next(self._counter)}"
+        return f"{self._prefix}.{next(self._counter)}"
 
     # ----------------------------------------------------------------------------- identity
     def rank(self) -> int:
@@ -115,7 +145,7 @@ class HorovodBackend(Backend):
         work = tensor.detach().to(wide) if wide else tensor.detach()
         floating = work.is_floating_point()
         op = hvd.Average if average and floating else hvd.Sum
-        handle = hvd.allreduce_async_(work, name=self._name("allreduce"), op=op)
+        handle = hvd.allreduce_async_(work, name=self._name("allreduce"), op=op, **self._set())
         size = self.size()
 
         def finish(out: Tensor) -> Tensor:
@@ -133,7 +163,7 @@ class HorovodBackend(Backend):
             return super().reduce_async(tensor, op)
         wide = _WIDEN.get(tensor.dtype)
         work = tensor.detach().to(wide) if wide else tensor.detach()
-        handle = self._hvd.allreduce_async_(work, name=self._name(op), op=getattr(self._hvd, native))
+        handle = self._hvd.allreduce_async_(work, name=self._name(op), op=getattr(self._hvd, native), **self._set())
 
         def finish(out: Tensor) -> Tensor:
             if wide:
@@ -147,7 +177,8 @@ class HorovodBackend(Backend):
                              f"{tensor.shape[0]} rows on rank {self.rank()}; pass the true first dims or None")
         bits = _BITS_VIEW.get(tensor.dtype)
         send = tensor.detach().contiguous()
-        handle = self._hvd.allgather_async(send.view(bits) if bits else send, name=self._name("allgather"))
+        handle = self._hvd.allgather_async(send.view(bits) if bits else send, name=self._name("allgather"),
+                                           **self._set())
         return self._handle(handle, "allgather", lambda out: out.view(tensor.dtype) if bits else out)
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
@@ -155,8 +186,8 @@ class HorovodBackend(Backend):
             raise ValueError(f"root must be a rank in [0, {self.size()}), got {root}")
         bits = _BITS_VIEW.get(tensor.dtype)
         work = tensor.detach()
-        handle = self._hvd.broadcast_async_(work.view(bits) if bits else work, root_rank=root,
-                                            name=self._name("broadcast"))
+        handle = self._hvd.broadcast_async_(work.view(bits) if bits else work, root_rank=self._root(root),
+                                            name=self._name("broadcast"), **self._set())
         return self._handle(handle, "broadcast", lambda _out: tensor)
 
     def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
@@ -167,7 +198,7 @@ class HorovodBackend(Backend):
         send = tensor.detach().contiguous()
         handle = self._hvd.alltoall_async(send.view(bits) if bits else send,
                                           splits=torch.tensor(counts, dtype=torch.int32),
-                                          name=self._name("alltoall"))
+                                          name=self._name("alltoall"), **self._set())
         rank = self.rank()
 
         def finish(result: Any) -> Tensor:
@@ -180,19 +211,34 @@ class HorovodBackend(Backend):
         return self._handle(handle, "alltoall", finish)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        return self._hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
+        return self._hvd.broadcast_object(obj, root_rank=self._root(root), name=self._name("broadcast_object"),
+                                          **self._set())
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
+        if self._ps is None:
+            return self._hvd.allgather_object(obj, name=self._name("allgather_object"))
+        # Horovod 0.28.1's allgather_object has no process_set: pickled bytes through allgather
+        blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(n) for n in self.allgather(torch.tensor([blob.numel()], dtype=torch.int64)).tolist()]
+        data, offsets = self.allgather(blob).numpy().tobytes(), [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        return [pickle.loads(data[a:b]) for a, b in zip(offsets, offsets[1:])]
 
     def barrier(self) -> None:
         if hasattr(self._hvd, "barrier"):
-            self._hvd.barrier()
+            self._hvd.barrier(**self._set())
         else:  # older Horovod: a one-element allreduce has the same synchronising effect
             self.allreduce(torch.zeros(1))
 
     def shutdown(self) -> None:
-        """Shut Horovod down only if this backend started it; safe to call twice."""
+        """Shut Horovod down only if this backend started it (a process set's backend removes its
+        set, collectively); safe to call twice."""
+        if self._ps is not None:
+            ps, self._ps = self._ps, None
+            if self._hvd.is_initialized():
+                self._hvd.remove_process_set(ps)
+            return
         if self._owns_init and self._hvd.is_initialized():
             self._hvd.shutdown()
         self._owns_init = False
