@@ -128,7 +128,7 @@ def test_every_method_trains_on_cuda_like_on_cpu(method: str) -> None:
 
 def _syncs_per_step(method: str, layers: int) -> int:
     """Host waits for the device in one training step (torch's sync debug mode counts them)."""
-    import warnings
+    from adacomp.bench.gpu_step import host_waits
     cfg, warm = method_cfg(method)
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(128, 128) for _ in range(layers)]).to(DEV)
@@ -142,15 +142,9 @@ def _syncs_per_step(method: str, layers: int) -> int:
 
     for _ in range(warm + 2):
         step()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    waits = host_waits(step)
     opt.remove_hooks()
-    return sum("synchroniz" in str(w.message) for w in seen)
+    return waits
 
 
 @pytest.mark.parametrize("method", ["none", "bf16", "topk", "powersgd", "efsignsgd"])

@@ -174,18 +174,23 @@ def _residuals(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save_worker(ckpt: str) -> dict[str, Any]:
-    """3 Top-k steps under plain FSDP2 on this world, a DCP checkpoint (model, optimizer, adacomp)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+def _topk_fsdp() -> tuple[Any, Any, torch.optim.Optimizer]:
+    """This process's gloo group, the model under plain FSDP2 with adacomp's Top-k, its SGD."""
     import adacomp
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     net = _model()
     _shard(net)
     state = adacomp.fsdp.register(net, CONFIGS["topk"])
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return net, state, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+
+def _save_worker(ckpt: str) -> dict[str, Any]:
+    """3 Top-k steps under plain FSDP2 on this world, a DCP checkpoint (model, optimizer, adacomp)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    net, state, opt = _topk_fsdp()
     _steps(net, opt, range(3))
     msd, osd = get_state_dict(net, opt)
     dcp.save({"model": msd, "optim": osd, "adacomp": state.dcp_state_dict()}, checkpoint_id=ckpt)
@@ -197,13 +202,7 @@ def _resume_worker(ckpt: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    import adacomp
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo")
-    net = _model()
-    _shard(net)
-    state = adacomp.fsdp.register(net, CONFIGS["topk"])
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net, state, opt = _topk_fsdp()
     msd, osd = get_state_dict(net, opt)
     template = {"model": msd, "optim": osd}
     dcp.load(template, checkpoint_id=ckpt)
