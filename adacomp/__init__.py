@@ -13,6 +13,7 @@ from __future__ import annotations
 from adacomp.config import Config, load as load_config
 from adacomp import ddp, fsdp
 from adacomp.runtime import checkpoint
+from adacomp.runtime import hvd_elastic as elastic
 from adacomp.runtime.context import current as backend
 from adacomp.errors import (AdacompError, CommunicationError, ConfigError, IncompatibleComponentsError,
                             NonFiniteGradientError, RankStateError)
@@ -29,4 +30,4 @@ __all__ = sorted({"AdacompError", "CommunicationError", "Compression", "Config",
                   "DistributedOptimizer", "IncompatibleComponentsError", "InitialWeightsWarning", "NonFiniteGradientError", "RankStateError",
                   "SyncBatchNorm", "apply_optimizer_kwargs", "backend", "broadcast_object",
                   "broadcast_optimizer_state", "broadcast_parameters", "global_process_set", "load_config",
-                  "resolve_compression", "ddp", "fsdp", "checkpoint", *_hvd_api_all})
+                  "resolve_compression", "ddp", "fsdp", "checkpoint", "elastic", *_hvd_api_all})
