@@ -103,7 +103,8 @@ def main():
     train(state)
     if args.log_dir:
         torch.save(model.state_dict(), os.path.join(args.log_dir, f"final_rank{hvd.rank()}.pt"))
-    print(f"ELASTIC_DONE rank={hvd.rank()} size={hvd.size()} epoch={state.epoch}", flush=True)
+    backend = hvd.backend().name if hasattr(hvd, "backend") else "horovod"  # adacomp's transport
+    print(f"ELASTIC_DONE rank={hvd.rank()} size={hvd.size()} epoch={state.epoch} backend={backend}", flush=True)
 
 
 if __name__ == "__main__":

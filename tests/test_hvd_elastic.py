@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tests.test_backend_horovod import find_horovodrun, needs_horovod
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "pytorch_elastic.py"
 BATCH, TRAIN, COMMIT_EVERY = 4, 96, 3  # 12 batches per rank per epoch, commits at 3, 6, 9, 12
@@ -82,3 +84,24 @@ def test_killed_worker_resumes_from_last_commit(tmp_path: Path) -> None:
     for k in final0:
         assert torch.equal(final0[k], final1[k]), k
         assert torch.allclose(final0[k], ref0[k], atol=1e-6), k
+
+
+@needs_horovod
+def test_horovodrun_delegates_to_horovods_loop(tmp_path: Path) -> None:
+    """Under horovodrun (the Horovod backend) ``run`` is Horovod's ``run_fn`` driving adacomp's state
+    objects: the example trains to the end, the commits stay in memory (no torchrun run id, no
+    ``ADACOMP_ELASTIC_DIR``) and both ranks agree. Horovod's *elastic* mode (host discovery) is not
+    run here: on this machine it hangs at start-up for a plain ``horovod.torch`` script too."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC", "MASTER_", "OMPI_", "PMI", "ADACOMP_ELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    cmd = [find_horovodrun() or "horovodrun", "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, str(SCRIPT),
+           "--batch-size", str(BATCH), "--train-size", str(TRAIN), "--epochs", "1", "--log-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("ELASTIC_DONE") == 2 and out.count("backend=horovod") == 2, out[-4000:]
+    steps = [(e["epoch"], e["batch"]) for e in _events(tmp_path, 0) if e["event"] == "batch"]
+    assert steps == [(0, b) for b in range(1, 13)]
+    final0, final1 = _final(tmp_path, 0), _final(tmp_path, 1)
+    assert all(torch.equal(final0[k], final1[k]) for k in final0)
