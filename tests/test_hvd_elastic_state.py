@@ -1,7 +1,8 @@
 """``hvd.elastic`` semantics that need no restart, against real ``horovod.torch.elastic`` where it is
 installed (same operations on both, results equal): TorchState commit / restore / assignment /
 reset callbacks, ElasticSampler partitioning, ``record_batch``, ``set_epoch``, state_dict round trip.
-The restart under torchrun is tests/test_hvd_elastic.py. Single process (no launcher)."""
+The restart test is tests/test_hvd_elastic.py. Single process, no launcher, so these stay in the
+quick set."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +15,17 @@ import adacomp as hvd
 from adacomp.runtime import hvd_elastic
 
 HAVE_HOROVOD = importlib.util.find_spec("horovod") is not None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shut_down_after() -> Any:
+    """The one-process transports started here must not leak into later tests of the same run."""
+    yield
+    hvd.shutdown()
+    if HAVE_HOROVOD:
+        import horovod.torch as hhvd
+        if hhvd.is_initialized():
+            hhvd.shutdown()
 
 
 def _horovod() -> Any:
