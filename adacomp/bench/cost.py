@@ -176,6 +176,8 @@ def cell(model: str, method: str, steps: int) -> dict:
         times += time_steps(one_step, 1, sync=prepare)
         floors += time_steps(floor_pass, 1)
     sent, dense = cur.stats.bytes_sent, cur.stats.dense_bytes  # the last step's
+    if not 0 < sent < dense:  # a cost of a path that compressed nothing would measure the wrong thing
+        raise RuntimeError(f"cost cell {model}/{method}: sent {sent} bytes of {dense} dense")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     held = _held_bytes(comp, memory, comm)
     del cur

@@ -161,6 +161,13 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
         for a in order[r % len(order):] + order[:r % len(order)]:
             arms[a].round(base_held)
             say(f"{name} round {r + 1}/{args.rounds} {a:<12} {1e3 * arms[a].times[-1]:8.2f} ms/step")
+    for a, arm in arms.items():  # the work happened: each method synchronised, and compressed what it claims
+        if a == "plain":
+            continue
+        if not arm.ratio:
+            raise RuntimeError(f"gpu_step: {a} recorded no synchronisation on {name}")
+        if not arm.local and a != "bytecomp" and statistics.median(arm.ratio) <= 1.0:
+            raise RuntimeError(f"gpu_step: {a} sent dense bytes on {name} (ratio {statistics.median(arm.ratio):.2f})")
     plain = arms["plain"]
     p_ms = 1e3 * statistics.median(plain.times)
     p_held, p_peak = statistics.median(plain.held), statistics.median(plain.peak)
