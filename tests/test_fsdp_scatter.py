@@ -278,7 +278,8 @@ def test_hsdp_resume_on_another_mesh_reshards_the_residuals(tmp_path: Path) -> N
 
 
 def _bad_config_worker() -> list[str]:
-    """An unknown compressor; a native HSDP model (2-D mesh) registered without a replicate group."""
+    """An unknown compressor; a native HSDP model (2-D mesh) registered without a replicate group;
+    local steps without a replicate group, and without the optimizer they follow."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -288,9 +289,15 @@ def _bad_config_worker() -> list[str]:
     _shard(net)
     fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")))
     out = []
-    for model, cfg in ((net, {"compressor": {"name": "no-such"}}), (hsdp, CONFIGS["topk"])):
+    local = {"compressor": {"name": "none"}, "local_steps": {"every": 4}}
+    mesh2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    cases: list[tuple[torch.nn.Module, Any, dict[str, Any]]] = [
+        (net, {"compressor": {"name": "no-such"}}, {}), (hsdp, CONFIGS["topk"], {}),
+        (net, local, {}),  # local steps without a replicate group
+        (net, local, {"replicate_group": mesh2["replicate"].get_group()})]  # ... or without the optimizer
+    for model, cfg, kw in cases:
         try:
-            adacomp.fsdp.register(model, cfg)
+            adacomp.fsdp.register(model, cfg, **kw)
             out.append("accepted")
         except Exception as exc:  # noqa: BLE001 - the message is the result
             out.append(f"{type(exc).__name__}: {exc}")
@@ -299,10 +306,12 @@ def _bad_config_worker() -> list[str]:
 
 def test_invalid_config_fails_before_any_collective() -> None:
     """Both ranks raise at register (no collective ran: a rank that passed would hang its peer)."""
-    for unknown, two_d in run_workers(_bad_config_worker, 2, timeout=120):
+    for unknown, two_d, no_group, no_optimizer in run_workers(_bad_config_worker, 2, timeout=120):
         assert unknown.startswith("ConfigError") and "compressor" in unknown and "no-such" in unknown, unknown
         assert "topk" in unknown, unknown  # the valid choices
         assert two_d.startswith("ValueError") and "replicate_group" in two_d and "1-D" in two_d, two_d
+        assert no_group.startswith("ConfigError") and "local_steps" in no_group and "replicate_group" in no_group
+        assert no_optimizer.startswith("ConfigError") and "optimizer=" in no_optimizer, no_optimizer
 
 
 def test_bench_fsdp_writes_every_arm(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ saved rank's entry and loads this rank's: bitwise on the same world size, by the
 :mod:`adacomp.checkpoint_reshard` on another world size or mesh (plain FSDP2: the old ranks' mean;
 HSDP: each old replica's shards joined, the replicas averaged, cut into the new mesh's shards).
 Tests: tests/test_fsdp.py (HSDP, 4 ranks), tests/test_fsdp_scatter.py (plain FSDP2, 2 and 3 ranks).
-Not yet: local steps on sharded parameters, a compressed reduce-scatter that moves only each owner's
+Local steps (``local_steps`` in the config): :mod:`adacomp.engine.fsdp_local`. Not yet: a compressed reduce-scatter that moves only each owner's
 part (alltoall of compressed parts).
 """
 from __future__ import annotations
@@ -46,6 +46,7 @@ from torch import Tensor
 from adacomp.backends.base import Backend
 from adacomp.config import Config, load
 from adacomp.engine.ddp import HookState
+from adacomp.engine.fsdp_local import OuterState, register_local_steps
 from adacomp.errors import ConfigError
 
 
@@ -415,13 +416,17 @@ def _pieces(module: Any, names: dict[int, str], world: int) -> tuple[list[_Piece
 
 
 def register(model: torch.nn.Module, config: Any = None, *, replicate_group: Any = None,
-             backend: Backend | None = None, grad_scaler: Any = None) -> "ReplicaState | ScatterState":
+             backend: Backend | None = None, grad_scaler: Any = None,
+             optimizer: torch.optim.Optimizer | None = None) -> "ReplicaState | ScatterState | OuterState":
     """Compress every FSDP unit of ``model``'s gradient reduction with adacomp's round.
 
     * ``replicate_group`` given (HSDP: FSDP2 over the 1-D shard mesh, replicas across it): each
       shard is averaged over the replicate group from FSDP2's all-reduce hook; residuals are sharded.
     * no ``replicate_group`` (plain FSDP2 over a 1-D mesh): each unit's reduce-scatter is replaced
       through ``set_custom_reduce_scatter`` (docs.pytorch.org, ``FSDPModule``); full-size residuals.
+    * a config with ``local_steps`` (and ``replicate_group``, ``optimizer``): no per-step hook; the
+      outer loop synchronises the shards across replicas every H optimizer steps
+      (:mod:`adacomp.engine.fsdp_local`).
     """
     from torch.distributed.fsdp import FSDPModule
     config = load(config)  # an invalid config fails here, on every rank, before any collective
@@ -431,6 +436,14 @@ def register(model: torch.nn.Module, config: Any = None, *, replicate_group: Any
     for name, module in units:
         if getattr(module, "_adacomp_fsdp", None) is not None:
             raise RuntimeError(f"FSDP unit {name!r} already has an adacomp.fsdp hook")
+    if config.local_steps is not None:
+        if grad_scaler is not None:
+            raise ConfigError("local_steps", "a GradScaler with local steps on FSDP2 is not supported yet; FSDP2 "
+                                             "trains in bf16 (MixedPrecisionPolicy) without one")
+        out = register_local_steps(model, config, replicate_group, optimizer, backend)
+        for name, module in units:
+            setattr(module, "_adacomp_fsdp", out)
+        return out
     if replicate_group is not None:
         rstate = ReplicaState(config, replicate_group, backend, grad_scaler)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -460,4 +473,4 @@ def register(model: torch.nn.Module, config: Any = None, *, replicate_group: Any
     return sstate
 
 
-__all__ = ["ReplicaState", "ScatterState", "register"]
+__all__ = ["OuterState", "ReplicaState", "ScatterState", "register"]

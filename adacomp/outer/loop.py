@@ -304,12 +304,19 @@ class OuterLoop:
                     if n not in s["synced"] or s["synced"][n].shape != t.shape:
                         raise ValueError(f"checkpoint's synchronised copy of {n!r} is missing or has another shape")
                     t.copy_(s["synced"][n])
-            fr.outer_opt.load_state_dict(s["outer_optimizer"])
+            fr.outer_opt.load_state_dict(_int_keys(s["outer_optimizer"]))
             fr.io.load_adacomp_state_dict(s["components"])
             fr.syncs, fr.merge_at, fr.discard, fr.dirty = int(s["syncs"]), s["merge_at"], bool(s["discard"]), bool(s["dirty"])
             fr.launched_at = None
         self.started = bool(state.get("started", True))
         self.skipped_syncs = int(state.get("skipped_syncs", 0))
+
+
+def _int_keys(opt_state: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict whose per-parameter keys went through a format that keeps only
+    string keys (torch.distributed.checkpoint): torch's ``load_state_dict`` matches them as ints and
+    would silently drop the momentum otherwise."""
+    return {**opt_state, "state": {int(k): v for k, v in opt_state.get("state", {}).items()}}
 
 
 __all__ = ["Fragment", "OuterLoop", "blocks", "offsets", "partition"]
