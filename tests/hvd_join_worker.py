@@ -2,8 +2,10 @@
 ``horovodrun --gloo -np 3`` (tests/test_hvd_join.py): rank 2 joins at once, rank 1 after one
 allreduce, rank 0 goes on alone; the joined ranks answer allreduces (every op, factors, grouped,
 async, in place, integers) with zeros, other collectives raise the same class on the active rank,
-and every rank gets the same last-joined rank. adacomp on the torch backend, then on the Horovod
-backend. Prints ``HVD_JOIN_OK <checks>`` per rank when everything matched."""
+and every rank gets the same last-joined rank. Then uneven data through ``DistributedOptimizer``
+(rank r has 3 - r batches, a module allreduce after each step, then ``join()``): the joined ranks
+answer the optimizer's gradient rounds with zeros, so every rank ends with Horovod's parameters.
+adacomp on the torch backend, then on the Horovod backend. Prints ``HVD_JOIN_OK <checks>`` per rank when everything matched."""
 from __future__ import annotations
 
 import sys
@@ -48,6 +50,45 @@ def scenario(m: Any, rank: int) -> list[tuple[str, Callable[[], Any]]]:
     return out
 
 
+TRAINING = [("default", {}), ("fp16", {"compression": "fp16"}), ("Sum", {"op": "Sum"}),
+            ("predivide", {"gradient_predivide_factor": 2.0}), ("two passes", {"backward_passes_per_step": 2})]
+
+
+def training(m: Any, rank: int, size: int) -> list[tuple[str, Callable[[], Any]]]:
+    """Uneven data: rank r trains on ``size - r`` batches, then joins; the parameters it ends with."""
+    import torch.nn.functional as F
+    out: list[tuple[str, Any]] = []
+    for label, kw in TRAINING:
+        kwargs = dict(kw)
+        if "compression" in kwargs:
+            kwargs["compression"] = m.Compression.fp16
+        if "op" in kwargs:
+            kwargs["op"] = getattr(m, kwargs["op"])
+        passes = kwargs.get("backward_passes_per_step", 1)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = m.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters(), **kwargs)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for step in range(size - rank):
+            opt.zero_grad()
+            for _ in range(passes):
+                x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+                F.mse_loss(model(x), y).backward()
+            opt.step()
+            # a metric between the steps (named: Horovod numbers unnamed ops per rank, which diverge here)
+            losses.append(m.allreduce(torch.tensor([float(rank)]), op=m.Sum, name=f"{label} metric {step}"))
+        out.append((f"{label}: metrics", ("ok", losses)))
+        try:
+            out.append((f"{label}: join", ("ok", m.join())))
+        except Exception as exc:  # noqa: BLE001 - compared by class
+            out.append((f"{label}: join", ("err", exc)))
+        out.append((f"{label}: parameters", ("ok", [p.detach().clone() for p in model.parameters()])))
+        out.append((f"{label}: after join", ("ok", m.allreduce(torch.ones(2), op=m.Sum, name=f"{label} after"))))
+    return out
+
+
 def before_init() -> list[tuple[str, Any]]:
     """Horovod 0.28.1 before ``init()`` (under a launcher): ValueError from DistributedOptimizer and
     rank(), HorovodInternalError (a RuntimeError) from collectives and broadcast_parameters."""
@@ -65,10 +106,10 @@ def main() -> int:
     for label, call in before_init():
         compare(label, lambda: call(adacomp), lambda: call(hvd))
     rank = horovod_world()
-    theirs = scenario(hvd, rank)
+    theirs = scenario(hvd, rank) + training(hvd, rank, hvd.size())
     for backend in ("torch", "horovod"):
         adacomp.init(backend)
-        ours = scenario(adacomp, rank)
+        ours = scenario(adacomp, rank) + training(adacomp, rank, adacomp.size())
         CHECKS[0] += 1
         if [label for label, _ in ours] != [label for label, _ in theirs]:
             FAILURES.append(f"{backend}: steps differ {ours} vs {theirs}")

@@ -72,6 +72,7 @@ class HorovodBackend(Backend):
             self._owns_init = True
         self._counter = itertools.count()
         self._prefix = "adacomp" if process_set is None else f"adacomp.ps{process_set.process_set_id}"
+        self._joins = 0
         # Cached: identity stays readable after shutdown(), as with the other backends.
         self._local_rank = self._hvd.local_rank()
         if process_set is None:
@@ -101,6 +102,15 @@ class HorovodBackend(Backend):
                 raise ValueError(f"{exc} (Horovod's rule; adacomp's other backends do not need it)") from exc
             raise
         return HorovodBackend(self._timeout_s, process_set=ps)
+
+    def join(self, device: int = -1) -> int:
+        """Horovod's ``join``. The ranks issued different numbers of ops before it (the joined ones
+        fewer), so the name sequence restarts under a fresh prefix, the same on every rank."""
+        last = int(self._hvd.join(device))
+        self._joins += 1
+        self._prefix = f"{self._prefix.split('.j')[0]}.j{self._joins}"
+        self._counter = itertools.count()
+        return last
 
     def _name(self, op: str) -> str:
         """One name sequence for every kind of op: ranks that issue different ops at the same point

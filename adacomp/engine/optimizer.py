@@ -29,6 +29,7 @@ from adacomp.backends.base import Backend, LocalBackend, broadcast_tensors
 from adacomp.communicators.base import Communicator
 from adacomp.config import ComponentSpec, Config, load
 from adacomp.errors import CommunicationError, ConfigError
+from adacomp.engine import hvd_join
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.hvd_keywords import Average, Sum, apply_optimizer_kwargs, is_global
 from adacomp.engine.metrics import StepStats
@@ -98,6 +99,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.backward_passes_per_step = backward_passes_per_step
         self.process_set = process_set
+        # on the process's own backend, rounds announce themselves so hvd.join() can answer them (hvd_join)
+        process_wide = backend is None and is_global(process_set)
         if backend is None and not is_global(process_set):
             # Horovod: only the set's members average; a non-member's gradients stay its own.
             backend = process_set.backend("DistributedOptimizer") if process_set.included() else LocalBackend()
@@ -123,6 +126,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._weights_differ = weights_differ
         if self.config.local_steps is None:
             self.engine.attach(self.params)
+            if process_wide and self.backend.size() > 1 and hvd_join.enabled() \
+                    and getattr(self.backend, "name", "") != "horovod":  # there Horovod's own join answers
+                self.engine.announce_id = hvd_join.register(self)
         else:  # local steps: backward and the inner step communicate nothing (adacomp.outer.loop)
             self.outer = OuterLoop(self.config, self.params, self.backend)
             # GradScaler then hands every step to step() with `found_inf` (a rank-local overflow skips
@@ -337,6 +343,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.engine.joined = False
         root = max(last) if last else 0
         broadcast_tensors(self.backend, [p for _, p in self.params], root)
+
+    def answer_round(self) -> None:
+        """For ``hvd.join()`` (adacomp.runtime.hvd_api.join): the other ranks announced a round of this
+        optimizer; run it with zeros, and the step's bookkeeping as the active ranks do (policy included)."""
+        self.engine.shadow_round(announced=True)
+        vote = self.engine.last_vote
+        if vote is not None and vote.nonfinite and self.config.nonfinite == "skip":
+            self.engine.end_step(self.steps)  # the active ranks skipped this step
+        else:
+            self._end_step()
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if not self._ddp_checked:

@@ -54,6 +54,9 @@ class RoundState:
     sparse: set[str] = field(default_factory=set)  # parameters whose gradient arrived sparse
     next_launch: int = 0
     callback_queued: bool = False
+    comm_begun: bool = False  # the round's first collective was issued (announcement, first-round check)
+    announced: bool = False  # hvd.join() already received this round's announcement (adacomp.engine.hvd_join)
+    announcement: Any = None  # the announcement's allgather, waited for before the vote
 
 
 @dataclass

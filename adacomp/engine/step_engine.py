@@ -31,6 +31,7 @@ from torch import Tensor
 
 from adacomp.backends import watchdog
 from adacomp.backends.base import Backend
+from adacomp.engine import hvd_join
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.offload import OffloadWorker
@@ -71,6 +72,8 @@ class StepEngine:
         self.skip_update = False  # nonfinite: skip voted this step
         self.no_sync_depth = 0
         self.joined = False  # inside join(): this rank has no more data
+        # rounds announce themselves under this id, so a rank in hvd.join() can answer them (hvd_join)
+        self.announce_id: int | None = None
         self._param = dict(table.params)
         self._hooks: list[Any] = []
 
@@ -137,14 +140,26 @@ class StepEngine:
 
     # --- a round ----------------------------------------------------------------------------------
     def _begin_round(self, active: bool = True) -> RoundState:
-        if self._on_first_round is not None:  # one collective, at the same point on every rank
-            check, self._on_first_round = self._on_first_round, None
-            check()
         n = len(self.table.buckets)
         st = self.rounds.begin(self.step_stats, self.step_index, active)
         st.ready, st.jobs = [0] * n, [None] * n
         self.state = st
         return st
+
+    def _comm_begins(self, st: RoundState) -> None:
+        """Before the round's first collective, once: its announcement (an async one-int64 allgather
+        that tells a rank inside ``hvd.join()`` which optimizer's round follows, see
+        :mod:`adacomp.engine.hvd_join`), then the first round's weights check; both at the same point
+        on every rank, a joined rank's shadow round included."""
+        if st.comm_begun:
+            return
+        st.comm_begun = True
+        if self.announce_id is not None and not st.announced:
+            code = hvd_join.round_code(self.announce_id) if st.active else hvd_join.JOINED
+            st.announcement = hvd_join.announce(self.backend, code)
+        if self._on_first_round is not None:  # one collective, at the same point on every rank
+            check, self._on_first_round = self._on_first_round, None
+            check()
 
     def _grads(self, st: RoundState, b: Bucket) -> tuple[list[Tensor], list[bool]]:
         """This rank's gradients of bucket ``b`` (zeros for parameters it did not use) and which
@@ -183,6 +198,7 @@ class StepEngine:
             st.next_launch += 1
 
     def _launch(self, st: RoundState, b: Bucket) -> None:
+        self._comm_begins(st)
         job = st.jobs[b.index]
         if job is not None:
             entries, dt = job.result()  # re-raises a failure of the worker here
@@ -207,12 +223,16 @@ class StepEngine:
                 self.state = None
 
     def _finish_round(self, st: RoundState) -> None:
+        self._comm_begins(st)
         for b in self.table.buckets[st.next_launch:]:  # parameters nobody used count as ready
             if st.ready[b.index] != len(b.names):
                 st.ready[b.index] = len(b.names)
                 if b.route.offload:
                     self._submit(st, b)
         self._launch_ready(st, block=True)
+        if st.announcement is not None:  # launched before the buckets: long done
+            st.announcement.wait()
+            st.announcement = None
         result = self.rounds.complete(st)
         if result is None:
             return  # a joined rank only shadowed the collectives
@@ -265,13 +285,15 @@ class StepEngine:
         self.skip_update = False
         return stats
 
-    def shadow_round(self) -> Vote:
+    def shadow_round(self, announced: bool = False) -> Vote:
         """One round of a rank that has joined: zeros in every bucket, residuals untouched,
-        the same collectives as the active ranks' round."""
+        the same collectives as the active ranks' round. ``announced``: ``hvd.join()`` has already
+        received the round's announcement (so it is not sent again)."""
         if self.state is not None:
             raise RuntimeError("join: this rank left its training loop in the middle of a step "
                                "(a backward without its step); finish the step before leaving the join block")
         st = self._begin_round(active=False)
+        st.announced = announced
         for b in self.table.buckets:
             st.ready[b.index] = len(b.names)
         self.finish()

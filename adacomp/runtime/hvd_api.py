@@ -36,6 +36,7 @@ from adacomp.runtime.hvd_info import (ccl_built, cross_rank, cross_size, cuda_bu
                                       shutdown, size)
 from adacomp.runtime.hvd_check import HorovodInternalError, MismatchError, agree, claim, release, request
 from adacomp.runtime import hvd_check
+from adacomp.engine import hvd_join
 from adacomp.backends.base import Handle
 from adacomp.errors import CommunicationError
 from adacomp.engine.hvd_keywords import (ADASUM_HINT, Adasum, Average, Compression, Max, Min, Product,  # noqa: F401
@@ -660,8 +661,9 @@ def join(device: int = -1) -> int:
     if be.size() == 1:
         return 0
     if getattr(be, "name", "") == "horovod":
-        import horovod.torch as horovod
-        return int(horovod.join(device))
+        while not hasattr(be, "join") and hasattr(be, "inner"):  # a wrapper (latency shaping, watchdog)
+            be = be.inner  # type: ignore[attr-defined]
+        return int(be.join(device))  # type: ignore[attr-defined]
     if not hvd_check.enabled():
         arrivals = be.allgather_object(time.time())
         return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
@@ -673,6 +675,12 @@ def join(device: int = -1) -> int:
             fresh = [r for r, c in enumerate(codes) if c == hvd_check.JOINED_NOW]
             return max(fresh) if fresh else be.size() - 1
         code = hvd_check.JOINED
+        rounds = [hvd_check.round_id(codes[r]) for r in live]
+        if any(k is not None for k in rounds):  # DistributedOptimizer rounds (adacomp.engine.hvd_join)
+            first = rounds[0]
+            if first is not None and all(k == first for k in rounds):
+                hvd_join.lookup(first).answer_round()  # zeros in every bucket, the same collectives
+            continue  # otherwise the active ranks disagree (those in a module op raise MismatchError)
         everyone = be.allgather_object(None)  # the active ranks' requests (hvd_check.agree's second step)
         first = everyone[live[0]]
         if any(codes[r] != codes[live[0]] for r in live) or any(req["op"] != "allreduce" for req in first):

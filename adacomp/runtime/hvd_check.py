@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import weakref
 from typing import Any, Sequence
 
@@ -31,9 +30,8 @@ import torch
 from torch import Tensor
 
 from adacomp.backends.base import Backend
+from adacomp.engine.hvd_join import DISABLE_ENV, JOIN_CODES, JOINED, JOINED_NOW, RESERVED_END, enabled, round_id  # noqa: F401
 from adacomp.errors import CommunicationError
-
-DISABLE_ENV = "ADACOMP_MISMATCH_CHECK_DISABLE"
 
 
 class HorovodInternalError(CommunicationError):
@@ -42,10 +40,6 @@ class HorovodInternalError(CommunicationError):
 
 class MismatchError(HorovodInternalError):
     """Ranks asked for different collectives (shape, dtype, op, root, name): raised on every rank."""
-
-
-def enabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
 
 
 def request(kind: str, tensor: Tensor, name: str | None, *, first_dim_free: bool = False, op: Any = None,
@@ -66,16 +60,15 @@ def request(kind: str, tensor: Tensor, name: str | None, *, first_dim_free: bool
 
 
 # What a rank inside ``join()`` sends instead of a request digest (Horovod's join: it answers the
-# other ranks' allreduces with zeros until every rank has joined); no request digest takes these values.
-JOINED_NOW = -(2 ** 63)      # the first round of this rank's join (so the last rank to join is known)
-JOINED = -(2 ** 63) + 1      # a later round
-_JOIN_CODES = (JOINED_NOW, JOINED)
+# other ranks' allreduces with zeros until every rank has joined), and what a DistributedOptimizer
+# round announces (adacomp.engine.hvd_join): the lowest int64 values, which no request digest takes.
+_JOIN_CODES = JOIN_CODES
 
 
 def _digest(requests: Sequence[dict[str, Any]]) -> int:
     blob = json.dumps(list(requests), sort_keys=True).encode()
     digest = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little", signed=True)
-    return digest + 2 if digest in _JOIN_CODES else digest
+    return digest + (RESERVED_END - JOINED_NOW) if digest < RESERVED_END else digest
 
 
 def exchange(backend: Backend, code: int) -> list[int]:
@@ -101,6 +94,11 @@ def agree(backend: Backend, requests: Sequence[dict[str, Any]]) -> None:
     codes = exchange(backend, digest)
     if all(c == digest for c in codes):
         return
+    stepping = [r for r in active(codes) if round_id(codes[r]) is not None]
+    if stepping:  # those ranks run an optimizer round and do not take the second step below
+        raise MismatchError(f"Mismatched collectives: ranks {stepping} started a DistributedOptimizer round (gradient "
+                            f"allreduce) while this rank called {requests[0]['op'] if requests else 'a collective'}. "
+                            "Every rank must call the same collectives in the same order")
     # every rank is here: the codes are the same everywhere, so every rank takes this path
     everyone = backend.allgather_object(list(requests))
     live = active(codes)
