@@ -151,6 +151,15 @@ def mismatches(rank: int, world: int) -> None:
         finally:
             m.synchronize(first)
     compare("duplicate name in flight", lambda: duplicate(adacomp), (lambda: duplicate(hvd)) if hvd else _dup_raised)
+    def name_per_kind(m: Any) -> Any:
+        """Horovod keys ops by kind and name: an allgather and a broadcast may share an allreduce's name."""
+        handles = [m.allreduce_async(torch.ones(2), name="shared", op=m.Sum),
+                   m.allgather_async(torch.ones(1, 2), name="shared"),
+                   m.broadcast_async(torch.ones(2), root_rank=0, name="shared")]
+        return [m.synchronize(h) for h in handles]
+    compare("one name in flight per kind", lambda: name_per_kind(adacomp), (lambda: name_per_kind(hvd)) if hvd else None,
+            [torch.full((2,), float(world)), torch.ones(world, 2), torch.ones(2)])
+
     def reuse_after_poll(m: Any) -> Any:
         first = m.allreduce_async(torch.ones(2), name="polled", op=m.Sum)
         while not m.poll(first):

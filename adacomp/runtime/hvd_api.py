@@ -14,9 +14,9 @@ Differences, and why:
   *order*, so every rank must issue them in the same order (DESIGN.md). Names are compared across
   ranks with the rest of the request (:mod:`adacomp.runtime.hvd_check`), so an op issued in another
   order under other names raises instead of mixing tensors; a name already in flight is refused.
-* ``join()`` follows Horovod: a joined rank answers the others' module-API allreduces with zeros
-  until every rank has joined (it rides on the cross-rank check); ``DistributedOptimizer``'s
-  gradients do not pass that check, so use ``with opt.join():`` there.
+* ``join()`` follows Horovod: a joined rank answers the others' module-API allreduces and
+  ``DistributedOptimizer`` rounds with zeros until every rank has joined (it rides on the cross-rank
+  check, and optimizer rounds announce themselves the same way: :mod:`adacomp.engine.hvd_join`).
 * ``process_set=``: sets made by :func:`add_process_set` (:mod:`adacomp.runtime.hvd_sets`) map onto
   sub-groups of the running backend (torch, MPI); roots stay global ranks, as in Horovod.
 * ``Adasum`` is refused (see :data:`ADASUM_HINT`).
@@ -113,14 +113,16 @@ def _launch(be: Backend, name: str | None, requests: list[dict[str, Any]],
     """Horovod's order of checks: this rank's arguments were validated by the caller; then the
     name (refused at once while in flight), then every rank's request (:func:`hvd_check.agree`:
     a mismatch raises on every rank of the set ``be`` before any data moves), then the collective."""
-    claim(be, name)
+    # Horovod keys an op by "<kind>.<name>" (GetOpName), so one name may be in flight once per kind
+    key = None if name is None else f"{requests[0]['op'] if requests else 'op'}.{name}"
+    claim(be, key)
     try:
         agree(be, requests)
         handle = start()
     except BaseException:
-        release(be, name)
+        release(be, key)
         raise
-    handle._on_done = lambda: release(be, name)
+    handle._on_done = lambda: release(be, key)
     return handle
 
 
@@ -653,10 +655,11 @@ def join(device: int = -1) -> int:
     with Join") on the ranks that issued it. Returns the rank that joined last (the highest of
     those that joined in the last round), on every rank.
 
-    It rides on the cross-rank check (:mod:`adacomp.runtime.hvd_check`): with
-    ``ADACOMP_MISMATCH_CHECK_DISABLE=1`` it is a barrier that returns the last rank to arrive by the
-    clock. Under horovodrun it is Horovod's own ``join``. Gradients of ``DistributedOptimizer`` do
-    not pass the check: use ``with opt.join():`` there (docs/horovod.md)."""
+    ``DistributedOptimizer``'s rounds are answered too: each announces its optimizer with the check's
+    one-int64 allgather (:mod:`adacomp.engine.hvd_join`) and a joined rank runs a shadow round of it
+    (zeros in every bucket). It rides on the cross-rank check (:mod:`adacomp.runtime.hvd_check`):
+    with ``ADACOMP_MISMATCH_CHECK_DISABLE=1`` it is a barrier that returns the last rank to arrive by
+    the clock. Under horovodrun it is Horovod's own ``join`` (docs/horovod.md)."""
     be = context.current()
     if be.size() == 1:
         return 0

@@ -145,12 +145,14 @@ _IN_FLIGHT: "weakref.WeakKeyDictionary[Backend, set[str]]" = weakref.WeakKeyDict
 
 
 def claim(backend: Backend, name: str | None) -> None:
-    """Refuse ``name`` while another op of that name is in flight (Horovod's ValueError, at once)."""
+    """Refuse ``name`` (the op key "<kind>.<name>", as Horovod's GetOpName) while another op of that key
+    is in flight (Horovod's ValueError, at once)."""
     if name is None:
         return
     names = _IN_FLIGHT.setdefault(backend, set())
     if name in names:
-        raise ValueError(f"Requested a collective on a tensor with the same name ({name!r}) as another one "
+        kind, _, plain = name.partition(".")
+        raise ValueError(f"Requested {kind} on a tensor with the same name ({plain!r}) as another {kind} "
                          "that is still in flight; synchronize() the first handle or use a different name")
     names.add(name)
 
