@@ -12,6 +12,7 @@ from adacomp import backends
     ({"OMPI_COMM_WORLD_RANK": "0"}, "mpi"),                        # mpirun (Open MPI)
     ({"PMI_RANK": "0"}, "mpi"),                                    # mpirun (MPICH)
     ({"HOROVOD_RANK": "0", "OMPI_COMM_WORLD_RANK": "0"}, "horovod"),
+    ({"HOROVOD_RANK": "0", "ADACOMP_BACKEND": "torch", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "torch"),  # adacomp run
 ])
 def test_detect_follows_the_launcher(env, expected) -> None:
     assert backends.detect(env) == expected
@@ -46,3 +47,15 @@ def test_nccl_only_when_every_local_rank_has_a_gpu(monkeypatch, gpus, local, exp
     assert process_group_backend({"ADACOMP_TORCH_BACKEND": "gloo", "LOCAL_WORLD_SIZE": "1"}) == "gloo"
     with pytest.raises(ValueError, match="ADACOMP_TORCH_BACKEND='mpi': valid choices: gloo, nccl"):
         process_group_backend({"ADACOMP_TORCH_BACKEND": "mpi"})
+
+
+def test_adacomp_run_exports_horovodrun_variables() -> None:
+    """Horovod's own tests compare hvd.rank() / hvd.size() with HOROVOD_RANK / HOROVOD_SIZE (what
+    horovodrun exports); ``adacomp run`` exports them too, and the backend stays the torch one."""
+    from adacomp.tools.launch import worker_env
+    env = worker_env(1, 2, 12345)
+    assert {k: env[k] for k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                                "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")} == \
+        {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
+         "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+    assert backends.detect(env) == "torch"

@@ -26,14 +26,16 @@ def names() -> list[str]:
 def detect(environ: dict[str, str] | None = None) -> str:
     """The backend implied by the launcher's environment.
 
-    horovodrun sets HOROVOD_RANK; mpirun (Open MPI) sets OMPI_COMM_WORLD_RANK (MPICH: PMI_RANK);
-    torchrun and ``adacomp run`` set RANK + MASTER_ADDR; otherwise a single local process.
+    ``ADACOMP_BACKEND`` (set by ``adacomp run``, which also exports horovodrun's ``HOROVOD_RANK`` /
+    ``HOROVOD_SIZE`` ... for Horovod scripts that read them) names it outright; horovodrun sets
+    HOROVOD_RANK; mpirun (Open MPI) sets OMPI_COMM_WORLD_RANK (MPICH: PMI_RANK); torchrun sets
+    RANK + MASTER_ADDR; otherwise a single local process.
     """
     env = os.environ if environ is None else environ
-    if "HOROVOD_RANK" in env:
-        return "horovod"
     if "ADACOMP_BACKEND" in env:
         return env["ADACOMP_BACKEND"]
+    if "HOROVOD_RANK" in env:
+        return "horovod"
     if "RANK" in env and "MASTER_ADDR" in env:
         return "torch"
     if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env or "PMIX_RANK" in env:

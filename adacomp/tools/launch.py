@@ -110,6 +110,9 @@ def worker_env(rank: int, world: int, port: int, addr: str = "127.0.0.1", token:
         env[TOKEN_ENV] = token
     env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "ADACOMP_BACKEND": "torch",
+                # what horovodrun exports, for Horovod scripts that read it (one host: cross rank 0 of 1)
+                "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(world), "HOROVOD_LOCAL_RANK": str(rank),
+                "HOROVOD_LOCAL_SIZE": str(world), "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))})
     return env
 
