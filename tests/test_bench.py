@@ -190,19 +190,49 @@ def test_time_to_accuracy_verdict():
     assert tta.verdict([bf], "100mbit") is None
 
 
+def _tiny_fortunes(tmp_path):
+    """A few KB of text standing in for Debian's fortunes (ADACOMP_FORTUNES_DIR)."""
+    text = tmp_path / "fortunes"
+    text.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbled boxes".split()
+    (text / "tiny").write_text("\n%\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9))
+                                            for i in range(400)) + "\n")
+    return text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
+def test_hsdp_netem_tiny(tmp_path):
+    """``adacomp bench hsdp_netem`` end to end at the tiny size: 2 emulated hosts x 2 ranks; every arm
+    trained, bytes measured on the capped interfaces; Top-k's per-step cross-host bytes below FSDP2's
+    bf16 reduction, DiLoCo's local steps synchronised (bytes crossed, steps a multiple of H)."""
+    import json
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), ADACOMP_FORTUNES_DIR=str(_tiny_fortunes(tmp_path)))
+    proc = subprocess.run([*BENCH, "hsdp_netem", "--size", "tiny", "--max-seconds", "1", "--local-every", "4",
+                           "--arms", "hsdp_bf16", "hsdp_topk", "hsdp_diloco", "--bandwidths", "1gbit",
+                           "--prefix", "achz", "--out-dir", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    rows = {r["arm"]: r for r in json.loads((out / "hsdp_netem.json").read_text())}
+    assert set(rows) == {"hsdp_bf16", "hsdp_topk", "hsdp_diloco"}
+    assert all(r["steps"] > 0 and r["cross_host_kib_per_step"] > 0 for r in rows.values())
+    assert rows["hsdp_topk"]["adacomp_payload_mib_per_rank"] > 0
+    assert rows["hsdp_topk"]["cross_host_kib_per_step"] < rows["hsdp_bf16"]["cross_host_kib_per_step"]
+    assert rows["hsdp_diloco"]["steps"] % 4 == 0 and rows["hsdp_diloco"]["adacomp_payload_mib_per_rank"] > 0
+    md = (out / "hsdp_netem.md").read_text()
+    assert "| hsdp_diloco (H=4) |" in md and "Produced by: `adacomp bench hsdp_netem --size tiny" in md
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "achz-" not in left
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
 def test_time_to_accuracy_lm_tiny(tmp_path):
     """The lm task end to end at the tiny size (a 2-layer transformer on a few KB of text standing in for
     Debian's fortunes): compute-only step and comm share, a DDP arm and a local-step arm (checked to have
     synchronised), the tokens and bytes columns and the verdict in the report."""
     import json
-    text = tmp_path / "fortunes"
-    text.mkdir()
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbled boxes".split()
-    (text / "tiny").write_text("\n%\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9))
-                                            for i in range(400)) + "\n")
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), ADACOMP_FORTUNES_DIR=str(text))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), ADACOMP_FORTUNES_DIR=str(_tiny_fortunes(tmp_path)))
     proc = subprocess.run([*BENCH, "time_to_accuracy", "--size", "tiny", "--tasks", "lm",
                            "--hosts", "2", "--bandwidths", "1gbit", "--max-seconds", "1", "--local-every", "4",
                            "--prefix", "acty", "--out-dir", str(out)],

@@ -115,12 +115,13 @@ def machine() -> str:
             f"torch {torch.__version__}, {datetime.date.today().isoformat()}")
 
 
-def write_result(path: str | Path, title: str, lines: list[str], command: str) -> None:
+def write_result(path: str | Path, title: str, lines: list[str], command: str, self_launched: bool = False) -> None:
     """Write a markdown result headed by the command that produced it (``command``:
-    :func:`bench_command`; the launcher, if any, is prefixed)."""
+    :func:`bench_command`; the launcher, if any, is prefixed unless the benchmark started its
+    workers itself: then ``command`` is what the user typed)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    via = launcher()
+    via = "" if self_launched else launcher()
     header = [f"# {title}", "", f"Produced by: `{via + ' ... ' if via else ''}{command}`",
               f"Machine: {machine()}", ""]
     p.write_text("\n".join(header + lines) + "\n")

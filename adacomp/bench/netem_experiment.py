@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -278,9 +277,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
         lines += ["", f"Median |prediction error|: {statistics.median(rerrs):.0f}% against the replayed collectives, "
                   f"{statistics.median(errs):.0f}% against the in-step communication time."]
     # The header names the one command that did all this (not the per-host worker command line).
-    os.environ.pop("ADACOMP_BACKEND", None)
     write_result(out / "netem.md", "Emulated network: compression vs dense at 100 Mbit/s and 1 Gbit/s", lines,
-                 bench_command("netem_experiment", args.argv, drop=("--worker",)))
+                 bench_command("netem_experiment", args.argv, drop=("--worker",)),
+                 self_launched=True)
 
 
 def plot(rows: list[dict[str, Any]], bandwidths: list[str], path: Path) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -561,9 +560,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                  f"{BAR_LINK} a local-step arm reaches the target >= {BAR_SPEEDUP:g}x sooner than bf16 DDP with >= "
                  f"{BAR_BYTES:g}x fewer bytes per host), judged on the fastest local-step arm that meets it, else "
                  "the fastest that reached the target.")
-    os.environ.pop("ADACOMP_BACKEND", None)
     write_result(out / "time_to_accuracy.md", "Time to accuracy on real data: compression vs DDP fp32 / bf16 "
-                 "over emulated links", lines, bench_command("time_to_accuracy", args.argv, drop=("--worker",)))
+                 "over emulated links", lines, bench_command("time_to_accuracy", args.argv, drop=("--worker",)),
+                 self_launched=True)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

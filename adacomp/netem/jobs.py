@@ -28,31 +28,35 @@ def add_role_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-host", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--master-addr", help=argparse.SUPPRESS)
+    ap.add_argument("--ranks-per-host", type=int, default=1, help=argparse.SUPPRESS)
 
 
 def run_role(args: argparse.Namespace, rest: list[str], worker: Callable[[], object], drive: Callable[[], int]) -> int:
     """This process's part: the trampoline into its host (``--in-host``), a worker (``--worker``),
     or the driver that brings the hosts up and starts the workers."""
     if args.in_host:
-        return exec_in_host(args.hosts, args.master_addr, args.prefix, rest)
+        return exec_in_host(args.hosts, args.master_addr, args.prefix, rest, args.ranks_per_host)
     if args.worker:
         worker()
         return 0
     return drive()
 
 
-def exec_in_host(hosts: int, master_addr: str, prefix: str, command: list[str]) -> int:
+def exec_in_host(hosts: int, master_addr: str, prefix: str, command: list[str], ranks_per_host: int = 1) -> int:
     """Trampoline for rank ``RANK``: replace this process with ``command`` inside host
-    ``RANK mod hosts``, pointed at rank 0's emulated address."""
+    ``RANK mod hosts`` (one rank per host), or ``RANK // ranks_per_host`` (consecutive ranks share a
+    host: they talk over its loopback, uncapped), pointed at rank 0's emulated address."""
     rank = int(os.environ["RANK"])
     env = dict(os.environ, MASTER_ADDR=master_addr, **netem.worker_env(prefix))
-    os.execvpe("ip", netem.wrap_command(rank % hosts, command, prefix), env)
+    host = rank // ranks_per_host if ranks_per_host > 1 else rank % hosts
+    os.execvpe("ip", netem.wrap_command(host, command, prefix), env)
     return 1  # not reached
 
 
 def run_on_hosts(command: Sequence[str], hosts: int, bandwidth: str, prefix: str, worker_argv: list[str],
-                 prepare: Callable[[], object] | None = None) -> int:
-    """Start ``command --worker worker_argv`` on ``hosts`` emulated hosts at ``bandwidth``
+                 prepare: Callable[[], object] | None = None, ranks_per_host: int = 1) -> int:
+    """Start ``command --worker worker_argv`` on ``hosts`` emulated hosts at ``bandwidth``,
+    ``ranks_per_host`` ranks on each
     (``command``: how to start the benchmark, e.g. ``python -m adacomp.bench.NAME``).
 
     Without root nothing is measured: the reason is printed and 0 returned (``make results`` goes
@@ -71,9 +75,10 @@ def run_on_hosts(command: Sequence[str], hosts: int, bandwidth: str, prefix: str
     try:
         print(f"netem up: {hosts} hosts (prefix {prefix}) at {bandwidth}", flush=True)
         netem.up(hosts, bandwidth, prefix)
-        cmd = [*command, "--in-host", "--hosts", str(hosts), "--prefix", prefix,
-               "--master-addr", netem.host_address(0, prefix), "--", *command, "--worker", *worker_argv]
-        return run_local(cmd, hosts)
+        cmd = [*command, "--in-host", "--hosts", str(hosts), "--prefix", prefix, "--ranks-per-host",
+               str(ranks_per_host), "--master-addr", netem.host_address(0, prefix), "--", *command, "--worker",
+               *worker_argv]
+        return run_local(cmd, hosts * ranks_per_host)
     finally:
         removed = netem.down(prefix)
         print(f"netem down: removed {len(removed)} objects", flush=True)
