@@ -88,11 +88,10 @@ def run(arm: str, habits: bool = False) -> dict[str, Any]:
     return out
 
 
-def run_local(arm: str) -> dict[str, Any]:
-    """FSDP2 over the shard dimension only (a host trains alone), adacomp's outer loop across the
-    replicas every H steps; the full parameters after each step."""
+def build_on_shards(arm: str) -> tuple[torch.nn.Module, Any, Any]:
+    """FSDP2 over the shard dimension, adacomp on the replicate one: per step (``ARMS``) or local
+    steps (``LOCAL``, which follow the optimizer)."""
     import adacomp
-    rank = dist.get_rank()
     net = model()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     for m in net:
@@ -100,7 +99,17 @@ def run_local(arm: str) -> dict[str, Any]:
             fully_shard(m, mesh=mesh["shard"])
     fully_shard(net, mesh=mesh["shard"])
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    state = adacomp.fsdp.register(net, LOCAL[arm], replicate_group=mesh["replicate"].get_group(), optimizer=opt)
+    local = LOCAL.get(arm)
+    state = adacomp.fsdp.register(net, local or ARMS[arm], replicate_group=mesh["replicate"].get_group(),
+                                  optimizer=opt if local else None)
+    return net, opt, state
+
+
+def run_local(arm: str) -> dict[str, Any]:
+    """FSDP2 over the shard dimension only (a host trains alone), adacomp's outer loop across the
+    replicas every H steps; the full parameters after each step."""
+    rank = dist.get_rank()
+    net, opt, state = build_on_shards(arm)
     trace, sent, dense = [], 0, 0
     for s in range(STEPS):
         x, y = batch(s, rank)
@@ -164,20 +173,9 @@ def resume(arm: str, ckpt: str, at: int = 3) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    import adacomp
 
     def build() -> tuple[torch.nn.Module, Any, Any]:
-        net = model()
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        for m in net:
-            if isinstance(m, torch.nn.Linear):
-                fully_shard(m, mesh=mesh["shard"])
-        fully_shard(net, mesh=mesh["shard"])
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        local = LOCAL.get(arm)
-        state = adacomp.fsdp.register(net, local or ARMS[arm], replicate_group=mesh["replicate"].get_group(),
-                                      optimizer=opt if local else None)
-        return net, opt, state
+        return build_on_shards(arm)
 
     def train(net: torch.nn.Module, opt: Any, steps: range) -> None:
         rank = dist.get_rank()
