@@ -209,21 +209,44 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         base = next((r for r in sub if r["arm"] == "hsdp_bf16"), sub[0])
         lines += [f"### {bw}", "",
                   f"| arm | step (s), median | mean step (s) | vs {base['arm']} (mean) | cross-host KiB / step / host | "
-                  f"bytes vs {base['arm']} | time to target (s) | vs {base['arm']} | steps | final loss |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"bytes vs {base['arm']} | cross-host MiB / host, whole run | time to target (s) | vs {base['arm']} | steps | "
+                  "final loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sub:
             name = r["arm"] + (f" (H={r['local_every']})" if r["local_every"] else "")
             tt, btt = r["time_to_target_s"], base["time_to_target_s"]
-            speed = ("-" if r is base else f"{btt / tt:.2f}x sooner" if tt and btt else
+            speed = ("-" if r is base else
+                     (f"{btt / tt:.2f}x sooner" if btt >= tt else f"{tt / btt:.2f}x later") if tt and btt else
                      f">= {base['train_s'] / tt:.2f}x sooner" if tt else "not reached")
             mean, bmean = r["train_s"] / max(r["steps"], 1), base["train_s"] / max(base["steps"], 1)
             kib, bkib = r["cross_host_kib_per_step"], base["cross_host_kib_per_step"]
             fewer = "-" if r is base else (f"{bkib / kib:.1f}x fewer" if kib and bkib >= kib else
                                            f"{kib / bkib:.2f}x more" if bkib else "?")
             lines.append(f"| {name} | {r['step_median_s']:.3f} | {mean:.3f} | {mean / bmean:.2f}x | {kib:.0f} | {fewer} | "
-                         f"{f'{tt:.1f}' if tt else 'not reached'} | {speed} | {r['steps']} | {r['final']:.3f} |")
+                         f"{r['cross_host_mib_per_host']:.1f} | {f'{tt:.1f}' if tt else 'not reached'} | {speed} | {r['steps']} | {r['final']:.3f} |")
         lines.append("")
+    plot(rows, out / "hsdp_netem.png")
+    lines += ["![held-out loss against training time](hsdp_netem.png)", ""]
     write_result(out / "hsdp_netem.md", "HSDP over a capped inter-host link", lines, first["command"], self_launched=True)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Held-out loss against the training clock, one panel per link, the target dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    links = list(dict.fromkeys(r["bandwidth"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4), squeeze=False)
+    for ax, bw in zip(axes[0], links):
+        for r in (r for r in rows if r["bandwidth"] == bw):
+            if r["curve"]:
+                t, _, m = zip(*r["curve"])
+                ax.plot(t, m, marker=".", label=f"{r['arm']} ({r['cross_host_mib_per_host']:.1f} MiB/host)")
+        ax.axhline(rows[0]["target"], color="grey", linestyle="--", linewidth=1)
+        ax.set(title=f"HSDP, 2 hosts x 2 ranks, {bw}", xlabel="training time (s)", ylabel="held-out loss (nats/char)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
