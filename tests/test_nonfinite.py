@@ -37,8 +37,15 @@ def bad_step(model: torch.nn.Module, opt: Any, rank: int, nan_rank: int, param: 
             handle.remove()
 
 
-def _skip_job(methods: list[str]) -> dict[str, dict[str, Any]]:
+def _defer(on: bool) -> None:
+    """Take the accelerators' path of the check (float64 sums kept, read once at the vote) on the CPU."""
+    from adacomp.engine.round import Rounds
+    Rounds.defer_on_cpu = on
+
+
+def _skip_job(methods: list[str], defer: bool = False) -> dict[str, dict[str, Any]]:
     import adacomp
+    _defer(defer)
     adacomp.init()
     rank = adacomp.rank()
     out: dict[str, dict[str, Any]] = {}
@@ -65,8 +72,9 @@ def _skip_job(methods: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _raise_job() -> list[str]:
+def _raise_job(defer: bool) -> list[str]:
     import adacomp
+    _defer(defer)
     adacomp.init()
     rank = adacomp.rank()
     msgs = []
@@ -90,12 +98,32 @@ def skip_results() -> dict[str, dict[str, Any]]:
     return {m: {"rank0": per_rank[0][m], "rank1": per_rank[1][m]} for m in present}
 
 
-def test_raise_names_parameter_and_rank_on_every_rank() -> None:
-    for rank, msgs in enumerate(run_workers(_raise_job, 2, timeout=300)):
+@pytest.mark.parametrize("defer", [False, True], ids=["checked-per-gradient", "deferred-to-the-vote"])
+def test_raise_names_parameter_and_rank_on_every_rank(defer: bool) -> None:
+    """Also with the check an accelerator runs (sums kept on the device, read once at the vote)."""
+    for rank, msgs in enumerate(run_workers(_raise_job, 2, defer, timeout=300)):
         for msg in msgs:
             param, _, text = msg.partition("|")
             assert f"rank {NAN_RANK}: {param}" in text, f"rank {rank}: {msg}"
             assert "rank 0:" not in text  # rank 0's gradients were finite
+
+
+@pytest.fixture(scope="module")
+def deferred_skip_results() -> dict[str, dict[str, Any]]:
+    per_rank = run_workers(_skip_job, 2, DEFERRED_CASES, True, timeout=600)
+    return {m: {"rank0": per_rank[0][m], "rank1": per_rank[1][m]} for m in DEFERRED_CASES}
+
+
+DEFERRED_CASES = ["topk", "powersgd"]  # the accelerators' deferred check: a sparsifier and a low-rank method
+
+
+@pytest.mark.parametrize("method", DEFERRED_CASES)
+def test_deferred_check_skips_like_the_per_gradient_one(method: str, deferred_skip_results) -> None:
+    """The check as it runs on a GPU (issue 33), forced on the CPU: the NaN step is dropped on every
+    rank, nothing changes, and the run continues as if the bad batch had never been seen."""
+    for rank, r in deferred_skip_results[method].items():
+        assert r["skipped"] == 1 and r["steps"][0] == r["steps"][1], f"{rank}: {r}"
+        assert r["param_diff"] == [] and r["state_diff"] == [] and r["vs_clean_run"] == [], f"{method} {rank}: {r}"
 
 
 # The copy for `skip` is taken at the first gradient hook of a step, before policy hooks (lgreco
