@@ -19,6 +19,9 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "none": {"compressor": {"name": "none"}},
     "topk": {"compressor": {"name": "topk", "density": 0.05}, "memory": {"name": "residual"},
              "communicator": {"name": "allgather"}, "min_numel": 0},
+    # low-rank on the shards: each parameter's rows of this shard as a matrix
+    "powersgd": {"compressor": {"name": "powersgd", "rank": 2}, "memory": {"name": "residual"},
+                 "communicator": {"name": "allreduce"}, "min_numel": 0},
 }
 STEPS = 6
 # local steps on the shards (H = 3: two synchronisations in STEPS), each checked against a one-process

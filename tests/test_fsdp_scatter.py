@@ -258,22 +258,24 @@ def _hsdp_worker(ckpt: str, replicas: int) -> dict[str, Any]:
 
 
 def test_hsdp_resume_on_another_mesh_reshards_the_residuals(tmp_path: Path) -> None:
-    """Saved on a 2 x 1 mesh (two replicas, each residual the whole unit's), resumed on 1 x 2: each
-    new rank's residual is its FSDP2 shard (torch.chunk rows, zero padding) of the replicas' mean."""
+    """Saved on a 2 x 1 mesh (two replicas, each residual a whole parameter's), resumed on 1 x 2:
+    each new rank's residual of a parameter is its FSDP2 shard (torch.chunk rows, zero padding) of the
+    replicas' mean."""
     ckpt = str(tmp_path / "dcp")
     saved = run_workers(_hsdp_worker, 2, ckpt, 2, timeout=300)
     resumed = run_workers(_hsdp_worker, 2, ckpt, 1, timeout=300)
-    (key,) = saved[0]["residuals"]
-    mean = (saved[0]["residuals"][key] + saved[1]["residuals"][key]) / 2
-    shapes = [p.shape for p in _model().parameters()]
-    fulls = list(torch.split(mean, [s.numel() for s in shapes]))
+    shapes = {name: p.shape for name, p in _model().named_parameters()}
+    keys = set(saved[0]["residuals"])
+    assert {k.rsplit("/", 1)[-1] for k in keys} == set(shapes)  # one residual per parameter, by its model name
     for s, res in enumerate(resumed):
-        expect = []
-        for full, shape in zip(fulls, shapes):
+        assert set(res["residuals"]) == keys
+        for key in keys:
+            shape = shapes[key.rsplit("/", 1)[-1]]
+            mean = (saved[0]["residuals"][key] + saved[1]["residuals"][key]) / 2  # whole parameters on 2 x 1
             rows = -(-shape[0] // 2)
-            chunk = torch.chunk(full.view(shape), 2, dim=0)[s].reshape(-1)
-            expect.append(torch.cat([chunk, torch.zeros(rows * full.numel() // shape[0] - chunk.numel())]))
-        torch.testing.assert_close(res["residuals"][key], torch.cat(expect), rtol=0, atol=0)
+            chunk = torch.chunk(mean.view(shape), 2, dim=0)[s]
+            expect = torch.cat([chunk, torch.zeros(rows - chunk.shape[0], *shape[1:])])
+            torch.testing.assert_close(res["residuals"][key], expect.view(res["residuals"][key].shape), rtol=0, atol=0)
         assert res["steps"] == 2 + 1 and all(torch.isfinite(torch.tensor(res["losses"])))
 
 

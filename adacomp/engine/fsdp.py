@@ -14,8 +14,9 @@ Why the replicate dimension: HSDP shards parameters inside a host (fast links) a
 across hosts (the slow link), where every step all-reduces each shard's gradient. FSDP2 hands each
 unit's reduce-scatter output to ``set_all_reduce_hook`` when it runs over a 1-D shard mesh; the hook
 averages it over ``replicate_group`` through adacomp's round (the optimizer's and the DDP hook's
-begin -> launch -> vote -> finish -> rollback), in place. Each unit's shard is one flat tensor to the
-round, so error feedback is sharded like the parameters. ``compressor: none`` is native HSDP bitwise.
+begin -> launch -> vote -> finish -> rollback), in place. The round sees each parameter's rows of
+the shard (so low-rank compressors have matrices to factor), and error feedback is sharded like the
+parameters. ``compressor: none`` is native HSDP bitwise.
 
 Plain FSDP2: a compressed payload cannot be summed piecewise by a reduce-scatter, so each unit's
 reduce-scatter (``set_custom_reduce_scatter``) sends every rank's *full* gradient through the round
@@ -50,42 +51,37 @@ from adacomp.engine.fsdp_local import OuterState, register_local_steps
 from adacomp.errors import ConfigError
 
 
-class _Shard:
-    """The bucket interface :class:`HookState` reads, over one FSDP unit's reduce-scatter output: one
-    "parameter" (a stand-in tensor of the shard's shape, so the unit has a stable name) whose
-    gradient is the shard; the means are written back into it."""
-
-    def __init__(self, key: Tensor, grad: Tensor):
-        self.key, self.grad = key, grad
-
-    def index(self) -> int:
-        return 0
-
-    def parameters(self) -> list[Tensor]:
-        return [self.key]
-
-    def gradients(self) -> list[Tensor]:
-        return [self.grad]
-
-    def buffer(self) -> Tensor:
-        return self.grad
-
-    def is_last(self) -> bool:
-        return True
-
-
 class _Unit:
     """One FSDP unit's hook: its round state is built at the first backward, when the shard's size
-    is known."""
+    is known. The round sees the shard as one tensor per parameter, named as in the model and shaped
+    ``(rows of this shard, *the parameter's other dims)`` (views into the flat output, FSDP2's
+    padding rows included), so routes, ``min_numel``, low-rank compressors and residual names are
+    per parameter as under DDP; a unit without a known layout is one flat tensor."""
 
     def __init__(self, owner: "ReplicaState", name: str, pieces: "list[_Piece] | None" = None):
         self.owner, self.name, self.pieces = owner, name, pieces or []
         self.state: HookState | None = None
-        self.key: Tensor | None = None
+        self.keys: list[Tensor] = []
+        self.numel = -1
+
+    def views(self, shard: Tensor) -> list[Tensor]:
+        if not self.pieces:
+            return [shard]
+        out = []
+        for pc in self.pieces:
+            part = shard[pc.offset:pc.offset + pc.chunk]
+            out.append(part.view(-1, *pc.shape[1:]) if len(pc.shape) > 1 else part)
+        return out
 
     def build(self, shard: Tensor) -> HookState:
-        self.key = torch.empty(shard.shape, dtype=shard.dtype, requires_grad=True)  # a "parameter" to the route table
-        self.state = HookState(self.owner.config, [(self.name, self.key)], backend=self.owner.backend,
+        if self.pieces and sum(pc.chunk for pc in self.pieces) != shard.numel():
+            raise RuntimeError(f"FSDP unit {self.name!r}: its reduce-scatter output has {shard.numel()} elements, "
+                               f"its parameters' padded shards {sum(pc.chunk for pc in self.pieces)}")
+        names = [pc.name for pc in self.pieces] or [self.name]
+        # stand-ins of each view's shape for the route table (no storage: a 0-dim tensor expanded)
+        self.keys = [torch.zeros((), dtype=shard.dtype).expand(v.shape).requires_grad_() for v in self.views(shard)]
+        self.numel = shard.numel()
+        self.state = HookState(self.owner.config, list(zip(names, self.keys)), backend=self.owner.backend,
                                grad_scaler=self.owner.grad_scaler,
                                process_group=self.owner.group if self.owner.backend is None else None)
         pending = self.owner.pending.pop(self.name, None)
@@ -95,11 +91,10 @@ class _Unit:
 
     def __call__(self, shard: Tensor) -> None:
         state = self.state if self.state is not None else self.build(shard)
-        assert self.key is not None
-        if shard.shape != self.key.shape:
-            raise RuntimeError(f"FSDP unit {self.name!r}: its reduce-scatter output changed shape "
-                               f"({tuple(self.key.shape)} -> {tuple(shard.shape)}); one adacomp.fsdp state per model")
-        state(_Shard(self.key, shard))
+        if shard.numel() != self.numel:
+            raise RuntimeError(f"FSDP unit {self.name!r}: its reduce-scatter output changed size "
+                               f"({self.numel} -> {shard.numel()}); one adacomp.fsdp state per model")
+        state(_Gradients(self.keys, self.views(shard)))  # the means are written into the views: the shard
 
 
 class ReplicaState:
@@ -374,18 +369,22 @@ def _reshard_hsdp(state: "ReplicaState", saved: dict[str, Any], layout: dict[str
             raise ValueError(f"adacomp.fsdp: FSDP unit {name!r} holds {mine} here but {layout['pieces'].get(name)} in "
                              "the checkpoint; resharding HSDP state needs the same units and parameters")
         shapes = [shape for _, shape in layout["pieces"][name]]
+        shape_of = {pname: shape for pname, shape in layout["pieces"][name]}
         comps = dict(ust["components"])
         for key, cstate in comps.items():
             memory = RouteTable.component_at(key)
             for owed in getattr(memory, "owed_keys", ()) if key.startswith("memory/") else ():
                 new = dict(cstate.get(owed, {}))
                 for tname, like in new.items():
+                    # a parameter's residual (rows of its shard), or a unit's flat one (no layout known)
+                    tshapes = [shape_of[tname]] if tname in shape_of else shapes
                     fulls = []
                     for r in range(old_r):
                         flats = [saved[f"rank{r * old_s + s}"]["units"][name]["components"].get(key, {}).get(owed, {})
-                                 .get(tname, torch.zeros_like(like)) for s in range(old_s)]
-                        fulls.append(_unshard(flats, shapes))
-                    new[tname] = _shard_of(sum(fulls) / old_r, shapes, new_s, my_s)
+                                 .get(tname, torch.zeros_like(like)).reshape(-1) for s in range(old_s)]
+                        fulls.append(_unshard(flats, tshapes))
+                    flat = _shard_of(sum(fulls) / old_r, tshapes, new_s, my_s)
+                    new[tname] = flat.view(-1, *tshapes[0][1:]) if tname in shape_of and len(tshapes[0]) > 1 else flat
                 cstate = {**cstate, owed: new}
             comps[key] = cstate
         units[name] = {**ust, "components": comps}
