@@ -114,6 +114,11 @@ def main() -> int:
         if [label for label, _ in ours] != [label for label, _ in theirs]:
             FAILURES.append(f"{backend}: steps differ {ours} vs {theirs}")
         for (label, (ka, a)), (_, (kb, b)) in zip(ours, theirs):
+            if label == "fp16: parameters" and ka == kb == "ok":  # half-precision sums: Horovod's fusion
+                CHECKS[0] += 1                                    # timing changes the last bits
+                if not all(torch.allclose(x, y, rtol=0, atol=2e-3) for x, y in zip(a, b)):
+                    FAILURES.append(f"{backend} rank {rank} {label}: adacomp {a} vs horovod {b}")
+                continue
             compare(f"{backend} rank {rank} {label}", lambda: _replay(ka, a), lambda: _replay(kb, b))
         adacomp.shutdown()
     return report("HVD_JOIN_OK", rank)
