@@ -1,11 +1,12 @@
-"""One rank of the run: pytest on test_torch.py, a JUnit XML per rank in $HOROVOD_OWN_TESTS_OUT
-(default /tmp/horovod_own_tests/<impl>). Started by run.sh under a launcher."""
+"""One rank of the run: pytest on the prepared test_torch.py in $HOROVOD_OWN_TESTS_SRC (prepare.py), a
+JUnit XML per rank in $HOROVOD_OWN_TESTS_OUT (default /tmp/horovod_own_tests/<impl>). Started by
+run.sh under a launcher."""
 import os
 import sys
 
 import pytest
 
-here = os.path.dirname(os.path.abspath(__file__))
+here = os.environ["HOROVOD_OWN_TESTS_SRC"]
 rank = os.environ.get("HOROVOD_RANK") or os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "0")
 impl = os.environ.get("HVD_IMPL", "adacomp")
 out = os.environ.get("HOROVOD_OWN_TESTS_OUT", f"/tmp/horovod_own_tests/{impl}")
