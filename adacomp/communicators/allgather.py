@@ -32,7 +32,7 @@ from torch import Tensor
 from adacomp.backends.base import Backend, Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
-from adacomp.compressors.sparse import Workspace
+from adacomp.compressors.sparse import Workspace, divide_touched
 
 ALIGN = 8  # bytes; every segment starts at a multiple of the largest element size
 
@@ -91,8 +91,9 @@ def _mean_sparse(e: Entry, vals: Tensor, idx: Tensor, world: int, ws: Workspace 
     n = e.tensor.numel()
     acc = (torch.zeros(n, dtype=e.tensor.dtype, device=e.tensor.device) if ws is None
            else ws.zeros(torch.Size([n]), n, e.tensor.dtype, e.tensor.device))
-    acc.index_add_(0, idx.reshape(-1).to(torch.int64), vals.reshape(-1).to(e.tensor.dtype))
-    return acc.div_(world).view(e.tensor.shape)
+    idx = idx.reshape(-1).to(torch.int64)
+    acc.index_add_(0, idx, vals.reshape(-1).to(e.tensor.dtype))
+    return divide_touched(acc, idx, world).view(e.tensor.shape)
 
 
 def _mean_decompressed(e: Entry, payloads: list[list[Tensor]], ws: Workspace | None = None) -> Tensor:

@@ -38,6 +38,7 @@ from torch import Tensor
 from adacomp.communicators.allgather import _split_counts, _workspace, gather_payloads, layout, pack, unpack
 from adacomp.communicators.base import Charge, CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
+from adacomp.compressors.sparse import divide_touched
 from adacomp.memories.base import Memory
 from adacomp.memories.parts import PartResidualMemory, bounds
 
@@ -200,13 +201,19 @@ class AlltoallCommunicator(Communicator):
         ctx = e.ctx.parts[me].ctx
         acc = torch.zeros(hi - lo, dtype=e.tensor.dtype, device=e.tensor.device)
         tmp = torch.empty_like(acc)
+        touched: list[Tensor] = []
         for payload in copies:
             if e.compressor.sparse:  # add every rank's values at their indices: no dense temporary
-                acc.index_add_(0, payload[1].reshape(-1).to(torch.int64), payload[0].reshape(-1).to(acc.dtype))
+                idx = payload[1].reshape(-1).to(torch.int64)
+                acc.index_add_(0, idx, payload[0].reshape(-1).to(acc.dtype))
+                touched.append(idx)
             else:
                 _decompress_into(tmp, e.compressor, payload, ctx)
                 acc.add_(tmp)
-        acc.div_(world)
+        if e.compressor.sparse and touched:
+            divide_touched(acc, torch.cat(touched), world)
+        else:
+            acc.div_(world)
         if self.feedback:
             self.second.compensate(acc, e.name)
         part = _compress(e.compressor, acc, f"{e.name}/agg{me}")

@@ -59,7 +59,7 @@ from adacomp.communicators.allgather import layout, pack, unpack
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register, square_sum
 from adacomp.compressors._band import HARD_HIGH, HARD_LOW, judge
 from adacomp.compressors.base import Compressor
-from adacomp.compressors.sparse import k_for
+from adacomp.compressors.sparse import divide_touched, k_for
 
 #: an owner contributes at most ESTIMATE_SHARE * k / P magnitudes to a global estimation (adacomp's
 #: choice: 2 keeps the estimate exact under balanced regions while moving ~2k values, not P x k)
@@ -333,8 +333,9 @@ class OkTopkCommunicator(Communicator):
         for i, e in enumerate(p.entries):
             acc = torch.zeros(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device)
             lo, hi = cuts[i], cuts[i + 1]
-            acc.index_add_(0, g_idx[lo:hi] - p.offsets[i], g_vals[lo:hi].to(acc.dtype))
-            out.append(acc.div_(world).view(e.tensor.shape))
+            idx = g_idx[lo:hi] - p.offsets[i]
+            acc.index_add_(0, idx, g_vals[lo:hi].to(acc.dtype))
+            out.append(divide_touched(acc, idx, world).view(e.tensor.shape))
         return out
 
     def state_dict(self) -> dict[str, Any]:
