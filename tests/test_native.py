@@ -90,7 +90,7 @@ def _run(method: str, comm_name: str, native: bool, monkeypatch: pytest.MonkeyPa
     for step in range(3):
         grads = [torch.randn(s, generator=g) for s in shapes]
         grads[1][:1000] = 0.0  # a ReLU-like run of exact zeros
-        entries = [Entry(f"p{i}", memory.compensate(t, f"p{i}", 2), comp, memory) for i, t in enumerate(grads)]
+        entries = [Entry(f"p{i}", memory.compensate(t, f"p{i}", 2, compressor=comp), comp, memory) for i, t in enumerate(grads)]
         means = exchange(comm, entries, CommEnv(backend, StepStats(), step=step, bucket_index=0))
         payloads = [p for e in entries for p in e.payload]
         seen.append(payloads + list(means) + [t.clone() for t in memory.state_dict().get("residuals", {}).values()])
@@ -127,3 +127,28 @@ def test_divide_touched_is_bitwise_div(world: int) -> None:
     ref.div_(world)
     divide_touched(got, idx, world)
     assert torch.equal(bits(ref), bits(got))
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.9])
+@pytest.mark.parametrize("method", ["topk", "gaussiank", "randomk", "qsgd"])
+def test_residual_kept_in_place_equals_the_copying_plan(method: str, beta: float) -> None:
+    """ResidualMemory told the compressor (the engine does) adds into its spare buffer and zeroes
+    the sent coordinates there when the compressor allows it (sparsifiers); the values of the
+    compensated tensors, payloads and residuals are bitwise those of the plan that adds into the
+    gradient and copies it out (no compressor given)."""
+    def run(tell: bool) -> list[torch.Tensor]:
+        comp = compressors.get(method, density=0.05) if method != "qsgd" else compressors.get(method)
+        mem = memories.get("residual", beta=beta)
+        g = torch.Generator().manual_seed(3)
+        out: list[torch.Tensor] = []
+        for step in range(4):
+            grad = torch.randn(40, 500, generator=g)
+            x = mem.compensate(grad, "w", 2, compressor=comp if tell else None)
+            payload, ctx = comp.compress(x, "w")
+            out += [x.clone(), *[p.clone() for p in payload]]
+            mem.update(x, "w", comp, payload, ctx)
+            out.append(mem.residuals["w"].clone())
+            comp.on_step(step + 1)
+        return out
+    fast, slow = run(True), run(False)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(fast, slow)) and len(fast) == len(slow)

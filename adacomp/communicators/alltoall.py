@@ -215,7 +215,7 @@ class AlltoallCommunicator(Communicator):
         else:
             acc.div_(world)
         if self.feedback:
-            self.second.compensate(acc, e.name)
+            acc = self.second.compensate(acc, e.name, compressor=e.compressor)
         part = _compress(e.compressor, acc, f"{e.name}/agg{me}")
         if self.feedback:  # the engine stores acc minus what the recompressed part reconstructs
             e.also_charge(Charge(self.second, acc, e.name, e.compressor, part.payload, part.ctx))

@@ -276,6 +276,10 @@ class SparseCompressor(Compressor):
     """Payload values are the tensor's own at distinct indices and ``decompress`` scatters them
     (every built-in sparsifier); :meth:`residual` then zeroes the sent coordinates instead of
     decompressing. A subclass that rescales or re-encodes values sets it False."""
+    residual_in_place: ClassVar[bool] = True
+    """:meth:`residual` may write ``out`` over ``tensor`` itself (it zeroes the sent coordinates, or
+    subtracts a freshly decompressed tensor): error-feedback memory then keeps the compensated
+    buffer as the residual instead of copying it (:class:`~adacomp.memories.base.ResidualMemory`)."""
 
     def __init__(self, density: float = 0.01):
         self._density = check_density(density)

@@ -23,11 +23,14 @@ class Memory:
 
     name: ClassVar[str] = "base"
 
-    def compensate(self, tensor: Tensor, name: str, world: int = 1) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None) -> Tensor:
         """The gradient to compress. May write into ``tensor``: the engine hands over this round's
         gradient, which the averaged one replaces afterwards (a caller that needs ``tensor``
         unchanged passes a copy). ``world``: the size of the group this round averages over (the
-        engine passes it; a memory never reads a process-wide context)."""
+        engine passes it; a memory never reads a process-wide context). ``compressor``: the one
+        that will compress the result, when the caller knows it (lets a memory pick a cheaper
+        buffer plan for it; the result's values never depend on it). Callers use the returned
+        tensor, which need not be ``tensor``."""
         raise NotImplementedError
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
@@ -92,6 +95,11 @@ class Memory:
                                       "loss scale; implement rescale()")
 
 
+def _fits(buf: Tensor | None, like: Tensor) -> bool:
+    return (buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
+            and buf.device == like.device)
+
+
 def _names(states: list[dict[str, Any]], key: str) -> list[str]:
     return sorted({n for s in states for n in s.get(key, {})})
 
@@ -120,7 +128,7 @@ def names() -> list[str]:
 class NoneMemory(Memory):
     """No error feedback: what compression drops is lost."""
 
-    def compensate(self, tensor: Tensor, name: str, world: int = 1) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None) -> Tensor:
         return tensor
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
@@ -135,11 +143,15 @@ class ResidualMemory(Memory):
     Resumed on another world size, every rank gets the mean residual (:meth:`Memory.reshard`).
     ``beta`` scales the residual (1.0 = plain error feedback); ``gamma`` scales the new gradient.
 
-    No model-size tensor is allocated per step: ``compensate`` adds the residual into the gradient
-    it is given (the engine hands over this round's gradient, which is replaced by the averaged
-    one afterwards), and ``update`` writes the new residual into the buffer that held the residual
-    of the round before (two buffers per tensor, alternating). The residual stored now is never
-    written, so a snapshot holding references stays valid (:meth:`snapshot`).
+    No model-size tensor is allocated per step: ``update`` writes the new residual into the buffer
+    that held the residual of the round before (two buffers per tensor, alternating). The residual
+    stored now is never written, so a snapshot holding references stays valid (:meth:`snapshot`).
+    ``compensate`` adds the residual into the gradient it is given (the engine hands over this
+    round's gradient, which is replaced by the averaged one afterwards); for a compressor whose
+    ``residual`` may write over its input (``residual_in_place``: the sparsifiers, which only zero
+    the sent coordinates) it adds into that spare buffer instead, and ``update`` zeroes the sent
+    coordinates there: the same values, without copying the whole compensated tensor (a read and a
+    write of the model per step).
     """
 
     owed_keys = ("residuals",)
@@ -154,7 +166,7 @@ class ResidualMemory(Memory):
         self.residuals: dict[str, Tensor] = {}
         self._spare: dict[str, Tensor] = {}  # the other buffer of each pair: next update writes it
 
-    def compensate(self, tensor: Tensor, name: str, world: int = 1) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None) -> Tensor:
         r = self.residuals.get(name)
         if self.gamma != 1.0:
             tensor.mul_(self.gamma)
@@ -163,12 +175,21 @@ class ResidualMemory(Memory):
         if r.shape != tensor.shape:
             raise ValueError(f"residual for {name!r} has shape {tuple(r.shape)} but the gradient has "
                              f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
+        spare = self._spare.get(name)
+        if getattr(compressor, "residual_in_place", False) and _fits(spare, tensor):
+            # the same add as below, into the buffer update() will keep (see the class docstring)
+            return (torch.add(tensor, r, out=spare) if self.beta == 1.0
+                    else torch.add(tensor, r, alpha=self.beta, out=spare))
         return tensor.add_(r) if self.beta == 1.0 else tensor.add_(r, alpha=self.beta)
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         out = self._spare.pop(name, None)
-        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype or out.device != tensor.device:
+        if out is not None and out is tensor and getattr(compressor, "residual_in_place", False):
+            pass  # compensate() wrote into the spare buffer: the residual is made there in place
+        elif (not _fits(out, tensor)
+              or out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()):  # type: ignore[union-attr]
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        assert out is not None
         compressor.residual(tensor, payload, ctx, out)
         old = self.residuals.get(name)
         self.residuals[name] = out
