@@ -75,12 +75,16 @@ def test_rth_largest_equals_topk_min(n: int, fraction: float) -> None:
 
 
 THRESHOLD = [("topk", "allgather_fast"), ("gtopk", "allgather"), ("dgc", "allgather"), ("gaussiank", "allgather"),
-             ("redsync", "allgather"), ("mstopk", "allgather"), ("sidco", "allgather"), ("adtopk", "allgather_fast")]
+             ("redsync", "allgather"), ("mstopk", "allgather"), ("sidco", "allgather"), ("adtopk", "allgather_fast"),
+             ("qsgd", "allgather_fast"), ("efsignsgd", "allgather_fast"), ("chunktopk", "allgather_fast")]
+PARAMS = {"qsgd": [{"bits": 4}, {"bits": 2}, {"bits": 3, "bucket_size": 100}], "efsignsgd": [{}],
+          "chunktopk": [{"bits": 2, "chunk": 512}, {"bits": 1, "chunk": 100}, {"bits": 4, "chunk": 512}]}
 
 
-def _run(method: str, comm_name: str, native: bool, monkeypatch: pytest.MonkeyPatch) -> list[list[torch.Tensor]]:
+def _run(method: str, comm_name: str, native: bool, monkeypatch: pytest.MonkeyPatch,
+         params: dict | None = None) -> list[list[torch.Tensor]]:
     monkeypatch.setenv("ADACOMP_NATIVE", "1" if native else "0")
-    comp = compressors.get(method, density=0.01)
+    comp = compressors.get(method, **(params if params is not None else {"density": 0.01}))
     comm = communicators.get(comm_name)
     memory = memories.get("dgc" if method == "dgc" else "residual")
     g = torch.Generator().manual_seed(7)
@@ -102,14 +106,40 @@ def _run(method: str, comm_name: str, native: bool, monkeypatch: pytest.MonkeyPa
 def test_sparsifiers_bitwise_equal_with_and_without_the_library(method: str, comm_name: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert _native.library() is not None
-    fast = _run(method, comm_name, True, monkeypatch)
-    slow = _run(method, comm_name, False, monkeypatch)
-    assert len(fast) == len(slow)
-    for step_fast, step_slow in zip(fast, slow):
-        assert len(step_fast) == len(step_slow)
-        for a, b in zip(step_fast, step_slow):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            assert torch.equal(bits(a), bits(b))
+    for params in PARAMS.get(method, [None]):
+        fast = _run(method, comm_name, True, monkeypatch, params)
+        slow = _run(method, comm_name, False, monkeypatch, params)
+        assert len(fast) == len(slow)
+        for step_fast, step_slow in zip(fast, slow):
+            assert len(step_fast) == len(step_slow)
+            for a, b in zip(step_fast, step_slow):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.equal(bits(a), bits(b)), params
+
+
+@pytest.mark.parametrize("b", [1, 2, 4])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001, 1 << 16])
+def test_bit_packing_equals_torch(b: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adacomp.compressors._bitpack import byte_table, pack_bits, unpack_bits, unpack_table
+    g = torch.Generator().manual_seed(n + b)
+    codes = torch.randint(0, 1 << b, (n,), generator=g, dtype=torch.uint8)
+    values = torch.randn(1 << b, generator=g)
+    x = torch.randn(n, generator=g)
+    if n > 3:
+        x[:3] = torch.tensor([float("nan"), -0.0, 0.0])
+    got = [pack_bits(codes, b), pack_bits(codes.bool(), 1) if b == 1 else None, _native.pack_nonneg(x)]
+    out = torch.empty(n)
+    assert _native.decode(pack_bits(codes, b), b, n, values, out) or n == 0
+    got_unpacked = unpack_bits(got[0], b, n)
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    ref = [pack_bits(codes, b), pack_bits(codes.bool(), 1) if b == 1 else None, pack_bits(torch.ge(x, 0), 1)]
+    for a, r in zip(got, ref):
+        assert (a is None and r is None) or torch.equal(a, r)
+    assert torch.equal(got_unpacked, codes) and torch.equal(unpack_bits(ref[0], b, n), codes)
+    want = torch.empty(n)
+    if n:
+        unpack_table(ref[0], b, n, byte_table(b, values), want)
+        assert torch.equal(bits(out), bits(want))
 
 
 @pytest.mark.parametrize("world", [2, 3])

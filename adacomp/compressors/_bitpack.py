@@ -18,6 +18,8 @@ import sys
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
+
 _LITTLE = sys.byteorder == "little"
 
 
@@ -46,6 +48,9 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
         flat = flat.view(torch.uint8)
     elif flat.dtype != torch.uint8:
         flat = flat.to(torch.uint8)
+    fast = _native.pack(flat, bits)  # one C pass, the same bytes
+    if fast is not None:
+        return fast
     g = _groups_of_8(flat)
     if bits == 4:  # two codes per byte: byte j = c[2j] | c[2j+1] << 4
         pairs = g.view(-1, 2)
@@ -78,6 +83,9 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``numel`` codes, as uint8."""
     if bits == 8:
         return packed[:numel]
+    fast = _native.unpack(packed, bits, numel)
+    if fast is not None:
+        return fast
     if 8 % bits == 0:  # one shift (and mask) per code position writes it straight into place
         per = 8 // bits
         m = -(-numel // per)
@@ -130,9 +138,21 @@ def unpack_table(packed: Tensor, bits: int, numel: int, table: Tensor, out: Tens
     return out
 
 
+def decode(packed: Tensor, bits: int, numel: int, values: Tensor, out: Tensor) -> Tensor:
+    """``values[code]`` for the first ``numel`` codes, written into contiguous ``out``: one C pass
+    where the library serves it, else :func:`unpack_table` through a :func:`byte_table`."""
+    if not _native.decode(packed, bits, numel, values, out.view(-1)):
+        unpack_table(packed, bits, numel, byte_table(bits, values), out)
+    return out
+
+
 def unpack_levels(packed: Tensor, bits: int, numel: int, offset: int, out: Tensor) -> Tensor:
     """``code - offset`` as ``out``'s (float) dtype for the first ``numel`` codes, written into
     ``out``: the quantisers' decode without a float temporary."""
+    if out.dtype == torch.float32 and out.is_contiguous() and 8 % bits == 0 and bits < 8:
+        levels = torch.arange(1 << bits).sub_(offset).to(torch.float32)  # exact small integers
+        if _native.decode(packed, bits, numel, levels, out.view(-1)):
+            return out
     if bits > 2 or 8 % bits or not out.is_contiguous():  # 4-bit rows of 2 values: shifts are faster
         return out.copy_(unpack_bits(packed, bits, numel)).sub_(offset)
     levels = torch.arange(1 << bits, device=out.device).sub_(offset).to(out.dtype)  # exact small integers

@@ -113,6 +113,59 @@ int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, u
     *out = keys[0];
     return 0;
 }
+/* Bit packing, the layout of adacomp.compressors._bitpack: code i at stream bits [i b, (i+1) b),
+   LSB first; the last byte zero-padded. b is 1, 2 or 4; codes are below 2^b. */
+void ac_pack(const uint8_t* codes, int64_t n, int b, uint8_t* out) {
+    int per = 8 / b;
+    int64_t full = n / per, j;
+    for (j = 0; j < full; ++j) {
+        const uint8_t* c = codes + j * per;
+        unsigned v = 0;
+        for (int t = 0; t < per; ++t) v |= (unsigned)c[t] << (b * t);
+        out[j] = (uint8_t)v;
+    }
+    if (full * per < n) {
+        unsigned v = 0;
+        for (int t = 0; full * per + t < n; ++t) v |= (unsigned)codes[full * per + t] << (b * t);
+        out[full] = (uint8_t)v;
+    }
+}
+void ac_unpack(const uint8_t* packed, int64_t n, int b, uint8_t* out) {
+    int per = 8 / b;
+    unsigned mask = (1u << b) - 1u;
+    int64_t full = n / per, j;
+    for (j = 0; j < full; ++j) {
+        unsigned v = packed[j];
+        for (int t = 0; t < per; ++t) out[j * per + t] = (uint8_t)((v >> (b * t)) & mask);
+    }
+    for (int64_t i = full * per; i < n; ++i) out[i] = (uint8_t)((packed[full] >> (b * (i - full * per))) & mask);
+}
+/* 1-bit codes of x >= 0 (NaN: 0), packed: one read of x, no bool mask. */
+void ac_pack_nonneg(const float* x, int64_t n, uint8_t* out) {
+    int64_t full = n / 8, j;
+    for (j = 0; j < full; ++j) {
+        const float* v = x + 8 * j;
+        unsigned b = 0;
+        for (int t = 0; t < 8; ++t) b |= (unsigned)(v[t] >= 0.0f) << t;
+        out[j] = (uint8_t)b;
+    }
+    if (full * 8 < n) {
+        unsigned b = 0;
+        for (int t = 0; full * 8 + t < n; ++t) b |= (unsigned)(x[full * 8 + t] >= 0.0f) << t;
+        out[full] = (uint8_t)b;
+    }
+}
+/* out[i] = table[code i] for float32 tables of 2^b entries (a byte-table decode without the table). */
+void ac_decode(const uint8_t* packed, int64_t n, int b, const float* values, float* out) {
+    int per = 8 / b;
+    unsigned mask = (1u << b) - 1u;
+    int64_t full = n / per, j;
+    for (j = 0; j < full; ++j) {
+        unsigned v = packed[j];
+        for (int t = 0; t < per; ++t) out[j * per + t] = values[(v >> (b * t)) & mask];
+    }
+    for (int64_t i = full * per; i < n; ++i) out[i] = values[(packed[full] >> (b * (i - full * per))) & mask];
+}
 COUNT(ac_count_ge, v >= t)
 COUNT(ac_count_gt, v > t)
 COUNT(ac_count_not_lt, !(v < t))
@@ -153,6 +206,12 @@ def _build() -> ctypes.CDLL:
         g = getattr(lib_, f"ac_count_{mode}")
         g.restype = ctypes.c_int64
         g.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fname, args in (("ac_pack", [vp, i64, ctypes.c_int, vp]), ("ac_unpack", [vp, i64, ctypes.c_int, vp]),
+                        ("ac_pack_nonneg", [vp, i64, vp]), ("ac_decode", [vp, i64, ctypes.c_int, vp, vp])):
+        fn = getattr(lib_, fname)
+        fn.restype = None
+        fn.argtypes = args
     h = lib_.ac_rth_largest_strided
     h.restype = ctypes.c_int
     h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -225,3 +284,53 @@ def rth_largest_strided(a: Tensor, step: int, r: int) -> float | None:
     if lib.ac_rth_largest_strided(a.data_ptr(), m, step, r, keys.data_ptr(), out.data_ptr()) != 0:
         return None
     return float(out.view(torch.float32).item())
+
+
+PACK_BITS = (1, 2, 4)
+
+
+def _bytes_ok(t: Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.uint8, torch.bool) and t.is_contiguous()
+
+
+def pack(codes: Tensor, bits: int) -> Tensor | None:
+    """:func:`adacomp.compressors._bitpack.pack_bits` of 1-D uint8 / bool ``codes`` (values below
+    ``2**bits``, ``bits`` in 1, 2, 4) in one pass; None where the torch path must answer."""
+    lib = library()
+    if lib is None or bits not in PACK_BITS or not _bytes_ok(codes):
+        return None
+    n = codes.numel()
+    out = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    lib.ac_pack(codes.data_ptr(), n, bits, out.data_ptr())
+    return out
+
+
+def unpack(packed: Tensor, bits: int, numel: int) -> Tensor | None:
+    """The first ``numel`` codes of ``packed`` as uint8 (``bits`` in 1, 2, 4), or None."""
+    lib = library()
+    if lib is None or bits not in PACK_BITS or not _bytes_ok(packed) or packed.numel() * 8 < numel * bits:
+        return None
+    out = torch.empty(numel, dtype=torch.uint8)
+    lib.ac_unpack(packed.data_ptr(), numel, bits, out.data_ptr())
+    return out
+
+
+def pack_nonneg(x: Tensor) -> Tensor | None:
+    """``pack_bits(x >= 0, 1)`` of a 1-D float32 tensor in one read, or None."""
+    if not usable(x):
+        return None
+    out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
+    library().ac_pack_nonneg(x.data_ptr(), x.numel(), out.data_ptr())  # type: ignore[union-attr]
+    return out
+
+
+def decode(packed: Tensor, bits: int, numel: int, values: Tensor, out: Tensor) -> bool:
+    """``out[i] = values[code i]`` for the first ``numel`` codes (float32 ``values`` of
+    ``2**bits`` entries, contiguous float32 ``out``); False where the torch path must answer."""
+    lib = library()
+    if (lib is None or bits not in PACK_BITS or not _bytes_ok(packed) or packed.numel() * 8 < numel * bits
+            or not usable(out) or out.numel() < numel or values.numel() != 1 << bits):
+        return False
+    vals = values.to(device="cpu", dtype=torch.float32).contiguous()
+    lib.ac_decode(packed.data_ptr(), numel, bits, vals.data_ptr(), out.data_ptr())
+    return True

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors._bitpack import byte_table, pack_bits, unpack_table
+from adacomp.compressors import _native
+from adacomp.compressors._bitpack import decode, pack_bits
 from adacomp.compressors.sparse import Workspace
 
 
@@ -45,8 +46,9 @@ class EFSignSGDCompressor(Compressor):
         flat = tensor.reshape(-1)
         ws = self._workspace()
         scale = ws.magnitudes(flat).mean().reshape(1)
-        mask = torch.ge(flat, 0, out=ws.scratch("mask", flat.numel(), torch.bool, flat.device))
-        signs = pack_bits(mask, 1)
+        signs = _native.pack_nonneg(flat)  # one C read; the same bits as the mask below
+        if signs is None:
+            signs = pack_bits(torch.ge(flat, 0, out=ws.scratch("mask", flat.numel(), torch.bool, flat.device)), 1)
         return [scale, signs], SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
@@ -56,7 +58,7 @@ class EFSignSGDCompressor(Compressor):
         s = scale.to(c.device).float()
         out = self._workspace().output(torch.Size([c.numel]), c.numel, torch.float32, c.device)
         values = torch.cat([-s, s])  # bit 0 -> -s, bit 1 -> +s: the same floats as (2 bit - 1) s
-        unpack_table(packed.to(c.device), 1, c.numel, byte_table(1, values), out)
+        decode(packed.to(c.device), 1, c.numel, values, out)
         return out.to(c.dtype).view(c.shape)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
