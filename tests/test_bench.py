@@ -249,3 +249,18 @@ def test_time_to_accuracy_lm_tiny(tmp_path):
     assert "Produced by: `adacomp bench time_to_accuracy --size tiny --tasks lm" in md
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "acty-" not in left
+
+
+def test_cost_floor_report_before_and_after(tmp_path):
+    """``adacomp bench cost run`` measures each cell's memory floor beside its step, and
+    ``report-floor --before`` puts an earlier run's ratio beside the new one (equal-split shapes,
+    one step: plumbing, not numbers)."""
+    _run([*BENCH, "cost", "run", "--json", "a.json", "--models", "split10", "--methods", "topk,qsgd", "--counts", "",
+          "--steps", "1"], tmp_path)
+    import json
+    rows = json.loads((tmp_path / "a.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"topk", "qsgd"}
+    assert all(r["floor_s"] > 0 and r["step_s"] > 0 and 0 < r["bytes_ratio"] < 1 for r in rows)
+    _run([*BENCH, "cost", "report-floor", "--after", "a.json", "--before", "a.json", "--out", "floor.md"], tmp_path)
+    md = (tmp_path / "floor.md").read_text()
+    assert "split10 before x floor" in md and "split10 x floor" in md and "| topk |" in md and "| qsgd |" in md

@@ -88,7 +88,7 @@ def _run(method: str, comm_name: str, native: bool, monkeypatch: pytest.MonkeyPa
     comm = communicators.get(comm_name)
     memory = memories.get("dgc" if method == "dgc" else "residual")
     g = torch.Generator().manual_seed(7)
-    shapes = [(300, 700), (1 << 17,), (64, 3, 3, 3), (5000,)]
+    shapes = [(300, 700), (1 << 17,), (64, 3, 3, 3), (5000,), (1000, 770)]
     backend = MirrorBackend(2)
     seen: list[list[torch.Tensor]] = []
     for step in range(3):
@@ -182,3 +182,22 @@ def test_residual_kept_in_place_equals_the_copying_plan(method: str, beta: float
         return out
     fast, slow = run(True), run(False)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(fast, slow)) and len(fast) == len(slow)
+
+
+@pytest.mark.parametrize("mode,op", [("ge", torch.ge), ("not_lt", lambda x, t: ~torch.lt(x, t))])
+@pytest.mark.parametrize("shape", [(1, 5), (7, 33), (300, 770)])
+def test_select_rows_equals_torch(mode: str, op, shape: tuple[int, int]) -> None:
+    m, n = shape
+    a = magnitudes(m * n + 300, seed=m)[:m * n].view(m, n).contiguous()
+    thr = torch.rand(m, generator=torch.Generator().manual_seed(n)) * 2.5
+    thr[0] = float("inf")
+    if m > 2:
+        thr[1], thr[2] = 0.0, float("nan")
+    ref = op(a, thr[:, None]).view(-1)
+    got = _native.select_rows(a, thr, mode, expected=0.001)
+    assert got is not None
+    idx, vals, count = got
+    assert count == int(ref.sum()) and torch.equal(idx, torch.nonzero(ref).view(-1))
+    assert torch.equal(bits(vals), bits(a.view(-1)[ref]))
+    idx, vals, count = _native.select_rows(a, thr, mode, expected=0.0, limit=0)
+    assert count == int(ref.sum()) and (count <= 1024 or idx.numel() == 0)

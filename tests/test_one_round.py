@@ -110,8 +110,10 @@ class Front:
             self.opt.remove_hooks()
 
 
-def _rollback_job(front: str) -> dict[str, dict[str, Any]]:
+def _rollback_job(front: str, defer: bool = False) -> dict[str, dict[str, Any]]:
     import torch.distributed as dist
+    from adacomp.engine.round import Rounds
+    Rounds.defer_on_cpu = defer  # the accelerators' check: float64 sums kept, read once at the vote
     dist.init_process_group("gloo")  # the hook needs no adacomp.init(); the optimizer gets the backend
     from adacomp.backends.torch_dist import TorchBackend
     rank = dist.get_rank()
@@ -138,9 +140,13 @@ def _rollback_job(front: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-@pytest.fixture(scope="module", params=FRONT_ENDS)
+@pytest.fixture(scope="module", params=[(f, d) for d in (False, True) for f in FRONT_ENDS],
+                ids=lambda p: f"{p[0]}-{'deferred-check' if p[1] else 'per-gradient-check'}")
 def rollback(request: Any) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, run_workers(_rollback_job, 2, request.param, timeout=600)
+    """Each front end with the non-finite check as the CPU runs it and as an accelerator runs it
+    (``Rounds.defer_on_cpu``: sums kept on the device, read once at the vote)."""
+    front, defer = request.param
+    return front, run_workers(_rollback_job, 2, front, defer, timeout=600)
 
 
 @pytest.mark.parametrize("comm", list(COMMUNICATORS))

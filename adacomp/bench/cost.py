@@ -334,12 +334,20 @@ GOAL = {"powersgd": 5.0, "acpsgd": 5.0}
 """Issue 32's goal in memory floors: 3 for sparsifiers and quantisers, 5 for low-rank methods."""
 
 
+def _floor_rows(path: str) -> dict[tuple[str, str], dict]:
+    return {(r["model"], r["method"]): r for r in json.loads(Path(path).read_text())["rows"] if "floor_s" in r}
+
+
 def report_floor(args: argparse.Namespace) -> None:
-    """docs/results/compress_floor.md: each cell's step over its memory floor, measured in the same cell."""
+    """docs/results/compress_floor.md: each cell's step over its memory floor, measured in the same
+    cell; with ``--before``, the same ratio of an earlier run beside it."""
     after = json.loads(Path(args.after).read_text())
-    rows = {(r["model"], r["method"]): r for r in after["rows"] if "floor_s" in r}
+    rows = _floor_rows(args.after)
+    before = _floor_rows(args.before) if args.before else {}
     methods = [m for m in METHODS if any(k[1] == m for k in rows)]
     models = [m for m in MODELS if any(k[0] == m for k in rows)]
+    models += sorted({k[0] for k in rows} - set(models))  # e.g. the equal-split sizes
+    per_model = ["before x floor", "ms/step", "floor ms", "x floor"] if before else ["ms/step", "floor ms", "x floor"]
     lines = [
         f"One process, {after['rows'][0]['threads']} thread(s), each cell a fresh process running the method's whole "
         "per-step path on the model's gradient shapes as rank 0 of a world of two (compensate, compress, memory update, "
@@ -348,13 +356,16 @@ def report_floor(args: argparse.Namespace) -> None:
         "same cell, so both see the same load (load average at the end of the run: "
         f"{after.get('load', 0):.1f}). **x floor** = median step / median floor; goal (issue 32) <= 3x for "
         "sparsifiers and quantisers, <= 5x for low-rank. Error feedback alone reads the gradient and the residual "
-        "and writes both back, so the goal asks for fused single passes.", "",
-        "| method | " + " | ".join(f"{m} ms/step | {m} floor ms | {m} x floor" for m in models) + " | goal |",
-        "|---|" + "---:|---:|---:|" * len(models) + "---:|"]
+        "and writes both back, so the goal asks for fused single passes."
+        + (f" **before x floor**: the same ratio from `{args.before}` (its own floors)." if before else ""), "",
+        "| method | " + " | ".join(f"{m} {c}" for m in models for c in per_model) + " | goal |",
+        "|---|" + "---:|" * (len(per_model) * len(models)) + "---:|"]
     for meth in methods:
         cells = []
         for model in models:
-            r = rows.get((model, meth))
+            r, b = rows.get((model, meth)), before.get((model, meth))
+            if before:
+                cells.append(f"{b['step_s'] / b['floor_s']:.1f}x" if b else "")
             if r is None:
                 cells += ["", "", ""]
                 continue
@@ -393,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--threads", type=int, default=1)
     f = sub.add_parser("report-floor", help="write compress_floor.md from a run's JSON")
     f.add_argument("--after", required=True)
+    f.add_argument("--before", help="an earlier run's JSON: its ratio goes beside each model's")
     f.add_argument("--out", default=f"{RESULTS}/compress_floor.md")
     f.add_argument("--note", default="", help="a paragraph on the run's conditions")
     p = sub.add_parser("report")

@@ -80,15 +80,34 @@ int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int6
     return c;                                                                           \
 }
 #endif
+SELECT(ac_select_ge, v >= t, CMP_GE)
+SELECT(ac_select_gt, v > t, CMP_GT)
+SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
+/* The same selection with one threshold per row of an (m, n) row-major matrix (ascending flat
+   indices): the row-wise prefilter of ADTopk's per-row Top-k. */
+#define SELECT_ROWS(NAME, INNER)                                                        \
+int64_t NAME(const float* base, int64_t m, int64_t n, const float* thr, int64_t* idx, float* vals, \
+             int64_t cap) {                                                             \
+    int64_t total = 0;                                                                  \
+    for (int64_t r = 0; r < m; ++r) {                                                   \
+        int64_t c = INNER(base + r * n, n, thr[r], idx + (total < cap ? total : cap),    \
+                          vals + (total < cap ? total : cap), total < cap ? cap - total : 0); \
+        if (total < cap) {                                                              \
+            int64_t w = c < cap - total ? c : cap - total;                              \
+            for (int64_t i = 0; i < w; ++i) idx[total + i] += r * n;                    \
+        }                                                                               \
+        total += c;                                                                     \
+    }                                                                                   \
+    return total;                                                                       \
+}
+SELECT_ROWS(ac_select_rows_ge, ac_select_ge)
+SELECT_ROWS(ac_select_rows_not_lt, ac_select_not_lt)
 #define COUNT(NAME, PASS)                                                               \
 int64_t NAME(const float* a, int64_t n, float t) {                                      \
     int64_t c = 0;                                                                      \
     for (int64_t i = 0; i < n; ++i) { float v = a[i]; c += (PASS) ? 1 : 0; }            \
     return c;                                                                           \
 }
-SELECT(ac_select_ge, v >= t, CMP_GE)
-SELECT(ac_select_gt, v > t, CMP_GT)
-SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
 /* The r-th largest (1-based) of a[0], a[step], a[2 step], ... (m elements) by an 8-bit radix
    select on the float bits: for non-negative floats the bit patterns order as the values, NaN
    above inf. Returns 0 and writes the value's bits, or -1 (a negative value or a NaN: the caller
@@ -212,6 +231,10 @@ def _build() -> ctypes.CDLL:
         fn = getattr(lib_, fname)
         fn.restype = None
         fn.argtypes = args
+    for mode in ("ge", "not_lt"):
+        fr = getattr(lib_, f"ac_select_rows_{mode}")
+        fr.restype = ctypes.c_int64
+        fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
     h = lib_.ac_rth_largest_strided
     h.restype = ctypes.c_int
     h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -260,6 +283,8 @@ def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Ten
         vals = torch.empty(cap, dtype=torch.float32)
         c = int(f(a.data_ptr(), n, thr, idx.data_ptr(), vals.data_ptr(), cap))
         if c <= cap:
+            if cap > 2 * c + 4096:  # a generous guess: do not keep its buffers alive behind small views
+                return idx[:c].clone(), vals[:c].clone()
             return idx[:c], vals[:c]
         cap = c  # the guess was short: the exact count is known now
 
@@ -334,3 +359,30 @@ def decode(packed: Tensor, bits: int, numel: int, values: Tensor, out: Tensor) -
     vals = values.to(device="cpu", dtype=torch.float32).contiguous()
     lib.ac_decode(packed.data_ptr(), numel, bits, vals.data_ptr(), out.data_ptr())
     return True
+
+
+def select_rows(a: Tensor, thr: Tensor, mode: str, expected: float = 1.0,
+                limit: int | None = None) -> tuple[Tensor, Tensor, int] | None:
+    """:func:`select` on an (m, n) contiguous float32 ``a`` with the float32 threshold ``thr[row]``
+    per row (``mode`` "ge" or "not_lt"): ascending flat indices, their values, and the count. When
+    more than ``limit`` pass (a set the caller rejects), the indices and values are left empty and
+    only the count is right. None where the torch path must answer."""
+    lib = library()
+    if (lib is None or a.dim() != 2 or not usable(a) or thr.dtype != torch.float32 or thr.device.type != "cpu"
+            or thr.numel() != a.shape[0] or mode not in ("ge", "not_lt")):
+        return None
+    m, n = a.shape
+    t = thr.contiguous()
+    cap = min(m * n, int(m * n * min(1.0, expected) * 1.5) + 1024)
+    f = getattr(lib, f"ac_select_rows_{mode}")
+    while True:
+        idx = torch.empty(cap, dtype=torch.int64)
+        vals = torch.empty(cap, dtype=torch.float32)
+        c = int(f(a.data_ptr(), m, n, t.data_ptr(), idx.data_ptr(), vals.data_ptr(), cap))
+        if c <= cap:
+            if cap > 2 * c + 4096:
+                return idx[:c].clone(), vals[:c].clone(), c
+            return idx[:c], vals[:c], c
+        if limit is not None and c > limit:
+            return idx[:0], vals[:0], c
+        cap = c

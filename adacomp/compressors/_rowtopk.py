@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors.sparse import TINY, Workspace, nonzero_1d
 
 # CPU fast paths (same selections, fewer passes) for float dtypes whose |x| is exact in float32.
@@ -118,6 +119,14 @@ def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: 
     else:
         bmax = a3[:, :bs * blocks].reshape(s0, bs, blocks, rr).amax(1).transpose(1, 2).reshape(m, blocks)
     floor, bad = _floor(bmax, q1)
+    if rr == 1 and floor.dtype == torch.float32:  # one C pass per row: the same set, same order
+        got = _native.select_rows(a.view(m, n), floor.reshape(m), "ge" if bs * blocks == n else "not_lt",
+                                  min(1.0, 1.6 * q1 / n), limit=int(CANDIDATE_LIMIT * m * n))
+        if got is not None:
+            flat, mag, count = got
+            if _too_many(count, m * n):
+                return None
+            return Candidates(flat, mag, flat // n, bad)
     mask = ws.scratch("mask", a.numel(), torch.bool, a.device).view(s0, n, rr)
     # rr == 1: compare as (M, N) so the inner loop runs along the row (an (M, N, 1) broadcast runs
     # TensorIterator's inner loop over one element: ~2x slower, same result)

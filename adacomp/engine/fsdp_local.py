@@ -60,7 +60,6 @@ class OuterState:
         from torch.distributed.tensor import DTensor
         self.config, self.group = config, replicate_group
         self.world = dist.get_world_size(replicate_group)
-        self.shard = dist.get_world_size() // self.world
         meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
         if any(m.ndim != 1 for m in meshes):
             raise ValueError("adacomp.fsdp.register with local_steps: FSDP2 must shard over the 1-D shard mesh "
