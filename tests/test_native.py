@@ -201,3 +201,30 @@ def test_select_rows_equals_torch(mode: str, op, shape: tuple[int, int]) -> None
     assert torch.equal(bits(vals), bits(a.view(-1)[ref]))
     idx, vals, count = _native.select_rows(a, thr, mode, expected=0.0, limit=0)
     assert count == int(ref.sum()) and (count <= 1024 or idx.numel() == 0)
+
+
+def test_dgc_memory_reuses_buffers_and_equals_its_formula() -> None:
+    """DGC's momentum correction and masking (u = m u + g, v = v + u, both zeroed where sent) with
+    v + u written into the buffer of the round before last: bitwise the formula computed afresh,
+    and the tensor handed out two rounds ago is the only one reused."""
+    mem = memories.get("dgc", momentum=0.9)
+    comp = compressors.get("topk", density=0.05)
+    g = torch.Generator().manual_seed(5)
+    u_ref = v_ref = None
+    handed: list[torch.Tensor] = []
+    for step in range(5):
+        grad = torch.randn(50, 400, generator=g)
+        u_ref = grad.clone() if u_ref is None else u_ref * 0.9 + grad
+        v_ref = u_ref.clone() if v_ref is None else v_ref + u_ref
+        v = mem.compensate(grad.clone(), "w", 2, compressor=comp)
+        assert torch.equal(bits(v), bits(v_ref))
+        if step >= 2:
+            assert v.data_ptr() == handed[-2].data_ptr()  # the buffer of the round before last
+        handed.append(v)
+        payload, ctx = comp.compress(v, "w")
+        mem.update(v, "w", comp, payload, ctx)
+        idx = payload[1]
+        u_ref.view(-1)[idx] = 0.0
+        v_ref.view(-1)[idx] = 0.0
+        assert torch.equal(bits(mem.velocity["w"]), bits(u_ref))
+        assert torch.equal(bits(mem.accumulated["w"]), bits(v_ref))

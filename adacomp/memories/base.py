@@ -30,7 +30,9 @@ class Memory:
         engine passes it; a memory never reads a process-wide context). ``compressor``: the one
         that will compress the result, when the caller knows it (lets a memory pick a cheaper
         buffer plan for it; the result's values never depend on it). Callers use the returned
-        tensor, which need not be ``tensor``."""
+        tensor, which need not be ``tensor``, and hand it to :meth:`update`, which may keep it as
+        state and rewrite it (no model-size copy per step): a caller that needs the compensated
+        values after ``update`` copies them first."""
         raise NotImplementedError
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:

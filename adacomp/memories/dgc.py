@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from adacomp.memories.base import Memory, register
@@ -44,6 +45,7 @@ class DGCMemory(Memory):
         self.clip_norm = float(clip_norm)
         self.velocity: dict[str, Tensor] = {}  # u: momentum-corrected velocity
         self.accumulated: dict[str, Tensor] = {}  # v: accumulated velocity, what gets sent
+        self._spare: dict[str, Tensor] = {}  # the v of the round before: the next v + u is written there
 
     def _clip(self, tensor: Tensor, world: int) -> Tensor:
         limit = self.clip_norm / math.sqrt(world)
@@ -58,7 +60,14 @@ class DGCMemory(Memory):
             raise ValueError(f"dgc memory for {name!r} has shape {tuple(u.shape)} but the gradient has "
                              f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
         u = tensor.clone() if u is None else u.mul_(self.momentum).add_(tensor)
-        v = u.clone() if v is None else v + u  # out of place: the caller may keep the returned tensor
+        if v is None:
+            v = u.clone()
+        else:  # v + u into the buffer of the round before last (no model-size allocation per step)
+            spares: dict[str, Tensor] = self.__dict__.setdefault("_spare", {})  # objects unpickled from before
+            spare = spares.pop(name, None)
+            fits = spare is not None and spare.shape == v.shape and spare.dtype == v.dtype and spare.device == v.device
+            old, v = v, (torch.add(v, u, out=spare) if fits else v + u)
+            spares[name] = old
         self.velocity[name], self.accumulated[name] = u, v
         return v
 
@@ -78,16 +87,19 @@ class DGCMemory(Memory):
             raise ValueError(f"memory 'dgc' got update({name!r}) without a compensate({name!r}) first")
         idx = payload[1].to(device=tensor.device).long()
         u, v = self.velocity[name], self.accumulated[name]
-        self.velocity[name] = u.reshape(-1).index_fill(0, idx, 0).view(u.shape)
-        self.accumulated[name] = v.reshape(-1).index_fill(0, idx, 0).view(v.shape)
+        # in place: u is this memory's own; v is the tensor compensate() returned, whose round is over
+        u.view(-1).index_fill_(0, idx, 0)
+        v.view(-1).index_fill_(0, idx, 0)
 
     def reset(self, name: str | None = None) -> None:
         if name is None:
             self.velocity.clear()
             self.accumulated.clear()
+            self._spare.clear()
         else:
             self.velocity.pop(name, None)
             self.accumulated.pop(name, None)
+            self._spare.pop(name, None)
 
     owed_keys = ("velocity", "accumulated")  # both are per-rank debt (checkpoint resharding averages them)
 
@@ -100,6 +112,7 @@ class DGCMemory(Memory):
                 "accumulated": {k: v.detach().clone() for k, v in self.accumulated.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._spare = {}
         self.velocity = {k: v.clone() for k, v in state.get("velocity", {}).items()}
         self.accumulated = {k: v.clone() for k, v in state.get("accumulated", {}).items()}
 
