@@ -264,3 +264,24 @@ def test_cost_floor_report_before_and_after(tmp_path):
     _run([*BENCH, "cost", "report-floor", "--after", "a.json", "--before", "a.json", "--out", "floor.md"], tmp_path)
     md = (tmp_path / "floor.md").read_text()
     assert "split10 before x floor" in md and "split10 x floor" in md and "| topk |" in md and "| qsgd |" in md
+
+
+def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):
+    """Rows at a model's default batch fill the main table; rows at another batch (issue 32's ~1 s
+    steps) get their own table with the bar and the list of methods above it."""
+    from types import SimpleNamespace
+    from adacomp.bench import zoo
+
+    def row(model: str, method: str, batch: int, ratio: float) -> dict:
+        return {"model": model, "params_m": 1.0, "tensors": 3, "batch": batch, "method": method,
+                "step_ms": 100.0 * ratio, "ratio": ratio, "compress_share": 0.1, "rounds_ms": [100.0 * ratio],
+                "rounds": 1, "warmup": 1, "steps": 1, "command": f"cmd {model} {batch}"}
+    rows = [row("resnet50", "ddp", 16, 1.0), row("resnet50", "topk", 16, 1.1),
+            row("resnet50", "ddp", 2, 1.0), row("resnet50", "topk", 2, 1.3), row("resnet50", "qsgd", 2, 1.2)]
+    args = SimpleNamespace(out_dir=str(tmp_path), merge=False, threads=1, command="adacomp bench zoo --report-only")
+    zoo.report(rows, args, 2)
+    md = (tmp_path / "zoo_steps.md").read_text()
+    main, short = md.split("## At batches where one step takes about a second")
+    assert "| topk |  | 1.10x (10%) |" in main and "1.30x" not in main
+    assert "resnet50 (batch 2)" in short and "| topk | 1.30x (10%) ✗ |" in short and "| qsgd | 1.20x (10%) |" in short
+    assert "Above the bar: resnet50: topk." in short and "cmd resnet50 2" in short

@@ -35,6 +35,15 @@ def test_library_builds() -> None:
     assert _native.library() is not None, _native.why_unavailable()
 
 
+def test_library_builds_in_the_temporary_directory_when_the_cache_is_not_writable(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("ADACOMP_CACHE", str(blocker))  # <file>/native cannot be created
+    lib = _native._build()
+    a = torch.tensor([0.5, 3.0, float("nan"), 2.0])
+    assert int(lib.ac_count_ge(a.data_ptr(), 4, 1.0)) == 2
+
+
 def magnitudes(n: int, seed: int) -> torch.Tensor:
     a = torch.randn(n, generator=torch.Generator().manual_seed(seed)).abs()
     a[3] = float("nan")

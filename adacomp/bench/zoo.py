@@ -231,6 +231,10 @@ def _short_table(rows: list[dict[str, Any]]) -> list[str]:
                 flag = " ✗" if m in SHORT_BAR and r["ratio"] > SHORT_BAR[m] else ""
                 cells.append(f"{r['ratio']:.2f}x ({100 * r['compress_share']:.0f}%){flag}")
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    over = {m: [r["method"] for r in rows if r["model"] == m and r["method"] != "ddp"
+                and m in SHORT_BAR and r["ratio"] > SHORT_BAR[m]] for m in models}
+    lines += ["", "Above the bar: " + "; ".join(f"{m}: {', '.join(v) if v else 'none'}" for m, v in over.items()
+                                               if m in SHORT_BAR) + "."]
     lines += ["", "Schedules: " + ", ".join(f"{m}: {_schedule(rows, m)}" for m in models) + ". Commands:", ""]
     lines += [f"    {c}" for c in dict.fromkeys(r.get("command", "?") for r in rows)]
     return lines

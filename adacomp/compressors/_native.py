@@ -205,7 +205,14 @@ def _build() -> ctypes.CDLL:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler {cc!r} on PATH")
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"adacomp_native_{key}.so"
+    try:
+        return _load(_compiled(cc, _cache_dir() / f"adacomp_native_{key}.so"))
+    except OSError:  # a read-only home: build in the temporary directory instead
+        return _load(_compiled(cc, Path(tempfile.gettempdir()) / f"adacomp-native-{os.getuid()}"
+                               / f"adacomp_native_{key}.so"))
+
+
+def _compiled(cc: str, out: Path) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -216,6 +223,10 @@ def _build() -> ctypes.CDLL:
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
             os.replace(lib, out)  # atomic: ranks building at once each rename a complete file
+    return out
+
+
+def _load(out: Path) -> ctypes.CDLL:
     lib_ = ctypes.CDLL(str(out))
     for mode in MODES:
         f = getattr(lib_, f"ac_select_{mode}")
