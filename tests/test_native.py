@@ -237,3 +237,20 @@ def test_dgc_memory_reuses_buffers_and_equals_its_formula() -> None:
         v_ref.view(-1)[idx] = 0.0
         assert torch.equal(bits(mem.velocity["w"]), bits(u_ref))
         assert torch.equal(bits(mem.accumulated["w"]), bits(v_ref))
+
+
+def test_workspace_recycles_many_outputs_of_one_shape() -> None:
+    """A model with many tensors of one shape holds all their outputs at once (as gradients); the
+    next step must get those buffers back, not fresh allocations, and never one still held."""
+    from adacomp.compressors.sparse import RECYCLE_MIN_NUMEL, Workspace
+    ws = Workspace()
+    n = RECYCLE_MIN_NUMEL
+    shape = torch.Size([n])
+    first = [ws.zeros(shape, n, torch.float32, torch.device("cpu")) for _ in range(12)]
+    ptrs = {t.data_ptr() for t in first}
+    assert len(ptrs) == 12  # all held at once: twelve distinct buffers
+    del first
+    second = [ws.zeros(shape, n, torch.float32, torch.device("cpu")) for _ in range(12)]
+    assert {t.data_ptr() for t in second} == ptrs  # released, then every one reused
+    third = ws.zeros(shape, n, torch.float32, torch.device("cpu"))
+    assert third.data_ptr() not in ptrs  # all twelve still held: a new one

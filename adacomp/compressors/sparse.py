@@ -65,6 +65,11 @@ class Workspace:
     """
 
     POOL = 2
+    POOL_MAX = 256
+    """A key's pool grows past ``POOL`` while every buffer in it is held (a model has many tensors of
+    one shape, e.g. GPT-2's 24 of 768 x 3072 elements, all installed as gradients at once), up to
+    this many; before, the pool evicted a held buffer and every such output was a fresh allocation
+    (page faults on each multi-MB tensor, each step)."""
 
     def __init__(self) -> None:
         self._scratch: dict[tuple, Tensor] = {}
@@ -86,9 +91,9 @@ class Workspace:
                 return buf, True
         buf = torch.empty(numel, dtype=dtype, device=device)
         if _storage_users(buf) is not None:
-            if len(pool) >= self.POOL:
+            if len(pool) >= self.POOL_MAX:
                 pool.pop(0)
-            pool.append(buf)
+            pool.append(buf)  # every kept buffer is in use: keep this one too (see POOL_MAX)
         return buf, False
 
     def zeros(self, shape: torch.Size, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
