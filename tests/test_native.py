@@ -212,10 +212,12 @@ def test_select_rows_equals_torch(mode: str, op, shape: tuple[int, int]) -> None
     assert count == int(ref.sum()) and (count <= 1024 or idx.numel() == 0)
 
 
-def test_dgc_memory_reuses_buffers_and_equals_its_formula() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["c-pass", "torch"])
+def test_dgc_memory_reuses_buffers_and_equals_its_formula(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """DGC's momentum correction and masking (u = m u + g, v = v + u, both zeroed where sent) with
     v + u written into the buffer of the round before last: bitwise the formula computed afresh,
     and the tensor handed out two rounds ago is the only one reused."""
+    monkeypatch.setenv("ADACOMP_NATIVE", "1" if native else "0")
     mem = memories.get("dgc", momentum=0.9)
     comp = compressors.get("topk", density=0.05)
     g = torch.Generator().manual_seed(5)

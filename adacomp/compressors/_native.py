@@ -102,6 +102,17 @@ int64_t NAME(const float* base, int64_t m, int64_t n, const float* thr, int64_t*
 }
 SELECT_ROWS(ac_select_rows_ge, ac_select_ge)
 SELECT_ROWS(ac_select_rows_not_lt, ac_select_not_lt)
+/* DGC's momentum correction in one pass: u = u * m + g (two roundings, as torch's mul_ then add_),
+   out = v + u. */
+void ac_momentum_accumulate(const float* u, const float* g, const float* v, float* u_out, float* v_out,
+                            int64_t n, float m) {
+    for (int64_t i = 0; i < n; ++i) {
+        float t = u[i] * m;
+        t = t + g[i];
+        u_out[i] = t;
+        v_out[i] = v[i] + t;
+    }
+}
 #define COUNT(NAME, PASS)                                                               \
 int64_t NAME(const float* a, int64_t n, float t) {                                      \
     int64_t c = 0;                                                                      \
@@ -246,6 +257,8 @@ def _load(out: Path) -> ctypes.CDLL:
         fr = getattr(lib_, f"ac_select_rows_{mode}")
         fr.restype = ctypes.c_int64
         fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
+    lib_.ac_momentum_accumulate.restype = None
+    lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
     h = lib_.ac_rth_largest_strided
     h.restype = ctypes.c_int
     h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -397,3 +410,16 @@ def select_rows(a: Tensor, thr: Tensor, mode: str, expected: float = 1.0,
         if limit is not None and c > limit:
             return idx[:0], vals[:0], c
         cap = c
+
+
+def momentum_accumulate(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: Tensor, momentum: float) -> bool:
+    """``u_out = u * momentum + g`` (two roundings, as ``mul`` then ``add_``) and ``v_out = v + u_out``
+    in one pass (DGC's momentum correction, bitwise torch's floats); False where torch must run."""
+    ts = (u, g, v, u_out, v_out)
+    if not all(usable(t) for t in ts) or len({t.numel() for t in ts}) != 1:
+        return False
+    if len({t.data_ptr() for t in ts}) != 5:  # outputs may not alias inputs
+        return False
+    library().ac_momentum_accumulate(u.data_ptr(), g.data_ptr(), v.data_ptr(), u_out.data_ptr(),  # type: ignore[union-attr]
+                                     v_out.data_ptr(), u.numel(), momentum)
+    return True

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.memories.base import Memory, register
+
+
+def _buffer_like(buf: Tensor | None, like: Tensor) -> Tensor:
+    if buf is not None and buf.shape == like.shape and buf.dtype == like.dtype and buf.device == like.device:
+        return buf
+    return torch.empty_like(like)
 
 
 @register("dgc")
@@ -45,7 +52,8 @@ class DGCMemory(Memory):
         self.clip_norm = float(clip_norm)
         self.velocity: dict[str, Tensor] = {}  # u: momentum-corrected velocity
         self.accumulated: dict[str, Tensor] = {}  # v: accumulated velocity, what gets sent
-        self._spare: dict[str, Tensor] = {}  # the v of the round before: the next v + u is written there
+        self._spare_u: dict[str, Tensor] = {}  # the u and v of the round before: the next round's
+        self._spare: dict[str, Tensor] = {}  # u and v are written there (see compensate)
 
     def _clip(self, tensor: Tensor, world: int) -> Tensor:
         limit = self.clip_norm / math.sqrt(world)
@@ -59,17 +67,27 @@ class DGCMemory(Memory):
         if u is not None and u.shape != tensor.shape:
             raise ValueError(f"dgc memory for {name!r} has shape {tuple(u.shape)} but the gradient has "
                              f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
-        u = tensor.clone() if u is None else u.mul_(self.momentum).add_(tensor)
-        if v is None:
-            v = u.clone()
-        else:  # v + u into the buffer of the round before last (no model-size allocation per step)
-            spares: dict[str, Tensor] = self.__dict__.setdefault("_spare", {})  # objects unpickled from before
-            spare = spares.pop(name, None)
-            fits = spare is not None and spare.shape == v.shape and spare.dtype == v.dtype and spare.device == v.device
-            old, v = v, (torch.add(v, u, out=spare) if fits else v + u)
-            spares[name] = old
-        self.velocity[name], self.accumulated[name] = u, v
-        return v
+        # Out of place into the buffers of the round before last, so the stored u and v are never
+        # written while a Rollback snapshot refers to them (snapshot() keeps references, no copies)
+        # and no model-size tensor is allocated per step.
+        spare_u: dict[str, Tensor] = self.__dict__.setdefault("_spare_u", {})  # objects unpickled from before
+        spare_v: dict[str, Tensor] = self.__dict__.setdefault("_spare", {})
+        if u is None:
+            u_new = tensor.clone()
+            v_new = u_new.clone() if v is None else v + u_new
+        else:
+            su = _buffer_like(spare_u.pop(name, None), u)
+            sv = _buffer_like(spare_v.pop(name, None), v) if v is not None else None
+            if sv is not None and _native.momentum_accumulate(u, tensor, v, su, sv, self.momentum):
+                u_new, v_new = su, sv  # one C pass, the same floats as the two torch lines below
+            else:
+                u_new = torch.mul(u, self.momentum, out=su).add_(tensor)
+                v_new = u_new.clone() if v is None else torch.add(v, u_new, out=sv)
+            spare_u[name] = u
+        if v is not None:
+            spare_v[name] = v
+        self.velocity[name], self.accumulated[name] = u_new, v_new
+        return v_new
 
     def check(self, compressor: Any) -> None:
         if not getattr(compressor, "sparse", False):
@@ -87,19 +105,29 @@ class DGCMemory(Memory):
             raise ValueError(f"memory 'dgc' got update({name!r}) without a compensate({name!r}) first")
         idx = payload[1].to(device=tensor.device).long()
         u, v = self.velocity[name], self.accumulated[name]
-        # in place: u is this memory's own; v is the tensor compensate() returned, whose round is over
+        # in place: both are this round's new tensors (compensate made them; no snapshot refers to them)
         u.view(-1).index_fill_(0, idx, 0)
         v.view(-1).index_fill_(0, idx, 0)
+
+    def snapshot(self) -> Any:
+        # compensate() writes only spare buffers and update() only this round's new tensors, so
+        # references to the stored ones are a faithful snapshot (no model-size copies per round)
+        return dict(self.velocity), dict(self.accumulated)
+
+    def restore(self, snap: Any) -> None:
+        self.velocity, self.accumulated = dict(snap[0]), dict(snap[1])
+        self.__dict__["_spare_u"], self.__dict__["_spare"] = {}, {}  # a spare may be a restored tensor now
 
     def reset(self, name: str | None = None) -> None:
         if name is None:
             self.velocity.clear()
             self.accumulated.clear()
-            self._spare.clear()
+            self.__dict__["_spare_u"], self.__dict__["_spare"] = {}, {}
         else:
             self.velocity.pop(name, None)
             self.accumulated.pop(name, None)
-            self._spare.pop(name, None)
+            self.__dict__.get("_spare_u", {}).pop(name, None)
+            self.__dict__.get("_spare", {}).pop(name, None)
 
     owed_keys = ("velocity", "accumulated")  # both are per-rank debt (checkpoint resharding averages them)
 
@@ -112,7 +140,7 @@ class DGCMemory(Memory):
                 "accumulated": {k: v.detach().clone() for k, v in self.accumulated.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._spare = {}
+        self.__dict__["_spare_u"], self.__dict__["_spare"] = {}, {}
         self.velocity = {k: v.clone() for k, v in state.get("velocity", {}).items()}
         self.accumulated = {k: v.clone() for k, v in state.get("accumulated", {}).items()}
 
