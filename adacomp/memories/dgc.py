@@ -78,7 +78,7 @@ class DGCMemory(Memory):
         else:
             su = _buffer_like(spare_u.pop(name, None), u)
             sv = _buffer_like(spare_v.pop(name, None), v) if v is not None else None
-            if sv is not None and _native.momentum_accumulate(u, tensor, v, su, sv, self.momentum):
+            if v is not None and sv is not None and _native.momentum_accumulate(u, tensor, v, su, sv, self.momentum):
                 u_new, v_new = su, sv  # one C pass, the same floats as the two torch lines below
             else:
                 u_new = torch.mul(u, self.momentum, out=su).add_(tensor)
