@@ -177,9 +177,13 @@ class ResidualMemory(Memory):
         if r.shape != tensor.shape:
             raise ValueError(f"residual for {name!r} has shape {tuple(r.shape)} but the gradient has "
                              f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
-        spare = self._spare.get(name)
-        if getattr(compressor, "residual_in_place", False) and _fits(spare, tensor):
-            # the same add as below, into the buffer update() will keep (see the class docstring)
+        if getattr(compressor, "residual_in_place", False):
+            # the same add as below, into the buffer update() will keep (see the class docstring);
+            # ``tensor`` stays the raw gradient on every step, first ones and resumed ones included,
+            # so whoever reads it later (L-GreCo's accumulators) sees the same thing on every path
+            spare = self._spare.get(name)
+            if not _fits(spare, tensor) or spare is r:
+                spare = self._spare[name] = torch.empty_like(tensor)
             return (torch.add(tensor, r, out=spare) if self.beta == 1.0
                     else torch.add(tensor, r, alpha=self.beta, out=spare))
         return tensor.add_(r) if self.beta == 1.0 else tensor.add_(r, alpha=self.beta)
