@@ -85,7 +85,8 @@ def test_rth_largest_equals_topk_min(n: int, fraction: float) -> None:
 
 THRESHOLD = [("topk", "allgather_fast"), ("gtopk", "allgather"), ("dgc", "allgather"), ("gaussiank", "allgather"),
              ("redsync", "allgather"), ("mstopk", "allgather"), ("sidco", "allgather"), ("adtopk", "allgather_fast"),
-             ("qsgd", "allgather_fast"), ("efsignsgd", "allgather_fast"), ("chunktopk", "allgather_fast")]
+             ("qsgd", "allgather_fast"), ("efsignsgd", "allgather_fast"), ("chunktopk", "allgather_fast"),
+             ("topk", "alltoall")]
 PARAMS = {"qsgd": [{"bits": 4}, {"bits": 2}, {"bits": 3, "bucket_size": 100}], "efsignsgd": [{}],
           "chunktopk": [{"bits": 2, "chunk": 512}, {"bits": 1, "chunk": 100}, {"bits": 4, "chunk": 512}]}
 

@@ -72,6 +72,9 @@ class _Joined:
     def __init__(self, comp: Compressor, parts: list[_Part], spans: list[tuple[int, int]], like: Tensor):
         self.comp, self.parts, self.spans, self.like = comp, parts, spans, like
         self.name, self.sparse = comp.name, comp.sparse
+        # each part's residual may overwrite its own span, as the compressor's may (residual memory
+        # then keeps the compensated buffer instead of allocating a new one each step)
+        self.residual_in_place = bool(getattr(comp, "residual_in_place", False))
 
     def payload(self) -> list[Tensor]:
         if not self.sparse:
