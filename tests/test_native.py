@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from adacomp import communicators, compressors, memories
-from adacomp.bench.cost_shapes import MirrorBackend
 from adacomp.communicators.base import CommEnv, Entry
 from adacomp.compressors import _native
 from adacomp.compressors.sparse import divide_touched
 from adacomp.engine.error_feedback import exchange
 from adacomp.engine.metrics import StepStats
+from tests._dist import run_workers
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -91,20 +91,22 @@ PARAMS = {"qsgd": [{"bits": 4}, {"bits": 2}, {"bits": 3, "bucket_size": 100}], "
           "chunktopk": [{"bits": 2, "chunk": 512}, {"bits": 1, "chunk": 100}, {"bits": 4, "chunk": 512}]}
 
 
-def _run(method: str, comm_name: str, native: bool, monkeypatch: pytest.MonkeyPatch,
-         params: dict | None = None) -> list[list[torch.Tensor]]:
-    monkeypatch.setenv("ADACOMP_NATIVE", "1" if native else "0")
+def _run(method: str, comm_name: str, native: bool, backend, params: dict | None = None) -> list[list[torch.Tensor]]:
+    """Three error-feedback steps of one method through its communicator over ``backend`` (real
+    gloo, two ranks with different gradients), with or without the library."""
+    import os
+    os.environ["ADACOMP_NATIVE"] = "1" if native else "0"
     comp = compressors.get(method, **(params if params is not None else {"density": 0.01}))
     comm = communicators.get(comm_name)
     memory = memories.get("dgc" if method == "dgc" else "residual")
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(7 + backend.rank())
     shapes = [(300, 700), (1 << 17,), (64, 3, 3, 3), (5000,), (1000, 770)]
-    backend = MirrorBackend(2)
     seen: list[list[torch.Tensor]] = []
     for step in range(3):
         grads = [torch.randn(s, generator=g) for s in shapes]
         grads[1][:1000] = 0.0  # a ReLU-like run of exact zeros
-        entries = [Entry(f"p{i}", memory.compensate(t, f"p{i}", 2, compressor=comp), comp, memory) for i, t in enumerate(grads)]
+        entries = [Entry(f"p{i}", memory.compensate(t, f"p{i}", 2, compressor=comp), comp, memory)
+                   for i, t in enumerate(grads)]
         means = exchange(comm, entries, CommEnv(backend, StepStats(), step=step, bucket_index=0))
         payloads = [p for e in entries for p in e.payload]
         seen.append(payloads + list(means) + [t.clone() for t in memory.state_dict().get("residuals", {}).values()])
@@ -112,19 +114,43 @@ def _run(method: str, comm_name: str, native: bool, monkeypatch: pytest.MonkeyPa
     return seen
 
 
+def _paths_job() -> dict[str, list[str]]:
+    """Every case with and without the library on this rank; the differences found, per case."""
+    import torch.distributed as dist
+    from adacomp.backends.torch_dist import TorchBackend
+    dist.init_process_group("gloo")
+    backend = TorchBackend()
+    out: dict[str, list[str]] = {}
+    for method, comm_name in THRESHOLD:
+        problems: list[str] = []
+        for params in PARAMS.get(method, [None]):
+            fast = _run(method, comm_name, True, backend, params)
+            slow = _run(method, comm_name, False, backend, params)
+            if len(fast) != len(slow):
+                problems.append(f"{params}: {len(fast)} vs {len(slow)} steps")
+            for step, (step_fast, step_slow) in enumerate(zip(fast, slow)):
+                if len(step_fast) != len(step_slow):
+                    problems.append(f"{params} step {step}: {len(step_fast)} vs {len(step_slow)} tensors")
+                for i, (a, b) in enumerate(zip(step_fast, step_slow)):
+                    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits(a), bits(b)):
+                        problems.append(f"{params} step {step} tensor {i} differs")
+        out[f"{method}-{comm_name}"] = problems
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def paths() -> list[dict[str, list[str]]]:
+    assert _native.library() is not None, _native.why_unavailable()
+    return run_workers(_paths_job, 2, timeout=600)
+
+
 @pytest.mark.parametrize("method,comm_name", THRESHOLD)
-def test_sparsifiers_bitwise_equal_with_and_without_the_library(method: str, comm_name: str,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _native.library() is not None
-    for params in PARAMS.get(method, [None]):
-        fast = _run(method, comm_name, True, monkeypatch, params)
-        slow = _run(method, comm_name, False, monkeypatch, params)
-        assert len(fast) == len(slow)
-        for step_fast, step_slow in zip(fast, slow):
-            assert len(step_fast) == len(step_slow)
-            for a, b in zip(step_fast, step_slow):
-                assert a.dtype == b.dtype and a.shape == b.shape
-                assert torch.equal(bits(a), bits(b)), params
+def test_sparsifiers_bitwise_equal_with_and_without_the_library(method: str, comm_name: str, paths) -> None:
+    """Payloads, averaged results and residuals bitwise the same with the library and without,
+    on two real gloo ranks whose gradients differ."""
+    for rank, per_case in enumerate(paths):
+        assert per_case[f"{method}-{comm_name}"] == [], f"rank {rank}: {per_case[f'{method}-{comm_name}'][:5]}"
 
 
 @pytest.mark.parametrize("b", [1, 2, 4])

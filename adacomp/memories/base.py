@@ -97,7 +97,8 @@ class Memory:
                                       "loss scale; implement rescale()")
 
 
-def _fits(buf: Tensor | None, like: Tensor) -> bool:
+def fits(buf: Tensor | None, like: Tensor) -> bool:
+    """``buf`` can stand in for a tensor like ``like`` (same shape, dtype and device)."""
     return (buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
             and buf.device == like.device)
 
@@ -182,7 +183,7 @@ class ResidualMemory(Memory):
             # ``tensor`` stays the raw gradient on every step, first ones and resumed ones included,
             # so whoever reads it later (L-GreCo's accumulators) sees the same thing on every path
             spare = self._spare.get(name)
-            if not _fits(spare, tensor) or spare is r:
+            if not fits(spare, tensor) or spare is r:
                 spare = self._spare[name] = torch.empty_like(tensor)
             return (torch.add(tensor, r, out=spare) if self.beta == 1.0
                     else torch.add(tensor, r, alpha=self.beta, out=spare))
@@ -192,7 +193,7 @@ class ResidualMemory(Memory):
         out = self._spare.pop(name, None)
         if out is not None and out is tensor and getattr(compressor, "residual_in_place", False):
             pass  # compensate() wrote into the spare buffer: the residual is made there in place
-        elif (not _fits(out, tensor)
+        elif (not fits(out, tensor)
               or out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()):  # type: ignore[union-attr]
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         assert out is not None

@@ -30,13 +30,11 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors import _native
-from adacomp.memories.base import Memory, register
+from adacomp.memories.base import Memory, fits, register
 
 
 def _buffer_like(buf: Tensor | None, like: Tensor) -> Tensor:
-    if buf is not None and buf.shape == like.shape and buf.dtype == like.dtype and buf.device == like.device:
-        return buf
-    return torch.empty_like(like)
+    return buf if buf is not None and fits(buf, like) else torch.empty_like(like)
 
 
 @register("dgc")
