@@ -192,3 +192,45 @@ def test_through_distributed_optimizer_2_ranks():
                 mean = (l0[n] + l1[n]) / 2
                 torch.testing.assert_close(g0[n], mean, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(g1[n], mean, rtol=1e-5, atol=1e-6)
+
+
+def _no_wait_worker(signal: str, buckets: int) -> list:
+    """Rank 0 starts bucket 0 and only then lets rank 1 begin: ``allgather.start`` must return
+    without the other ranks' counts (the old blocking count exchange deadlocked here)."""
+    import os
+    import time
+
+    import adacomp.backends
+    from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.metrics import StepStats
+    backend = adacomp.backends.create("torch")
+    rank = backend.rank()
+    comm, c = communicators.get("allgather"), compressors.get("gaussiank", density=0.05)
+    env = CommEnv(backend, StepStats(), 0)
+    entries = [[Entry(f"b{b}t{i}", torch.randn(*s, generator=gen(100 * rank + 10 * b + i)) * (1 + rank + b),
+                      c, memories.get("none")) for i, s in enumerate(SHAPES)] for b in range(buckets)]
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(signal):
+            assert time.monotonic() < deadline, "rank 0's start(bucket 0) waited for rank 1"
+            time.sleep(0.01)
+    pendings = [comm.start(entries[0], env)]
+    if rank == 0:
+        open(signal, "w").close()
+    pendings += [comm.start(es, env) for es in entries[1:]]
+    means = [comm.finish(p, env) for p in pendings]
+    local = [[c.decompress(e.payload, e.ctx).reshape(e.tensor.shape) for e in es] for es in entries]
+    sizes = [[e.payload[0].numel() for e in es] for es in entries]
+    return plain([local, means, sizes])
+
+
+def test_allgather_start_does_not_wait_for_the_other_ranks(tmp_path):
+    """The count exchange is asynchronous: a rank's ``start`` returns before its peers have reached
+    the bucket, and the queued data gathers still give every bucket the exact mean."""
+    (l0, m0, s0), (l1, m1, s1) = tensors(run_workers(_no_wait_worker, 2, str(tmp_path / "started"), 3, timeout=120))
+    assert s0 != s1  # the ranks sent different sizes, so the counts were needed
+    for b in range(3):
+        for i in range(len(SHAPES)):
+            mean = (l0[b][i] + l1[b][i]) / 2
+            assert torch.equal(m0[b][i], m1[b][i])
+            torch.testing.assert_close(m0[b][i], mean, rtol=1e-6, atol=1e-7)

@@ -157,6 +157,7 @@ def test_zoo_bench(tmp_path):
     assert "lstm_lm round 2/2" in out
     rows = {r["method"]: r for r in json.loads((tmp_path / "zoo_steps.json").read_text())["rows"]}
     assert set(rows) == {"ddp", "topk"} and rows["ddp"]["ratio"] == 1.0 and len(rows["topk"]["rounds_ms"]) == 2
+    assert rows["ddp"]["bytes_ratio"] == 1.0 and 0.0 < rows["topk"]["bytes_ratio"] < 0.1  # the method compressed
     md = (tmp_path / "zoo_steps.md").read_text()
     assert "| topk |" in md and "    adacomp bench zoo --models lstm_lm" in md
 
@@ -278,10 +279,11 @@ def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):
                 "rounds": 1, "warmup": 1, "steps": 1, "command": f"cmd {model} {batch}"}
     rows = [row("resnet50", "ddp", 16, 1.0), row("resnet50", "topk", 16, 1.1),
             row("resnet50", "ddp", 2, 1.0), row("resnet50", "topk", 2, 1.3), row("resnet50", "qsgd", 2, 1.2)]
+    rows[-1]["bytes_ratio"] = 0.125
     args = SimpleNamespace(out_dir=str(tmp_path), merge=False, threads=1, command="adacomp bench zoo --report-only")
     zoo.report(rows, args, 2)
     md = (tmp_path / "zoo_steps.md").read_text()
     main, short = md.split("## At batches where one step takes about a second")
     assert "| topk |  | 1.10x (10%) |" in main and "1.30x" not in main
-    assert "resnet50 (batch 2)" in short and "| topk | 1.30x (10%) ✗ |" in short and "| qsgd | 1.20x (10%) |" in short
+    assert "resnet50 (batch 2)" in short and "| topk | 1.30x (10%) ✗ |" in short and "| qsgd | 1.20x (10%, 12.5% B) |" in short
     assert "Above the bar: resnet50: topk." in short and "cmd resnet50 2" in short

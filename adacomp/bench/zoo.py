@@ -52,6 +52,11 @@ BEFORE = {  # issue 17's table (its run, before this work): step time / DDP
 }
 
 
+MAY_SEND_DENSE = {"bytecomp"}
+"""Policies that may decide to send every tensor dense (ByteComp does where the network is fast,
+as loopback is); every other arm must send fewer bytes than a dense allreduce."""
+
+
 def arm_config(method: str) -> tuple[dict[str, Any], int]:
     """The method's config and how many warm-up steps it needs before its steady state."""
     from adacomp.tools.advise import method_config
@@ -63,7 +68,8 @@ def arm_config(method: str) -> tuple[dict[str, Any], int]:
 
 
 def run_arm(method: str, model: torch.nn.Module, data: Any, args: argparse.Namespace) -> list[float]:
-    """[median step s, median compress s] of this rank for one round of ``method``."""
+    """[median step s, median compress s, median bytes sent / dense bytes] of this rank for one
+    round of ``method``."""
     import adacomp
     from torch.nn.parallel import DistributedDataParallel as DDP
     if method == "ddp":
@@ -77,6 +83,7 @@ def run_arm(method: str, model: torch.nn.Module, data: Any, args: argparse.Names
                                            config=cfg)
         warm = max(args.warmup, need)
     comp: list[float] = []
+    sent: list[float] = []
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -86,13 +93,14 @@ def run_arm(method: str, model: torch.nn.Module, data: Any, args: argparse.Names
     def record(_: float) -> None:
         st = getattr(opt, "last_stats", None)
         comp.append(st.compress_s if st is not None else 0.0)
+        sent.append(st.bytes_sent / st.dense_bytes if st is not None and st.dense_bytes else 1.0)
 
     times = time_steps(step, args.steps, warm, sync=torch.distributed.barrier, after=record)
     if method != "ddp":
         opt.remove_hooks()
     del opt, net
     gc.collect()
-    return [statistics.median(times), statistics.median(comp)]
+    return [statistics.median(times), statistics.median(comp), statistics.median(sent)]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -112,12 +120,14 @@ def worker(args: argparse.Namespace) -> None:
         batch = args.batch or BATCH[mname]
         data = synthetic_batch(model, batch, seed=rank)
         got: dict[str, list[list[float]]] = {a: [] for a in arms}
+        sent: dict[str, list[float]] = {a: [] for a in arms}
         for r in range(args.rounds):
             order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotate so no arm always follows the same one
             for a in order:
                 mine = torch.tensor(run_arm(a, model, data, args), dtype=torch.float64)
                 every = be.allgather(mine.view(1, -1), sizes=[1] * world).view(world, -1)
-                got[a].append(every[int(every[:, 0].argmax())].tolist())  # the job moves at its slowest rank's pace
+                got[a].append(every[int(every[:, 0].argmax())].tolist()[:2])  # the job moves at its slowest rank's pace
+                sent[a].append(float(every[:, 2].max()))
                 if rank == 0:
                     print(f"[{time.perf_counter() - t_all:6.0f}s] {mname} round {r + 1}/{args.rounds} {a:<10} "
                           f"{1e3 * got[a][-1][0]:9.1f} ms/step (compress {1e3 * got[a][-1][1]:8.1f} ms)", flush=True)
@@ -129,6 +139,7 @@ def worker(args: argparse.Namespace) -> None:
             rows.append({"model": mname, "params_m": nparams / 1e6, "tensors": len(list(model.parameters())),
                          "batch": batch, "method": a, "step_ms": 1e3 * step, "ratio": step / ddp_s,
                          "compress_share": comp / step, "rounds_ms": [1e3 * s for s, _ in got[a]],
+                         "bytes_ratio": max(sent[a]),
                          "before_ratio": BEFORE.get(mname, {}).get(a), "rounds": args.rounds,
                          "warmup": args.warmup, "steps": args.steps,
                          "command": args.command})
@@ -138,6 +149,10 @@ def worker(args: argparse.Namespace) -> None:
         report(rows, args, world)
     be.barrier()
     adacomp.shutdown()
+    idle = [f"{r['model']}/{r['method']}" for r in rows
+            if r["method"] != "ddp" and r["method"] not in MAY_SEND_DENSE and r["bytes_ratio"] >= 1.0]
+    if idle:  # a step time of a method that compressed nothing measures the wrong thing
+        raise RuntimeError(f"zoo: {', '.join(idle)} sent no fewer bytes than a dense allreduce")
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> None:
@@ -212,8 +227,9 @@ def _short_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## At batches where one step takes about a second", "",
              "The same benchmark with a per-rank batch sized for a ~1 s step on one thread (`--batch`), so backward "
              "no longer hides the compressor. Issue 32's bar: <= 1.25x DDP on ResNet-50 and GPT-2-small. Cell: step "
-             "time / DDP's in the same launch (compress share of the step); the ddp row gives the range of DDP's "
-             "step over the launches (commands below).", "",
+             "time / DDP's in the same launch (compress share of the step, and where recorded the bytes this rank "
+             "sent as a share of a dense allreduce's, the most of any rank and round: 'B'); the ddp row gives the "
+             "range of DDP's step over the launches (commands below).", "",
              "| method | " + " | ".join(f"{m} (batch {next(r['batch'] for r in rows if r['model'] == m)})"
                                        for m in models) + " |",
              "|---|" + "---:|" * len(models)]
@@ -229,7 +245,7 @@ def _short_table(rows: list[dict[str, Any]]) -> list[str]:
                 cells.append(f"{lo:.0f} ms" if hi - lo < 0.5 else f"{lo:.0f}-{hi:.0f} ms")
             else:
                 flag = " ✗" if m in SHORT_BAR and r["ratio"] > SHORT_BAR[m] else ""
-                cells.append(f"{r['ratio']:.2f}x ({100 * r['compress_share']:.0f}%){flag}")
+                cells.append(f"{r['ratio']:.2f}x ({100 * r['compress_share']:.0f}%{_sent(r)}){flag}")
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
     over = {m: [r["method"] for r in rows if r["model"] == m and r["method"] != "ddp"
                 and m in SHORT_BAR and r["ratio"] > SHORT_BAR[m]] for m in models}
@@ -238,6 +254,12 @@ def _short_table(rows: list[dict[str, Any]]) -> list[str]:
     lines += ["", "Schedules: " + ", ".join(f"{m}: {_schedule(rows, m)}" for m in models) + ". Commands:", ""]
     lines += [f"    {c}" for c in dict.fromkeys(r.get("command", "?") for r in rows)]
     return lines
+
+
+def _sent(r: dict[str, Any]) -> str:
+    """The row's bytes sent as a share of dense (rows measured before it was recorded have none)."""
+    b = r.get("bytes_ratio")
+    return "" if b is None else f", {100 * b:.3g}% B"
 
 
 def _schedule(rows: list[dict[str, Any]], model: str) -> str:

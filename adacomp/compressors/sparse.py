@@ -190,12 +190,21 @@ class ThresholdCounter:
 
     def __init__(self, a: Tensor, strict: bool, workspace: Workspace):
         self.a, self.strict = a, strict
-        self.mask = workspace.scratch("mask", a.numel(), torch.bool, a.device)
+        self._workspace = workspace
+        self._mask: Tensor | None = None
         self.native = _native.usable(a)  # one fused C pass per full read (bitwise the same answers)
         self.mode = "gt" if strict else "ge"
         self.floor: float | None = None
         self.idx: Tensor | None = None
         self.vals: Tensor | None = None
+
+    @property
+    def mask(self) -> Tensor:
+        """The full-size bool scratch of torch's comparisons, reserved on first use: the fused C
+        passes never need it (one byte per element held per compressor otherwise)."""
+        if self._mask is None:
+            self._mask = self._workspace.scratch("mask", self.a.numel(), torch.bool, self.a.device)
+        return self._mask
 
     def _cmp(self, x: Tensor, thr: float, out: Tensor | None = None) -> Tensor:
         if out is None:
