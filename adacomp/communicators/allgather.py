@@ -307,6 +307,7 @@ class AllgatherFastCommunicator(Communicator):
     def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
         p: _Pending = pending
         world, total, segs = len(p.totals), p.totals[0], p.segs[0]
+        assert p.handle is not None  # launched in start (fixed sizes need no count exchange)
         with env.stats.timing("comm"):
             gathered = p.handle.wait()
         with env.stats.timing("compress"):
