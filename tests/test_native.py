@@ -7,7 +7,8 @@
   negative samples back to torch;
 * every threshold sparsifier's payloads, decompressed means and residuals over several error-feedback
   steps are bitwise the same with the library as without it (``ADACOMP_NATIVE=0``);
-* ``divide_touched`` is bitwise ``div_`` on a sparse sum (duplicates, negative zeros, inf, NaN).
+* ``divide_touched`` is bitwise ``div_`` on a sparse sum (duplicates, negative zeros, inf, NaN);
+* ``_native.uniform_`` draws torch's ``uniform_`` stream bitwise and leaves the generator in torch's state.
 
 The library must build here: CI has a C compiler, so a missing one is a failure, not a skip.
 """
@@ -81,6 +82,23 @@ def test_rth_largest_equals_topk_min(n: int, fraction: float) -> None:
     a = a.abs()
     a[0] = float("nan")
     assert _native.rth_largest_strided(a, 1, 1) is None  # NaN ranks first there
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2 ** 40 + 3])
+def test_uniform_equals_torch_numbers_and_generator_state(seed: int) -> None:
+    """QSGD's stream: the C Mersenne Twister gives torch's ``uniform_`` floats bitwise and leaves the
+    generator where torch's would, across twists (624 words) and from a fresh or a used state."""
+    mine, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    for n in (1, 623, 1, 624, 625, 1 << 18, 3, 1249):
+        got = torch.full((n,), -1.0)
+        assert _native.uniform_(got, mine)
+        want = torch.empty(n).uniform_(generator=theirs)
+        assert torch.equal(bits(got), bits(want)), n
+        assert torch.equal(mine.get_state(), theirs.get_state()), n
+    assert float(got.min()) >= 0.0 and float(got.max()) < 1.0
+    assert not _native.uniform_(torch.empty(4, dtype=torch.float64), mine)  # not its dtype: torch draws
+    assert not _native.uniform_(torch.empty(8)[::2], mine)  # strided
+    assert torch.equal(mine.get_state(), theirs.get_state())  # a refusal draws nothing
 
 
 THRESHOLD = [("topk", "allgather_fast"), ("gtopk", "allgather"), ("dgc", "allgather"), ("gaussiank", "allgather"),

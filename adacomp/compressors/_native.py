@@ -199,6 +199,44 @@ void ac_decode(const uint8_t* packed, int64_t n, int b, const float* values, flo
 COUNT(ac_count_ge, v >= t)
 COUNT(ac_count_gt, v > t)
 COUNT(ac_count_not_lt, !(v < t))
+/* torch's CPU generator (the Mersenne Twister MT19937 of CPUGeneratorImpl) worked on the bytes of
+   its get_state(): int64 seed @0, int32 left @8, int32 seeded @12, uint64 next @16, uint64
+   state[624] @24 (32-bit words). A float32 uniform_ on [0, 1) takes one tempered 32-bit output per
+   element, in order, and keeps (r & 0xFFFFFF) * 2^-24, exact in float32. */
+#define MT_N 624
+#define MT_M 397
+#define MT_TW(u, v) (((((u) & 0x80000000u) | ((v) & 0x7fffffffu)) >> 1) ^ (((v) & 1u) ? 0x9908b0dfu : 0u))
+static void mt_twist(uint32_t* s) {
+    int k;
+    for (k = 0; k < MT_N - MT_M; ++k) s[k] = s[k + MT_M] ^ MT_TW(s[k], s[k + 1]);
+    for (; k < MT_N - 1; ++k) s[k] = s[k + MT_M - MT_N] ^ MT_TW(s[k], s[k + 1]);
+    s[MT_N - 1] = s[MT_M - 1] ^ MT_TW(s[MT_N - 1], s[0]);
+}
+int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
+    int32_t left; uint64_t next; uint32_t s[MT_N];
+    int k; int64_t i = 0;
+    __builtin_memcpy(&left, st + 8, 4);
+    __builtin_memcpy(&next, st + 16, 8);
+    if (left < 1 || left > MT_N || next > MT_N || (int64_t)next + left - 1 > MT_N) return -1;
+    for (k = 0; k < MT_N; ++k) { uint64_t w; __builtin_memcpy(&w, st + 24 + 8 * k, 8); s[k] = (uint32_t)w; }
+    while (i < n) {
+        if (left == 1) { mt_twist(s); left = MT_N + 1; next = 0; }
+        int64_t run = left - 1 < n - i ? left - 1 : n - i;
+        for (int64_t j = 0; j < run; ++j) {
+            uint32_t y = s[next + j];
+            y ^= y >> 11;
+            y ^= (y << 7) & 0x9d2c5680u;
+            y ^= (y << 15) & 0xefc60000u;
+            y ^= y >> 18;
+            out[i + j] = (float)(y & 0xFFFFFFu) * (1.0f / 16777216.0f);
+        }
+        i += run; next += run; left -= (int32_t)run;
+    }
+    __builtin_memcpy(st + 8, &left, 4);
+    __builtin_memcpy(st + 16, &next, 8);
+    for (k = 0; k < MT_N; ++k) { uint64_t w = s[k]; __builtin_memcpy(st + 24 + 8 * k, &w, 8); }
+    return 0;
+}
 """
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off", "-std=c99"]
 
@@ -259,6 +297,8 @@ def _load(out: Path) -> ctypes.CDLL:
         fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
+    lib_.ac_mt_uniform.restype = ctypes.c_int
+    lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     h = lib_.ac_rth_largest_strided
     h.restype = ctypes.c_int
     h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -422,4 +462,44 @@ def momentum_accumulate(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: T
         return False
     library().ac_momentum_accumulate(u.data_ptr(), g.data_ptr(), v.data_ptr(), u_out.data_ptr(),  # type: ignore[union-attr]
                                      v_out.data_ptr(), u.numel(), momentum)
+    return True
+
+
+_STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) on 64-bit targets (the layout ac_mt_uniform reads)
+_rng_agrees: bool | None = None
+
+
+def _rng_checked() -> bool:
+    """Whether ac_mt_uniform reproduces this torch's ``uniform_`` (numbers and generator state,
+    across twists): checked once per process, so a torch whose generator differs keeps its own."""
+    global _rng_agrees
+    if _rng_agrees is None:
+        lib = library()
+        ok = lib is not None
+        if ok:
+            mine, theirs = torch.Generator().manual_seed(20261126), torch.Generator().manual_seed(20261126)
+            for n in (1, 623, 700, 1900, 5):
+                st = mine.get_state()
+                got = torch.empty(n)
+                ok = (ok and st.numel() == _STATE_BYTES
+                      and lib.ac_mt_uniform(st.data_ptr(), got.data_ptr(), n) == 0)
+                if not ok:
+                    break
+                mine.set_state(st)
+                want = torch.empty(n).uniform_(generator=theirs)
+                ok = torch.equal(got, want) and torch.equal(mine.get_state(), theirs.get_state())
+        _rng_agrees = ok
+    return _rng_agrees
+
+
+def uniform_(out: Tensor, gen: torch.Generator) -> bool:
+    """``out.uniform_(generator=gen)`` bitwise (the same numbers, the generator left in the same
+    state), ~3x faster than torch's serial loop; False where torch must run (then nothing was
+    drawn). QSGD's stochastic rounding spent ~40 % of its step in ``uniform_`` (issue 32)."""
+    if not (usable(out) and gen.device.type == "cpu" and _rng_checked()):
+        return False
+    st = gen.get_state()
+    if library().ac_mt_uniform(st.data_ptr(), out.data_ptr(), out.numel()) != 0:  # type: ignore[union-attr]
+        return False
+    gen.set_state(st)
     return True

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits, unpack_levels
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import Workspace
@@ -166,7 +167,8 @@ class QSGDCompressor(Compressor):
             else:
                 a.div_(safe[first])
             a.mul_(self.s)
-            rnd.uniform_(generator=gen)
+            if not _native.uniform_(rnd, gen):  # the same stream in one C loop, torch's where it cannot
+                rnd.uniform_(generator=gen)
             a.add_(rnd).floor_().clamp_(max=self.s)  # floor(x + U) rounds x up w.p. frac(x)
             if not m:
                 continue
