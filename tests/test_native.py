@@ -101,6 +101,31 @@ def test_uniform_equals_torch_numbers_and_generator_state(seed: int) -> None:
     assert torch.equal(mine.get_state(), theirs.get_state())  # a refusal draws nothing
 
 
+@pytest.mark.parametrize("size,off0,m", [(100, 0, 1003), (512, 0, 4096), (1 << 20, 3 << 18, 5000), (7, 0, 3)])
+def test_qsgd_codes_equal_torch_operations(size: int, off0: int, m: int) -> None:
+    """The fused QSGD rounding gives the codes of torch's elementwise sequence: -0.0, zeros, a zero
+    bucket (norm 1 stands in), denormals, values at the bucket's norm, bucket boundaries inside the
+    block (``off0``: a block that starts inside a bucket); a NaN hands the block back to torch."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, generator=g)
+    x[0], x[1], x[2] = -0.0, 0.0, 1e-42
+    x[min(m - 1, 150):min(m, 250)] = 0.0  # with size 100: one bucket all zeros
+    nb = (off0 + m + size - 1) // size - off0 // size
+    norms = torch.rand(nb, generator=g) * 3 + 0.01
+    norms[0] = float(x[:min(m, size - off0 % size)].abs().max()) or 1.0  # some |v| / norm == 1 exactly
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    per = safe[(off0 % size + torch.arange(m)) // size]
+    for s in (1, 7, 127):
+        rnd = torch.rand(m, generator=g)
+        got = torch.full((m,), 255, dtype=torch.uint8)
+        assert _native.qsgd_codes(x, rnd, safe, off0 % size, size, s, got)
+        a = x.abs().div_(per).mul_(s).add_(rnd).floor_().clamp_(max=s)  # QSGDCompressor._codes_torch's sequence
+        assert torch.equal(got, a.copysign_(x).add_(s).to(torch.uint8)), s
+    y = x.clone()
+    y[m // 2] = float("nan")
+    assert not _native.qsgd_codes(y, rnd, safe, off0 % size, size, 7, got)
+
+
 THRESHOLD = [("topk", "allgather_fast"), ("gtopk", "allgather"), ("dgc", "allgather"), ("gaussiank", "allgather"),
              ("redsync", "allgather"), ("mstopk", "allgather"), ("sidco", "allgather"), ("adtopk", "allgather_fast"),
              ("qsgd", "allgather_fast"), ("efsignsgd", "allgather_fast"), ("chunktopk", "allgather_fast"),

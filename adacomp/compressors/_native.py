@@ -199,6 +199,62 @@ void ac_decode(const uint8_t* packed, int64_t n, int b, const float* values, flo
 COUNT(ac_count_ge, v >= t)
 COUNT(ac_count_gt, v > t)
 COUNT(ac_count_not_lt, !(v < t))
+/* QSGD's stochastic rounding of one block, torch's sequence of float32 operations per element:
+   a = |x| / norm(bucket); a = a * s; a = a + u; a = floor(a); a = min(a, s); code = copysign(a, x)
+   + s, as uint8. Element i belongs to bucket (off0 + i) / size of safe[]. Each step rounds once
+   (no contraction), as torch's elementwise kernels do. a >= 0 here, so floor is a truncation below
+   2^23 (every float from 2^23 up is an integer already): no libm call, and the loop vectorises.
+   Returns -1 when a NaN occurred (torch's float-to-uint8 conversion of NaN is not defined): the
+   caller then runs torch's operations on the block. */
+static inline int qsgd_one(float v, float u, float d, float s, uint8_t* code) {
+    float a = __builtin_fabsf(v) / d;
+    a = a * s;
+    a = a + u;
+    a = a < 8388608.0f ? (float)(int32_t)a : a;
+    a = a > s ? s : a;
+    if (a != a) return 1;
+    a = __builtin_copysignf(a, v) + s;
+    *code = (uint8_t)(int32_t)a;
+    return 0;
+}
+int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe, int64_t off0, int64_t size,
+                  float s, uint8_t* codes) {
+    int bad = 0;
+    int64_t i = 0;
+    while (i < m) {
+        int64_t b = (off0 + i) / size;
+        int64_t end = (b + 1) * size - off0;
+        if (end > m) end = m;
+        const float d = safe[b];
+#if defined(__SSE2__)
+        /* the same operations, 4 lanes at a time: the blends are bit masks, truncation of a NaN or
+           of a >= 2^23 gives the "integer indefinite" value, which the blend then drops */
+        const __m128 dv = _mm_set1_ps(d), sv = _mm_set1_ps(s), big = _mm_set1_ps(8388608.0f);
+        const __m128 sign = _mm_set1_ps(-0.0f);
+        __m128 nan = _mm_setzero_ps();
+        for (; i + 4 <= end; i += 4) {
+            __m128 v = _mm_loadu_ps(x + i);
+            __m128 a = _mm_div_ps(_mm_andnot_ps(sign, v), dv);
+            a = _mm_mul_ps(a, sv);
+            a = _mm_add_ps(a, _mm_loadu_ps(rnd + i));
+            __m128 small = _mm_cmplt_ps(a, big);
+            a = _mm_or_ps(_mm_and_ps(small, _mm_cvtepi32_ps(_mm_cvttps_epi32(a))), _mm_andnot_ps(small, a));
+            __m128 over = _mm_cmpgt_ps(a, sv);
+            a = _mm_or_ps(_mm_and_ps(over, sv), _mm_andnot_ps(over, a));
+            nan = _mm_or_ps(nan, _mm_cmpunord_ps(a, a));
+            a = _mm_add_ps(_mm_or_ps(_mm_andnot_ps(sign, a), _mm_and_ps(sign, v)), sv);
+            __m128i c = _mm_cvttps_epi32(a);
+            c = _mm_packs_epi32(c, c);
+            c = _mm_packus_epi16(c, c);
+            int32_t four = _mm_cvtsi128_si32(c);
+            __builtin_memcpy(codes + i, &four, 4);
+        }
+        bad |= _mm_movemask_ps(nan);
+#endif
+        for (; i < end; ++i) bad |= qsgd_one(x[i], rnd[i], d, s, codes + i);
+    }
+    return bad ? -1 : 0;
+}
 /* torch's CPU generator (the Mersenne Twister MT19937 of CPUGeneratorImpl) worked on the bytes of
    its get_state(): int64 seed @0, int32 left @8, int32 seeded @12, uint64 next @16, uint64
    state[624] @24 (32-bit words). A float32 uniform_ on [0, 1) takes one tempered 32-bit output per
@@ -297,6 +353,8 @@ def _load(out: Path) -> ctypes.CDLL:
         fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
+    lib_.ac_qsgd_codes.restype = ctypes.c_int
+    lib_.ac_qsgd_codes.argtypes = [vp, i64, vp, vp, i64, i64, ctypes.c_float, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     h = lib_.ac_rth_largest_strided
@@ -503,3 +561,15 @@ def uniform_(out: Tensor, gen: torch.Generator) -> bool:
         return False
     gen.set_state(st)
     return True
+
+
+def qsgd_codes(x: Tensor, rnd: Tensor, safe: Tensor, off0: int, size: int, s: int, codes: Tensor) -> bool:
+    """QSGD's codes of block ``x`` in one pass (``adacomp.compressors.qsgd``: ``s + sign(v) *
+    min(floor(s |v| / norm + u), s)``), bitwise torch's sequence of elementwise operations; False
+    where torch must run (not float32 CPU tensors, or a NaN in the block)."""
+    m = x.numel()
+    if not (usable(x) and usable(rnd) and usable(safe) and rnd.numel() >= m and codes.dtype == torch.uint8
+            and codes.is_contiguous() and codes.device.type == "cpu" and codes.numel() >= m):
+        return False
+    return library().ac_qsgd_codes(x.data_ptr(), m, rnd.data_ptr(), safe.data_ptr(), off0,  # type: ignore[union-attr]
+                                   size, float(s), codes.data_ptr()) == 0

@@ -160,22 +160,13 @@ class QSGDCompressor(Compressor):
             m = max(0, min(hi, n) - lo)  # real elements; the rest is the last bucket's zero padding
             a, rnd = a_buf[:hi - lo], r_buf[:hi - lo]
             x = src[lo:lo + m]
-            torch.abs(x, out=a[:m])
-            a[m:].zero_()
-            if size <= chunk:
-                a.view(-1, size).div_(safe[first:first + (hi - lo) // size].unsqueeze(1))
-            else:
-                a.div_(safe[first])
-            a.mul_(self.s)
             if not _native.uniform_(rnd, gen):  # the same stream in one C loop, torch's where it cannot
                 rnd.uniform_(generator=gen)
-            a.add_(rnd).floor_().clamp_(max=self.s)  # floor(x + U) rounds x up w.p. frac(x)
             if not m:
                 continue
-            # -level where v < 0 (copysign maps v = -0.0 to level -0.0: the same code s)
-            lev = a[:m].copysign_(x).add_(self.s)
             codes = c_buf[:m] if aligned else codes_all[lo:lo + m]  # type: ignore[index]
-            codes.copy_(lev)
+            if not _native.qsgd_codes(x, rnd, safe[first:], lo - first * size, size, self.s, codes):
+                self._codes_torch(x, a, rnd, safe, lo, hi, first, size, chunk, m, codes)
             if aligned:
                 out = pack_bits(codes, self.bits)
                 b0 = lo * self.bits // 8
@@ -184,6 +175,21 @@ class QSGDCompressor(Compressor):
             packed = pack_bits(codes_all, self.bits)  # type: ignore[arg-type]
         ctx = QuantCtx(tensor.shape, n, tensor.dtype, tensor.device, self.bits, self.s, size)
         return [norms, packed], ctx
+
+    def _codes_torch(self, x: Tensor, a: Tensor, rnd: Tensor, safe: Tensor, lo: int, hi: int, first: int,
+                     size: int, chunk: int, m: int, codes: Tensor) -> None:
+        """One block's codes with torch's elementwise operations (the reference the C pass equals;
+        ``a``: scratch of the block's width, ``rnd``: the block's uniforms, already drawn)."""
+        torch.abs(x, out=a[:m])
+        a[m:].zero_()
+        if size <= chunk:
+            a.view(-1, size).div_(safe[first:first + (hi - lo) // size].unsqueeze(1))
+        else:
+            a.div_(safe[first])
+        a.mul_(self.s)
+        a.add_(rnd).floor_().clamp_(max=self.s)  # floor(x + U) rounds x up w.p. frac(x)
+        # -level where v < 0 (copysign maps v = -0.0 to level -0.0: the same code s)
+        codes.copy_(a[:m].copysign_(x).add_(self.s))
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         """``(code - s) * (norm / s)`` per bucket, decoded into a reused output buffer."""
