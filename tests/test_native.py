@@ -126,6 +126,28 @@ def test_qsgd_codes_equal_torch_operations(size: int, off0: int, m: int) -> None
     assert not _native.qsgd_codes(y, rnd, safe, off0 % size, size, 7, got)
 
 
+@pytest.mark.parametrize("params", [{"bits": 4}, {"bits": 2, "bucket_size": 100}, {"bits": 2, "bucket_size": 7},
+                                    {"bits": 3}])
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_qsgd_mean_into_equals_decompress_sum_divide(params: dict, world: int) -> None:
+    """QSGD's fused mean over ranks equals the communicators' generic path bitwise: decompress each
+    rank's payload, ``d0 + d1``, ``+= d_r``, ``/ world`` (3-bit codes are left to that path)."""
+    from adacomp.compressors.qsgd import QSGDCompressor
+    comp = QSGDCompressor(**params)
+    g = torch.Generator().manual_seed(world)
+    n = 10007
+    sent = [comp.compress(torch.randn(n, generator=g) * (r + 1), "w") for r in range(world)]
+    payloads, ctx = [p for p, _ in sent], sent[0][1]
+    acc = torch.add(comp.decompress(payloads[0], ctx), comp.decompress(payloads[1], ctx))
+    for p in payloads[2:]:
+        acc.add_(comp.decompress(p, ctx))
+    acc.div_(world)
+    out = torch.full((n,), float("nan"))
+    assert comp.mean_into(payloads, ctx, out) == (params["bits"] != 3)
+    if params["bits"] != 3:
+        assert torch.equal(bits(out), bits(acc))
+
+
 THRESHOLD = [("topk", "allgather_fast"), ("gtopk", "allgather"), ("dgc", "allgather"), ("gaussiank", "allgather"),
              ("redsync", "allgather"), ("mstopk", "allgather"), ("sidco", "allgather"), ("adtopk", "allgather_fast"),
              ("qsgd", "allgather_fast"), ("efsignsgd", "allgather_fast"), ("chunktopk", "allgather_fast"),

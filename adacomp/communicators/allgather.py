@@ -105,6 +105,11 @@ def _mean_decompressed(e: Entry, payloads: list[list[Tensor]], ws: Workspace | N
     if len(payloads) == 1 or ws is None:
         acc = cast(Tensor, sum(e.compressor.decompress(p, e.ctx).reshape(-1) for p in payloads))
         return (acc / len(payloads)).view(e.tensor.shape)
+    if e.compressor.fused_mean and e.tensor.dtype == torch.float32:  # decode and average in one pass
+        acc = ws.output(torch.Size([n]), n, torch.float32, e.tensor.device)
+        if e.compressor.mean_into(payloads, e.ctx, acc):
+            return acc.view(e.tensor.shape)
+        del acc
     first = e.compressor.decompress(payloads[0], e.ctx).reshape(-1)
     acc = ws.output(torch.Size([n]), n, torch.result_type(first, first), e.tensor.device)
     torch.add(first, e.compressor.decompress(payloads[1], e.ctx).reshape(-1), out=acc)

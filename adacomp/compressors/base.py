@@ -61,6 +61,16 @@ class Compressor:
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement decompress()")
 
+    fused_mean: ClassVar[bool] = False
+    """True when :meth:`mean_into` may serve (communicators then offer it an output buffer)."""
+
+    def mean_into(self, payloads: list[Payload], ctx: Any, out: Tensor) -> bool:
+        """Optional fused aggregation for communicators that gather payloads which cannot be summed:
+        write into flat ``out`` (the tensor's numel, float32) the mean over ranks of
+        ``decompress(p, ctx)``, bitwise the communicators' own ``d0 + d1``, ``+= d_r``, ``/ world``
+        (two or more payloads); return False (the default) to leave it to them."""
+        return False
+
     def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
         """``out = tensor - decompress(payload, ctx)``: what this rank did not send. Error feedback
         writes it into a buffer it keeps, so no model-size tensor is allocated per step; a

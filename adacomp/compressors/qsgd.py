@@ -65,6 +65,7 @@ class QSGDCompressor(Compressor):
     additive = False
     fixed_size = True
     biased = False  # memory: auto -> none
+    fused_mean = True
 
     def __init__(self, bits: int = 4, s: int = 0, bucket_size: int = 512, seed: int = 0):
         if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s > 127:
@@ -190,6 +191,17 @@ class QSGDCompressor(Compressor):
         a.add_(rnd).floor_().clamp_(max=self.s)  # floor(x + U) rounds x up w.p. frac(x)
         # -level where v < 0 (copysign maps v = -0.0 to level -0.0: the same code s)
         codes.copy_(a[:m].copysign_(x).add_(self.s))
+
+    def mean_into(self, payloads: list[Payload], ctx: Any, out: Tensor) -> bool:
+        """Every rank's ``(code - s) * (norm / s)`` summed in rank order and divided by the world
+        size in one C pass over ``out`` (bitwise :meth:`decompress` of each, ``d0 + d1``, ``+= d_r``,
+        ``/ world``); one decoded tensor per rank and three more passes otherwise."""
+        c: QuantCtx = ctx
+        if (len(payloads) < 2 or c.dtype != torch.float32 or c.device.type != "cpu"
+                or type(self).decompress is not QSGDCompressor.decompress):  # a subclass decodes its own way
+            return False
+        units = [p[0].float() / c.s for p in payloads]  # as decompress computes them
+        return _native.qsgd_mean([p[1] for p in payloads], units, c.bits, c.s, c.bucket_size, c.numel, out)
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         """``(code - s) * (norm / s)`` per bucket, decoded into a reused output buffer."""
