@@ -126,14 +126,16 @@ def test_qsgd_codes_equal_torch_operations(size: int, off0: int, m: int) -> None
     assert not _native.qsgd_codes(y, rnd, safe, off0 % size, size, 7, got)
 
 
-@pytest.mark.parametrize("params", [{"bits": 4}, {"bits": 2, "bucket_size": 100}, {"bits": 2, "bucket_size": 7},
-                                    {"bits": 3}])
+@pytest.mark.parametrize("method,params", [("qsgd", {"bits": 4}), ("qsgd", {"bits": 2, "bucket_size": 100}),
+                                           ("qsgd", {"bits": 2, "bucket_size": 7}), ("qsgd", {"bits": 3}),
+                                           ("efsignsgd", {})])
 @pytest.mark.parametrize("world", [2, 3, 5])
-def test_qsgd_mean_into_equals_decompress_sum_divide(params: dict, world: int) -> None:
-    """QSGD's fused mean over ranks equals the communicators' generic path bitwise: decompress each
-    rank's payload, ``d0 + d1``, ``+= d_r``, ``/ world`` (3-bit codes are left to that path)."""
-    from adacomp.compressors.qsgd import QSGDCompressor
-    comp = QSGDCompressor(**params)
+def test_fused_mean_equals_decompress_sum_divide(method: str, params: dict, world: int) -> None:
+    """The quantisers' fused mean over ranks equals the communicators' generic path bitwise:
+    decompress each rank's payload, ``d0 + d1``, ``+= d_r``, ``/ world`` (QSGD's 3-bit codes are left
+    to that path)."""
+    comp = compressors.get(method, **params)
+    assert comp.fused_mean
     g = torch.Generator().manual_seed(world)
     n = 10007
     sent = [comp.compress(torch.randn(n, generator=g) * (r + 1), "w") for r in range(world)]
@@ -143,8 +145,8 @@ def test_qsgd_mean_into_equals_decompress_sum_divide(params: dict, world: int) -
         acc.add_(comp.decompress(p, ctx))
     acc.div_(world)
     out = torch.full((n,), float("nan"))
-    assert comp.mean_into(payloads, ctx, out) == (params["bits"] != 3)
-    if params["bits"] != 3:
+    assert comp.mean_into(payloads, ctx, out) == (params.get("bits") != 3)
+    if params.get("bits") != 3:
         assert torch.equal(bits(out), bits(acc))
 
 

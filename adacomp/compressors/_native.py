@@ -255,11 +255,12 @@ int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe
     }
     return bad ? -1 : 0;
 }
-/* QSGD's mean over ranks: out[i] = (t_0 + t_1 [+ t_2 ...]) / world with t_r = (float)(code - s) *
-   unit_r[bucket], the sequence of QSGD's decompress (an exact level times the bucket's unit) and the
-   communicator's sum (rank order) and division, each rounded once. Codes of 1, 2 or 4 bits never
-   straddle a byte. A bucket at a time, so its outputs stay in cache across the ranks. */
-#define QSGD_BYTES(B)                                                                           \
+/* The mean over ranks of table-decoded codes: out[i] = (t_0 + t_1 [+ t_2 ...]) / world, t_r =
+   tables[r][bucket * 2^bits + code_r(i)]; the tables hold each rank's decoded value of every code
+   per bucket (QSGD: (code - s) * unit, EF-SignSGD: -scale / +scale), so this is the quantisers'
+   decompress followed by the communicator's sum in rank order and division, each rounded once.
+   Codes of 1, 2 or 4 bits never straddle a byte. A bucket at a time: its outputs stay in cache. */
+#define TABLE_BYTES(B)                                                                          \
     if (r == 0) {                                                                               \
         for (; i < whole; i += 8 / (B)) {                                                       \
             const unsigned byte = pk[(i * (B)) >> 3];                                           \
@@ -271,27 +272,25 @@ int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe
             for (int k = 0; k < 8 / (B); ++k) out[i + k] = out[i + k] + tab[(byte >> (k * (B))) & mask]; \
         }                                                                                       \
     }
-void ac_qsgd_mean(const uint64_t* packed, const uint64_t* units, int world, int64_t n, int bits, float s,
-                  int64_t size, float* out) {
+void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int world, int64_t n, int bits,
+                   int64_t size, float* out) {
     const unsigned mask = (1u << bits) - 1u;
     const int per = 8 / bits;
     const float w = (float)world;
-    float tab[16];
     for (int64_t lo = 0; lo < n; lo += size) {
         const int64_t hi = lo + size < n ? lo + size : n, b = lo / size;
         for (int r = 0; r < world; ++r) {
             const uint8_t* pk = (const uint8_t*)(uintptr_t)packed[r];
-            const float u = ((const float*)(uintptr_t)units[r])[b];
-            for (unsigned c = 0; c <= mask; ++c) tab[c] = (float)((int)c - (int)s) * u;  /* t_r of each code */
+            const float* tab = (const float*)(uintptr_t)tables[r] + (b << bits);
             int64_t i = lo;
             for (; i < hi && i % per; ++i)  /* up to the first whole byte */
                 out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
                                 : out[i] + tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask];
             const int64_t whole = i + (hi - i) / per * per;
             switch (bits) {  /* constant widths: the per-byte loops unroll */
-            case 1: QSGD_BYTES(1); break;
-            case 2: QSGD_BYTES(2); break;
-            default: QSGD_BYTES(4); break;
+            case 1: TABLE_BYTES(1); break;
+            case 2: TABLE_BYTES(2); break;
+            default: TABLE_BYTES(4); break;
             }
             for (; i < hi; ++i)
                 out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
@@ -400,8 +399,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
     lib_.ac_qsgd_codes.restype = ctypes.c_int
     lib_.ac_qsgd_codes.argtypes = [vp, i64, vp, vp, i64, i64, ctypes.c_float, vp]
-    lib_.ac_qsgd_mean.restype = None
-    lib_.ac_qsgd_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, ctypes.c_float, i64, vp]
+    lib_.ac_table_mean.restype = None
+    lib_.ac_table_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     h = lib_.ac_rth_largest_strided
@@ -622,17 +621,17 @@ def qsgd_codes(x: Tensor, rnd: Tensor, safe: Tensor, off0: int, size: int, s: in
                                    size, float(s), codes.data_ptr()) == 0
 
 
-def qsgd_mean(packed: list[Tensor], units: list[Tensor], bits: int, s: int, size: int, numel: int,
-              out: Tensor) -> bool:
-    """QSGD's mean over ranks of ``(code - s) * unit[bucket]`` into ``out`` in one pass (see
-    ``QSGDCompressor.mean_into``); False where torch must run."""
+def table_mean(packed: list[Tensor], tables: list[Tensor], bits: int, size: int, numel: int, out: Tensor) -> bool:
+    """The mean over ranks of codes decoded through per-rank, per-bucket tables (``tables[r]``:
+    float32 (buckets, 2^bits), the value of each code), summed in rank order and divided by the
+    world size, into ``out`` in one pass; False where torch must run."""
     lib = library()
     nb = -(-numel // size)
     if (lib is None or bits not in PACK_BITS or not usable(out) or out.numel() < numel or len(packed) < 2
-            or not all(_bytes_ok(p) and p.numel() * 8 >= numel * bits for p in packed)
-            or not all(usable(u) and u.numel() >= nb for u in units)):
+            or len(tables) != len(packed) or not all(_bytes_ok(p) and p.numel() * 8 >= numel * bits for p in packed)
+            or not all(usable(t) and t.numel() == nb << bits for t in tables)):
         return False
     ptrs = torch.tensor([p.data_ptr() for p in packed], dtype=torch.int64)
-    uptrs = torch.tensor([u.data_ptr() for u in units], dtype=torch.int64)
-    lib.ac_qsgd_mean(ptrs.data_ptr(), uptrs.data_ptr(), len(packed), numel, bits, float(s), size, out.data_ptr())
+    tptrs = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64)
+    lib.ac_table_mean(ptrs.data_ptr(), tptrs.data_ptr(), len(packed), numel, bits, size, out.data_ptr())
     return True

@@ -32,6 +32,7 @@ class EFSignSGDCompressor(Compressor):
     """
 
     additive = False
+    fused_mean = True
     fixed_size = True
 
     def _workspace(self) -> Workspace:
@@ -50,6 +51,17 @@ class EFSignSGDCompressor(Compressor):
         if signs is None:
             signs = pack_bits(torch.ge(flat, 0, out=ws.scratch("mask", flat.numel(), torch.bool, flat.device)), 1)
         return [scale, signs], SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
+
+    def mean_into(self, payloads: list[Payload], ctx: Any, out: Tensor) -> bool:
+        """Every rank's decoded signs (-scale / +scale) summed in rank order and divided by the
+        world size in one C pass over ``out``, bitwise :meth:`decompress` of each, ``d0 + d1``,
+        ``+= d_r``, ``/ world``."""
+        c: SignCtx = ctx
+        if (len(payloads) < 2 or c.dtype != torch.float32 or c.device.type != "cpu"
+                or type(self).decompress is not EFSignSGDCompressor.decompress):  # a subclass decodes its own way
+            return False
+        tables = [torch.cat([-p[0].float(), p[0].float()]) for p in payloads]  # decompress's values
+        return _native.table_mean([p[1] for p in payloads], tables, 1, c.numel, c.numel, out)
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         """Each bit becomes -s or +s, exactly ``(2 bit - 1) * s`` in float32, by a byte-table lookup."""

@@ -200,8 +200,10 @@ class QSGDCompressor(Compressor):
         if (len(payloads) < 2 or c.dtype != torch.float32 or c.device.type != "cpu"
                 or type(self).decompress is not QSGDCompressor.decompress):  # a subclass decodes its own way
             return False
-        units = [p[0].float() / c.s for p in payloads]  # as decompress computes them
-        return _native.qsgd_mean([p[1] for p in payloads], units, c.bits, c.s, c.bucket_size, c.numel, out)
+        levels = torch.arange(1 << c.bits).sub_(c.s).to(torch.float32)  # exact small integers
+        # each rank's decoded value of every code per bucket: level * (norm / s), decompress's products
+        tables = [(p[0].float() / c.s).unsqueeze(1) * levels for p in payloads]
+        return _native.table_mean([p[1] for p in payloads], tables, c.bits, c.bucket_size, c.numel, out)
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         """``(code - s) * (norm / s)`` per bucket, decoded into a reused output buffer."""
