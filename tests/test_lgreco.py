@@ -186,3 +186,37 @@ def test_assignment_identical_on_two_ranks():
         assert a["assignment"] == b["assignment"] and a["assignment"]
         assert a["knobs"] == b["knobs"]
         assert a["params"] == pytest.approx(b["params"])  # replicas stayed in sync
+
+
+@pytest.mark.parametrize("comp,memory", [({"name": "powersgd", "rank": 2}, "residual"),
+                                         ({"name": "qsgd", "bits": 4}, "residual"),
+                                         ({"name": "topk", "density": 0.05}, "residual")])
+def test_accumulators_hold_raw_gradients_on_every_layer(comp: dict, memory: str) -> None:
+    """§4 accumulates the local gradients as backward produced them. Residual memory compensates
+    in place on non-sparsifier routes, and a hook of the policy's own ran after the optimizer's: the
+    layer that completed a bucket was accumulated with its residual added (PowerSGD and QSGD failed
+    here). lr 0, so every step's raw gradient is the first one's; three steps before any decision.
+    Policies run only under DistributedOptimizer (the DDP hook refuses them), so one front end."""
+    import adacomp
+    from adacomp.backends.base import LocalBackend
+    model = _model()
+    x = torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(4))
+    raw = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+    comm = "allreduce" if comp["name"] == "powersgd" else "allgather"
+    cfg = {"compressor": comp, "memory": {"name": memory}, "communicator": {"name": comm}, "min_numel": 64,
+           "fusion": {"bucket_mb": 0.01}, "policy": {"name": "lgreco", "period": 100, "warmup": 100}}
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters(), config=cfg, backend=LocalBackend())
+    assert len(opt.buckets) > 1
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    names = dict(zip([n for n, _ in model.named_parameters()], raw))
+    assert opt.policy.layers
+    for name, _, _ in opt.policy.layers:
+        want = names[name].clone().add_(names[name]).add_(names[name])
+        assert torch.equal(opt.policy._acc[name], want), name
+    opt.remove_hooks()
+    assert opt.engine.observers == []  # removed with the optimizer's hooks

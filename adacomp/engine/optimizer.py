@@ -19,7 +19,7 @@ import json
 import sys
 import warnings
 from collections import OrderedDict, deque
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -428,6 +428,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def observe_gradients(self, fn: Callable[[str, Tensor], None]) -> None:
+        """Call ``fn(name, grad)`` with each local gradient as backward produces it, before adacomp
+        compensates (error feedback may add into ``.grad``) or sends it; every backward pass, also
+        under ``no_sync`` / accumulation. Policies reading raw gradients use it (L-GreCo §4): a hook
+        of their own would run after the optimizer's and could see a compensated gradient.
+        ``remove_hooks()`` drops the observers with the optimizer's hooks."""
+        self.engine.observers.append(fn)
 
     def remove_hooks(self) -> None:
         """Detach from the model and stop the offload worker (if one was started)."""

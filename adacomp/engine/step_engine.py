@@ -76,6 +76,9 @@ class StepEngine:
         self.announce_id: int | None = None
         self._param = dict(table.params)
         self._hooks: list[Any] = []
+        # called with (name, local gradient) as backward produces it, before anything is compensated
+        # or sent (policies that read raw gradients, L-GreCo §4); detach() drops them with the hooks
+        self.observers: list[Callable[[str, Tensor], None]] = []
 
     @property
     def last_vote(self) -> Vote | None:
@@ -90,6 +93,7 @@ class StepEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.observers = []
         self.offload.stop()
 
     def reindex(self) -> None:
@@ -102,6 +106,11 @@ class StepEngine:
         return hook
 
     def _on_grad(self, name: str) -> None:
+        if self.observers:
+            g = self._param[name].grad
+            if g is not None:
+                for fn in self.observers:
+                    fn(name, g)
         st = self.state or self._begin_round()
         self.synced = False
         st.used.add(name)

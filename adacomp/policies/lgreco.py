@@ -355,7 +355,6 @@ class LGreCoPolicy(Policy):
         self._acc: dict[str, Tensor] = {}
         self._passes: dict[str, int] = {}
         self._sync: dict[int, list[float]] = {}
-        self._handles: list[Any] = []
 
     # --- wiring -------------------------------------------------------------------------------------
     def attach(self, optimizer: "Host") -> None:
@@ -375,21 +374,20 @@ class LGreCoPolicy(Policy):
             raise ValueError("policy lgreco found no layer whose compressor has a density, rank or bits "
                              "to adapt; use e.g. compressor: {name: topk} / powersgd / acpsgd / qsgd")
         if optimizer.backend.rank() == 0:  # only the deciding rank keeps accumulators (§4)
-            params = dict(optimizer.params)
             for name, _, _ in self.layers:
                 self._passes[name] = 0
-                self._handles.append(params[name].register_post_accumulate_grad_hook(self._make_hook(name)))
+            optimizer.observe_gradients(self._observe)
 
-    def _make_hook(self, name: str):
-        def hook(p: Tensor) -> None:
-            # Runs after the optimizer's own hook, before synchronize() overwrites p.grad: this is
-            # the local gradient the compressor sees (without error feedback, as in §4).
-            self._passes[name] += 1
-            if self._passes[name] % self.optimizer.backward_passes_per_step == 0 and p.grad is not None:
-                g = p.grad.detach()
-                acc = self._acc.get(name)
-                self._acc[name] = g.clone() if acc is None else acc.add_(g)
-        return hook
+    def _observe(self, name: str, grad: Tensor) -> None:
+        """The local gradient as backward produced it, before error feedback compensates it (§4
+        accumulates raw gradients): the optimizer calls this ahead of its own work on ``name``."""
+        if name not in self._passes:
+            return
+        self._passes[name] += 1
+        if self._passes[name] % self.optimizer.backward_passes_per_step == 0:
+            g = grad.detach()
+            acc = self._acc.get(name)
+            self._acc[name] = g.clone() if acc is None else acc.add_(g)
 
     def _period(self, optimizer: "Host") -> int:
         if self.period:
