@@ -67,6 +67,31 @@ def test_select_and_count_equal_torch(n: int, mode: str, op) -> None:
         assert _native.count(a, thr, mode) == int(ref.sum())
 
 
+@pytest.mark.parametrize("n", [1, 15, 17, 4099, 1 << 18])
+def test_abs_select_and_sample_equal_torch_on_signed_values(n: int) -> None:
+    """Top-k's prefilter on the signed gradient: ``abs_not_lt`` equals ``not (|a| < t)`` with ``|a|``
+    as the values, and the sampled r-th largest of ``|a[::step]|`` equals torch's on ``a.abs()``
+    (-0.0, -inf, NaN, negative denormals included)."""
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(max(n, 40), generator=g)[:n].contiguous()
+    for i, v in zip(range(0, n, 3), [-0.0, float("-inf"), float("nan"), -1e-42, 0.0, -3.5]):
+        a[i] = v
+    mag = a.abs()
+    for thr in [0.0, 1e-40, 0.5, 1.0000001, math.inf]:
+        ref = ~torch.lt(mag, thr)
+        idx, vals = _native.select(a, thr, "abs_not_lt", expected=0.001)
+        assert torch.equal(idx, torch.nonzero(ref).view(-1)), thr
+        assert torch.equal(bits(vals), bits(mag[ref])), thr
+    clean = torch.randn(max(n, 40), generator=g)[:n].contiguous()
+    clean[0] = -0.0
+    for step in (1, 3):
+        m = clean[::step].numel()
+        for r in {1, max(1, m // 80), m}:
+            want = float(torch.topk(clean.abs()[::step], r, sorted=False).values.min())
+            assert _native.rth_largest_strided(clean, step, r, absolute=True) == want
+    assert _native.rth_largest_strided(a, 1, 1, absolute=True) is None or not bool(torch.isnan(a).any())
+
+
 @pytest.mark.parametrize("n", [7, 65535, 65536, 131071, 1 << 20])
 @pytest.mark.parametrize("fraction", [1e-4, 0.0126, 0.3, 1.0])
 def test_rth_largest_equals_topk_min(n: int, fraction: float) -> None:

@@ -80,6 +80,43 @@ int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int6
     return c;                                                                           \
 }
 #endif
+#if defined(__SSE2__)
+/* The same test on |a| (sign bit cleared, as torch.abs does), writing |a| as the value: a Top-k
+   prefilter on the signed gradient without a magnitudes pass. */
+#define SELECT_ABS(NAME, PASS, CMP)                                                     \
+int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int64_t cap) { \
+    int64_t c = 0, i = 0;                                                               \
+    __m128 tv = _mm_set1_ps(t), sg = _mm_set1_ps(-0.0f);                                \
+    for (; i + 16 <= n; i += 16) {                                                      \
+        unsigned m = (unsigned)(_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i)), tv)) \
+            | (_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i + 4)), tv)) << 4)  \
+            | (_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i + 8)), tv)) << 8)  \
+            | (_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i + 12)), tv)) << 12)); \
+        while (m) {                                                                     \
+            int j = __builtin_ctz(m);                                                   \
+            m &= m - 1;                                                                 \
+            if (c < cap) { idx[c] = i + j; vals[c] = __builtin_fabsf(a[i + j]); }      \
+            ++c;                                                                        \
+        }                                                                               \
+    }                                                                                   \
+    for (; i < n; ++i) {                                                                \
+        float v = __builtin_fabsf(a[i]);                                                \
+        if (PASS) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }                    \
+    }                                                                                   \
+    return c;                                                                           \
+}
+#else
+#define SELECT_ABS(NAME, PASS, CMP)                                                     \
+int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int64_t cap) { \
+    int64_t c = 0;                                                                      \
+    for (int64_t i = 0; i < n; ++i) {                                                   \
+        float v = __builtin_fabsf(a[i]);                                                \
+        if (PASS) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }                    \
+    }                                                                                   \
+    return c;                                                                           \
+}
+#endif
+SELECT_ABS(ac_select_abs_not_lt, !(v < t), CMP_NOT_LT)
 SELECT(ac_select_ge, v >= t, CMP_GE)
 SELECT(ac_select_gt, v > t, CMP_GT)
 SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
@@ -124,7 +161,8 @@ int64_t NAME(const float* a, int64_t n, float t) {                              
    above inf. Returns 0 and writes the value's bits, or -1 (a negative value or a NaN: the caller
    takes torch's path, where NaN ranks first and the minimum of a top-r holding NaN is NaN). */
 int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, uint32_t* keys,
-                           uint32_t* out) {
+                           uint32_t* out, int absval) {
+    const uint32_t keep = absval ? 0x7fffffffu : 0xffffffffu;  /* |a|: the sign bit cleared */
     /* Radix select on the bit patterns (non-negative floats order as their patterns): 12 bits
        (sign, exponent, 3 mantissa bits) in the pass that gathers the sample, then 10 + 10 bits
        over the keys left in the chosen bin: about two reads of the sample instead of eight. */
@@ -138,9 +176,10 @@ int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, u
         if (pass == 0) {
             for (int64_t i = 0; i < m; ++i) {
                 union { float f; uint32_t u; } x; x.f = a[i * step];
-                if (x.u > 0x7f800000u) return -1;  /* NaN or a sign bit: torch's path answers */
-                keys[i] = x.u;
-                hist[x.u >> 20]++;
+                const uint32_t u = x.u & keep;
+                if (u > 0x7f800000u) return -1;  /* NaN or a sign bit: torch's path answers */
+                keys[i] = u;
+                hist[u >> 20]++;
             }
         } else {
             for (int64_t i = 0; i < m; ++i) hist[(keys[i] >> shift) & mask]++;
@@ -417,7 +456,11 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     h = lib_.ac_rth_largest_strided
     h.restype = ctypes.c_int
-    h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_int]
+    fa = lib_.ac_select_abs_not_lt
+    fa.restype = ctypes.c_int64
+    fa.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib_
 
 
@@ -452,7 +495,8 @@ def usable(a: Tensor) -> bool:
 
 def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Tensor, Tensor]:
     """Ascending indices (int64) and values of the elements of 1-D ``a`` passing ``thr``
-    (``mode`` of :data:`MODES`): ``nonzero`` of the comparison and ``a`` at those indices."""
+    (``mode`` of :data:`MODES`): ``nonzero`` of the comparison and ``a`` at those indices.
+    ``abs_not_lt``: the same as ``not_lt`` on ``a.abs()``, values ``|a|``, without the abs pass."""
     lib = library()
     assert lib is not None and usable(a)
     f = getattr(lib, f"ac_select_{mode}")
@@ -476,9 +520,10 @@ def count(a: Tensor, thr: float, mode: str) -> int:
     return int(getattr(lib, f"ac_count_{mode}")(a.data_ptr(), a.numel(), thr))
 
 
-def rth_largest_strided(a: Tensor, step: int, r: int) -> float | None:
-    """The r-th largest of ``a[::step]`` (1-D ``a`` of non-negative floats), or None where torch's
-    path must answer (a NaN or a negative value in the sample)."""
+def rth_largest_strided(a: Tensor, step: int, r: int, absolute: bool = False) -> float | None:
+    """The r-th largest of ``a[::step]`` (1-D ``a`` of non-negative floats; ``absolute``: of
+    ``|a[::step]|``, any signs), or None where torch's path must answer (a NaN, or a negative value
+    when not ``absolute``)."""
     lib = library()
     assert lib is not None and usable(a)
     m = -(-a.numel() // step)
@@ -486,7 +531,7 @@ def rth_largest_strided(a: Tensor, step: int, r: int) -> float | None:
         raise ValueError(f"r = {r} outside 1..{m}")
     keys = torch.empty(m, dtype=torch.int32)
     out = torch.zeros(1, dtype=torch.int32)
-    if lib.ac_rth_largest_strided(a.data_ptr(), m, step, r, keys.data_ptr(), out.data_ptr()) != 0:
+    if lib.ac_rth_largest_strided(a.data_ptr(), m, step, r, keys.data_ptr(), out.data_ptr(), int(absolute)) != 0:
         return None
     return float(out.view(torch.float32).item())
 

@@ -167,16 +167,17 @@ def nonzero_1d(mask: Tensor, expected: float = 1.0) -> Tensor:
     return words.index_select(0, rc[:, 0]) * 8 + rc[:, 1]  # index_select: 4x faster than words[...]
 
 
-def sample_value(a: Tensor, fraction: float, size: int = 1 << 16) -> float:
-    """Value exceeded by about ``fraction`` of a strided sample of ``a`` (a speed hint only)."""
+def sample_value(a: Tensor, fraction: float, size: int = 1 << 16, absolute: bool = False) -> float:
+    """Value exceeded by about ``fraction`` of a strided sample of ``a`` (``absolute``: of ``|a|``;
+    a speed hint only)."""
     step = max(1, a.numel() // size)
     s = a[::step]
     r = min(s.numel(), max(1, math.ceil(fraction * s.numel())))
     if _native.usable(a):  # one radix select on the sample (same value; torch's path on NaN / negatives)
-        value = _native.rth_largest_strided(a, step, r)
+        value = _native.rth_largest_strided(a, step, r, absolute)
         if value is not None:
             return value
-    return float(torch.topk(s, r, sorted=False).values.min())
+    return float(torch.topk(s.abs() if absolute else s, r, sorted=False).values.min())
 
 
 class ThresholdCounter:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
                                         TINY, k_for, sample_value, scatter)
@@ -52,15 +53,25 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
         # candidate count back (the host waits for the device): below GPU_PREFILTER_MIN_NUMEL that
         # wait costs more than the smaller selection saves.
         return torch.topk(flat.abs(), k, sorted=False).indices
-    a = workspace.magnitudes(flat)
     expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
-    counter = ThresholdCounter(a, strict=False, workspace=workspace)
+    a: Tensor | None = None
+    idx: Tensor | None = None
+    vals: Tensor | None = None
     # floor above 0: exact zeros (ReLU layers' gradients are mostly zeros) never become candidates;
     # fewer than k candidates falls back to the full torch.topk below
-    counter.compact(max(sample_value(a, expected), TINY), expected, keep_nan=True)
-    vals = counter.vals
+    if _native.usable(flat):
+        # the sample and the compaction read |flat| with the sign bit cleared, as torch.abs does:
+        # the same floor, candidates and values, without writing the magnitudes (one pass less)
+        floor = max(sample_value(flat, expected, absolute=True), TINY)
+        if math.isfinite(floor):
+            idx, vals = _native.select(flat, floor, "abs_not_lt", expected)
+    else:
+        a = workspace.magnitudes(flat)
+        counter = ThresholdCounter(a, strict=False, workspace=workspace)
+        counter.compact(max(sample_value(a, expected), TINY), expected, keep_nan=True)
+        idx, vals = counter.idx, counter.vals
     if vals is not None and vals.numel() >= k:
-        assert counter.idx is not None  # set with vals by compact()
+        assert idx is not None  # set with vals
         if 2 * k <= vals.numel():
             top = torch.topk(vals, k, sorted=False)
             chosen, kth = top.indices, top.values.min()
@@ -71,14 +82,16 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
             kth = vals.index_select(0, chosen).min()
         if not bool(torch.isnan(kth)):
             if int(torch.count_nonzero(vals >= kth)) == k:
-                return counter.idx[chosen]
+                return idx[chosen]
             # Ties at the k-th magnitude (on 2^26 Gaussian floats about every other call: ~1 element
             # per float32 ulp there). Everything above it plus the lowest-index tied ones is a top-k
             # with the same magnitudes as torch.topk's, whose own choice among ties is unspecified;
             # the full torch.topk this used to fall back to costs ~40 memory passes at that size.
             above = torch.nonzero(vals > kth).view(-1)
             tied = torch.nonzero(vals == kth).view(-1)[:k - above.numel()]
-            return counter.idx[torch.cat([above, tied])]
+            return idx[torch.cat([above, tied])]
+    if a is None:
+        a = workspace.magnitudes(flat)
     return torch.topk(a, k, sorted=False).indices
 
 
