@@ -107,7 +107,8 @@ def _divisible_worker(name: str, params: dict, feedback: bool, steps: int) -> li
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name,params,feedback", [("topk", {"density": 0.2}, True),
                                                   ("topk", {"density": 0.2}, False),
-                                                  ("efsignsgd", {}, True)])
+                                                  ("efsignsgd", {}, True),
+                                                  ("gaussiank", {"density": 0.2}, True)])
 def test_alltoall_matches_simulation(world: int, name: str, params: dict, feedback: bool) -> None:
     got = [tensors(r) for r in run_workers(_divisible_worker, world, name, params, feedback, 3)]
     want = simulate(world, 3, name, params, feedback)

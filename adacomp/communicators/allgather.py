@@ -185,10 +185,15 @@ def launch_gather(tensors: list[Tensor], buf: Tensor, numels: Handle,
     """Wait for the count exchange ``numels`` and launch the allgather of ``buf`` (``tensors``
     packed by :func:`pack` in this rank's layout). Returns the handle, every rank's segments and
     every rank's byte total (for :func:`split_gathered`)."""
-    world = backend.size()
-    counts = numels.wait().view(world, -1).tolist()
+    return gather_known(tensors, buf, numels.wait().view(backend.size(), -1).tolist(), backend)
+
+
+def gather_known(tensors: list[Tensor], buf: Tensor, counts: list[list[int]],
+                 backend: Backend) -> tuple[Handle, list[list[Segment]], list[int]]:
+    """Launch the allgather of ``buf`` (``tensors`` packed in this rank's layout) when every
+    rank's element counts are known (``counts[r]``: rank r's, per tensor)."""
     segs, totals = [], []
-    for r in range(world):
+    for r in range(backend.size()):
         s, tot = layout(tensors, counts[r])
         segs.append(s)
         totals.append(tot)

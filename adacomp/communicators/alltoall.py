@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp.communicators.allgather import _split_counts, _workspace, gather_payloads, layout, pack, unpack
+from adacomp.communicators.allgather import (_split_counts, _workspace, gather_known, gather_payloads, layout, pack,
+                                             unpack)
 from adacomp.communicators.base import Charge, CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import divide_touched
@@ -105,6 +106,7 @@ class _Pending:
     handle: Any
     recv_segs: list[list]       # per source rank: segments of the payload of my part
     recv_totals: list[int]
+    fixed: bool = False  # every payload's size follows from its part's shape: no count exchanges
 
 
 def _numels(tensors: list[Tensor]) -> list[int]:
@@ -152,15 +154,18 @@ class AlltoallCommunicator(Communicator):
         self.record(entries, env)
         per_dest = [[t for e in entries for t in e.ctx.parts[j].payload] for j in range(world)]
         with env.stats.timing("comm"):
-            # element counts of every payload tensor, rank j learns what each rank sends it
-            counts = torch.tensor([n for ts in per_dest for n in _numels(ts)], dtype=torch.int64)
-            got = backend.alltoall(counts, [len(ts) for ts in per_dest], [len(per_dest[me])] * world)
-            got_rows = got.view(world, -1).tolist() if per_dest[me] else [[] for _ in range(world)]
+            fixed = all(e.compressor.fixed_size for e in entries)
+            if fixed:  # rank r's part `me` has my part `me`'s shape, so its payload has my payload's sizes
+                got_rows = [_numels(per_dest[me])] * world
+            else:  # element counts of every payload tensor, rank j learns what each rank sends it
+                counts = torch.tensor([n for ts in per_dest for n in _numels(ts)], dtype=torch.int64)
+                got = backend.alltoall(counts, [len(ts) for ts in per_dest], [len(per_dest[me])] * world)
+                got_rows = got.view(world, -1).tolist() if per_dest[me] else [[] for _ in range(world)]
             send_segs = [layout(ts) for ts in per_dest]
             buf = torch.cat([pack(ts, s, tot, entries[0].tensor.device) for ts, (s, tot) in zip(per_dest, send_segs)])
             recv = [layout(per_dest[me], got_rows[r]) for r in range(world)]
             handle = backend.alltoall_async(buf, [tot for _, tot in send_segs], [tot for _, tot in recv])
-        return _Pending(entries, handle, [s for s, _ in recv], [tot for _, tot in recv])
+        return _Pending(entries, handle, [s for s, _ in recv], [tot for _, tot in recv], fixed)
 
     # --- stage 2 and 3: average my part, recompress, allgather --------------------------------
     def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:
@@ -179,7 +184,13 @@ class AlltoallCommunicator(Communicator):
                       for i, e in enumerate(p.entries)]
         tensors = [t for part in second for t in part.payload]
         with env.stats.timing("comm"):
-            handle, segs, totals = gather_payloads(tensors, backend, p.entries[0].tensor.device)
+            if p.fixed:  # rank r recompressed its part r: my first-stage part r's sizes
+                numels = [[n for e in p.entries for n in _numels(e.ctx.parts[r].payload)] for r in range(world)]
+                mine, total = layout(tensors)
+                handle, segs, totals = gather_known(tensors, pack(tensors, mine, total, p.entries[0].tensor.device),
+                                                    numels, backend)
+            else:
+                handle, segs, totals = gather_payloads(tensors, backend, p.entries[0].tensor.device)
             gathered = handle.wait()
         env.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         with env.stats.timing("compress"):
