@@ -42,81 +42,51 @@ _SOURCE = r"""
    block with no passing element costs no branch per element; passing ones are read off the mask
    in ascending order. NaN: ordered compares fail, so v >= t and v > t are false and !(v < t) true. */
 #if defined(__SSE2__)
-#define MASK16(CMP)                                                                     \
-    (_mm_movemask_ps(CMP(_mm_loadu_ps(a + i), tv))                                      \
-     | (_mm_movemask_ps(CMP(_mm_loadu_ps(a + i + 4), tv)) << 4)                         \
-     | (_mm_movemask_ps(CMP(_mm_loadu_ps(a + i + 8), tv)) << 8)                         \
-     | (_mm_movemask_ps(CMP(_mm_loadu_ps(a + i + 12), tv)) << 12))
+#define MASK16(CMP, LOAD)                                                               \
+    (_mm_movemask_ps(CMP(LOAD(a + i), tv))                                              \
+     | (_mm_movemask_ps(CMP(LOAD(a + i + 4), tv)) << 4)                                 \
+     | (_mm_movemask_ps(CMP(LOAD(a + i + 8), tv)) << 8)                                 \
+     | (_mm_movemask_ps(CMP(LOAD(a + i + 12), tv)) << 12))
 #define CMP_GE(x, y) _mm_cmpge_ps(x, y)
 #define CMP_GT(x, y) _mm_cmpgt_ps(x, y)
 #define CMP_NOT_LT(x, y) _mm_cmpnlt_ps(x, y)
-#define SELECT(NAME, PASS, CMP)                                                         \
+#define LOAD_AS_IS(p) _mm_loadu_ps(p)
+#define LOAD_ABS(p) _mm_andnot_ps(_mm_set1_ps(-0.0f), _mm_loadu_ps(p))
+/* VAL: the value tested and written (the element itself, or |element| with the sign bit cleared as
+   torch.abs does: a Top-k prefilter on the signed gradient without a magnitudes pass). */
+#define SELECT_T(NAME, PASS, CMP, LOAD, VAL)                                            \
 int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int64_t cap) { \
     int64_t c = 0, i = 0;                                                               \
     __m128 tv = _mm_set1_ps(t);                                                         \
     for (; i + 16 <= n; i += 16) {                                                      \
-        unsigned m = (unsigned)MASK16(CMP);                                             \
+        unsigned m = (unsigned)MASK16(CMP, LOAD);                                       \
         while (m) {                                                                     \
             int j = __builtin_ctz(m);                                                   \
             m &= m - 1;                                                                 \
-            if (c < cap) { idx[c] = i + j; vals[c] = a[i + j]; }                        \
+            if (c < cap) { idx[c] = i + j; vals[c] = VAL(a[i + j]); }                   \
             ++c;                                                                        \
         }                                                                               \
     }                                                                                   \
     for (; i < n; ++i) {                                                                \
-        float v = a[i];                                                                 \
+        float v = VAL(a[i]);                                                            \
         if (PASS) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }                    \
     }                                                                                   \
     return c;                                                                           \
 }
 #else
-#define SELECT(NAME, PASS, CMP)                                                         \
+#define SELECT_T(NAME, PASS, CMP, LOAD, VAL)                                            \
 int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int64_t cap) { \
     int64_t c = 0;                                                                      \
     for (int64_t i = 0; i < n; ++i) {                                                   \
-        float v = a[i];                                                                 \
+        float v = VAL(a[i]);                                                            \
         if (PASS) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }                    \
     }                                                                                   \
     return c;                                                                           \
 }
 #endif
-#if defined(__SSE2__)
-/* The same test on |a| (sign bit cleared, as torch.abs does), writing |a| as the value: a Top-k
-   prefilter on the signed gradient without a magnitudes pass. */
-#define SELECT_ABS(NAME, PASS, CMP)                                                     \
-int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int64_t cap) { \
-    int64_t c = 0, i = 0;                                                               \
-    __m128 tv = _mm_set1_ps(t), sg = _mm_set1_ps(-0.0f);                                \
-    for (; i + 16 <= n; i += 16) {                                                      \
-        unsigned m = (unsigned)(_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i)), tv)) \
-            | (_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i + 4)), tv)) << 4)  \
-            | (_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i + 8)), tv)) << 8)  \
-            | (_mm_movemask_ps(CMP(_mm_andnot_ps(sg, _mm_loadu_ps(a + i + 12)), tv)) << 12)); \
-        while (m) {                                                                     \
-            int j = __builtin_ctz(m);                                                   \
-            m &= m - 1;                                                                 \
-            if (c < cap) { idx[c] = i + j; vals[c] = __builtin_fabsf(a[i + j]); }      \
-            ++c;                                                                        \
-        }                                                                               \
-    }                                                                                   \
-    for (; i < n; ++i) {                                                                \
-        float v = __builtin_fabsf(a[i]);                                                \
-        if (PASS) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }                    \
-    }                                                                                   \
-    return c;                                                                           \
-}
-#else
-#define SELECT_ABS(NAME, PASS, CMP)                                                     \
-int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int64_t cap) { \
-    int64_t c = 0;                                                                      \
-    for (int64_t i = 0; i < n; ++i) {                                                   \
-        float v = __builtin_fabsf(a[i]);                                                \
-        if (PASS) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }                    \
-    }                                                                                   \
-    return c;                                                                           \
-}
-#endif
-SELECT_ABS(ac_select_abs_not_lt, !(v < t), CMP_NOT_LT)
+#define AS_IS(x) (x)
+#define SELECT(NAME, PASS, CMP) SELECT_T(NAME, PASS, CMP, LOAD_AS_IS, AS_IS)
+SELECT_T(ac_select_abs_not_lt, !(v < t), CMP_NOT_LT, LOAD_ABS, __builtin_fabsf)
 SELECT(ac_select_ge, v >= t, CMP_GE)
 SELECT(ac_select_gt, v > t, CMP_GT)
 SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
