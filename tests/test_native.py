@@ -375,3 +375,33 @@ def test_workspace_recycles_many_outputs_of_one_shape() -> None:
     assert {t.data_ptr() for t in second} == ptrs  # released, then every one reused
     third = ws.zeros(shape, n, torch.float32, torch.device("cpu"))
     assert third.data_ptr() not in ptrs  # all twelve still held: a new one
+
+
+def test_portable_c_paths_equal_the_sse_paths(tmp_path) -> None:
+    """Targets without SSE2 (aarch64) compile the scalar loops: built here with ``__SSE2__``
+    undefined, they give the same selections, QSGD codes and samples as the SSE2 build."""
+    import ctypes
+    import subprocess
+    src = tmp_path / "portable.c"
+    src.write_text(_native._SOURCE)
+    so = tmp_path / "portable.so"
+    subprocess.run(["cc", *_native._FLAGS, "-U__SSE2__", "-o", str(so), str(src)], check=True)
+    portable, sse = _native._load(so), _native.library()
+    assert sse is not None
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(4099, generator=g)
+    a[7], a[100], a[2000] = float("nan"), -0.0, float("-inf")
+    for name in ("ac_select_ge", "ac_select_gt", "ac_select_not_lt", "ac_select_abs_not_lt"):
+        outs = []
+        for lib in (portable, sse):
+            idx, vals = torch.empty(4099, dtype=torch.int64), torch.empty(4099)
+            c = int(getattr(lib, name)(a.data_ptr(), 4099, 0.5, idx.data_ptr(), vals.data_ptr(), 4099))
+            outs.append((idx[:c].clone(), bits(vals[:c].clone())))
+        assert all(torch.equal(x, y) for x, y in zip(*outs)), name
+    x = torch.randn(1000, generator=g)
+    rnd, safe = torch.rand(1000, generator=g), torch.rand(10, generator=g) + 0.5
+    codes = [torch.empty(1000, dtype=torch.uint8) for _ in range(2)]
+    for lib, out in zip((portable, sse), codes):
+        assert lib.ac_qsgd_codes(x.data_ptr(), 1000, rnd.data_ptr(), safe.data_ptr(), 0, 100, ctypes.c_float(7.0),
+                                 out.data_ptr()) == 0
+    assert torch.equal(codes[0], codes[1])
