@@ -69,19 +69,21 @@ def test_select_and_count_equal_torch(n: int, mode: str, op) -> None:
 
 @pytest.mark.parametrize("n", [1, 15, 17, 4099, 1 << 18])
 def test_abs_select_and_sample_equal_torch_on_signed_values(n: int) -> None:
-    """Top-k's prefilter on the signed gradient: ``abs_not_lt`` equals ``not (|a| < t)`` with ``|a|``
-    as the values, and the sampled r-th largest of ``|a[::step]|`` equals torch's on ``a.abs()``
+    """The prefilters on the signed gradient (Top-k, DGC): ``abs_<mode>`` equals ``<mode>`` on ``|a|``
+    with ``|a|`` as the values, and the sampled r-th largest of ``|a[::step]|`` equals torch's on ``a.abs()``
     (-0.0, -inf, NaN, negative denormals included)."""
     g = torch.Generator().manual_seed(n)
     a = torch.randn(max(n, 40), generator=g)[:n].contiguous()
     for i, v in zip(range(0, n, 3), [-0.0, float("-inf"), float("nan"), -1e-42, 0.0, -3.5]):
         a[i] = v
     mag = a.abs()
-    for thr in [0.0, 1e-40, 0.5, 1.0000001, math.inf]:
-        ref = ~torch.lt(mag, thr)
-        idx, vals = _native.select(a, thr, "abs_not_lt", expected=0.001)
-        assert torch.equal(idx, torch.nonzero(ref).view(-1)), thr
-        assert torch.equal(bits(vals), bits(mag[ref])), thr
+    for mode, op in [("ge", torch.ge), ("gt", torch.gt), ("not_lt", lambda x, t: ~torch.lt(x, t))]:
+        for thr in [0.0, 1e-40, 0.5, 1.0000001, math.inf]:
+            ref = op(mag, thr)
+            idx, vals = _native.select(a, thr, f"abs_{mode}", expected=0.001)
+            assert torch.equal(idx, torch.nonzero(ref).view(-1)), (mode, thr)
+            assert torch.equal(bits(vals), bits(mag[ref])), (mode, thr)
+            assert _native.count(a, thr, f"abs_{mode}") == int(ref.sum()), (mode, thr)
     clean = torch.randn(max(n, 40), generator=g)[:n].contiguous()
     clean[0] = -0.0
     for step in (1, 3):

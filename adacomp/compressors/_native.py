@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 MODES = {"ge": 0, "gt": 1, "not_lt": 2}
-"""``a >= t``, ``a > t``, ``not (a < t)`` (NaN passes only the last, as torch.topk ranks NaN first)."""
+"""``a >= t``, ``a > t``, ``not (a < t)`` (NaN passes only the last, as torch.topk ranks NaN first);
+each also as ``abs_<mode>``: the test on ``|a|`` (sign bit cleared, as torch.abs does), values ``|a|``."""
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -86,6 +87,8 @@ int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int6
 #endif
 #define AS_IS(x) (x)
 #define SELECT(NAME, PASS, CMP) SELECT_T(NAME, PASS, CMP, LOAD_AS_IS, AS_IS)
+SELECT_T(ac_select_abs_ge, v >= t, CMP_GE, LOAD_ABS, __builtin_fabsf)
+SELECT_T(ac_select_abs_gt, v > t, CMP_GT, LOAD_ABS, __builtin_fabsf)
 SELECT_T(ac_select_abs_not_lt, !(v < t), CMP_NOT_LT, LOAD_ABS, __builtin_fabsf)
 SELECT(ac_select_ge, v >= t, CMP_GE)
 SELECT(ac_select_gt, v > t, CMP_GT)
@@ -120,12 +123,13 @@ void ac_momentum_accumulate(const float* u, const float* g, const float* v, floa
         v_out[i] = v[i] + t;
     }
 }
-#define COUNT(NAME, PASS)                                                               \
+#define COUNT_T(NAME, PASS, VAL)                                                        \
 int64_t NAME(const float* a, int64_t n, float t) {                                      \
     int64_t c = 0;                                                                      \
-    for (int64_t i = 0; i < n; ++i) { float v = a[i]; c += (PASS) ? 1 : 0; }            \
+    for (int64_t i = 0; i < n; ++i) { float v = VAL(a[i]); c += (PASS) ? 1 : 0; }       \
     return c;                                                                           \
 }
+#define COUNT(NAME, PASS) COUNT_T(NAME, PASS, AS_IS)
 /* The r-th largest (1-based) of a[0], a[step], a[2 step], ... (m elements) by an 8-bit radix
    select on the float bits: for non-negative floats the bit patterns order as the values, NaN
    above inf. Returns 0 and writes the value's bits, or -1 (a negative value or a NaN: the caller
@@ -220,6 +224,9 @@ void ac_decode(const uint8_t* packed, int64_t n, int b, const float* values, flo
 COUNT(ac_count_ge, v >= t)
 COUNT(ac_count_gt, v > t)
 COUNT(ac_count_not_lt, !(v < t))
+COUNT_T(ac_count_abs_ge, v >= t, __builtin_fabsf)
+COUNT_T(ac_count_abs_gt, v > t, __builtin_fabsf)
+COUNT_T(ac_count_abs_not_lt, !(v < t), __builtin_fabsf)
 /* QSGD's stochastic rounding of one block, torch's sequence of float32 operations per element:
    a = |x| / norm(bucket); a = a * s; a = a + u; a = floor(a); a = min(a, s); code = copysign(a, x)
    + s, as uint8. Element i belongs to bucket (off0 + i) / size of safe[]. Each step rounds once
@@ -398,7 +405,7 @@ def _compiled(cc: str, out: Path) -> Path:
 
 def _load(out: Path) -> ctypes.CDLL:
     lib_ = ctypes.CDLL(str(out))
-    for mode in MODES:
+    for mode in [*MODES, *(f"abs_{m}" for m in MODES)]:
         f = getattr(lib_, f"ac_select_{mode}")
         f.restype = ctypes.c_int64
         f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
@@ -428,9 +435,6 @@ def _load(out: Path) -> ctypes.CDLL:
     h.restype = ctypes.c_int
     h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                   ctypes.c_int]
-    fa = lib_.ac_select_abs_not_lt
-    fa.restype = ctypes.c_int64
-    fa.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib_
 
 

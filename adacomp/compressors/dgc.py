@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
+from adacomp.compressors import _native
 from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 
 WARMUP_EPOCHS = 4  # DGC §3.3: sparsity 75% -> 99.9% over the first four epochs
@@ -97,8 +98,9 @@ class DGCCompressor(SparseCompressor):
             self._generators[key] = gen
         return gen
 
-    def threshold(self, a: Tensor, density: float) -> float:
-        """The k_s-th largest magnitude of a uniform sample (k_s = ceil(samples * density))."""
+    def threshold(self, a: Tensor, density: float, absolute: bool = False) -> float:
+        """The k_s-th largest magnitude of a uniform sample (k_s = ceil(samples * density)); ``a``
+        holds magnitudes, or signed values when ``absolute``."""
         n = a.numel()
         samples = min(n, max(math.ceil(n * self.sample_ratio), math.ceil(2.0 / density)))
         if samples < n:
@@ -106,6 +108,8 @@ class DGCCompressor(SparseCompressor):
             sample = a[pick]
         else:
             sample = a
+        if absolute:
+            sample = sample.abs()
         k_s = min(samples, max(1, math.ceil(samples * density)))
         return float(torch.topk(sample, k_s, sorted=False).values.min())
 
@@ -114,9 +118,13 @@ class DGCCompressor(SparseCompressor):
         k = k_for(flat.numel(), density)
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
-        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
-        thr = self.threshold(a, density)
-        counter = ThresholdCounter(a, strict=False, workspace=self._workspace())
+        ws = self._workspace()
+        # the C passes read |g| with the sign bit cleared (as torch.abs does), so the magnitudes are
+        # never written; elsewhere |g| goes to a reused buffer (one pass, no page faults)
+        absolute = _native.usable(flat)
+        a = flat if absolute else ws.magnitudes(flat)
+        thr = self.threshold(a, density, absolute)
+        counter = ThresholdCounter(a, strict=False, workspace=ws, absolute=absolute)
         idx = counter.select(thr, density)
         for _ in range(self.max_adaptation_iters):
             if idx.numel() >= self.compress_lower_bound * k:
@@ -124,8 +132,9 @@ class DGCCompressor(SparseCompressor):
             thr *= self.compress_lower_bound
             idx = counter.select(thr, density / self.compress_lower_bound)
         if idx.numel() > self.compress_upper_bound * k:  # the second, exact top-k among candidates
-            idx = idx[torch.topk(a.index_select(0, idx), k, sorted=False).indices]
-        return idx if idx.numel() else a.argmax().view(1)
+            cand = a.index_select(0, idx)
+            idx = idx[torch.topk(cand.abs() if absolute else cand, k, sorted=False).indices]
+        return idx if idx.numel() else (a.abs() if absolute else a).argmax().view(1)
 
     # ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -189,12 +189,17 @@ class ThresholdCounter:
     and the answers are the same as a full pass. Lower thresholds fall back to a full pass.
     """
 
-    def __init__(self, a: Tensor, strict: bool, workspace: Workspace):
+    def __init__(self, a: Tensor, strict: bool, workspace: Workspace, absolute: bool = False):
+        """``absolute``: ``a`` holds signed values and every answer is for ``|a|`` (the fused C passes
+        clear the sign bit as they read, so no magnitudes are written); only where they serve."""
         self.a, self.strict = a, strict
         self._workspace = workspace
         self._mask: Tensor | None = None
         self.native = _native.usable(a)  # one fused C pass per full read (bitwise the same answers)
-        self.mode = "gt" if strict else "ge"
+        if absolute and not self.native:
+            raise ValueError("ThresholdCounter(absolute=True) needs the fused C passes (_native.usable(a))")
+        self.prefix = "abs_" if absolute else ""
+        self.mode = self.prefix + ("gt" if strict else "ge")
         self.floor: float | None = None
         self.idx: Tensor | None = None
         self.vals: Tensor | None = None
@@ -221,7 +226,8 @@ class ThresholdCounter:
         if not math.isfinite(floor):
             return
         if self.native:
-            self.idx, self.vals = _native.select(self.a, floor, "not_lt" if keep_nan else self.mode, expected)
+            self.idx, self.vals = _native.select(self.a, floor, self.prefix + "not_lt" if keep_nan else self.mode,
+                                                 expected)
             self.floor = floor
             return
         if keep_nan:
