@@ -241,7 +241,8 @@ class AllgatherCommunicator(Communicator):
 
     The data gather needs every rank's counts, so it cannot start with the count exchange. Waiting
     for the counts inside ``start`` made each bucket wait, inside backward, for the slowest rank to
-    reach the same bucket (measured 50-300 ms per step on GPT-2-small, issue 32). Instead ``start``
+    reach the same bucket (issue 32; GPT-2-small's step time at batch 1 did not move measurably,
+    within the +-10 % between launches). Instead ``start``
     launches its count exchange and queues the bucket; the next ``start`` of the same round (or the
     first ``finish``) launches the queued buckets' data gathers in queue order, by which time their
     counts have had a bucket's time to arrive. The queue lives in the round's :class:`CommEnv`, and
