@@ -36,10 +36,13 @@ COMMUNICATORS: dict[str, dict[str, Any]] = {
                "communicator": {"name": "allreduce"}},
     "dgc": {"compressor": {"name": "dgc", "density": 0.05, "sample_ratio": 1.0}, "memory": {"name": "dgc"},
             "communicator": {"name": "allgather"}},
+    # QSGD's C random stream, rounding and fused mean over ranks (Compressor.mean_into)
+    "qsgd": {"compressor": {"name": "qsgd", "bits": 4}, "memory": {"name": "residual"},
+             "communicator": {"name": "allgather_fast"}},
 }
 # state that must really be there, so "unchanged" is not vacuous
 EXPECT = {"allgather": "residuals", "alltoall": "alltoall\"}]/residuals", "oktopk": "threshold", "artopk": "residuals",
-          "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity"}
+          "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity", "qsgd": "residuals"}
 NAN_RANK, NAN_PARAM = 1, "fc1.weight"
 BEFORE, AFTER = 3, 3
 
