@@ -250,6 +250,27 @@ def test_sidco_adapts_stages_per_tensor_and_resumes():
     assert torch.equal(c.compress(heavy, "heavy")[0][1], d.compress(heavy, "heavy")[0][1])
 
 
+def test_gaussiank_caps_at_k_with_the_largest():
+    """Where the normal fit passes far more than k (a sparse, heavy-tailed tensor with no corrections
+    left), ``truncate`` sends exactly k: the k largest of those passing, ascending, still a threshold
+    cut; ``truncate: false`` sends all of them. Ties at the k-th magnitude go to the lowest indices."""
+    g = gen(7)
+    n, density = 200_000, 0.01
+    k = round(n * density)
+    x = torch.where(torch.rand(n, generator=g) < 0.1, torch.randn(n, generator=g), torch.zeros(n))
+    (vals, idx), _ = compressors.get("gaussiank", density=density, max_adjust=0).compress(x, "x")
+    (_, every), _ = compressors.get("gaussiank", density=density, max_adjust=0, truncate=False).compress(x, "x")
+    assert every.numel() > 3 * k  # the fit alone passes ~4k here
+    assert idx.numel() == k and torch.equal(vals, x[idx]) and bool((idx[1:] > idx[:-1]).all())
+    assert bool(torch.isin(idx, every).all())
+    sent = torch.zeros(n, dtype=torch.bool)
+    sent[idx] = True
+    assert x.abs()[sent].min() >= x.abs()[~sent].max()
+    from adacomp.compressors.sparse import largest_k
+    mags = torch.tensor([1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 3.0])  # k = 4: both 3s, the 2, then the first tied 1
+    assert largest_k(torch.arange(10, 17), mags, 4).tolist() == [10, 11, 13, 16]
+
+
 # ------------------------------------------------------------------------------------------------
 # Edge cases shared by all of them, parameter checks, configs
 # ------------------------------------------------------------------------------------------------
@@ -264,7 +285,8 @@ def test_never_empty_and_dense_at_density_one(name):
 
 @pytest.mark.parametrize("name,kwargs,param", [
     ("dgc", {"sample_ratio": 0.0}, "sample_ratio"), ("dgc", {"warmup_steps": -1}, "warmup_steps"),
-    ("gaussiank", {"max_adjust": -1}, "max_adjust"), ("redsync", {"max_steps": 0}, "max_steps"),
+    ("gaussiank", {"max_adjust": -1}, "max_adjust"), ("gaussiank", {"truncate": "yes"}, "truncate"),
+    ("redsync", {"max_steps": 0}, "max_steps"),
     ("sidco", {"distribution": "cauchy"}, "distribution"), ("sidco", {"stages": 0}, "stages"),
     ("oktopk", {"period": 0}, "period"), ("oktopk", {"density": 1.5}, "density"),
 ])

@@ -15,14 +15,20 @@ Deviations (stated, each chosen to keep the count near k on non-normal tensors):
   bracket, which converges. ``max_adjust`` (default 5, the ADTopk library's bound) caps the loop.
 * The selection is on ``|g| > thr`` (the reference codes sometimes compared signed values).
 * At least one element is always sent (the largest), so a payload is never empty.
+* ``truncate`` (default on): never more than k elements. Shi et al.'s own code ends the loop with
+  ``indexes[0:k]`` (the first k passing, in index order); here the k *largest* passing are kept
+  (ties at the k-th magnitude: lowest index first), so the payload stays a threshold cut and no
+  coordinate is starved by its position. ``truncate: false`` sends everything that passes, as the
+  ADTopk library does.
 
-Measured limit of the default bound (issue 32): on GPT-2-small's tied embedding (38.6M elements,
-batch 1) the fit misses by more than the 1.5^5 that five corrections can undo. The first step sends
-1.6x k of that tensor; once error feedback has added residuals, up to ~30x k (the zoo benchmark's
-~1 s rows: 19.9 % of dense bytes where Top-k sends 3.1 %, which is most of Gaussian-k's step-time
-gap to DDP there). ``max_adjust: 10`` brings it to 0.89x k at the same cost per step.
+Why the cap matters (issue 32): on GPT-2-small's tied embedding (38.6M elements, batch 1) the fit
+misses by more than the 1.5^5 that the default five corrections can undo. Without the cap the first
+step sends 1.6x k of that tensor and, once error feedback has added residuals, up to ~30x k (the zoo
+benchmark's ~1 s rows: 19.9 % of dense bytes where Top-k sends 3.1 %, which was most of Gaussian-k's
+step-time gap to DDP there). ``max_adjust: 10`` alone brings it to 0.89x k at the same cost per step.
 
-Payload ``[values, indices]`` of variable size (about k); biased: pair with ``residual`` memory.
+Payload ``[values, indices]`` of variable size (at most k with ``truncate``); biased: pair with
+``residual`` memory.
 Communicators: ``allgather``. Stateless.
 """
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for, largest_k
 
 
 @register("gaussiank")
@@ -44,13 +50,17 @@ class GaussianKCompressor(SparseCompressor):
     ``density``: target fraction sent (ADTopk §6 compares all sparsifiers at 0.01).
     ``max_adjust``: most corrections of the fitted threshold; 0 keeps the raw normal estimate
     (fast, but off by 10x on heavy-tailed tensors at density 0.001).
+    ``truncate``: send at most k, the k largest of those passing (Shi et al.'s code caps at k too).
     """
 
-    def __init__(self, density: float = 0.01, max_adjust: int = 5):
+    def __init__(self, density: float = 0.01, max_adjust: int = 5, truncate: bool = True):
         super().__init__(density)
         if not isinstance(max_adjust, int) or isinstance(max_adjust, bool) or max_adjust < 0:
             raise ValueError(f"max_adjust must be an int >= 0, got {max_adjust!r}")
+        if not isinstance(truncate, bool):
+            raise ValueError(f"truncate must be true or false, got {truncate!r}")
         self.max_adjust = max_adjust
+        self.truncate = truncate
 
     def threshold(self, a: Tensor, signed: Tensor, k: int, counter: ThresholdCounter | None = None) -> float:
         """Threshold on ``a = |signed|`` expected to pass about ``k`` elements (``counter``: exact
@@ -84,7 +94,10 @@ class GaussianKCompressor(SparseCompressor):
         a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
         counter = ThresholdCounter.for_search(a, True, self._density, self._workspace())
         idx = counter.select(self.threshold(a, signed, k, counter), self._density)
+        if self.truncate and idx.numel() > k:
+            idx = largest_k(idx, a.index_select(0, idx), k)
         return idx if idx.numel() else a.argmax().view(1)
 
     def __repr__(self) -> str:
-        return f"GaussianKCompressor(density={self._density}, max_adjust={self.max_adjust})"
+        return (f"GaussianKCompressor(density={self._density}, max_adjust={self.max_adjust}, "
+                f"truncate={self.truncate})")

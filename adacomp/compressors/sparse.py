@@ -167,6 +167,23 @@ def nonzero_1d(mask: Tensor, expected: float = 1.0) -> Tensor:
     return words.index_select(0, rc[:, 0]) * 8 + rc[:, 1]  # index_select: 4x faster than words[...]
 
 
+def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
+    """The entries of ascending ``idx`` whose magnitudes ``mags`` are the k largest, still ascending;
+    ties at the k-th magnitude go to the lowest indices, so the answer does not depend on how
+    torch.topk orders or breaks ties. A NaN magnitude (a non-finite round, rolled back by the
+    engine) keeps the first k."""
+    if idx.numel() <= k:
+        return idx
+    kth = torch.topk(mags, k, sorted=False).values.min()
+    if bool(torch.isnan(kth)):
+        return idx[:k]
+    keep = mags > kth
+    short = k - int(keep.sum())
+    if short > 0:
+        keep[torch.nonzero(mags == kth).view(-1)[:short]] = True
+    return idx[keep]
+
+
 def sample_value(a: Tensor, fraction: float, size: int = 1 << 16, absolute: bool = False) -> float:
     """Value exceeded by about ``fraction`` of a strided sample of ``a`` (``absolute``: of ``|a|``;
     a speed hint only)."""
