@@ -28,7 +28,8 @@ Why the cap matters (issue 32): on GPT-2-small's tied embedding (38.6M elements,
 misses by more than the 1.5^5 that the default five corrections can undo. Without the cap the first
 step sends 1.6x k of that tensor and, once error feedback has added residuals, up to ~30x k (the zoo
 benchmark's ~1 s rows: 19.9 % of dense bytes where Top-k sends 3.1 %, which was most of Gaussian-k's
-step-time gap to DDP there). ``max_adjust: 10`` alone brings it to 0.89x k at the same cost per step.
+step-time gap to DDP there: 1.76x DDP's step; with the cap 3.2 % of dense bytes and 1.17x,
+docs/results/zoo_steps.md). ``max_adjust: 10`` alone brings it to 0.89x k at the same cost per step.
 
 Payload ``[values, indices]`` of variable size (at most 4k/3 with ``truncate``); biased: pair with
 ``residual`` memory.
