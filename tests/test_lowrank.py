@@ -288,3 +288,43 @@ def test_allreduce_communicator_drives_rounds_with_mixed_and_dense_only_buckets(
         expected = step(ref_c, ref_m, [grads])[0]
         for k in grads:
             torch.testing.assert_close(outs[k], expected[k])
+
+
+@pytest.mark.parametrize("shape,r", [((3072, 768), 4), ((768, 3072), 2), ((300, 70), 8), ((1000, 33), 3)])
+def test_factor_products_are_torchs_bits(shape, r):
+    """``M^T P`` by columns and ``P Q^T`` in row blocks (the speed paths) give exactly torch's
+    ``matrix.t() @ p`` and ``p @ q.t()``, on the call that decides a layout and on the ones after;
+    a held output is never rewritten by the next product."""
+    from adacomp.compressors import _lowrank as L
+    from adacomp.compressors.sparse import Workspace
+    g = torch.Generator().manual_seed(sum(shape) + r)
+    ws = Workspace()
+    held = []
+    for _ in range(3):
+        m = torch.randn(*shape, generator=g)
+        p = torch.randn(shape[0], r, generator=g)
+        q = torch.randn(shape[1], r, generator=g)
+        got = L.transposed_product(m, p)
+        assert got.is_contiguous() and torch.equal(got, m.t() @ p)
+        out = L.outer_product(p, q, ws)
+        assert torch.equal(out, p @ q.t())
+        held.append((out, out.clone()))
+    assert all(torch.equal(a, b) for a, b in held)
+    assert L._EXACT.get(L._layout("tp", m, p)) is not None  # decided on this machine, either way
+
+
+def test_factor_product_layout_judged_different_uses_torch(monkeypatch):
+    """A layout where the fast form did not give torch's bits (another BLAS) keeps torch's product;
+    a non-finite first input decides nothing."""
+    from adacomp.compressors import _lowrank as L
+    m, p = torch.randn(500, 40), torch.randn(500, 4)
+    monkeypatch.setattr(L, "_EXACT", {L._layout("tp", m, p): False})
+    calls = []
+    monkeypatch.setattr(torch, "mv", lambda *a, **k: calls.append(1))
+    assert torch.equal(L.transposed_product(m, p), m.t() @ p) and not calls
+    monkeypatch.undo()
+    bad = m.clone()
+    bad[3, 5] = float("nan")
+    monkeypatch.setattr(L, "_EXACT", {})
+    L.transposed_product(bad, p)
+    assert L._EXACT == {}

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp.compressors._lowrank import LowRankCompressor, as_matrix_shape, orthogonalize
+from adacomp.compressors._lowrank import (LowRankCompressor, as_matrix_shape, orthogonalize, outer_product,
+                                          transposed_product)
 from adacomp.compressors.base import Payload, register
 
 
@@ -91,7 +92,7 @@ class ACPSGDCompressor(LowRankCompressor):
             self.q[name], self.p[name] = q_hat, sent  # sent P stands in until the mean arrives
             return [sent], ACPSGDCtx(name, tensor.shape, "p", q_hat, sent)
         p_hat = orthogonalize(self._previous(self.p, name, "p", n, r, tensor), eps)
-        sent = matrix.t() @ p_hat
+        sent = transposed_product(matrix, p_hat)
         self.p[name], self.q[name] = p_hat, sent
         return [sent], ACPSGDCtx(name, tensor.shape, "q", p_hat, sent)
 
@@ -103,7 +104,8 @@ class ACPSGDCompressor(LowRankCompressor):
         if f is not c.sent:  # the mean over ranks: reuse it next step (Alg. 2 lines 4 / 9)
             (self.p if c.kind == "p" else self.q)[c.name] = f.detach().clone()
         assert c.other is not None  # set for "p" and "q" contexts
-        out = f @ c.other.t() if c.kind == "p" else c.other @ f.t()
+        p, q = (f, c.other) if c.kind == "p" else (c.other, f)
+        out = outer_product(p, q, self.workspace)
         return out.view(c.shape)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp.compressors._lowrank import LowRankCompressor, as_matrix_shape, orthogonalize
+from adacomp.compressors._lowrank import (LowRankCompressor, as_matrix_shape, orthogonalize, outer_product,
+                                          transposed_product)
 from adacomp.compressors.base import Payload, register
 
 
@@ -82,7 +83,7 @@ class PowerSGDCompressor(LowRankCompressor):
             c.dense_mean = mean_payload[0]
             return [mean_payload[0].new_empty(0)], c
         c.p_hat = orthogonalize(mean_payload[0], self.orthogonalization_epsilon)
-        q = c.matrix.t() @ c.p_hat  # type: ignore[union-attr]
+        q = transposed_product(c.matrix, c.p_hat)  # type: ignore[arg-type]
         c.matrix = None  # round 1 was its last use; do not keep the gradient alive through ctx
         return [q], c
 
@@ -99,7 +100,7 @@ class PowerSGDCompressor(LowRankCompressor):
         if c.approx is not None and c.approx[0] is q:  # memory.update and the output use the same mean
             return c.approx[1]
         self.q[c.name] = q.detach().clone()  # Q_{t-1} of the next step (warm start)
-        out = (c.p_hat @ q.t()).view(c.shape)
+        out = outer_product(c.p_hat, q, self.workspace).view(c.shape)
         c.approx = (q, out)
         return out
 
