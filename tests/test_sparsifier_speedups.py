@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from adacomp import compressors
-from adacomp.compressors.sparse import ThresholdCounter, Workspace, nonzero_1d
+from adacomp.compressors.sparse import ThresholdCounter, Workspace, largest_k, nonzero_1d
 from adacomp.compressors.topk import distinct_uniform, topk_indices
 
 SPARSIFIERS = ["topk", "gtopk", "randomk", "mstopk", "dgc", "gaussiank", "redsync", "sidco", "oktopk"]
@@ -59,6 +59,9 @@ def test_randomk_compressor_identical_on_two_copies_and_decompresses() -> None:
 @pytest.mark.parametrize("case", ["gauss", "ties", "nan", "small", "zeros", "fewnonzero"])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.2])
 def test_prefiltered_topk_equals_full_topk(case: str, density: float) -> None:
+    """Every path gives the canonical top-k (ascending; ties at the k-th magnitude to the lowest
+    index; NaN first): the prefilter, the plain path without a workspace, float64, and the same set
+    as torch.topk wherever torch's answer is unique."""
     n = 1000 if case == "small" else 1 << 17
     x = torch.randn(n, generator=gen(2))
     if case == "ties":
@@ -69,12 +72,32 @@ def test_prefiltered_topk_equals_full_topk(case: str, density: float) -> None:
         x = x * (torch.rand(n, generator=gen(3)) < (0.3 if case == "zeros" else 0.0005))
     k = max(1, round(density * n))
     got = topk_indices(x, k, Workspace())
-    ref = torch.topk(x.abs(), k, sorted=False).indices
-    if case in ("ties", "fewnonzero"):  # several valid answers: same count, all at least the k-th magnitude
-        assert got.numel() == k and torch.unique(got).numel() == k
-        assert float(x.abs()[got].min()) >= float(torch.topk(x.abs(), k).values.min())
-    else:
-        assert set(got.tolist()) == set(ref.tolist())
+    canonical = largest_k(torch.arange(n), x.abs(), k)
+    assert torch.equal(got, canonical)
+    assert torch.equal(topk_indices(x, k), got) and torch.equal(topk_indices(x.double(), k, Workspace()), got)
+    if case not in ("ties", "fewnonzero"):  # elsewhere torch's own choice among ties is unspecified
+        assert set(got.tolist()) == set(torch.topk(x.abs(), k, sorted=False).indices.tolist())
+    if case == "ties":
+        kth = float(torch.topk(x.abs(), k).values.min())
+        tied = torch.nonzero(x.abs() == kth).view(-1)
+        assert set(got.tolist()) >= set(torch.nonzero(x.abs() > kth).view(-1).tolist())
+        assert got[x.abs()[got] == kth].tolist() == tied[:int((x.abs()[got] == kth).sum())].tolist()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_topk_payload_does_not_depend_on_the_sample(native: bool, monkeypatch) -> None:
+    """The sample only decides how many elements the exact selection looks at: a value that passes
+    too few (the retry below it, then the whole tensor) or far too many gives the same payload."""
+    from adacomp.compressors import _native as N
+    from adacomp.compressors import topk as T
+    x = torch.randn(1 << 17, generator=gen(9))
+    k = 1300
+    want = largest_k(torch.arange(x.numel()), x.abs(), k)
+    if not native:
+        monkeypatch.setattr(N, "usable", lambda a: False)
+    for value in (0.0, 1.0, 3.5, 100.0):
+        monkeypatch.setattr(T, "sample_value", lambda a, fraction, absolute=False, v=value: v)
+        assert torch.equal(topk_indices(x, k, Workspace()), want)
 
 
 @pytest.mark.parametrize("strict", [True, False])

@@ -168,15 +168,16 @@ def nonzero_1d(mask: Tensor, expected: float = 1.0) -> Tensor:
 
 
 def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
-    """The entries of ascending ``idx`` whose magnitudes ``mags`` are the k largest, still ascending;
-    ties at the k-th magnitude go to the lowest indices, so the answer does not depend on how
-    torch.topk orders or breaks ties. A NaN magnitude (a non-finite round, rolled back by the
-    engine) keeps the first k."""
+    """The entries of ascending ``idx`` whose magnitudes ``mags`` are the k largest, still ascending.
+
+    The canonical top-k every sparsifier payload uses: ties at the k-th magnitude go to the lowest
+    indices and a NaN ranks above every number (as torch.topk ranks it), so the answer depends
+    only on the values, never on how a selection was computed (a prefilter, a sample, a device)."""
     if idx.numel() <= k:
         return idx
+    if bool(torch.isnan(mags).any()):
+        mags = torch.where(torch.isnan(mags), torch.full_like(mags, math.inf), mags)
     kth = torch.topk(mags, k, sorted=False).values.min()
-    if bool(torch.isnan(kth)):
-        return idx[:k]
     keep = mags > kth
     short = k - int(keep.sum())
     if short > 0:
@@ -184,17 +185,36 @@ def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
     return idx[keep]
 
 
-def sample_value(a: Tensor, fraction: float, size: int = 1 << 16, absolute: bool = False) -> float:
-    """Value exceeded by about ``fraction`` of a strided sample of ``a`` (``absolute``: of ``|a|``;
-    a speed hint only)."""
-    step = max(1, a.numel() // size)
-    s = a[::step]
+SAMPLE_LINE = 16
+"""float32 elements per 64-byte cache line: the sample reads whole lines, so it costs the lines
+it reads and not, as one element per line would, every line of a tensor under ~1M elements."""
+
+
+def sample_value(a: Tensor, fraction: float, size: int = 1 << 14, absolute: bool = False) -> float:
+    """Value exceeded by about ``fraction`` of a sample of 1-D contiguous ``a`` (``absolute``: of
+    ``|a|``). A speed hint only: every caller's answer is exact whatever it returns.
+
+    The sample is ``size / SAMPLE_LINE`` runs of :data:`SAMPLE_LINE` consecutive elements at evenly
+    spread offsets (all of ``a`` when it is no larger than ``size``): one read of that many cache
+    lines, where a strided sample touches every line of any tensor under ``16 * size`` elements."""
+    n = a.numel()
+    lines = n // SAMPLE_LINE
+    if n <= size or lines < 2:
+        s = a
+    else:
+        m = max(1, size // SAMPLE_LINE)
+        pick = torch.arange(m, device=a.device) * lines // m
+        s = a[:lines * SAMPLE_LINE].view(lines, SAMPLE_LINE).index_select(0, pick).view(-1)
     r = min(s.numel(), max(1, math.ceil(fraction * s.numel())))
-    if _native.usable(a):  # one radix select on the sample (same value; torch's path on NaN / negatives)
-        value = _native.rth_largest_strided(a, step, r, absolute)
+    if _native.usable(s):  # one radix select on the sample (same value; torch's path on NaN / negatives)
+        value = _native.rth_largest_strided(s, 1, r, absolute)
         if value is not None:
             return value
-    return float(torch.topk(s.abs() if absolute else s, r, sorted=False).values.min())
+    v = s.abs() if absolute else s
+    v = v[~torch.isnan(v)]  # a NaN in the sample says nothing about where the numbers lie
+    if v.numel() == 0:
+        return math.nan
+    return float(torch.topk(v, min(r, v.numel()), sorted=False).values.min())
 
 
 class ThresholdCounter:
@@ -282,7 +302,7 @@ class ThresholdCounter:
     def for_search(cls, a: Tensor, strict: bool, density: float, workspace: Workspace,
                    factor: float = 3.0) -> "ThresholdCounter":
         """A counter for a threshold search aiming at ``density``: compacted (on tensors of >= 2^16
-        elements) at a value a strided sample says about ``factor * density`` (<= 1/4) passes, so
+        elements) at a value a sample (:func:`sample_value`) says about ``factor * density`` (<= 1/4) passes, so
         the search's counts near its target re-read only those elements."""
         counter = cls(a, strict, workspace)
         if a.numel() >= 1 << 16:

@@ -25,7 +25,7 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
-                                        TINY, k_for, sample_value, scatter)
+                                        TINY, k_for, largest_k, sample_value, scatter)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
@@ -34,14 +34,13 @@ prefilter's 0.61-0.89 ms, and 1.6-7.8 ms at 2^26-2^28 against the prefilter's 1.
 
 
 def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Tensor:
-    """Indices of the k largest magnitudes of a 1-D tensor (unsorted; one global selection).
+    """Indices of the k largest magnitudes of a 1-D tensor, ascending (:func:`largest_k`'s canonical
+    top-k: ties at the k-th magnitude to the lowest indices, NaN above every number).
 
     With a ``workspace`` (and k <= n / 4) the selection runs on a prefiltered candidate set: the
-    elements at or above a value that a strided sample says about 1.25 k + 32 elements pass; the
-    same set as ``torch.topk`` on the whole tensor, which is what it falls back to when fewer than k
-    candidates pass or on NaN. When the k-th magnitude is tied, the elements above it and the
-    lowest-index tied ones are returned: a top-k with exactly torch.topk's magnitudes (torch leaves
-    its own choice among ties unspecified).
+    elements at or above a value that a sample says about 1.25 k + 32 elements pass (a second, lower
+    value when fewer than k pass; the whole tensor after that). Every path returns the same indices
+    in the same order, so a payload never depends on the sample (tests/test_sparsifier_speedups.py).
     """
     n = flat.numel()
     if k >= n:
@@ -52,47 +51,36 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
         # On a GPU torch.topk is one radix selection on the device, while the prefilter reads its
         # candidate count back (the host waits for the device): below GPU_PREFILTER_MIN_NUMEL that
         # wait costs more than the smaller selection saves.
-        return torch.topk(flat.abs(), k, sorted=False).indices
+        return _full_topk(flat.abs(), k)
+    # floor above 0: exact zeros (ReLU layers' gradients are mostly zeros) never become candidates
     expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
     a: Tensor | None = None
-    idx: Tensor | None = None
-    vals: Tensor | None = None
-    # floor above 0: exact zeros (ReLU layers' gradients are mostly zeros) never become candidates;
-    # fewer than k candidates falls back to the full torch.topk below
-    if _native.usable(flat):
-        # the sample and the compaction read |flat| with the sign bit cleared, as torch.abs does:
-        # the same floor, candidates and values, without writing the magnitudes (one pass less)
-        floor = max(sample_value(flat, expected, absolute=True), TINY)
-        if math.isfinite(floor):
-            idx, vals = _native.select(flat, floor, "abs_not_lt", expected)
-    else:
-        a = workspace.magnitudes(flat)
-        counter = ThresholdCounter(a, strict=False, workspace=workspace)
-        counter.compact(max(sample_value(a, expected), TINY), expected, keep_nan=True)
-        idx, vals = counter.idx, counter.vals
-    if vals is not None and vals.numel() >= k:
-        assert idx is not None  # set with vals
-        if 2 * k <= vals.numel():
-            top = torch.topk(vals, k, sorted=False)
-            chosen, kth = top.indices, top.values.min()
-        else:  # most candidates stay: dropping the m - k smallest is the cheaper selection
-            keep = torch.ones(vals.numel(), dtype=torch.bool, device=vals.device)
-            keep[torch.topk(vals, vals.numel() - k, largest=False, sorted=False).indices] = False
-            chosen = torch.nonzero(keep).view(-1)
-            kth = vals.index_select(0, chosen).min()
-        if not bool(torch.isnan(kth)):
-            if int(torch.count_nonzero(vals >= kth)) == k:
-                return idx[chosen]
-            # Ties at the k-th magnitude (on 2^26 Gaussian floats about every other call: ~1 element
-            # per float32 ulp there). Everything above it plus the lowest-index tied ones is a top-k
-            # with the same magnitudes as torch.topk's, whose own choice among ties is unspecified;
-            # the full torch.topk this used to fall back to costs ~40 memory passes at that size.
-            above = torch.nonzero(vals > kth).view(-1)
-            tied = torch.nonzero(vals == kth).view(-1)[:k - above.numel()]
-            return idx[torch.cat([above, tied])]
-    if a is None:
-        a = workspace.magnitudes(flat)
-    return torch.topk(a, k, sorted=False).indices
+    for attempt in (expected, min(1.0, 4 * expected)):
+        idx: Tensor | None = None
+        vals: Tensor | None = None
+        if _native.usable(flat):
+            # the sample and the compaction read |flat| with the sign bit cleared, as torch.abs does:
+            # the same floor, candidates and values, without writing the magnitudes (one pass less)
+            floor = max(sample_value(flat, attempt, absolute=True), TINY)
+            if math.isfinite(floor):
+                idx, vals = _native.select(flat, floor, "abs_not_lt", attempt)
+        else:
+            if a is None:
+                a = workspace.magnitudes(flat)
+            counter = ThresholdCounter(a, strict=False, workspace=workspace)
+            counter.compact(max(sample_value(a, attempt), TINY), attempt, keep_nan=True)
+            idx, vals = counter.idx, counter.vals
+        if vals is not None and vals.numel() >= k:
+            assert idx is not None  # set with vals
+            return largest_k(idx, vals, k)
+    return _full_topk(workspace.magnitudes(flat) if a is None else a, k)
+
+
+def _full_topk(mags: Tensor, k: int) -> Tensor:
+    """:func:`largest_k` over every element (``mags``: the magnitudes of the whole tensor)."""
+    if mags.device.type != "cpu":  # one device selection, no host round trip; ties as torch breaks them
+        return torch.topk(mags, k, sorted=False).indices.sort().values
+    return largest_k(torch.arange(mags.numel()), mags, k)
 
 
 @register("topk")
