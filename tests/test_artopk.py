@@ -60,7 +60,7 @@ def _artopk_worker(selections: list[str]) -> dict:
             entries = [Entry(n, mem.compensate(grad_of(backend.rank(), step, n), n), comps[n], mem)
                        for n in SHAPES]
             G = {e.name: e.tensor.clone() for e in entries}
-            stats = StepStats(step=step)
+            stats = StepStats(step=step, track_gain=True)
             env = CommEnv(backend, stats, step=step, bucket_index=3)
             res = exchange(comm, entries, env)
             rec.append({"G": G, "out": {e.name: r.clone() for e, r in zip(entries, res)},

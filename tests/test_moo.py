@@ -98,6 +98,8 @@ def _moo_worker() -> dict:
         seen.append(opt.compressor_for(opt.params[0][0]).density())
         step()
     assert not pol.exploring
+    # MOO reads the compression gain, so the engine measures it (it does not for other policies)
+    assert opt.last_stats.gain is not None and 0.0 < opt.last_stats.gain < 1.0
     after = _state(opt)
     return {"before": before, "after": after, "seen": seen, "candidates": pol.candidates,
             "density": opt.compressor_for(opt.params[0][0]).density(), "decisions": pol.decisions,

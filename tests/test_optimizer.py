@@ -103,6 +103,8 @@ def test_per_layer_overrides_and_min_numel_routes() -> None:
     _loss(m).backward()
     opt.step()
     assert opt.last_stats.bytes_sent < opt.last_stats.dense_bytes
+    # no policy reads the compression gain here: it is not measured (a read of every sparse tensor)
+    assert opt.last_stats.gain is None and "gain" not in opt.history[-1]
 
 
 def test_bucket_plan_orders_by_readiness_and_respects_cap() -> None:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from adacomp.backends.base import Backend, Handle
-from adacomp.communicators.base import CommEnv, Communicator, Entry, register, square_sum
+from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import SparseCtx, k_for
 
@@ -162,7 +162,7 @@ class ARTopkCommunicator(Communicator):
                 e.ctx = SparseCtx(e.tensor.shape, flat.numel(), e.tensor.dtype, e.tensor.device)
                 values.append(v)
                 indices.append(idx)
-                env.stats.add_gain(square_sum(v), square_sum(flat))
+                env.stats.add_gain_of(v, flat)
         dtypes = {v.dtype for v in values}
         if len(dtypes) != 1:
             raise TypeError(f"artopk fuses one bucket's values into one allreduce; they must share a dtype, "

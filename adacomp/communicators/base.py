@@ -170,8 +170,8 @@ class Communicator:
             assert e.payload is not None  # compressed entries carry a payload
             env.stats.bytes_sent += sum(p.numel() * p.element_size() for p in e.payload)
             env.stats.dense_bytes += e.tensor.numel() * e.tensor.element_size()
-            if e.compressor.sparse:  # gain E||g_c||^2 / E||g_e||^2 (AR-Topk §2-C3), cheap for sparse
-                env.stats.add_gain(square_sum(e.payload[0]), square_sum(e.tensor))
+            if e.compressor.sparse:  # gain E||g_c||^2 / E||g_e||^2 (AR-Topk §2-C3), when tracked
+                env.stats.add_gain_of(e.payload[0], e.tensor)
 
     @staticmethod
     def incompatible(comm: str, compressor: Compressor, why: str,
@@ -183,17 +183,6 @@ class Communicator:
             "communicator",
             f"compressor {compressor.name!r} cannot use communicator {comm!r}: {why}. "
             f"Communicators that fit: {', '.join(fits)}")
-
-
-def square_sum(t: Tensor) -> Tensor | float:
-    """``sum(t ** 2)`` in one read (a dot product) without the two full-size temporaries of
-    ``t.float().square().sum()``; only feeds statistics (the compression gain). A 0-dim tensor on
-    ``t``'s device: :class:`StepStats` reads it when the gain is asked for, not per tensor (on an
-    accelerator each read waits for the device)."""
-    flat = t.reshape(-1)
-    if flat.dtype != torch.float32 and flat.dtype != torch.float64:
-        flat = flat.float()
-    return torch.dot(flat, flat) if flat.numel() else 0.0
 
 
 def get(name: str, **params: Any) -> Communicator:

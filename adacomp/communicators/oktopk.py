@@ -56,7 +56,7 @@ from torch import Tensor
 
 from adacomp.backends.base import Backend
 from adacomp.communicators.allgather import layout, pack, unpack
-from adacomp.communicators.base import CommEnv, Communicator, Entry, register, square_sum
+from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.compressors._band import HARD_HIGH, HARD_LOW, judge
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import divide_touched, k_for
@@ -164,7 +164,7 @@ class OkTopkCommunicator(Communicator):
                 offsets.append(numel)
                 idx_parts.append(e.payload[1].reshape(-1).to(torch.int64) + numel)
                 val_parts.append(e.payload[0].reshape(-1).to(e.tensor.dtype))
-                env.stats.add_gain(square_sum(e.payload[0]), square_sum(e.tensor))
+                env.stats.add_gain_of(e.payload[0], e.tensor)
                 numel += e.tensor.numel()
                 k += k_for(e.tensor.numel(), float(e.compressor.density() or 1.0))
             idx, perm = torch.sort(torch.cat(idx_parts))

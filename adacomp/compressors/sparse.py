@@ -167,6 +167,9 @@ def nonzero_1d(mask: Tensor, expected: float = 1.0) -> Tensor:
     return words.index_select(0, rc[:, 0]) * 8 + rc[:, 1]  # index_select: 4x faster than words[...]
 
 
+NATIVE_KTH_MIN = 1 << 11  # below this torch.topk is as fast as the C radix select and its call
+
+
 def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
     """The entries of ascending ``idx`` whose magnitudes ``mags`` are the k largest, still ascending.
 
@@ -175,9 +178,11 @@ def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
     only on the values, never on how a selection was computed (a prefilter, a sample, a device)."""
     if idx.numel() <= k:
         return idx
-    if bool(torch.isnan(mags).any()):
-        mags = torch.where(torch.isnan(mags), torch.full_like(mags, math.inf), mags)
-    kth = torch.topk(mags, k, sorted=False).values.min()
+    kth = _native.rth_largest_strided(mags, 1, k) if mags.numel() >= NATIVE_KTH_MIN and _native.usable(mags) else None
+    if kth is None:  # torch answers (a NaN, no C library, another device)
+        if bool(torch.isnan(mags).any()):
+            mags = torch.where(torch.isnan(mags), torch.full_like(mags, math.inf), mags)
+        kth = float(torch.topk(mags, k, sorted=False).values.min())
     keep = mags > kth
     short = k - int(keep.sum())
     if short > 0:

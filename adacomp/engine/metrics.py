@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
 from torch import Tensor
 
 
@@ -21,7 +22,10 @@ class StepStats:
     waiting on them (what the step could not overlap); ``bytes_sent``: payload bytes this rank
     contributed; ``dense_bytes``: bytes a dense allreduce of the same gradients would send;
     ``bucket_sync_s``: wait time per bucket index (policies fit cost models on it);
-    ``gain_num`` / ``gain_den``: sums of ||g_c||^2 and ||g_e||^2 (compression gain, AR-Topk §2-C3).
+    ``gain_num`` / ``gain_den``: sums of ||g_c||^2 and ||g_e||^2 (compression gain, AR-Topk §2-C3),
+    measured only with ``track_gain``: the denominator reads every compressed tensor once more (half
+    a memory pass per sparsifier step), so the engine asks for it only where its policy reads the
+    gain (``Policy.reads_gain``: MOO).
     """
 
     step: int = 0
@@ -33,6 +37,7 @@ class StepStats:
     gain_num: float | Tensor = 0.0  # 0-dim device tensors until read (see add_gain)
     gain_den: float | Tensor = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    track_gain: bool = False
 
     @contextmanager
     def timing(self, what: str) -> Iterator[None]:
@@ -66,6 +71,11 @@ class StepStats:
         self.gain_num = self.gain_num + compressed_sq
         self.gain_den = self.gain_den + full_sq
 
+    def add_gain_of(self, compressed: Tensor, full: Tensor) -> None:
+        """Add one tensor's squared norms (what it sent, what it had to send) when ``track_gain``."""
+        if self.track_gain:
+            self.add_gain(square_sum(compressed), square_sum(full))
+
     @property
     def gain(self) -> float | None:
         """E||g_c||^2 / E||g_e||^2 over this step's compressed tensors (None if nothing compressed)."""
@@ -87,3 +97,14 @@ class StepStats:
             d["gain"] = self.gain
         d.update(self.extra)
         return d
+
+
+def square_sum(t: Tensor) -> Tensor | float:
+    """``sum(t ** 2)`` in one read (a dot product) without the two full-size temporaries of
+    ``t.float().square().sum()``; only feeds statistics (the compression gain). A 0-dim tensor on
+    ``t``'s device: :class:`StepStats` reads it when the gain is asked for, not per tensor (on an
+    accelerator each read waits for the device)."""
+    flat = t.reshape(-1)
+    if flat.dtype != torch.float32 and flat.dtype != torch.float64:
+        flat = flat.float()
+    return torch.dot(flat, flat) if flat.numel() else 0.0

@@ -117,9 +117,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         weights_differ = self._check_consistency()
         self.table = RouteTable(self.config, self.params)
         self.loss_scale = LossScale(grad_scaler)
+        self.policy = policies.get(self.config.policy.name, **self.config.policy.params)
         self.engine = StepEngine(
             self.table, self.backend,
-            EngineOptions(backward_passes_per_step, op == Sum, self.config.nonfinite, bool(sparse_as_dense)),
+            EngineOptions(backward_passes_per_step, op == Sum, self.config.nonfinite, bool(sparse_as_dense),
+                          track_gain=self.policy.reads_gain),
             self.loss_scale, extra_state=lambda: [self.policy] if keeps_state(self.policy) else [],
             on_first_round=self._check_weights if weights_differ else None)
         self.outer: OuterLoop | None = None
@@ -143,7 +145,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 any(g.get("momentum", 0) for g in optimizer.param_groups):
             warnings.warn("memory 'dgc' applies momentum itself (DGC §3.2); the wrapped optimizer should "
                           "use momentum=0, otherwise momentum is applied twice", stacklevel=2)
-        self.policy = policies.get(self.config.policy.name, **self.config.policy.params)
         self.policy.attach(self)
 
     # --- torch.optim.Optimizer surface (shared with the wrapped optimizer) -----------------------

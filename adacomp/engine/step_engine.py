@@ -43,12 +43,14 @@ from adacomp.engine.routes import Bucket, RouteTable
 class EngineOptions:
     """``backward_passes_per_step`` (passes per round), ``sum`` (op=Sum instead of Average),
     ``nonfinite`` (see :data:`NONFINITE_MODES` and docs/config.md), ``sparse_as_dense``. Sparse
-    gradients always travel dense; without ``sparse_as_dense`` they are handed back sparse."""
+    gradients always travel dense; without ``sparse_as_dense`` they are handed back sparse.
+    ``track_gain``: measure the compression gain in each step's statistics (the policy reads it)."""
 
     backward_passes_per_step: int = 1
     sum: bool = False
     nonfinite: str = "propagate"
     sparse_as_dense: bool = False  # Horovod's flag: hand sparse gradients back dense
+    track_gain: bool = False
 
 
 class StepEngine:
@@ -66,7 +68,7 @@ class StepEngine:
         self._on_first_round = on_first_round
         self.offload = OffloadWorker()
         self.state: RoundState | None = None
-        self.step_stats: StepStats = StepStats(step=0)
+        self.step_stats: StepStats = StepStats(step=0, track_gain=options.track_gain)
         self.step_index = 0
         self.synced = False  # gradients hold a finished round's averages
         self.skip_update = False  # nonfinite: skip voted this step
@@ -289,7 +291,7 @@ class StepEngine:
         """The optimizer stepped (or skipped): start a fresh statistics record."""
         stats = self.step_stats
         self.step_index = steps
-        self.step_stats = StepStats(step=steps)
+        self.step_stats = StepStats(step=steps, track_gain=self.options.track_gain)
         self.synced = False
         self.skip_update = False
         return stats

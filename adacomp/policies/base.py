@@ -54,6 +54,9 @@ class Policy:
     """Base class; ``attach`` runs once when the optimizer is built, ``after_step`` after each step."""
 
     name: ClassVar[str] = "base"
+    #: reads ``StepStats.gain``: the engine measures the compression gain only then (it costs a read
+    #: of every compressed tensor)
+    reads_gain: ClassVar[bool] = False
 
     def attach(self, optimizer: "Host") -> None:
         self.optimizer = optimizer

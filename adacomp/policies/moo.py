@@ -114,6 +114,8 @@ class MOOPolicy(Policy):
     ``pop_size`` / ``generations`` / ``seed``: NSGA-II.
     """
 
+    reads_gain = True  # the 1/gain objective and the gain trigger
+
     def __init__(self, c_high: float = 0.1, c_low: float = 0.001, factor: float = 3.0, explore_steps: int = 10,
                  gain_threshold: float = 0.1, net_threshold: float = 0.5, check_every: int = 10,
                  cooldown: int = 50, probe_every: int = 100, probe_bytes: int = 1 << 20, switching: bool = True,
