@@ -213,11 +213,13 @@ class AlltoallCommunicator(Communicator):
         if hi == lo:
             return _Part([], None)
         ctx = e.ctx.parts[me].ctx
-        acc = torch.zeros(hi - lo, dtype=e.tensor.dtype, device=e.tensor.device)
-        tmp = torch.empty_like(acc)
+        # a recycled buffer (Workspace's rule: reused only once nothing holds it): a fresh part-size
+        # tensor per step costs page faults on every multi-MB part
+        acc = _workspace(self).zeros(torch.Size([hi - lo]), hi - lo, e.tensor.dtype, e.tensor.device)
+        tmp = None if e.compressor.sparse else torch.empty_like(acc)
         touched: list[Tensor] = []
         for payload in copies:
-            if e.compressor.sparse:  # add every rank's values at their indices: no dense temporary
+            if tmp is None:  # sparse: add every rank's values at their indices, no dense temporary
                 idx = payload[1].reshape(-1).to(torch.int64)
                 acc.index_add_(0, idx, payload[0].reshape(-1).to(acc.dtype))
                 touched.append(idx)
