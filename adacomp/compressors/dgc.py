@@ -33,7 +33,7 @@ from torch import Tensor
 
 from adacomp.compressors.base import register
 from adacomp.compressors import _native
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for, largest_k
 
 WARMUP_EPOCHS = 4  # DGC §3.3: sparsity 75% -> 99.9% over the first four epochs
 
@@ -133,7 +133,7 @@ class DGCCompressor(SparseCompressor):
             idx = counter.select(thr, density / self.compress_lower_bound)
         if idx.numel() > self.compress_upper_bound * k:  # the second, exact top-k among candidates
             cand = a.index_select(0, idx)
-            idx = idx[torch.topk(cand.abs() if absolute else cand, k, sorted=False).indices]
+            idx = largest_k(idx, cand.abs() if absolute else cand, k)  # canonical: ascending
         return idx if idx.numel() else (a.abs() if absolute else a).argmax().view(1)
 
     # ----------------------------------------------------------------------------------------
