@@ -43,6 +43,7 @@ from statistics import NormalDist
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for, largest_k
 
@@ -67,15 +68,16 @@ class GaussianKCompressor(SparseCompressor):
         self.truncate = truncate
 
     def threshold(self, a: Tensor, signed: Tensor, k: int, counter: ThresholdCounter | None = None) -> float:
-        """Threshold on ``a = |signed|`` expected to pass about ``k`` elements (``counter``: exact
-        counts of ``a > thr`` reusing a candidate set; a full pass per count without one)."""
-        count_above = counter.count if counter is not None else (lambda t: int(torch.count_nonzero(a > t)))
+        """Threshold on ``|signed|`` expected to pass about ``k`` elements (``counter``: exact counts
+        of ``|signed| > thr`` reusing a candidate set; a full pass over ``a`` (``|signed|``, or
+        ``signed`` itself for the C passes, which clear the sign as they read) per count without one)."""
+        count_above = counter.count if counter is not None else (lambda t: int(torch.count_nonzero(signed.abs() > t)))
         n = a.numel()
         mean, std = float(signed.mean()), float(signed.std()) if n > 1 else 0.0
         z = NormalDist().inv_cdf(1.0 - 0.5 * k / n) if k < n else 0.0
         thr = mean + std * z
         if not math.isfinite(thr) or thr <= 0.0:  # constant tensor: fall back to its magnitude
-            thr = float(a.max()) * 0.5
+            thr = float(signed.abs().max()) * 0.5
         lo, hi = 2.0 * k / 3.0, 4.0 * k / 3.0
         too_low, too_high = None, None  # thresholds known to pass too many / too few
         for _ in range(self.max_adjust):
@@ -95,13 +97,16 @@ class GaussianKCompressor(SparseCompressor):
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
         signed = flat.float()
-        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
-        counter = ThresholdCounter.for_search(a, True, self._density, self._workspace())
+        # the C passes read |g| with the sign bit cleared, so the magnitudes are never written;
+        # elsewhere |g| goes to a reused buffer (one pass, no page faults)
+        native = _native.usable(signed)
+        a = signed if native else self._workspace().magnitudes(flat)
+        counter = ThresholdCounter.for_search(a, True, self._density, self._workspace(), absolute=native)
         idx = counter.select(self.threshold(a, signed, k, counter), self._density)
         cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
-            idx = largest_k(idx, a.index_select(0, idx), cap)
-        return idx if idx.numel() else a.argmax().view(1)
+            idx = largest_k(idx, a.index_select(0, idx).abs(), cap)
+        return idx if idx.numel() else (signed.abs() if native else a).argmax().view(1)
 
     def __repr__(self) -> str:
         return (f"GaussianKCompressor(density={self._density}, max_adjust={self.max_adjust}, "

@@ -305,14 +305,15 @@ class ThresholdCounter:
 
     @classmethod
     def for_search(cls, a: Tensor, strict: bool, density: float, workspace: Workspace,
-                   factor: float = 3.0) -> "ThresholdCounter":
+                   factor: float = 3.0, absolute: bool = False) -> "ThresholdCounter":
         """A counter for a threshold search aiming at ``density``: compacted (on tensors of >= 2^16
         elements) at a value a sample (:func:`sample_value`) says about ``factor * density`` (<= 1/4) passes, so
-        the search's counts near its target re-read only those elements."""
-        counter = cls(a, strict, workspace)
+        the search's counts near its target re-read only those elements. ``absolute``: as the
+        constructor's (``a`` signed, every answer about ``|a|``)."""
+        counter = cls(a, strict, workspace, absolute=absolute)
         if a.numel() >= 1 << 16:
             expected = min(0.25, factor * density)
-            counter.compact(sample_value(a, expected), expected)
+            counter.compact(sample_value(a, expected, absolute=absolute), expected)
         return counter
 
     def values(self, thr: float) -> Tensor:
