@@ -276,3 +276,34 @@ def test_distributed_optimizer_averages_decompressed_payloads_on_2_ranks():
                     avg = res[r][route][step][1][n]
                     torch.testing.assert_close(avg, mean, rtol=0, atol=0,
                                                msg=lambda m: f"{comm} {comp} step {step} {n} rank {r}: {m}")
+
+
+@pytest.mark.parametrize("case", ["gauss", "ties", "nan", "zeros"])
+def test_chunk_selection_is_canonical_on_every_path(case, monkeypatch):
+    """Per chunk: the k largest |x| at ascending positions, ties at the k-th magnitude to the lowest
+    positions, NaN above every number; the C selection and torch's path give the same positions and
+    values, and the set is torch.topk's wherever that is unique."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import chunk_select
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 300, generator=g)
+    if case == "ties":
+        x = torch.randint(-3, 4, (6, 300), generator=g).float()
+    if case == "nan":
+        x[1, 7] = x[4, 250] = float("nan")
+    if case == "zeros":
+        x[2] = 0.0
+        x[3, :290] = -0.0
+    k = 9
+    idx, vals = chunk_select(x, k)
+    assert idx.shape == (6, k) and bool((idx[:, 1:] > idx[:, :-1]).all())
+    assert torch.equal(vals.view(torch.int32), torch.gather(x, 1, idx).view(torch.int32))
+    monkeypatch.setattr(_native, "usable", lambda a: False)
+    idx_t, vals_t = chunk_select(x, k)
+    assert torch.equal(idx, idx_t) and torch.equal(vals.view(torch.int32), vals_t.view(torch.int32))
+    mags = torch.where(torch.isnan(x), torch.full_like(x, float("inf")), x.abs())
+    kth = torch.topk(mags, k, dim=1).values[:, -1:]
+    for r in range(6):
+        above = torch.nonzero(mags[r] > kth[r]).view(-1)
+        tied = torch.nonzero(mags[r] == kth[r]).view(-1)
+        assert idx[r].tolist() == sorted(above.tolist() + tied[:k - above.numel()].tolist())

@@ -134,38 +134,68 @@ int64_t NAME(const float* a, int64_t n, float t) {                              
    select on the float bits: for non-negative floats the bit patterns order as the values, NaN
    above inf. Returns 0 and writes the value's bits, or -1 (a negative value or a NaN: the caller
    takes torch's path, where NaN ranks first and the minimum of a top-r holding NaN is NaN). */
-int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, uint32_t* keys,
-                           uint32_t* out, int absval) {
-    const uint32_t keep = absval ? 0x7fffffffu : 0xffffffffu;  /* |a|: the sign bit cleared */
-    /* Radix select on the bit patterns (non-negative floats order as their patterns): 12 bits
-       (sign, exponent, 3 mantissa bits) in the pass that gathers the sample, then 10 + 10 bits
-       over the keys left in the chosen bin: about two reads of the sample instead of eight. */
+/* The r-th largest (1-based) of the m patterns src[i * step] & mask (non-negative floats order as
+   their bit patterns) by radix select: 12 bits (sign, exponent, 3 mantissa bits) read from src,
+   then 10 + 10 over the keys of the chosen bin, compacted into `keys` (scratch of m). *kth gets
+   the value's pattern and *ties_rank its rank among the keys equal to it (so r - *ties_rank keys
+   are larger). -1 on a NaN or, without the sign cleared, a negative value (torch answers). */
+static int radix_kth(const uint32_t* src, int64_t step, uint32_t mask, int64_t m, int64_t r,
+                     uint32_t* keys, uint32_t* kth, int64_t* ties_rank) {
     static const int shifts[3] = {20, 10, 0};
     static const uint32_t widths[3] = {4096, 1024, 1024};
     uint32_t hist[4096];
+    for (uint32_t d = 0; d < 4096; ++d) hist[d] = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        const uint32_t u = src[i * step] & mask;
+        if (u > 0x7f800000u) return -1;
+        hist[u >> 20]++;
+    }
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = shifts[pass];
-        const uint32_t bins = widths[pass], mask = bins - 1u;
-        for (uint32_t d = 0; d < bins; ++d) hist[d] = 0;
-        if (pass == 0) {
-            for (int64_t i = 0; i < m; ++i) {
-                union { float f; uint32_t u; } x; x.f = a[i * step];
-                const uint32_t u = x.u & keep;
-                if (u > 0x7f800000u) return -1;  /* NaN or a sign bit: torch's path answers */
-                keys[i] = u;
-                hist[u >> 20]++;
-            }
-        } else {
-            for (int64_t i = 0; i < m; ++i) hist[(keys[i] >> shift) & mask]++;
+        const uint32_t bins = widths[pass], bmask = bins - 1u;
+        if (pass > 0) {
+            for (uint32_t d = 0; d < bins; ++d) hist[d] = 0;
+            for (int64_t i = 0; i < m; ++i) hist[(keys[i] >> shift) & bmask]++;
         }
         int64_t cum = 0; uint32_t d;
         for (d = bins - 1; d > 0; --d) { if (cum + (int64_t)hist[d] >= r) break; cum += hist[d]; }
         r -= cum;
         int64_t w = 0;
-        for (int64_t i = 0; i < m; ++i) if (((keys[i] >> shift) & mask) == d) keys[w++] = keys[i];
+        if (pass == 0) {
+            for (int64_t i = 0; i < m; ++i) { const uint32_t u = src[i * step] & mask; if ((u >> 20) == d) keys[w++] = u; }
+        } else {
+            for (int64_t i = 0; i < m; ++i) if (((keys[i] >> shift) & bmask) == d) keys[w++] = keys[i];
+        }
         m = w;
     }
-    *out = keys[0];
+    *kth = keys[0];
+    *ties_rank = r;
+    return 0;
+}
+int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, uint32_t* keys,
+                           uint32_t* out, int absval) {
+    int64_t ties;
+    return radix_kth((const uint32_t*)a, step, absval ? 0x7fffffffu : 0xffffffffu, m, r, keys, out, &ties);
+}
+/* Chunk-Top-k's canonical selection: for each of `rows` runs of `chunk` floats, the k largest
+   |a| at ascending positions, ties at the k-th magnitude to the lowest positions (the same set
+   and order as adacomp.compressors.chunktopk's torch path). Writes k positions (0 .. chunk - 1)
+   and the signed values per row; keys: chunk uint32 of scratch. -1 on a NaN (torch answers). */
+int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys,
+                  int64_t* pos, float* vals) {
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* x = a + row * chunk;
+        const uint32_t* u = (const uint32_t*)x;
+        uint32_t kth; int64_t ties;
+        if (radix_kth(u, 1, 0x7fffffffu, chunk, k, keys, &kth, &ties) != 0) return -1;
+        int64_t w = 0;
+        int64_t* p = pos + row * k;
+        float* o = vals + row * k;
+        for (int64_t i = 0; i < chunk && w < k; ++i) {
+            const uint32_t v = u[i] & 0x7fffffffu;
+            if (v > kth || (v == kth && ties-- > 0)) { p[w] = i; o[w] = x[i]; ++w; }
+        }
+    }
     return 0;
 }
 /* Bit packing, the layout of adacomp.compressors._bitpack: code i at stream bits [i b, (i+1) b),
@@ -431,6 +461,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_table_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
+    lib_.ac_chunk_topk.restype = ctypes.c_int
+    lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp]
     h = lib_.ac_rth_largest_strided
     h.restype = ctypes.c_int
     h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -508,6 +540,20 @@ def rth_largest_strided(a: Tensor, step: int, r: int, absolute: bool = False) ->
     if lib.ac_rth_largest_strided(a.data_ptr(), m, step, r, keys.data_ptr(), out.data_ptr(), int(absolute)) != 0:
         return None
     return float(out.view(torch.float32).item())
+
+
+def chunk_topk(a: Tensor, rows: int, chunk: int, k: int) -> tuple[Tensor, Tensor] | None:
+    """Per run of ``chunk`` elements of contiguous float32 ``a`` (``rows`` runs): the positions
+    (``rows x k`` int64, ascending in each row) and values of the k largest ``|a|``, ties at the
+    k-th magnitude to the lowest positions; None where torch's path must answer (a NaN)."""
+    lib = library()
+    assert lib is not None and usable(a) and a.numel() >= rows * chunk and 1 <= k <= chunk
+    keys = torch.empty(chunk, dtype=torch.int32)
+    pos = torch.empty(rows, k, dtype=torch.int64)
+    vals = torch.empty(rows, k, dtype=torch.float32)
+    if lib.ac_chunk_topk(a.data_ptr(), rows, chunk, k, keys.data_ptr(), pos.data_ptr(), vals.data_ptr()) != 0:
+        return None
+    return pos, vals
 
 
 PACK_BITS = (1, 2, 4)

@@ -15,7 +15,9 @@ Selection (``n`` elements, ``c = chunk``): the flattened tensor is read as ``flo
 chunks plus, when ``c`` does not divide ``n``, one last partial chunk of ``m = n mod c`` elements.
 A full chunk keeps ``k = max(1, round(density * c))`` coordinates, the partial one
 ``max(1, round(density * m))`` (never more than it has): the k largest ``|x|`` of that chunk
-(``torch.topk`` per chunk; no padding, so a position past the tensor's end can never be chosen).
+(no padding, so a position past the tensor's end can never be chosen); ties at the k-th magnitude
+go to the lowest positions and a NaN ranks above every number, so the choice depends on the values
+only (:func:`chunk_select`: one radix select per chunk in C, or torch's path, the same bytes).
 The payload size therefore depends only on the shape (``fixed_size``: ``allgather_fast`` works).
 
 Values (``b = bits`` < 32): per chunk the scale is ``s = max |kept value|`` (float32), and each kept
@@ -32,7 +34,8 @@ Payload (one entry per tensor; ``K`` = kept values in total, ``R`` = number of c
   codes are the level numbers ``j`` packed LSB-first by :mod:`adacomp.compressors._bitpack`;
 * ``bits == 32``: ``[values float32 (K,), indices int16 (K,)]``.
 
-Kept values are ordered chunk by chunk (the partial chunk last); ``indices`` are positions *inside*
+Kept values are ordered chunk by chunk (the partial chunk last), ascending positions inside each
+chunk; ``indices`` are positions *inside*
 the chunk, 0 .. c - 1, stored in int16: for ``chunk > 32768`` positions above 32767 are stored as
 their uint16 bit pattern (``p - 65536``) and read back as ``p & 0xFFFF``. :meth:`payload_bytes` is
 exact: ``ceil(K b / 8) + 4 R + 2 K`` (``6 K`` for 32 bits). At the defaults (density 0.02, chunk
@@ -64,11 +67,13 @@ Where we differ from the reference (SparseLoCo's paper and code):
 """
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import Workspace, check_density, k_for
@@ -132,6 +137,30 @@ def quantize(values: Tensor, scales: Tensor, bits: int) -> Tensor:
     return t.round_().clamp_(0, top).to(torch.uint8)
 
 
+def chunk_select(body: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Per row of ``body`` (chunks x c): the positions of the k largest ``|x|`` (int64, ascending;
+    ties at the k-th magnitude to the lowest positions; NaN above every number) and their values
+    as float32. The payload is thus canonical: it depends on the values only, so the C selection
+    (one radix select per chunk, in cache) and torch's path give the same bytes."""
+    rows, c = body.shape
+    if body.dtype == torch.float32 and _native.usable(body):
+        got = _native.chunk_topk(body, rows, c, k)
+        if got is not None:
+            return got
+    mags = body.abs()
+    if body.device.type != "cpu":  # one device selection, no host round trip; ties as torch breaks them
+        idx = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
+    else:
+        if bool(torch.isnan(mags).any()):
+            mags = torch.where(torch.isnan(mags), torch.full_like(mags, math.inf), mags)
+        kth = torch.topk(mags, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+        keep = mags > kth
+        tied = mags == kth
+        keep |= tied & (tied.cumsum(1) <= k - keep.sum(1, keepdim=True))
+        idx = torch.nonzero(keep)[:, 1].view(rows, k)
+    return idx, torch.gather(body, 1, idx).to(torch.float32)
+
+
 @register("chunktopk")
 class ChunkTopkCompressor(Compressor):
     """Chunked Top-k with low-bit values (SparseLoCo, arXiv:2508.15706): the round(density * chunk)
@@ -191,16 +220,15 @@ class ChunkTopkCompressor(Compressor):
         flat = tensor.reshape(-1)
         idx_parts: list[Tensor] = []
         val_parts: list[Tensor] = []
+        runs = []
         if ctx.full:
-            body = flat[:ctx.full * ctx.chunk].view(ctx.full, ctx.chunk)
-            idx = torch.topk(body.abs(), ctx.k_row, dim=1, sorted=False).indices  # (full, k_row)
-            idx_parts.append(idx)
-            val_parts.append(torch.gather(body, 1, idx).to(torch.float32))
+            runs.append((flat[:ctx.full * ctx.chunk].view(ctx.full, ctx.chunk), ctx.k_row))
         if ctx.tail:
-            rest = flat[ctx.full * ctx.chunk:]
-            idx = torch.topk(rest.abs(), ctx.k_tail, sorted=False).indices.view(1, -1)
+            runs.append((flat[ctx.full * ctx.chunk:].view(1, -1), ctx.k_tail))
+        for body, k in runs:
+            idx, vals = chunk_select(body, k)
             idx_parts.append(idx)
-            val_parts.append(rest.index_select(0, idx.view(-1)).to(torch.float32).view(1, -1))
+            val_parts.append(vals)
         local = (torch.cat([i.reshape(-1) for i in idx_parts]) if idx_parts
                  else torch.zeros(0, dtype=torch.int64, device=tensor.device))
         if ctx.chunk > INT16_SPAN:
