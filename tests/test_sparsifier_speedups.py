@@ -147,3 +147,41 @@ def test_workspace_keeps_state_dict_unchanged() -> None:
         c = compressors.get(name, density=0.01)
         c.compress(torch.randn(1 << 18, generator=gen(9)), "w")
         assert not any("workspace" in str(key) for key in c.state_dict())
+
+
+def test_topk_compensation_and_prefilter_share_one_pass() -> None:
+    """Residual memory lets Top-k write ``g + r`` and collect the prefilter's candidates in the same
+    pass (``compensate_into``): the compensated tensor, the payload and the new residual are bitwise
+    those of the separate add and selection; a tensor changed in between is selected afresh."""
+    from adacomp import memories
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
+    shape = (512, 700)
+    g0, g1 = torch.randn(shape, generator=gen(20)), torch.randn(shape, generator=gen(21))
+    runs = []
+    for fused in (True, False):
+        comp = compressors.get("topk", density=0.01)
+        if not fused:
+            comp.compensate_into = lambda *a: False  # the plain add, then the selection's own read
+        mem = memories.get("residual")
+        out = []
+        for step, g in enumerate((g0, g1, g0 * 3)):
+            t = mem.compensate(g.clone(), "w", compressor=comp)
+            assert ("w" in comp.__dict__.get("_candidates", {})) == (fused and step > 0)  # step 0: no residual
+            payload, ctx = comp.compress(t, "w")
+            out.append((t.clone(), [p.clone() for p in payload]))
+            mem.update(t, "w", comp, payload, ctx)
+        out.append(mem.residuals["w"].clone())
+        runs.append(out)
+    for a, b in zip(runs[0][:-1], runs[1][:-1]):
+        assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    assert torch.equal(runs[0][-1], runs[1][-1])
+    comp, mem = compressors.get("topk", density=0.01), memories.get("residual")
+    t = mem.compensate(g0.clone(), "w", compressor=comp)
+    payload, ctx = comp.compress(t, "w")
+    mem.update(t, "w", comp, payload, ctx)
+    t = mem.compensate(g1.clone(), "w", compressor=comp)
+    t.mul_(-2.0)  # changed after the fused pass: its candidates no longer describe it
+    (vals, idx), _ = comp.compress(t, "w")
+    assert torch.equal(idx, topk_indices(t.reshape(-1), idx.numel(), Workspace()))

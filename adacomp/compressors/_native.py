@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -93,6 +94,37 @@ SELECT_T(ac_select_abs_not_lt, !(v < t), CMP_NOT_LT, LOAD_ABS, __builtin_fabsf)
 SELECT(ac_select_ge, v >= t, CMP_GE)
 SELECT(ac_select_gt, v > t, CMP_GT)
 SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
+/* Error feedback's compensation and Top-k's prefilter in one pass: out = g + r (one IEEE add per
+   element, as torch.add), and the indices / |values| of the sums passing !(|sum| < t) (a NaN
+   passes), ascending: the same as ac_select_abs_not_lt over out afterwards, one read less. */
+int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
+                                 int64_t* idx, float* vals, int64_t cap) {
+    int64_t c = 0, i = 0;
+#if defined(__SSE2__)
+    const __m128 tv = _mm_set1_ps(t), sign = _mm_set1_ps(-0.0f);
+    for (; i + 16 <= n; i += 16) {
+        unsigned m = 0;
+        for (int q = 0; q < 4; ++q) {
+            const __m128 v = _mm_add_ps(_mm_loadu_ps(g + i + 4 * q), _mm_loadu_ps(r + i + 4 * q));
+            _mm_storeu_ps(out + i + 4 * q, v);
+            m |= (unsigned)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_andnot_ps(sign, v), tv)) << (4 * q);
+        }
+        while (m) {
+            int j = __builtin_ctz(m);
+            m &= m - 1;
+            if (c < cap) { idx[c] = i + j; vals[c] = __builtin_fabsf(out[i + j]); }
+            ++c;
+        }
+    }
+#endif
+    for (; i < n; ++i) {
+        const float v = g[i] + r[i];
+        out[i] = v;
+        const float a = __builtin_fabsf(v);
+        if (!(a < t)) { if (c < cap) { idx[c] = i; vals[c] = a; } ++c; }
+    }
+    return c;
+}
 /* The same selection with one threshold per row of an (m, n) row-major matrix (ascending flat
    indices): the row-wise prefilter of ADTopk's per-row Top-k. */
 #define SELECT_ROWS(NAME, INNER)                                                        \
@@ -461,6 +493,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_table_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
+    lib_.ac_add_select_abs_not_lt.restype = ctypes.c_int64
+    lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
     lib_.ac_chunk_topk.restype = ctypes.c_int
     lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp]
     h = lib_.ac_rth_largest_strided
@@ -506,12 +540,27 @@ def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Ten
     lib = library()
     assert lib is not None and usable(a)
     f = getattr(lib, f"ac_select_{mode}")
-    n = a.numel()
+    return _compacted(lambda i, v, cap: f(a.data_ptr(), a.numel(), thr, i, v, cap), a.numel(), expected)
+
+
+def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``torch.add(g, r, out=out)`` (bitwise) and, from the same pass, :func:`select` of ``out``
+    in mode ``abs_not_lt``: error feedback's compensation and Top-k's prefilter in one read."""
+    lib = library()
+    assert lib is not None and usable(g) and usable(r) and usable(out) and g.numel() == r.numel() == out.numel()
+    n = out.numel()
+    return _compacted(lambda i, v, cap: lib.ac_add_select_abs_not_lt(g.data_ptr(), r.data_ptr(), out.data_ptr(), n,
+                                                                     thr, i, v, cap), n, expected)
+
+
+def _compacted(call: Callable[[int, int, int], int], n: int, expected: float) -> tuple[Tensor, Tensor]:
+    """Indices and values a compaction ``call(idx_ptr, vals_ptr, cap)`` writes (it returns how many
+    passed, writing at most ``cap``); called again with the exact size when the guess was short."""
     cap = min(n, int(n * min(1.0, expected) * 1.5) + 1024)
     while True:
         idx = torch.empty(cap, dtype=torch.int64)
         vals = torch.empty(cap, dtype=torch.float32)
-        c = int(f(a.data_ptr(), n, thr, idx.data_ptr(), vals.data_ptr(), cap))
+        c = int(call(idx.data_ptr(), vals.data_ptr(), cap))
         if c <= cap:
             if cap > 2 * c + 4096:  # a generous guess: do not keep its buffers alive behind small views
                 return idx[:c].clone(), vals[:c].clone()

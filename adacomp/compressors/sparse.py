@@ -193,23 +193,33 @@ def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
 SAMPLE_LINE = 16
 """float32 elements per 64-byte cache line: the sample reads whole lines, so it costs the lines
 it reads and not, as one element per line would, every line of a tensor under ~1M elements."""
+SAMPLE_SIZE = 1 << 14  # elements per sample: 1024 lines, a radix select over 16K keys
 
 
-def sample_value(a: Tensor, fraction: float, size: int = 1 << 14, absolute: bool = False) -> float:
+def sample_value(a: Tensor, fraction: float, size: int = SAMPLE_SIZE, absolute: bool = False) -> float:
     """Value exceeded by about ``fraction`` of a sample of 1-D contiguous ``a`` (``absolute``: of
     ``|a|``). A speed hint only: every caller's answer is exact whatever it returns.
 
     The sample is ``size / SAMPLE_LINE`` runs of :data:`SAMPLE_LINE` consecutive elements at evenly
     spread offsets (all of ``a`` when it is no larger than ``size``): one read of that many cache
     lines, where a strided sample touches every line of any tensor under ``16 * size`` elements."""
+    return sampled_value(sample_lines(a, size), fraction, absolute)
+
+
+
+def sample_lines(a: Tensor, size: int = SAMPLE_SIZE) -> Tensor:
+    """The elements :func:`sample_value` reads (a copy, or ``a`` itself when it is that small)."""
     n = a.numel()
     lines = n // SAMPLE_LINE
     if n <= size or lines < 2:
-        s = a
-    else:
-        m = max(1, size // SAMPLE_LINE)
-        pick = torch.arange(m, device=a.device) * lines // m
-        s = a[:lines * SAMPLE_LINE].view(lines, SAMPLE_LINE).index_select(0, pick).view(-1)
+        return a
+    m = max(1, size // SAMPLE_LINE)
+    pick = torch.arange(m, device=a.device) * lines // m
+    return a[:lines * SAMPLE_LINE].view(lines, SAMPLE_LINE).index_select(0, pick).view(-1)
+
+
+def sampled_value(s: Tensor, fraction: float, absolute: bool = False) -> float:
+    """The value exceeded by about ``fraction`` of the sample ``s`` (see :func:`sample_value`)."""
     r = min(s.numel(), max(1, math.ceil(fraction * s.numel())))
     if _native.usable(s):  # one radix select on the sample (same value; torch's path on NaN / negatives)
         value = _native.rth_largest_strided(s, 1, r, absolute)

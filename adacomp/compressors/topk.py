@@ -25,7 +25,7 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
-                                        TINY, k_for, largest_k, sample_value, scatter)
+                                        TINY, k_for, largest_k, sample_lines, sample_value, sampled_value, scatter)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
@@ -53,7 +53,7 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
         # wait costs more than the smaller selection saves.
         return _full_topk(flat.abs(), k)
     # floor above 0: exact zeros (ReLU layers' gradients are mostly zeros) never become candidates
-    expected = min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
+    expected = _expected(k, n)
     a: Tensor | None = None
     for attempt in (expected, min(1.0, 4 * expected)):
         idx: Tensor | None = None
@@ -76,6 +76,29 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     return _full_topk(workspace.magnitudes(flat) if a is None else a, k)
 
 
+def _expected(k: int, n: int) -> float:
+    """The prefilter's target share of candidates: about 1.25 k + 32 (plus a few sigma of sampling
+    noise) of n."""
+    return min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
+
+
+def prefilters(flat: Tensor, k: int) -> bool:
+    """Whether :func:`topk_indices` (given a workspace) runs the C prefilter on ``flat``."""
+    n = flat.numel()
+    return k < n and n >= PREFILTER_MIN_NUMEL and 4 * k <= n and _native.usable(flat)
+
+
+class Candidates(NamedTuple):
+    """The prefilter's candidates of one compensated tensor, found while it was written
+    (:meth:`TopkCompressor.compensate_into`); valid while the tensor is unchanged since."""
+
+    ptr: int
+    numel: int
+    version: int
+    idx: Tensor
+    vals: Tensor
+
+
 def _full_topk(mags: Tensor, k: int) -> Tensor:
     """:func:`largest_k` over every element (``mags``: the magnitudes of the whole tensor)."""
     if mags.device.type != "cpu":  # one device selection, no host round trip; ties as torch breaks them
@@ -96,8 +119,39 @@ class TopkCompressor(SparseCompressor):
     def __init__(self, density: float = 0.01):
         super().__init__(density)
 
+    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+        """``out = g + r`` (error feedback's compensation, bitwise ``torch.add``) with the Top-k
+        prefilter's compaction in the same pass, kept for :meth:`select` of ``out``: one read of the
+        compensated tensor less. The floor comes from the same sample of ``g + r`` that
+        :func:`topk_indices` would read from ``out``, so the candidates, and the payload, are the
+        same. False (nothing written) where the prefilter would not run: the caller adds."""
+        flat = out.reshape(-1)
+        n = flat.numel()
+        k = k_for(n, self._density)
+        if not (prefilters(flat, k) and _native.usable(g) and _native.usable(r) and g.numel() == r.numel() == n):
+            return False
+        expected = _expected(k, n)
+        floor = max(sampled_value(sample_lines(g.reshape(-1)) + sample_lines(r.reshape(-1)), expected,
+                                  absolute=True), TINY)
+        if not math.isfinite(floor):
+            return False
+        idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
+        self._pending()[name] = Candidates(flat.data_ptr(), n, flat._version, idx, vals)
+        return True
+
+    def _pending(self) -> dict[str, Candidates]:
+        got = self.__dict__.get("_candidates")
+        if got is None:
+            got = self._candidates = {}
+        return got
+
     def select(self, flat: Tensor, name: str) -> Tensor:
-        return topk_indices(flat, k_for(flat.numel(), self._density), self._workspace())
+        k = k_for(flat.numel(), self._density)
+        c = self._pending().pop(name, None)
+        if (c is not None and c.ptr == flat.data_ptr() and c.numel == flat.numel() and c.version == flat._version
+                and c.vals.numel() >= k and prefilters(flat, k)):
+            return largest_k(c.idx, c.vals, k)  # what topk_indices' first attempt finds
+        return topk_indices(flat, k, self._workspace())
 
 
 @register("gtopk")

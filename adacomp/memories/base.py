@@ -154,7 +154,8 @@ class ResidualMemory(Memory):
     ``residual`` may write over its input (``residual_in_place``: the sparsifiers, which only zero
     the sent coordinates) it adds into that spare buffer instead, and ``update`` zeroes the sent
     coordinates there: the same values, without copying the whole compensated tensor (a read and a
-    write of the model per step).
+    write of the model per step). A compressor with ``compensate_into`` (Top-k) may write that sum
+    itself and select from it in the same pass; the values are the same add's.
     """
 
     owed_keys = ("residuals",)
@@ -185,8 +186,13 @@ class ResidualMemory(Memory):
             spare = self._spare.get(name)
             if not fits(spare, tensor) or spare is r:
                 spare = self._spare[name] = torch.empty_like(tensor)
-            return (torch.add(tensor, r, out=spare) if self.beta == 1.0
-                    else torch.add(tensor, r, alpha=self.beta, out=spare))
+            if self.beta != 1.0:
+                return torch.add(tensor, r, alpha=self.beta, out=spare)
+            # a compressor may write the sum itself and select from it in the same pass (Top-k)
+            fused = getattr(compressor, "compensate_into", None)
+            if fused is not None and fused(tensor, r, spare, name):
+                return spare
+            return torch.add(tensor, r, out=spare)
         return tensor.add_(r) if self.beta == 1.0 else tensor.add_(r, alpha=self.beta)
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
