@@ -140,9 +140,10 @@ class TopkCompressor(SparseCompressor):
         return True
 
     def _pending(self) -> dict[str, Candidates]:
-        got = self.__dict__.get("_candidates")
+        got: dict[str, Candidates] | None = self.__dict__.get("_candidates")
         if got is None:
-            got = self._candidates = {}
+            got = {}
+            self._candidates = got
         return got
 
     def select(self, flat: Tensor, name: str) -> Tensor:

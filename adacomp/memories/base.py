@@ -183,9 +183,9 @@ class ResidualMemory(Memory):
             # the same add as below, into the buffer update() will keep (see the class docstring);
             # ``tensor`` stays the raw gradient on every step, first ones and resumed ones included,
             # so whoever reads it later (L-GreCo's accumulators) sees the same thing on every path
-            spare = self._spare.get(name)
-            if not fits(spare, tensor) or spare is r:
-                spare = self._spare[name] = torch.empty_like(tensor)
+            kept = self._spare.get(name)
+            spare = kept if kept is not None and fits(kept, tensor) and kept is not r else torch.empty_like(tensor)
+            self._spare[name] = spare
             if self.beta != 1.0:
                 return torch.add(tensor, r, alpha=self.beta, out=spare)
             # a compressor may write the sum itself and select from it in the same pass (Top-k)
