@@ -185,3 +185,9 @@ def test_topk_compensation_and_prefilter_share_one_pass() -> None:
     t.mul_(-2.0)  # changed after the fused pass: its candidates no longer describe it
     (vals, idx), _ = comp.compress(t, "w")
     assert torch.equal(idx, topk_indices(t.reshape(-1), idx.numel(), Workspace()))
+    mem.update(t, "w", comp, [vals, idx], _)
+    # a communicator that compresses parts (alltoall) asks for the plain add: no selection to waste
+    comp.__dict__.pop("_candidates", None)
+    want = g1 + mem.residuals["w"]
+    assert torch.equal(mem.compensate(g1.clone(), "w", compressor=comp, whole=False), want)
+    assert not comp.__dict__.get("_candidates")

@@ -120,6 +120,7 @@ class AlltoallCommunicator(Communicator):
     second compression (see module docstring)."""
 
     offloadable = True
+    whole_tensors = False  # every tensor is compressed as N parts
 
     def __init__(self, feedback: bool = True):
         self.feedback = bool(feedback)
@@ -231,7 +232,7 @@ class AlltoallCommunicator(Communicator):
         else:
             acc.div_(world)
         if self.feedback:
-            acc = self.second.compensate(acc, e.name, compressor=e.compressor)
+            acc = self.second.compensate(acc, e.name, compressor=e.compressor, whole=False)  # compressed as agg{me}
         part = _compress(e.compressor, acc, f"{e.name}/agg{me}")
         if self.feedback:  # the engine stores acc minus what the recompressed part reconstructs
             e.also_charge(Charge(self.second, acc, e.name, e.compressor, part.payload, part.ctx))

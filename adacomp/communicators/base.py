@@ -144,6 +144,9 @@ class Communicator:
     #: True when ``start`` compresses every entry with :meth:`precompress` before any collective,
     #: so the optimizer may run that stage on its CPU worker thread and call ``start`` later.
     offloadable: ClassVar[bool] = False
+    #: compresses each entry's tensor whole under its name (False: in parts, ``alltoall``); error
+    #: feedback lets a compressor select while writing the compensated tensor only then
+    whole_tensors: ClassVar[bool] = True
 
     def precompress(self, entries: list[Entry], world: int) -> None:
         """Compress every entry not compressed yet. Touches no collective, no memory and no step

@@ -23,13 +23,16 @@ class Memory:
 
     name: ClassVar[str] = "base"
 
-    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
+                   whole: bool = True) -> Tensor:
         """The gradient to compress. May write into ``tensor``: the engine hands over this round's
         gradient, which the averaged one replaces afterwards (a caller that needs ``tensor``
         unchanged passes a copy). ``world``: the size of the group this round averages over (the
         engine passes it; a memory never reads a process-wide context). ``compressor``: the one
         that will compress the result, when the caller knows it (lets a memory pick a cheaper
-        buffer plan for it; the result's values never depend on it). Callers use the returned
+        buffer plan for it; the result's values never depend on it). ``whole``: that compressor
+        compresses the result whole under ``name`` (False for a communicator that compresses parts,
+        ``alltoall``): only then may it select while the sum is written. Callers use the returned
         tensor, which need not be ``tensor``, and hand it to :meth:`update`, which may keep it as
         state and rewrite it (no model-size copy per step): a caller that needs the compensated
         values after ``update`` copies them first."""
@@ -131,7 +134,8 @@ def names() -> list[str]:
 class NoneMemory(Memory):
     """No error feedback: what compression drops is lost."""
 
-    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
+                   whole: bool = True) -> Tensor:
         return tensor
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
@@ -170,7 +174,8 @@ class ResidualMemory(Memory):
         self.residuals: dict[str, Tensor] = {}
         self._spare: dict[str, Tensor] = {}  # the other buffer of each pair: next update writes it
 
-    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
+                   whole: bool = True) -> Tensor:
         r = self.residuals.get(name)
         if self.gamma != 1.0:
             tensor.mul_(self.gamma)
@@ -189,7 +194,7 @@ class ResidualMemory(Memory):
             if self.beta != 1.0:
                 return torch.add(tensor, r, alpha=self.beta, out=spare)
             # a compressor may write the sum itself and select from it in the same pass (Top-k)
-            fused = getattr(compressor, "compensate_into", None)
+            fused = getattr(compressor, "compensate_into", None) if whole else None
             if fused is not None and fused(tensor, r, spare, name):
                 return spare
             return torch.add(tensor, r, out=spare)

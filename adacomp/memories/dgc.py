@@ -58,7 +58,8 @@ class DGCMemory(Memory):
         norm = float(tensor.float().norm())
         return tensor * (limit / norm) if norm > limit else tensor
 
-    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None) -> Tensor:
+    def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
+                   whole: bool = True) -> Tensor:
         if self.clip_norm > 0.0:
             tensor = self._clip(tensor, world)
         u, v = self.velocity.get(name), self.accumulated.get(name)
