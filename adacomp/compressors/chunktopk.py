@@ -67,7 +67,6 @@ Where we differ from the reference (SparseLoCo's paper and code):
 """
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -76,7 +75,7 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors.sparse import Workspace, check_density, k_for
+from adacomp.compressors.sparse import Workspace, check_density, k_for, nan_as_largest
 
 BITS = (1, 2, 4, 8, 32)
 CHUNK_MIN, CHUNK_MAX = 8, 65536
@@ -151,8 +150,7 @@ def chunk_select(body: Tensor, k: int) -> tuple[Tensor, Tensor]:
     if body.device.type != "cpu":  # one device selection, no host round trip; ties as torch breaks them
         idx = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
     else:
-        if bool(torch.isnan(mags).any()):
-            mags = torch.where(torch.isnan(mags), torch.full_like(mags, math.inf), mags)
+        mags = nan_as_largest(mags)
         kth = torch.topk(mags, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
         keep = mags > kth
         tied = mags == kth

@@ -170,6 +170,15 @@ def nonzero_1d(mask: Tensor, expected: float = 1.0) -> Tensor:
 NATIVE_KTH_MIN = 1 << 11  # below this torch.topk is as fast as the C radix select and its call
 
 
+def nan_as_largest(mags: Tensor) -> Tensor:
+    """``mags`` with NaN as +inf (a copy only when there is one): the canonical top-k ranks a NaN
+    above every number, as torch.topk does, while the comparisons that cut at the k-th magnitude
+    need an ordered value."""
+    if bool(torch.isnan(mags).any()):
+        return torch.where(torch.isnan(mags), torch.full_like(mags, math.inf), mags)
+    return mags
+
+
 def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
     """The entries of ascending ``idx`` whose magnitudes ``mags`` are the k largest, still ascending.
 
@@ -180,8 +189,7 @@ def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
         return idx
     kth = _native.rth_largest_strided(mags, 1, k) if mags.numel() >= NATIVE_KTH_MIN and _native.usable(mags) else None
     if kth is None:  # torch answers (a NaN, no C library, another device)
-        if bool(torch.isnan(mags).any()):
-            mags = torch.where(torch.isnan(mags), torch.full_like(mags, math.inf), mags)
+        mags = nan_as_largest(mags)
         kth = float(torch.topk(mags, k, sorted=False).values.min())
     keep = mags > kth
     short = k - int(keep.sum())
@@ -204,7 +212,6 @@ def sample_value(a: Tensor, fraction: float, size: int = SAMPLE_SIZE, absolute: 
     spread offsets (all of ``a`` when it is no larger than ``size``): one read of that many cache
     lines, where a strided sample touches every line of any tensor under ``16 * size`` elements."""
     return sampled_value(sample_lines(a, size), fraction, absolute)
-
 
 
 def sample_lines(a: Tensor, size: int = SAMPLE_SIZE) -> Tensor:
