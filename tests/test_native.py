@@ -407,3 +407,77 @@ def test_portable_c_paths_equal_the_sse_paths(tmp_path) -> None:
         assert lib.ac_qsgd_codes(x.data_ptr(), 1000, rnd.data_ptr(), safe.data_ptr(), 0, 100, ctypes.c_float(7.0),
                                  out.data_ptr()) == 0
     assert torch.equal(codes[0], codes[1])
+
+
+def _ascending(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randperm(n, generator=g)[:k].sort().values
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 100, 4097, 20000])
+def test_sparse_mean_is_bitwise_zero_fill_index_add_and_div(world: int, n: int) -> None:
+    """The one-pass sparse mean equals zeros + ``index_add_`` of the ranks' payloads concatenated in
+    rank order + ``div_``: overlapping positions, -0.0, inf, NaN, subnormals, a divisor that is not
+    a power of two, empty payloads, and an output that is not 16-byte aligned."""
+    g = torch.Generator().manual_seed(world * 7 + n)
+    idx = [_ascending(n, 0 if r == 1 else max(1, n // (3 + r)), g) for r in range(world)]
+    vals = [torch.randn(i.numel(), generator=g) for i in idx]
+    for v in vals:
+        v[: min(3, v.numel())] = torch.tensor([-0.0, float("inf"), float("nan"), 1e-45, -1e-45][: min(3, v.numel())])
+    want = torch.zeros(n).index_add_(0, torch.cat(idx), torch.cat(vals)).div_(world)
+    for shift in (0, 1):  # shift 1: out starts 4 bytes into its storage
+        out = torch.full((n + shift,), 7.0)[shift:]
+        assert _native.sparse_mean(out, idx, vals, world)
+        assert torch.equal(bits(out), bits(want))
+
+
+@pytest.mark.parametrize("bad", ["descending", "duplicate", "negative", "past_end", "int32", "float64"])
+def test_sparse_mean_refuses_what_its_torch_path_must_answer(bad: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    idx = [_ascending(1000, 50, g), _ascending(1000, 50, g)]
+    vals = [torch.randn(50, generator=g), torch.randn(50, generator=g)]
+    if bad == "descending":
+        idx[1] = idx[1].flip(0)
+    elif bad == "duplicate":
+        idx[1][10] = idx[1][9]
+    elif bad == "negative":
+        idx[0][0] = -1
+    elif bad == "past_end":
+        idx[1][-1] = 1000
+    elif bad == "int32":
+        idx[0] = idx[0].to(torch.int32)
+    else:
+        vals[0] = vals[0].double()
+    out = torch.full((1000,), 7.0)
+    assert not _native.sparse_mean(out, idx, vals, 2)
+    if bad in ("descending", "duplicate", "negative", "past_end"):
+        assert bool((out == 7.0).all())  # refused before anything was written
+
+
+@pytest.mark.parametrize("m,k", [(1, 1), (50, 7), (5000, 4000), (70000, 600)])
+def test_pick_largest_equals_largest_k_and_gather(m: int, k: int) -> None:
+    """The C pick of k candidates equals ``largest_k`` (ties at the k-th magnitude to the lowest
+    positions) and the signed values gathered from the tensor; a NaN is left to torch."""
+    from adacomp.compressors.sparse import largest_k
+    g = torch.Generator().manual_seed(m + k)
+    flat = torch.randn(3 * m, generator=g).round(decimals=1)  # many ties
+    flat[::5] = -flat[::5]
+    idx = _ascending(3 * m, m, g)
+    mags = flat[idx].abs()
+    got = _native.pick_largest(mags, idx, k, flat)
+    assert got is not None
+    kept = largest_k(idx, mags, k)
+    assert torch.equal(got[0], kept) and torch.equal(bits(got[1]), bits(flat.index_select(0, kept)))
+    mags[0] = float("nan")
+    assert _native.pick_largest(mags, idx, k, flat) is None
+
+
+def test_zero_at_equals_index_fill() -> None:
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(5000, generator=g)
+    idx = _ascending(5000, 300, g)
+    want = out.clone().index_fill_(0, idx, 0)
+    assert _native.zero_at(out, idx) and torch.equal(bits(out), bits(want))
+    before = out.clone()
+    assert not _native.zero_at(out, torch.tensor([3, 5000]))
+    assert torch.equal(bits(out), bits(before))  # nothing written

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from adacomp.backends.base import Backend, Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
+from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import Workspace, divide_touched
 
@@ -87,14 +88,24 @@ def unpack(buf: Tensor, segs: list[Segment]) -> list[Tensor]:
     return [buf[s.offset:s.offset + s.nbytes].view(s.dtype).reshape(s.shape_for(s.numel)) for s in segs]
 
 
-def _mean_sparse(e: Entry, vals: Tensor, idx: Tensor, world: int, ws: Workspace | None = None) -> Tensor:
-    """All ranks' values added at their indices into one zero buffer, divided by the world size."""
+def _mean_sparse(e: Entry, vals: list[Tensor], idx: list[Tensor], world: int, ws: Workspace | None = None) -> Tensor:
+    """All ranks' values (``vals[r]`` at ``idx[r]``) added into one zero buffer, divided by the world
+    size. Where every payload is float32 at strictly ascending positions (the canonical sparsifiers'),
+    one C pass writes the whole output in order (no zero fill, scatter or gather passes); bitwise
+    the same as the torch path below."""
     n = e.tensor.numel()
+    vals = [v.reshape(-1) for v in vals]
+    idx = [i.reshape(-1) for i in idx]
+    if ws is not None and e.tensor.dtype == torch.float32 and e.tensor.device.type == "cpu":
+        out = ws.output(torch.Size([n]), n, e.tensor.dtype, e.tensor.device)
+        if _native.sparse_mean(out, idx, vals, world):
+            return out.view(e.tensor.shape)
+        del out
     acc = (torch.zeros(n, dtype=e.tensor.dtype, device=e.tensor.device) if ws is None
            else ws.zeros(torch.Size([n]), n, e.tensor.dtype, e.tensor.device))
-    idx = idx.reshape(-1).to(torch.int64)
-    acc.index_add_(0, idx, vals.reshape(-1).to(e.tensor.dtype))
-    return divide_touched(acc, idx, world).view(e.tensor.shape)
+    flat_idx = torch.cat(idx).to(torch.int64)
+    acc.index_add_(0, flat_idx, torch.cat(vals).to(e.tensor.dtype))
+    return divide_touched(acc, flat_idx, world).view(e.tensor.shape)
 
 
 def _mean_decompressed(e: Entry, payloads: list[list[Tensor]], ws: Workspace | None = None) -> Tensor:
@@ -125,8 +136,7 @@ def aggregate(entries: list[Entry], per_rank: list[list[list[Tensor]]], ws: Work
     out = []
     for i, e in enumerate(entries):
         if e.compressor.sparse:
-            out.append(_mean_sparse(e, torch.cat([p[i][0].reshape(-1) for p in per_rank]),
-                                    torch.cat([p[i][1].reshape(-1) for p in per_rank]), world, ws))
+            out.append(_mean_sparse(e, [p[i][0] for p in per_rank], [p[i][1] for p in per_rank], world, ws))
         else:
             out.append(_mean_decompressed(e, [p[i] for p in per_rank], ws))
     return out
@@ -327,7 +337,7 @@ class AllgatherFastCommunicator(Communicator):
             out, j = [], 0
             for e, c in zip(p.entries, p.counts):
                 if e.compressor.sparse:
-                    out.append(_mean_sparse(e, cols[j], cols[j + 1], world, _workspace(self)))
+                    out.append(_mean_sparse(e, list(cols[j]), list(cols[j + 1]), world, _workspace(self)))
                 else:
                     out.append(_mean_decompressed(
                         e, [[cols[j + q][r].reshape(segs[j + q].shape_for(segs[j + q].numel)) for q in range(c)]

@@ -151,7 +151,8 @@ def sparse_residual(tensor: Tensor, indices: Tensor, out: Tensor) -> Tensor:
     when the values are ``tensor``'s own at distinct ``indices`` (x - x = +0.0, x - 0.0 = x), in one
     copy instead of a zero fill, a scatter and a subtraction."""
     out.copy_(tensor)
-    out.view(-1).index_fill_(0, indices.to(device=out.device, dtype=torch.int64), 0)
+    if not _native.zero_at(out, indices):
+        out.view(-1).index_fill_(0, indices.to(device=out.device, dtype=torch.int64), 0)
     return out
 
 
@@ -196,6 +197,17 @@ def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
     if short > 0:
         keep[torch.nonzero(mags == kth).view(-1)[:short]] = True
     return idx[keep]
+
+
+def largest_k_values(idx: Tensor, mags: Tensor, k: int, flat: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`largest_k` of candidates ``idx`` into ``flat`` (magnitudes ``mags``) and the signed
+    values ``flat`` holds there: a payload. One C call where it serves, else torch's path."""
+    if idx.numel() >= k:
+        got = _native.pick_largest(mags, idx, k, flat)
+        if got is not None:
+            return got
+    kept = largest_k(idx, mags, k)
+    return kept, flat.index_select(0, kept)
 
 
 SAMPLE_LINE = 16
@@ -376,11 +388,17 @@ class SparseCompressor(Compressor):
         """Indices (into ``flat``) of the elements to send."""
         raise NotImplementedError(f"{type(self).__name__} must implement select()")
 
+    def pick(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor]:
+        """The payload's indices (:meth:`select`) and ``flat``'s values there; a subclass whose
+        selection has the values at hand returns them without the gather."""
+        idx = self.select(flat, name)
+        return idx, flat.index_select(0, idx)
+
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1)
-        idx = self.select(flat, name)
+        idx, vals = self.pick(flat, name)
         ctx = SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
-        return [flat.index_select(0, idx), idx], ctx
+        return [vals, idx], ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         return scatter(payload[0], payload[1], ctx, self._workspace())

@@ -25,7 +25,7 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
-                                        TINY, k_for, largest_k, sample_lines, sample_value, sampled_value, scatter)
+                                        TINY, k_for, largest_k, largest_k_values, sample_lines, sample_value, sampled_value, scatter)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
@@ -146,13 +146,27 @@ class TopkCompressor(SparseCompressor):
             self._candidates = got
         return got
 
-    def select(self, flat: Tensor, name: str) -> Tensor:
-        k = k_for(flat.numel(), self._density)
+    def _prepared(self, flat: Tensor, name: str, k: int) -> Candidates | None:
+        """The candidates :meth:`compensate_into` found for ``flat``, if ``flat`` is unchanged since
+        and they hold k (what :func:`topk_indices`' first attempt would find)."""
         c = self._pending().pop(name, None)
         if (c is not None and c.ptr == flat.data_ptr() and c.numel == flat.numel() and c.version == flat._version
                 and c.vals.numel() >= k and prefilters(flat, k)):
-            return largest_k(c.idx, c.vals, k)  # what topk_indices' first attempt finds
-        return topk_indices(flat, k, self._workspace())
+            return c
+        return None
+
+    def select(self, flat: Tensor, name: str) -> Tensor:
+        k = k_for(flat.numel(), self._density)
+        c = self._prepared(flat, name, k)
+        return largest_k(c.idx, c.vals, k) if c is not None else topk_indices(flat, k, self._workspace())
+
+    def pick(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor]:
+        k = k_for(flat.numel(), self._density)
+        c = self._prepared(flat, name, k)
+        if c is not None:
+            return largest_k_values(c.idx, c.vals, k, flat)
+        idx = topk_indices(flat, k, self._workspace())
+        return idx, flat.index_select(0, idx)
 
 
 @register("gtopk")
