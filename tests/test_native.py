@@ -481,3 +481,22 @@ def test_zero_at_equals_index_fill() -> None:
     before = out.clone()
     assert not _native.zero_at(out, torch.tensor([3, 5000]))
     assert torch.equal(bits(out), bits(before))  # nothing written
+
+
+@pytest.mark.parametrize("n", [1, 7, 17, 1 << 18, (1 << 18) + 3])
+def test_bf16_casts_equal_torch(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16's payload and its decompressed mean are bitwise torch's ``.to`` both ways (round to
+    nearest even at both parities, NaN, infinities, subnormals, a tensor past the recycling size)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 1e3
+    pats = torch.tensor([0x7FC00000, 0xFFC12345, 0x7F800000, 0x00000001, 0x3F808000, 0x3F818000, 0x807FFFFF],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x[: min(n, 7)] = pats[: min(n, 7)]
+    x[-1] = pats[1]
+    comp = compressors.get("bf16")
+    payload, ctx = comp.compress(x.clone(), "x")
+    assert torch.equal(payload[0].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(bits(comp.decompress(payload, ctx)), bits(x.to(torch.bfloat16).to(torch.float32)))
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    slow = compressors.get("bf16").compress(x.clone(), "x")[0]
+    assert torch.equal(slow[0].view(torch.int16), payload[0].view(torch.int16))

@@ -205,15 +205,6 @@ class LowRankCompressor(Compressor):
     def on_step(self, step: int) -> None:
         self.step = int(step)
 
-    @property
-    def workspace(self) -> Workspace:
-        """Recycled dense outputs (:func:`outer_product`); created on first use, so objects made
-        without ``__init__`` (unpickled) get one too. Never state."""
-        ws = self.__dict__.get("_workspace")
-        if ws is None:
-            ws = self._workspace = Workspace()
-        return ws
-
     def _base_state(self) -> dict[str, Any]:
         return {"step": self.step, "rank": self.rank, "seed": self.seed}
 

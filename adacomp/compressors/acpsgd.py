@@ -105,7 +105,7 @@ class ACPSGDCompressor(LowRankCompressor):
             (self.p if c.kind == "p" else self.q)[c.name] = f.detach().clone()
         assert c.other is not None  # set for "p" and "q" contexts
         p, q = (f, c.other) if c.kind == "p" else (c.other, f)
-        out = outer_product(p, q, self.workspace)
+        out = outer_product(p, q, self._workspace())
         return out.view(c.shape)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:

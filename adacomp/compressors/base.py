@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
+from adacomp.compressors.workspace import Workspace
 from adacomp.registry import Registry
 
 registry: Registry["Compressor"] = Registry("compressor", "adacomp.compressors")
@@ -54,6 +56,15 @@ class Compressor:
     rounds: ClassVar[int] = 1
     biased: ClassVar[bool] = True
     granularity: ClassVar[str] = "tensor"
+
+    def _workspace(self) -> Workspace:
+        """Recycled scratch and output buffers (:class:`Workspace`; CPU): a fresh multi-MB tensor
+        per call costs more in page faults than most passes over it. Created on first use, so
+        subclasses that skip ``__init__`` and unpickled compressors get one too; never state."""
+        ws = self.__dict__.get("workspace")
+        if ws is None:
+            ws = self.workspace = Workspace()
+        return ws
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress()")
@@ -148,10 +159,20 @@ class CastCompressor(Compressor):
     wire_dtype: ClassVar[torch.dtype] = torch.float16
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        if self.wire_dtype == torch.bfloat16 and tensor.dtype == torch.float32 and tensor.is_contiguous():
+            out = self._workspace().output(tensor.shape, tensor.numel(), torch.bfloat16, tensor.device)
+            if _native.to_bf16(tensor.view(-1), out.view(-1)):
+                return [out], tensor.dtype
         return [tensor.to(self.wire_dtype)], tensor.dtype
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        return payload[0].to(ctx)
+        x = payload[0]
+        if x.dtype == torch.bfloat16 and ctx == torch.float32 and x.is_contiguous():
+            out = self._workspace().output(x.shape, x.numel(), torch.float32, x.device)
+            if _native.from_bf16(x.view(-1), out.view(-1)):
+                return out
+        return x.to(ctx)
+
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         return int(torch.Size(shape).numel()) * 2

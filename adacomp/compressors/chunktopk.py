@@ -247,12 +247,6 @@ class ChunkTopkCompressor(Compressor):
         return [packed, scale_t, indices], ctx
 
     # ------------------------------------------------------------------ decompress
-    def _workspace(self) -> Workspace:
-        ws = self.__dict__.get("workspace")
-        if ws is None:
-            ws = self.workspace = Workspace()
-        return ws
-
     def kept_values(self, payload: Payload, ctx: ChunkCtx) -> Tensor:
         """The dequantized kept values (float32, chunk by chunk) of any rank's payload."""
         k = ctx.kept

@@ -10,7 +10,6 @@ from torch import Tensor
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors import _native
 from adacomp.compressors._bitpack import decode, pack_bits
-from adacomp.compressors.sparse import Workspace
 
 
 class SignCtx(NamedTuple):
@@ -34,12 +33,6 @@ class EFSignSGDCompressor(Compressor):
     additive = False
     fused_mean = True
     fixed_size = True
-
-    def _workspace(self) -> Workspace:
-        ws = self.__dict__.get("workspace")
-        if ws is None:
-            ws = self.workspace = Workspace()
-        return ws
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         """|p| and the sign mask go to reused scratch (no page faults on fresh multi-MB tensors);

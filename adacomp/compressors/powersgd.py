@@ -100,7 +100,7 @@ class PowerSGDCompressor(LowRankCompressor):
         if c.approx is not None and c.approx[0] is q:  # memory.update and the output use the same mean
             return c.approx[1]
         self.q[c.name] = q.detach().clone()  # Q_{t-1} of the next step (warm start)
-        out = outer_product(c.p_hat, q, self.workspace).view(c.shape)
+        out = outer_product(c.p_hat, q, self._workspace()).view(c.shape)
         c.approx = (q, out)
         return out
 

@@ -14,7 +14,6 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits, unpack_levels
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors.sparse import Workspace
 
 __all__ = ["QSGDCompressor", "QuantCtx", "check_bits", "pack_bits", "unpack_bits"]
 
@@ -103,12 +102,6 @@ class QSGDCompressor(Compressor):
     def _buckets(self, numel: int) -> int:
         size = min(self.bucket_size, numel) if self.bucket_size else numel
         return max(1, -(-numel // max(size, 1)))
-
-    def _workspace(self) -> Workspace:
-        ws = self.__dict__.get("workspace")
-        if ws is None:
-            ws = self.workspace = Workspace()
-        return ws
 
     def _norms(self, src: Tensor, n: int, size: int, nb: int) -> Tensor:
         """Per-bucket l2 norms, each the norm of its zero-padded bucket of ``size`` elements: the

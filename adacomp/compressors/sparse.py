@@ -16,6 +16,7 @@ from torch import Tensor
 
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload
+from adacomp.compressors.workspace import RECYCLE_MIN_NUMEL, Workspace
 
 
 class SparseCtx(NamedTuple):
@@ -41,83 +42,6 @@ def k_for(numel: int, density: float) -> int:
 TINY = torch.finfo(torch.float32).tiny
 """Smallest normal float32: the lowest candidate floor of the prefiltered selections, so exact zeros
 (most of a ReLU layer's gradient) never qualify; a selection short of candidates takes its exact path."""
-RECYCLE_MIN_NUMEL = 1 << 18  # below ~1 MiB the allocator reuses heap memory without page faults
-
-
-def _storage_users(t: Tensor) -> int | None:
-    """Tensors sharing ``t``'s storage (``t`` itself included), or None where torch cannot tell."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return None
-    return int(use_count(t.untyped_storage()._cdata)) - 1  # minus the temporary storage object
-
-
-class Workspace:
-    """Per-compressor (or per-communicator) memory reused across calls; not state (never in
-    ``state_dict``).
-
-    ``scratch`` buffers never leave their owner. ``zeros`` / ``output`` hand out a dense output as a
-    *view* of a kept buffer and reuse that buffer only once no other tensor shares its storage, so an
-    output the caller still holds (a gradient, a list of decompressed tensors) is never rewritten.
-    ``POOL`` buffers are kept per shape and dtype: an output installed as ``p.grad`` and held until
-    the next step leaves the other one free. Only CPU outputs of >= ``RECYCLE_MIN_NUMEL`` elements
-    are recycled (CUDA has a caching allocator).
-    """
-
-    POOL = 2
-    POOL_MAX = 256
-    """A key's pool grows past ``POOL`` while every buffer in it is held (a model has many tensors of
-    one shape, e.g. GPT-2's 24 of 768 x 3072 elements, all installed as gradients at once), up to
-    this many; before, the pool evicted a held buffer and every such output was a fresh allocation
-    (page faults on each multi-MB tensor, each step)."""
-
-    def __init__(self) -> None:
-        self._scratch: dict[tuple, Tensor] = {}
-        self._outputs: dict[tuple, list[Tensor]] = {}
-
-    def scratch(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        key = (tag, dtype, str(device))
-        buf = self._scratch.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._scratch[key] = buf
-        return buf[:numel]
-
-    def _recycled(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, bool]:
-        """A kept buffer nobody else holds (True) or a fresh one, kept while the pool has room."""
-        pool = self._outputs.setdefault(key, [])
-        for buf in pool:
-            if _storage_users(buf) == 1:
-                return buf, True
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        if _storage_users(buf) is not None:
-            if len(pool) >= self.POOL_MAX:
-                pool.pop(0)
-            pool.append(buf)  # every kept buffer is in use: keep this one too (see POOL_MAX)
-        return buf, False
-
-    def zeros(self, shape: torch.Size, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        if device.type != "cpu" or numel < RECYCLE_MIN_NUMEL:
-            return torch.zeros(shape, dtype=dtype, device=device)
-        buf, _ = self._recycled((numel, dtype), numel, dtype, device)
-        return buf.zero_().view(shape)
-
-    def output(self, shape: torch.Size, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """An uninitialised dense output with :meth:`zeros`' recycling rule (for callers that
-        overwrite every element, e.g. a quantiser's decode)."""
-        if device.type != "cpu" or numel < RECYCLE_MIN_NUMEL:
-            return torch.empty(shape, dtype=dtype, device=device)
-        buf, _ = self._recycled(("empty", numel, dtype), numel, dtype, device)
-        return buf.view(shape)
-
-    def magnitudes(self, flat: Tensor) -> Tensor:
-        """|flat| as float32 in a scratch buffer (one pass, no allocation after the first call)."""
-        a = self.scratch("abs", flat.numel(), torch.float32, flat.device)
-        if flat.dtype == torch.float32:
-            return torch.abs(flat, out=a)
-        return a.copy_(flat).abs_()
-
-
 def scatter(values: Tensor, indices: Tensor, ctx: SparseCtx, workspace: Workspace | None = None) -> Tensor:
     if workspace is None:
         out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
@@ -407,13 +331,6 @@ class SparseCompressor(Compressor):
         if self.exact_values and payload[0].dtype == tensor.dtype:
             return sparse_residual(tensor, payload[1], out)
         return super().residual(tensor, payload, ctx, out)
-
-    def _workspace(self) -> Workspace:
-        """Subclasses that skip ``__init__`` (or objects restored by pickle) still get one."""
-        ws = self.__dict__.get("workspace")
-        if ws is None:
-            ws = self.workspace = Workspace()
-        return ws
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         return k_for(int(torch.Size(shape).numel()), self._density) * (itemsize + 8)

@@ -270,10 +270,7 @@ class RandomkCompressor(Compressor):
         return [flat.index_select(0, idx)], ctx
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        ws = self.__dict__.get("workspace")
-        if ws is None:
-            ws = self.workspace = Workspace()
-        return scatter(payload[0], ctx.indices, ctx.sparse, ws)
+        return scatter(payload[0], ctx.indices, ctx.sparse, self._workspace())
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         return k_for(int(torch.Size(shape).numel()), self._density) * itemsize
