@@ -155,16 +155,17 @@ def test_qsgd_codes_equal_torch_operations(size: int, off0: int, m: int) -> None
 
 @pytest.mark.parametrize("method,params", [("qsgd", {"bits": 4}), ("qsgd", {"bits": 2, "bucket_size": 100}),
                                            ("qsgd", {"bits": 2, "bucket_size": 7}), ("qsgd", {"bits": 3}),
-                                           ("efsignsgd", {})])
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_fused_mean_equals_decompress_sum_divide(method: str, params: dict, world: int) -> None:
+                                           ("qsgd", {"bits": 2, "bucket_size": 0}),
+                                           ("qsgd", {"bits": 4, "bucket_size": 0}), ("efsignsgd", {})])
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("n", [10007, 40009])
+def test_fused_mean_equals_decompress_sum_divide(method: str, params: dict, world: int, n: int) -> None:
     """The quantisers' fused mean over ranks equals the communicators' generic path bitwise:
     decompress each rank's payload, ``d0 + d1``, ``+= d_r``, ``/ world`` (QSGD's 3-bit codes are left
-    to that path)."""
+    to that path). 40009 elements in one bucket take the C path's whole-byte tables."""
     comp = compressors.get(method, **params)
     assert comp.fused_mean
     g = torch.Generator().manual_seed(world)
-    n = 10007
     sent = [comp.compress(torch.randn(n, generator=g) * (r + 1), "w") for r in range(world)]
     payloads, ctx = [p for p, _ in sent], sent[0][1]
     acc = torch.add(comp.decompress(payloads[0], ctx), comp.decompress(payloads[1], ctx))
@@ -500,3 +501,20 @@ def test_bf16_casts_equal_torch(n: int, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("ADACOMP_NATIVE", "0")
     slow = compressors.get("bf16").compress(x.clone(), "x")[0]
     assert torch.equal(slow[0].view(torch.int16), payload[0].view(torch.int16))
+
+
+@pytest.mark.parametrize("n", [5, 1 << 14, (1 << 15) + 3])
+def test_efsignsgd_residual_equals_decompress_and_subtract(n: int) -> None:
+    """EF-SignSGD's one-pass residual equals ``tensor - decompress(payload)`` bitwise, in place or
+    not, with NaN, infinities and signed zeros in the tensor."""
+    comp = compressors.get("efsignsgd")
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(n, generator=g)
+    t[:4] = torch.tensor([-0.0, 0.0, float("inf"), 3.0])[: min(n, 4)]
+    payload, ctx = comp.compress(t, "w")
+    t[-1] = float("nan")  # after compress: the scale stays finite, the residual carries the NaN
+    want = torch.sub(t, comp.decompress(payload, ctx))
+    got = comp.residual(t, payload, ctx, torch.empty(n))
+    assert torch.equal(bits(got), bits(want))
+    same = t.clone()
+    assert torch.equal(bits(comp.residual(same, payload, ctx, same)), bits(want))

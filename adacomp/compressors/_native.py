@@ -38,6 +38,16 @@ each also as ``abs_<mode>``: the test on ``|a|`` (sign bit cleared, as torch.abs
 _SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+/* Loops the compiler vectorises are also built for AVX2 and picked at load time where the CPU has
+   it (8 floats per instruction instead of SSE2's 4). The same IEEE operation per element, no
+   contraction into FMA (-ffp-contract=off): the bits do not depend on the clone that runs. */
+#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) ? __clang_major__ >= 14 : __GNUC__ >= 6) \
+    && defined(__linux__)
+#define AC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define AC_CLONES
+#endif
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -471,32 +481,109 @@ int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe
             for (int k = 0; k < 8 / (B); ++k) out[i + k] = out[i + k] + tab[(byte >> (k * (B))) & mask]; \
         }                                                                                       \
     }
-void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int world, int64_t n, int bits,
+/* Each bucket is worked in runs of TABLE_RUN elements: every rank's codes are added into the run
+   and the run is divided while it is still in L1, so the output goes to memory once instead of
+   once per rank plus once for the division. A power-of-two world multiplies by its exact inverse
+   (x * 2^-m is x / 2^m, rounded alike). A bucket of >= TABLE_BYTE_MIN bytes first expands each
+   rank's table to one of whole bytes (256 x 8 / bits values), so a byte decodes as one short vector
+   copy or add instead of 8 / bits lookups (EF-SignSGD's one bucket per tensor); the values and
+   their order of addition are the same. */
+#define TABLE_RUN 2048
+#define TABLE_BYTE_MIN 4096
+/* one byte's values as one vector copy (first rank) or add (later ranks); VT holds 8 / B floats */
+#define BYTE_TABLE(B, VT)                                                                       \
+    if (r == 0) {                                                                               \
+        for (; i < whole; i += 8 / (B)) {                                                       \
+            VT v;                                                                               \
+            __builtin_memcpy(&v, tr + pk[(i * (B)) >> 3] * (8 / (B)), sizeof v);               \
+            __builtin_memcpy(out + i, &v, sizeof v);                                            \
+        }                                                                                       \
+    } else {                                                                                    \
+        for (; i < whole; i += 8 / (B)) {                                                       \
+            VT v, o;                                                                            \
+            __builtin_memcpy(&v, tr + pk[(i * (B)) >> 3] * (8 / (B)), sizeof v);               \
+            __builtin_memcpy(&o, out + i, sizeof o);                                            \
+            o = o + v;                                                                          \
+            __builtin_memcpy(out + i, &o, sizeof o);                                            \
+        }                                                                                       \
+    }
+typedef float ac_v8f __attribute__((vector_size(32)));
+typedef float ac_v4f __attribute__((vector_size(16)));
+typedef float ac_v2f __attribute__((vector_size(8)));
+/* EF-SignSGD's residual in one pass: out = t - (bit ? s : -s) per element, bitwise torch.sub of
+   the decoded signs (each decoded value is exactly +-s; one IEEE subtraction, t first). Whole
+   bytes take their 8 decoded values from a 256-entry table as one vector. out may be t. */
+AC_CLONES void ac_sign_residual(const float* t, const uint8_t* packed, float s, float* out, int64_t n) {
+    const float tab[2] = {-s, s};
+    int64_t i = 0;
+    if (n >= 1 << 14) {
+        float* bt = (float*)malloc(256 * 8 * sizeof(float));
+        if (bt != NULL) {
+            for (int byte = 0; byte < 256; ++byte)
+                for (int k = 0; k < 8; ++k) bt[byte * 8 + k] = tab[(byte >> k) & 1];
+            for (; i + 8 <= n; i += 8) {
+                ac_v8f v, x;
+                __builtin_memcpy(&v, bt + packed[i >> 3] * 8, sizeof v);
+                __builtin_memcpy(&x, t + i, sizeof x);
+                x = x - v;
+                __builtin_memcpy(out + i, &x, sizeof x);
+            }
+            free(bt);
+        }
+    }
+    for (; i < n; ++i) out[i] = t[i] - tab[(packed[i >> 3] >> (i & 7)) & 1];
+}
+AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int world, int64_t n, int bits,
                    int64_t size, float* out) {
     const unsigned mask = (1u << bits) - 1u;
     const int per = 8 / bits;
     const float w = (float)world;
-    for (int64_t lo = 0; lo < n; lo += size) {
-        const int64_t hi = lo + size < n ? lo + size : n, b = lo / size;
-        for (int r = 0; r < world; ++r) {
-            const uint8_t* pk = (const uint8_t*)(uintptr_t)packed[r];
-            const float* tab = (const float*)(uintptr_t)tables[r] + (b << bits);
-            int64_t i = lo;
-            for (; i < hi && i % per; ++i)  /* up to the first whole byte */
-                out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
-                                : out[i] + tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask];
-            const int64_t whole = i + (hi - i) / per * per;
-            switch (bits) {  /* constant widths: the per-byte loops unroll */
-            case 1: TABLE_BYTES(1); break;
-            case 2: TABLE_BYTES(2); break;
-            default: TABLE_BYTES(4); break;
+    const int pow2 = (world & (world - 1)) == 0;
+    const float inv = 1.0f / w;
+    float* bt = size / per >= TABLE_BYTE_MIN ? (float*)malloc((size_t)world * 256 * 8 * sizeof(float)) : NULL;
+    for (int64_t lo0 = 0; lo0 < n; lo0 += size) {
+        const int64_t hi0 = lo0 + size < n ? lo0 + size : n, b = lo0 / size;
+        const int bytes = bt != NULL && (hi0 - lo0) / per >= TABLE_BYTE_MIN;
+        if (bytes)
+            for (int r = 0; r < world; ++r) {
+                const float* tab = (const float*)(uintptr_t)tables[r] + (b << bits);
+                float* tr = bt + (size_t)r * 256 * 8;
+                for (int byte = 0; byte < 256; ++byte)
+                    for (int k = 0; k < per; ++k) tr[byte * per + k] = tab[(byte >> (k * bits)) & mask];
             }
-            for (; i < hi; ++i)
-                out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
-                                : out[i] + tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask];
+        for (int64_t lo = lo0; lo < hi0; lo += TABLE_RUN) {
+            const int64_t hi = lo + TABLE_RUN < hi0 ? lo + TABLE_RUN : hi0;
+            for (int r = 0; r < world; ++r) {
+                const uint8_t* pk = (const uint8_t*)(uintptr_t)packed[r];
+                const float* tab = (const float*)(uintptr_t)tables[r] + (b << bits);
+                int64_t i = lo;
+                for (; i < hi && i % per; ++i)  /* up to the first whole byte */
+                    out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
+                                    : out[i] + tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask];
+                const int64_t whole = i + (hi - i) / per * per;
+                if (bytes) {
+                    const float* tr = bt + (size_t)r * 256 * 8;
+                    switch (bits) {
+                    case 1: BYTE_TABLE(1, ac_v8f); break;
+                    case 2: BYTE_TABLE(2, ac_v4f); break;
+                    default: BYTE_TABLE(4, ac_v2f); break;
+                    }
+                } else {
+                    switch (bits) {  /* constant widths: the per-byte loops unroll */
+                    case 1: TABLE_BYTES(1); break;
+                    case 2: TABLE_BYTES(2); break;
+                    default: TABLE_BYTES(4); break;
+                    }
+                }
+                for (; i < hi; ++i)
+                    out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
+                                    : out[i] + tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask];
+            }
+            if (pow2) for (int64_t i = lo; i < hi; ++i) out[i] = out[i] * inv;
+            else for (int64_t i = lo; i < hi; ++i) out[i] = out[i] / w;
         }
-        for (int64_t i = lo; i < hi; ++i) out[i] = out[i] / w;
     }
+    free(bt);
 }
 /* torch's CPU generator (the Mersenne Twister MT19937 of CPUGeneratorImpl) worked on the bytes of
    its get_state(): int64 seed @0, int32 left @8, int32 seeded @12, uint64 next @16, uint64
@@ -610,6 +697,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean.restype = ctypes.c_int
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_zero_at.restype = ctypes.c_int
+    lib_.ac_sign_residual.restype = None
+    lib_.ac_sign_residual.argtypes = [vp, vp, ctypes.c_float, vp, i64]
     for fname in ("ac_to_bf16", "ac_from_bf16"):
         fc = getattr(lib_, fname)
         fc.restype = None
@@ -770,6 +859,17 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
             or not idx.is_contiguous()):
         return False
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
+
+
+def sign_residual(t: Tensor, packed: Tensor, s: float, out: Tensor) -> bool:
+    """``torch.sub(t, decoded, out=out)`` where ``decoded[i]`` is ``+s`` for a set bit i of
+    ``packed`` and ``-s`` otherwise (EF-SignSGD's residual), in one pass without the decoded tensor;
+    False where torch must run."""
+    n = t.numel()
+    if not (usable(t) and usable(out) and out.numel() == n and _bytes_ok(packed) and packed.numel() * 8 >= n):
+        return False
+    library().ac_sign_residual(t.data_ptr(), packed.data_ptr(), s, out.data_ptr(), n)  # type: ignore[union-attr]
+    return True
 
 
 _bf16_agrees: bool | None = None

@@ -56,6 +56,18 @@ class EFSignSGDCompressor(Compressor):
         tables = [torch.cat([-p[0].float(), p[0].float()]) for p in payloads]  # decompress's values
         return _native.table_mean([p[1] for p in payloads], tables, 1, c.numel, c.numel, out)
 
+    def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        """``tensor - decompress(payload)`` in one C pass (no decoded tensor written and read back),
+        bitwise the generic path's."""
+        c: SignCtx = ctx
+        scale, packed = payload
+        if (type(self).decompress is EFSignSGDCompressor.decompress and c.dtype == torch.float32
+                and scale.dtype == torch.float32 and scale.device.type == "cpu" and tensor.is_contiguous()
+                and out.is_contiguous()
+                and _native.sign_residual(tensor.view(-1), packed, float(scale), out.view(-1))):
+            return out
+        return super().residual(tensor, payload, ctx, out)
+
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         """Each bit becomes -s or +s, exactly ``(2 bit - 1) * s`` in float32, by a byte-table lookup."""
         scale, packed = payload
