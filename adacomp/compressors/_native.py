@@ -157,7 +157,7 @@ SELECT_ROWS(ac_select_rows_ge, ac_select_ge)
 SELECT_ROWS(ac_select_rows_not_lt, ac_select_not_lt)
 /* DGC's momentum correction in one pass: u = u * m + g (two roundings, as torch's mul_ then add_),
    out = v + u. */
-void ac_momentum_accumulate(const float* u, const float* g, const float* v, float* u_out, float* v_out,
+AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const float* v, float* u_out, float* v_out,
                             int64_t n, float m) {
     for (int64_t i = 0; i < n; ++i) {
         float t = u[i] * m;
@@ -346,19 +346,25 @@ void ac_to_bf16(const uint32_t* x, uint16_t* out, int64_t n) {
         out[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0xffff : (uint16_t)((u + ((u >> 16) & 1u) + 0x7fffu) >> 16);
     }
 }
-void ac_from_bf16(const uint16_t* x, uint32_t* out, int64_t n) {
+AC_CLONES void ac_from_bf16(const uint16_t* x, uint32_t* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = (uint32_t)x[i] << 16;
 }
 /* Bit packing, the layout of adacomp.compressors._bitpack: code i at stream bits [i b, (i+1) b),
    LSB first; the last byte zero-padded. b is 1, 2 or 4; codes are below 2^b. */
-void ac_pack(const uint8_t* codes, int64_t n, int b, uint8_t* out) {
+#define PACK_LOOP(B)                                                                    \
+    for (j = 0; j < full; ++j) {                                                        \
+        const uint8_t* c = codes + j * (8 / (B));                                       \
+        unsigned v = 0;                                                                 \
+        for (int t = 0; t < 8 / (B); ++t) v |= (unsigned)c[t] << ((B) * t);             \
+        out[j] = (uint8_t)v;                                                            \
+    }
+AC_CLONES void ac_pack(const uint8_t* codes, int64_t n, int b, uint8_t* out) {
     int per = 8 / b;
     int64_t full = n / per, j;
-    for (j = 0; j < full; ++j) {
-        const uint8_t* c = codes + j * per;
-        unsigned v = 0;
-        for (int t = 0; t < per; ++t) v |= (unsigned)c[t] << (b * t);
-        out[j] = (uint8_t)v;
+    switch (b) {  /* constant widths: the loops unroll and vectorise */
+    case 1: PACK_LOOP(1); break;
+    case 2: PACK_LOOP(2); break;
+    default: PACK_LOOP(4); break;
     }
     if (full * per < n) {
         unsigned v = 0;
@@ -377,7 +383,7 @@ void ac_unpack(const uint8_t* packed, int64_t n, int b, uint8_t* out) {
     for (int64_t i = full * per; i < n; ++i) out[i] = (uint8_t)((packed[full] >> (b * (i - full * per))) & mask);
 }
 /* 1-bit codes of x >= 0 (NaN: 0), packed: one read of x, no bool mask. */
-void ac_pack_nonneg(const float* x, int64_t n, uint8_t* out) {
+AC_CLONES void ac_pack_nonneg(const float* x, int64_t n, uint8_t* out) {
     int64_t full = n / 8, j;
     for (j = 0; j < full; ++j) {
         const float* v = x + 8 * j;
@@ -392,7 +398,7 @@ void ac_pack_nonneg(const float* x, int64_t n, uint8_t* out) {
     }
 }
 /* out[i] = table[code i] for float32 tables of 2^b entries (a byte-table decode without the table). */
-void ac_decode(const uint8_t* packed, int64_t n, int b, const float* values, float* out) {
+AC_CLONES void ac_decode(const uint8_t* packed, int64_t n, int b, const float* values, float* out) {
     int per = 8 / b;
     unsigned mask = (1u << b) - 1u;
     int64_t full = n / per, j;
@@ -928,14 +934,18 @@ def _bytes_ok(t: Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.uint8, torch.bool) and t.is_contiguous()
 
 
-def pack(codes: Tensor, bits: int) -> Tensor | None:
+def pack(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor | None:
     """:func:`adacomp.compressors._bitpack.pack_bits` of 1-D uint8 / bool ``codes`` (values below
-    ``2**bits``, ``bits`` in 1, 2, 4) in one pass; None where the torch path must answer."""
+    ``2**bits``, ``bits`` in 1, 2, 4) in one pass, into ``out`` (contiguous uint8 of the packed size)
+    when given; None where the torch path must answer."""
     lib = library()
     if lib is None or bits not in PACK_BITS or not _bytes_ok(codes):
         return None
     n = codes.numel()
-    out = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    elif not (_bytes_ok(out) and out.numel() == -(-n * bits // 8)):
+        return None
     lib.ac_pack(codes.data_ptr(), n, bits, out.data_ptr())
     return out
 

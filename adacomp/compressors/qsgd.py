@@ -149,7 +149,8 @@ class QSGDCompressor(Compressor):
         aligned = all(lo % 8 == 0 for lo, _, _ in blocks)
         codes_all = None if aligned else torch.empty(n, dtype=torch.uint8, device=src.device)
         c_buf = ws.scratch("codes", width, torch.uint8, src.device)
-        packed = torch.empty(packed_bytes(n, self.bits), dtype=torch.uint8, device=src.device)
+        nbytes = packed_bytes(n, self.bits)
+        packed = ws.output(torch.Size([nbytes]), nbytes, torch.uint8, src.device)  # recycled once nobody holds it
         for lo, hi, first in blocks:
             m = max(0, min(hi, n) - lo)  # real elements; the rest is the last bucket's zero padding
             a, rnd = a_buf[:hi - lo], r_buf[:hi - lo]
@@ -162,9 +163,10 @@ class QSGDCompressor(Compressor):
             if not _native.qsgd_codes(x, rnd, safe[first:], lo - first * size, size, self.s, codes):
                 self._codes_torch(x, a, rnd, safe, lo, hi, first, size, chunk, m, codes)
             if aligned:
-                out = pack_bits(codes, self.bits)
                 b0 = lo * self.bits // 8
-                packed[b0:b0 + out.numel()] = out
+                dst = packed[b0:b0 + packed_bytes(m, self.bits)]
+                if _native.pack(codes, self.bits, out=dst) is None:  # straight into the payload
+                    dst.copy_(pack_bits(codes, self.bits))
         if not aligned:
             packed = pack_bits(codes_all, self.bits)  # type: ignore[arg-type]
         ctx = QuantCtx(tensor.shape, n, tensor.dtype, tensor.device, self.bits, self.s, size)
