@@ -518,3 +518,14 @@ def test_efsignsgd_residual_equals_decompress_and_subtract(n: int) -> None:
     assert torch.equal(bits(got), bits(want))
     same = t.clone()
     assert torch.equal(bits(comp.residual(same, payload, ctx, same)), bits(want))
+
+
+def test_the_switch_takes_effect_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ADACOMP_NATIVE=0`` set (or removed) while running turns the C passes off (or on) at the next call."""
+    assert _native.library() is not None
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    assert _native.library() is None and not _native.usable(torch.ones(3)) and _native.why_unavailable() == "ADACOMP_NATIVE=0"
+    monkeypatch.setenv("ADACOMP_NATIVE", "1")
+    assert _native.library() is not None
+    monkeypatch.delenv("ADACOMP_NATIVE")
+    assert _native.usable(torch.ones(3))
