@@ -31,6 +31,22 @@ def test_randomk_sampler_gives_k_distinct_indices_same_for_equal_generators(n: i
     assert int(a.min()) >= 0 and int(a.max()) < n and a.dtype == torch.int64
 
 
+@pytest.mark.parametrize("short", [False, True])
+@pytest.mark.parametrize("n,k", [(10, 3), (1000, 499), (1 << 16, 655), (2_400_000, 24000)])
+def test_randomk_sampler_equal_with_and_without_the_library(n: int, k: int, short: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C bitmap sampler picks the same indices as torch.unique's path, also when the first batch
+    of draws is too short (``short``: a first batch of 64 draws, so more are drawn, the same amounts
+    from the same generator on both paths)."""
+    import adacomp.compressors.topk as topk_module
+    if short:
+        monkeypatch.setattr(topk_module.math, "log", lambda x: 0.0)
+    fast = distinct_uniform(n, k, gen(5))
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    slow = distinct_uniform(n, k, gen(5))
+    assert torch.equal(fast, slow) and fast.numel() == k
+
+
 def test_randomk_sampler_is_uniform() -> None:
     n, k, draws = 50, 5, 4000
     g = gen(11)

@@ -310,6 +310,24 @@ int ac_sparse_mean(float* out, int64_t n, int world, const int64_t* const* idx, 
     }
     return 0;
 }
+/* Random-k's sample: the first k distinct values of draws (each in [0, n)) in draw order, written
+   ascending; returns how many distinct values were found (< k: every draw was used). A bitmap of
+   n bits (zeroed by the caller) replaces torch.unique's sort. -1 on a draw outside [0, n). */
+int64_t ac_first_distinct(const int64_t* draws, int64_t m, int64_t n, int64_t k, uint64_t* bitmap, int64_t* out) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < m && c < k; ++i) {
+        const int64_t d = draws[i];
+        if (d < 0 || d >= n) return -1;
+        const uint64_t bit = (uint64_t)1 << (d & 63);
+        if (!(bitmap[d >> 6] & bit)) { bitmap[d >> 6] |= bit; ++c; }
+    }
+    int64_t w = 0;
+    for (int64_t j = 0; j < (n + 63) / 64 && w < c; ++j) {
+        uint64_t b = bitmap[j];
+        while (b) { out[w++] = (j << 6) + __builtin_ctzll(b); b &= b - 1; }
+    }
+    return c;
+}
 /* out[idx[i]] = +0.0 (index_fill_ with 0): error feedback's residual of an exact-value sparse payload.
    -1 (nothing written) when a position lies outside [0, n). */
 int ac_zero_at(float* out, int64_t n, const int64_t* idx, int64_t m) {
@@ -703,6 +721,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean.restype = ctypes.c_int
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_zero_at.restype = ctypes.c_int
+    lib_.ac_first_distinct.restype = ctypes.c_int64
+    lib_.ac_first_distinct.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_sign_residual.restype = None
     lib_.ac_sign_residual.argtypes = [vp, vp, ctypes.c_float, vp, i64]
     for fname in ("ac_to_bf16", "ac_from_bf16"):
@@ -877,6 +897,21 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
             or not idx.is_contiguous()):
         return False
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
+
+
+def first_distinct(draws: Tensor, n: int, k: int) -> tuple[Tensor, int] | None:
+    """The first k distinct values of int64 ``draws`` (in ``[0, n)``) in draw order, ascending, and
+    how many distinct values there were (fewer than k: all of them). None where torch must run."""
+    lib = library()
+    if (lib is None or draws.dtype != torch.int64 or draws.device.type != "cpu" or not draws.is_contiguous()
+            or k < 1):
+        return None
+    bitmap = torch.zeros(-(-n // 64), dtype=torch.int64)
+    out = torch.empty(k, dtype=torch.int64)
+    c = int(lib.ac_first_distinct(draws.data_ptr(), draws.numel(), n, k, bitmap.data_ptr(), out.data_ptr()))
+    if c < 0:
+        return None
+    return out[:c], c
 
 
 def sign_residual(t: Tensor, packed: Tensor, s: float, out: Tensor) -> bool:

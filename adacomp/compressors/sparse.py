@@ -43,6 +43,14 @@ TINY = torch.finfo(torch.float32).tiny
 """Smallest normal float32: the lowest candidate floor of the prefiltered selections, so exact zeros
 (most of a ReLU layer's gradient) never qualify; a selection short of candidates takes its exact path."""
 def scatter(values: Tensor, indices: Tensor, ctx: SparseCtx, workspace: Workspace | None = None) -> Tensor:
+    """A dense tensor of zeros with ``values`` added at ``indices``: where the indices ascend (every
+    built-in payload) one C pass writes it block by block (:func:`_native.sparse_mean` of one rank,
+    divisor 1: bitwise zeros + ``index_add_``)."""
+    if workspace is not None and ctx.dtype == torch.float32 and ctx.device.type == "cpu":
+        out = workspace.output(torch.Size([ctx.numel]), ctx.numel, ctx.dtype, ctx.device)
+        if _native.sparse_mean(out, [indices.reshape(-1)], [values.reshape(-1)], 1):
+            return out.view(ctx.shape)
+        del out
     if workspace is None:
         out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
     else:

@@ -25,7 +25,8 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
-                                        TINY, k_for, largest_k, largest_k_values, sample_lines, sample_value, sampled_value, scatter)
+                                        TINY, k_for, largest_k, largest_k_values, sample_lines, sample_value, sampled_value, scatter,
+                                        sparse_residual)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
@@ -202,6 +203,12 @@ def distinct_uniform(n: int, k: int, gen: torch.Generator) -> Tensor:
         return torch.randperm(n, generator=gen, device=device)[:k].sort().values
     m = int(n * math.log(n / (n - k)) * 1.05) + 64
     draws = torch.randint(n, (m,), generator=gen, device=device)
+    while (found := _native.first_distinct(draws, n, k)) is not None:  # one bitmap pass instead of a sort
+        picked, distinct = found
+        if distinct >= k:
+            return picked
+        more = max(64, int((k - distinct) * n / max(1, n - distinct) * 1.05) + 64)
+        draws = torch.cat([draws, torch.randint(n, (more,), generator=gen, device=device)])
     while True:
         uniq, inverse = torch.unique(draws, sorted=True, return_inverse=True)
         if uniq.numel() >= k:
@@ -269,8 +276,19 @@ class RandomkCompressor(Compressor):
         ctx = RandomkCtx(SparseCtx(tensor.shape, n, tensor.dtype, tensor.device), idx)
         return [flat.index_select(0, idx)], ctx
 
+    residual_in_place = True
+    """:meth:`residual` zeroes the sent coordinates (as a sparsifier's does), so error feedback may
+    keep the compensated buffer itself as the residual."""
+
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         return scatter(payload[0], ctx.indices, ctx.sparse, self._workspace())
+
+    def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        """The sent values are the tensor's own, so the residual is the tensor with those coordinates
+        zeroed (:func:`sparse_residual`: one copy at most, no decompressed tensor and subtraction)."""
+        if payload[0].dtype == tensor.dtype:
+            return sparse_residual(tensor, ctx.indices, out)
+        return super().residual(tensor, payload, ctx, out)
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         return k_for(int(torch.Size(shape).numel()), self._density) * itemsize
