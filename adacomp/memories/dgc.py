@@ -105,8 +105,9 @@ class DGCMemory(Memory):
         idx = payload[1].to(device=tensor.device).long()
         u, v = self.velocity[name], self.accumulated[name]
         # in place: both are this round's new tensors (compensate made them; no snapshot refers to them)
-        u.view(-1).index_fill_(0, idx, 0)
-        v.view(-1).index_fill_(0, idx, 0)
+        for t in (u, v):
+            if not _native.zero_at(t, idx):  # one C loop, else torch's index_fill_
+                t.view(-1).index_fill_(0, idx, 0)
 
     def snapshot(self) -> Any:
         # compensate() writes only spare buffers and update() only this round's new tensors, so
