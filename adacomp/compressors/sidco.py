@@ -126,6 +126,10 @@ class SIDCoCompressor(SparseCompressor):
         first, later = FITS[self.distribution]
         ratio = self._density ** (1.0 / stages)
         thr = first(a, ratio)
+        if counter is not None and stages > 1:
+            # keep the first stage's exceedances: the later stages' thresholds (and, when they rise,
+            # the final selection) are answered from them instead of passes over the whole tensor
+            counter.compact(thr, ratio)
         for _ in range(stages - 1):
             tail = counter.values(thr) if counter is not None else a[a > thr]
             if tail.numel() < 2:
