@@ -244,6 +244,8 @@ class ThresholdCounter:
     def count(self, thr: float) -> int:
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
+            if self.native and _native.usable(self.vals):  # the kept values are magnitudes when absolute
+                return _native.count(self.vals, thr, "gt" if self.strict else "ge")
             return int(torch.count_nonzero(self._cmp(self.vals, thr)))
         if self.native:
             return _native.count(self.a, thr, self.mode)
