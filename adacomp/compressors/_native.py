@@ -106,8 +106,9 @@ SELECT(ac_select_ge, v >= t, CMP_GE)
 SELECT(ac_select_gt, v > t, CMP_GT)
 SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
 /* Error feedback's compensation and Top-k's prefilter in one pass: out = g + r (one IEEE add per
-   element, as torch.add), and the indices / |values| of the sums passing !(|sum| < t) (a NaN
-   passes), ascending: the same as ac_select_abs_not_lt over out afterwards, one read less. */
+   element, as torch.add), and the indices / signed values of the sums passing !(|sum| < t) (a NaN
+   passes), ascending: the set ac_select_abs_not_lt finds over out afterwards, one read less. The
+   values keep their signs, so the payload's values need no gather from out (ac_pick_largest). */
 int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
                                  int64_t* idx, float* vals, int64_t cap) {
     int64_t c = 0, i = 0;
@@ -123,7 +124,7 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
         while (m) {
             int j = __builtin_ctz(m);
             m &= m - 1;
-            if (c < cap) { idx[c] = i + j; vals[c] = __builtin_fabsf(out[i + j]); }
+            if (c < cap) { idx[c] = i + j; vals[c] = out[i + j]; }
             ++c;
         }
     }
@@ -131,8 +132,7 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
     for (; i < n; ++i) {
         const float v = g[i] + r[i];
         out[i] = v;
-        const float a = __builtin_fabsf(v);
-        if (!(a < t)) { if (c < cap) { idx[c] = i; vals[c] = a; } ++c; }
+        if (!(__builtin_fabsf(v) < t)) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }
     }
     return c;
 }
@@ -242,19 +242,24 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
     return 0;
 }
 /* Top-k's last step on a prefilter's candidates (adacomp.compressors.sparse.largest_k): of the m
-   candidates at ascending positions cidx with magnitudes mags, the k largest, ties at the k-th
-   magnitude to the lowest positions, written as positions and the signed values flat[position]
-   (the payload Top-k sends, with no mask, nonzero or gather pass). keys: m uint32 of scratch.
-   -1 on a NaN (torch answers). */
-int ac_pick_largest(const float* mags, const int64_t* cidx, int64_t m, int64_t k, const float* flat,
+   candidates at ascending positions cidx with values vals (signed, or magnitudes), the k largest
+   |value|, ties at the k-th magnitude to the lowest positions, written as positions and the signed
+   values: flat[position], or the candidate's own value when flat is NULL (signed candidates: no
+   gather from the tensor). No mask, nonzero or gather pass. keys: m uint32 of scratch. -1 on a
+   NaN (torch answers). */
+int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k, const float* flat,
                     uint32_t* keys, int64_t* out_idx, float* out_vals) {
     uint32_t kth; int64_t ties;
-    if (radix_kth((const uint32_t*)mags, 1, 0x7fffffffu, m, k, keys, &kth, &ties) != 0) return -1;
-    const uint32_t* u = (const uint32_t*)mags;
+    if (radix_kth((const uint32_t*)vals, 1, 0x7fffffffu, m, k, keys, &kth, &ties) != 0) return -1;
+    const uint32_t* u = (const uint32_t*)vals;
     int64_t w = 0;
     for (int64_t i = 0; i < m && w < k; ++i) {
         const uint32_t v = u[i] & 0x7fffffffu;
-        if (v > kth || (v == kth && ties-- > 0)) { out_idx[w] = cidx[i]; out_vals[w] = flat[cidx[i]]; ++w; }
+        if (v > kth || (v == kth && ties-- > 0)) {
+            out_idx[w] = cidx[i];
+            out_vals[w] = flat != NULL ? flat[cidx[i]] : vals[i];
+            ++w;
+        }
     }
     return 0;
 }
@@ -790,8 +795,9 @@ def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Ten
 
 
 def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 1.0) -> tuple[Tensor, Tensor]:
-    """``torch.add(g, r, out=out)`` (bitwise) and, from the same pass, :func:`select` of ``out``
-    in mode ``abs_not_lt``: error feedback's compensation and Top-k's prefilter in one read."""
+    """``torch.add(g, r, out=out)`` (bitwise) and, from the same pass, the positions :func:`select`
+    of ``out`` in mode ``abs_not_lt`` finds, with the *signed* values there (``abs_not_lt`` would
+    give magnitudes): error feedback's compensation and Top-k's prefilter in one read."""
     lib = library()
     assert lib is not None and usable(g) and usable(r) and usable(out) and g.numel() == r.numel() == out.numel()
     n = out.numel()
@@ -851,20 +857,22 @@ def chunk_topk(a: Tensor, rows: int, chunk: int, k: int) -> tuple[Tensor, Tensor
     return pos, vals
 
 
-def pick_largest(mags: Tensor, idx: Tensor, k: int, flat: Tensor) -> tuple[Tensor, Tensor] | None:
+def pick_largest(mags: Tensor, idx: Tensor, k: int, flat: Tensor | None) -> tuple[Tensor, Tensor] | None:
     """:func:`~adacomp.compressors.sparse.largest_k` of candidates (ascending int64 ``idx`` into
-    ``flat``, their float32 magnitudes ``mags``) and the signed values ``flat[kept]`` in one C
-    call: the same positions and values as ``largest_k`` then ``index_select``. None where torch
-    must answer (a NaN, another dtype or device)."""
+    the tensor, their float32 values ``mags``, ranked by magnitude) and the signed values at the kept
+    positions, in one C call: ``flat[kept]`` when ``flat`` is given, else the candidates' own values
+    (signed candidates). The same positions and values as ``largest_k`` then ``index_select``.
+    None where torch must answer (a NaN, another dtype or device)."""
     lib = library()
     m = mags.numel()
-    if (lib is None or not usable(mags) or not usable(flat) or idx.dtype != torch.int64 or idx.device.type != "cpu"
-            or not idx.is_contiguous() or idx.numel() != m or not 1 <= k <= m):
+    if (lib is None or not usable(mags) or (flat is not None and not usable(flat)) or idx.dtype != torch.int64
+            or idx.device.type != "cpu" or not idx.is_contiguous() or idx.numel() != m or not 1 <= k <= m):
         return None
     keys = torch.empty(m, dtype=torch.int32)
     out_idx = torch.empty(k, dtype=torch.int64)
     out_vals = torch.empty(k, dtype=torch.float32)
-    if lib.ac_pick_largest(mags.data_ptr(), idx.data_ptr(), m, k, flat.data_ptr(), keys.data_ptr(),
+    if lib.ac_pick_largest(mags.data_ptr(), idx.data_ptr(), m, k, None if flat is None else flat.data_ptr(),
+                           keys.data_ptr(),
                            out_idx.data_ptr(), out_vals.data_ptr()) != 0:
         return None
     return out_idx, out_vals

@@ -91,7 +91,8 @@ def prefilters(flat: Tensor, k: int) -> bool:
 
 class Candidates(NamedTuple):
     """The prefilter's candidates of one compensated tensor, found while it was written
-    (:meth:`TopkCompressor.compensate_into`); valid while the tensor is unchanged since."""
+    (:meth:`TopkCompressor.compensate_into`); valid while the tensor is unchanged since. ``vals``
+    are the signed values (ranked by magnitude)."""
 
     ptr: int
     numel: int
@@ -159,13 +160,16 @@ class TopkCompressor(SparseCompressor):
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
         c = self._prepared(flat, name, k)
-        return largest_k(c.idx, c.vals, k) if c is not None else topk_indices(flat, k, self._workspace())
+        return largest_k(c.idx, c.vals.abs(), k) if c is not None else topk_indices(flat, k, self._workspace())
 
     def pick(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor]:
         k = k_for(flat.numel(), self._density)
         c = self._prepared(flat, name, k)
-        if c is not None:
-            return largest_k_values(c.idx, c.vals, k, flat)
+        if c is not None:  # the candidates carry their signed values: no gather from flat
+            got = _native.pick_largest(c.vals, c.idx, k, None)
+            if got is not None:
+                return got
+            return largest_k_values(c.idx, c.vals.abs(), k, flat)
         idx = topk_indices(flat, k, self._workspace())
         return idx, flat.index_select(0, idx)
 
