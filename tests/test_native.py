@@ -469,6 +469,12 @@ def test_pick_largest_equals_largest_k_and_gather(m: int, k: int) -> None:
     assert got is not None
     kept = largest_k(idx, mags, k)
     assert torch.equal(got[0], kept) and torch.equal(bits(got[1]), bits(flat.index_select(0, kept)))
+    signed = _native.pick_largest(flat[idx], idx, k, None)  # signed candidates: their own values
+    assert signed is not None and torch.equal(signed[0], kept) and torch.equal(bits(signed[1]), bits(got[1]))
+    whole = _native.pick_largest(flat, None, k, None)  # every position a candidate
+    everything = largest_k(torch.arange(flat.numel()), flat.abs(), k)
+    assert whole is not None and torch.equal(whole[0], everything)
+    assert torch.equal(bits(whole[1]), bits(flat.index_select(0, everything)))
     mags[0] = float("nan")
     assert _native.pick_largest(mags, idx, k, flat) is None
 

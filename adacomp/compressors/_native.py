@@ -245,8 +245,8 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
    candidates at ascending positions cidx with values vals (signed, or magnitudes), the k largest
    |value|, ties at the k-th magnitude to the lowest positions, written as positions and the signed
    values: flat[position], or the candidate's own value when flat is NULL (signed candidates: no
-   gather from the tensor). No mask, nonzero or gather pass. keys: m uint32 of scratch. -1 on a
-   NaN (torch answers). */
+   gather from the tensor). cidx NULL: the candidates are the whole tensor (position i). No mask,
+   nonzero or gather pass. keys: m uint32 of scratch. -1 on a NaN (torch answers). */
 int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k, const float* flat,
                     uint32_t* keys, int64_t* out_idx, float* out_vals) {
     uint32_t kth; int64_t ties;
@@ -256,8 +256,9 @@ int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k
     for (int64_t i = 0; i < m && w < k; ++i) {
         const uint32_t v = u[i] & 0x7fffffffu;
         if (v > kth || (v == kth && ties-- > 0)) {
-            out_idx[w] = cidx[i];
-            out_vals[w] = flat != NULL ? flat[cidx[i]] : vals[i];
+            const int64_t at = cidx != NULL ? cidx[i] : i;
+            out_idx[w] = at;
+            out_vals[w] = flat != NULL ? flat[at] : vals[i];
             ++w;
         }
     }
@@ -857,21 +858,24 @@ def chunk_topk(a: Tensor, rows: int, chunk: int, k: int) -> tuple[Tensor, Tensor
     return pos, vals
 
 
-def pick_largest(mags: Tensor, idx: Tensor, k: int, flat: Tensor | None) -> tuple[Tensor, Tensor] | None:
+def pick_largest(mags: Tensor, idx: Tensor | None, k: int, flat: Tensor | None) -> tuple[Tensor, Tensor] | None:
     """:func:`~adacomp.compressors.sparse.largest_k` of candidates (ascending int64 ``idx`` into
-    the tensor, their float32 values ``mags``, ranked by magnitude) and the signed values at the kept
-    positions, in one C call: ``flat[kept]`` when ``flat`` is given, else the candidates' own values
-    (signed candidates). The same positions and values as ``largest_k`` then ``index_select``.
-    None where torch must answer (a NaN, another dtype or device)."""
+    the tensor, or None for every position of ``mags`` itself; their float32 values ``mags``, ranked
+    by magnitude) and the signed values at the kept positions, in one C call: ``flat[kept]`` when
+    ``flat`` is given, else the candidates' own values (signed candidates). The same positions and
+    values as ``largest_k`` then ``index_select``. None where torch must answer (a NaN, another
+    dtype or device)."""
     lib = library()
     m = mags.numel()
-    if (lib is None or not usable(mags) or (flat is not None and not usable(flat)) or idx.dtype != torch.int64
-            or idx.device.type != "cpu" or not idx.is_contiguous() or idx.numel() != m or not 1 <= k <= m):
+    if (lib is None or not usable(mags) or (flat is not None and not usable(flat)) or not 1 <= k <= m
+            or (idx is not None and (idx.dtype != torch.int64 or idx.device.type != "cpu"
+                                     or not idx.is_contiguous() or idx.numel() != m))):
         return None
     keys = torch.empty(m, dtype=torch.int32)
     out_idx = torch.empty(k, dtype=torch.int64)
     out_vals = torch.empty(k, dtype=torch.float32)
-    if lib.ac_pick_largest(mags.data_ptr(), idx.data_ptr(), m, k, None if flat is None else flat.data_ptr(),
+    if lib.ac_pick_largest(mags.data_ptr(), None if idx is None else idx.data_ptr(), m, k,
+                           None if flat is None else flat.data_ptr(),
                            keys.data_ptr(),
                            out_idx.data_ptr(), out_vals.data_ptr()) != 0:
         return None

@@ -170,6 +170,10 @@ class TopkCompressor(SparseCompressor):
             if got is not None:
                 return got
             return largest_k_values(c.idx, c.vals.abs(), k, flat)
+        if k < flat.numel() and not prefilters(flat, k) and flat.device.type == "cpu":
+            got = _native.pick_largest(flat, None, k, None)  # the whole (small) tensor in one C call
+            if got is not None:
+                return got
         idx = topk_indices(flat, k, self._workspace())
         return idx, flat.index_select(0, idx)
 
