@@ -535,3 +535,16 @@ def test_the_switch_takes_effect_at_once(monkeypatch: pytest.MonkeyPatch) -> Non
     assert _native.library() is not None
     monkeypatch.delenv("ADACOMP_NATIVE")
     assert _native.usable(torch.ones(3))
+
+
+@pytest.mark.parametrize("n", [5000, 16384, 16385, 100000, (1 << 20) + 7])
+def test_sample_lines_equal_torch(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C sample (and the sample of a sum, error feedback's g + r before it is written) reads
+    the same lines as the torch path and adds them alike."""
+    from adacomp.compressors.sparse import sample_lines
+    g = torch.Generator().manual_seed(n)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    fast = [sample_lines(a), sample_lines(a, plus=b)]
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    slow = [sample_lines(a), sample_lines(a) + sample_lines(b)]
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(fast, slow))

@@ -316,6 +316,15 @@ int ac_sparse_mean(float* out, int64_t n, int world, const int64_t* const* idx, 
     }
     return 0;
 }
+/* The sample of adacomp.compressors.sparse.sample_lines: m runs of 16 floats starting at the lines
+   j * lines / m (integer division) of a, or of a + b (one IEEE add, as torch.add) when b is given. */
+void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, float* out) {
+    for (int64_t j = 0; j < m; ++j) {
+        const int64_t at = j * lines / m * 16;
+        if (b != NULL) for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t] + b[at + t];
+        else for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t];
+    }
+}
 /* Random-k's sample: the first k distinct values of draws (each in [0, n)) in draw order, written
    ascending; returns how many distinct values were found (< k: every draw was used). A bitmap of
    n bits (zeroed by the caller) replaces torch.unique's sort. -1 on a draw outside [0, n). */
@@ -727,6 +736,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean.restype = ctypes.c_int
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_zero_at.restype = ctypes.c_int
+    lib_.ac_sample_lines.restype = None
+    lib_.ac_sample_lines.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_first_distinct.restype = ctypes.c_int64
     lib_.ac_first_distinct.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_sign_residual.restype = None
@@ -909,6 +920,19 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
             or not idx.is_contiguous()):
         return False
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
+
+
+def sample_lines(a: Tensor, b: Tensor | None, lines: int, m: int) -> Tensor | None:
+    """``m`` runs of 16 elements at lines ``j * lines // m`` of 1-D ``a`` (plus the same of ``b``,
+    added): :func:`adacomp.compressors.sparse.sample_lines` in one C call. None where torch runs."""
+    lib = library()
+    if lib is None or not usable(a) or (b is not None and (not usable(b) or b.numel() != a.numel())):
+        return None
+    if not (0 < m <= lines and lines * 16 <= a.numel()):
+        return None
+    out = torch.empty(m * 16, dtype=torch.float32)
+    lib.ac_sample_lines(a.data_ptr(), None if b is None else b.data_ptr(), lines, m, out.data_ptr())
+    return out
 
 
 def first_distinct(draws: Tensor, n: int, k: int) -> tuple[Tensor, int] | None:

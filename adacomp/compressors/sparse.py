@@ -158,13 +158,20 @@ def sample_value(a: Tensor, fraction: float, size: int = SAMPLE_SIZE, absolute: 
     return sampled_value(sample_lines(a, size), fraction, absolute)
 
 
-def sample_lines(a: Tensor, size: int = SAMPLE_SIZE) -> Tensor:
-    """The elements :func:`sample_value` reads (a copy, or ``a`` itself when it is that small)."""
+def sample_lines(a: Tensor, size: int = SAMPLE_SIZE, plus: Tensor | None = None) -> Tensor:
+    """The elements :func:`sample_value` reads (a copy, or ``a`` itself when it is that small);
+    ``plus``: of ``a + plus`` (the same positions of both, added), e.g. error feedback's sum before
+    it is written."""
     n = a.numel()
     lines = n // SAMPLE_LINE
     if n <= size or lines < 2:
-        return a
+        return a if plus is None else a + plus
     m = max(1, size // SAMPLE_LINE)
+    got = _native.sample_lines(a, plus, lines, m)  # one C call: no index tensors, no separate add
+    if got is not None:
+        return got
+    if plus is not None:
+        return sample_lines(a, size) + sample_lines(plus, size)
     pick = torch.arange(m, device=a.device) * lines // m
     return a[:lines * SAMPLE_LINE].view(lines, SAMPLE_LINE).index_select(0, pick).view(-1)
 

@@ -133,8 +133,7 @@ class TopkCompressor(SparseCompressor):
         if not (prefilters(flat, k) and _native.usable(g) and _native.usable(r) and g.numel() == r.numel() == n):
             return False
         expected = _expected(k, n)
-        floor = max(sampled_value(sample_lines(g.reshape(-1)) + sample_lines(r.reshape(-1)), expected,
-                                  absolute=True), TINY)
+        floor = max(sampled_value(sample_lines(g.reshape(-1), plus=r.reshape(-1)), expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
         idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
