@@ -5,8 +5,10 @@ Both move the payloads of a whole bucket as ONE byte buffer (every payload tenso
 its number of tensors. After the gather every rank holds every rank's payloads and aggregates:
 
 * sparse payloads ``[values, indices]``: the values of all ranks are added at their indices into
-  one zero buffer per entry (one ``index_add_``; memory traffic O(numel + world * k) instead of
-  decompressing ``world`` dense tensors), then divided by the world size;
+  one zero buffer per entry (memory traffic O(numel + world * k) instead of decompressing
+  ``world`` dense tensors), then divided by the world size. Where every rank's indices ascend (the
+  canonical sparsifiers' payloads) one C pass does this block by block while the block sits in L1
+  (one write of the output); otherwise one ``index_add_`` and a division of the touched coordinates;
 * other payloads (quantizers such as qsgd / efsignsgd that cannot be summed): ``decompress`` of
   each rank's payload with this rank's ctx, summed, divided by the world size.
 
