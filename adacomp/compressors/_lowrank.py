@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import Compressor
-from adacomp.compressors.sparse import Workspace
+from adacomp.compressors.workspace import Workspace
 
 
 def as_matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -81,7 +81,7 @@ def transposed_product(matrix: Tensor, f: Tensor) -> Tensor:
 def outer_product(p: Tensor, q: Tensor, workspace: Workspace) -> Tensor:
     """``p @ q.t()`` (the rank-r approximation ``P Q^T``), bitwise, written in blocks of
     :data:`ROW_BLOCK` rows into a recycled output (no page faults on a fresh model-size tensor each
-    step; :class:`~adacomp.compressors.sparse.Workspace`'s rule). Checked per layout."""
+    step; :class:`~adacomp.compressors.workspace.Workspace`'s rule). Checked per layout."""
     n, m = p.shape[0], q.shape[0]
     if p.device.type != "cpu" or n <= ROW_BLOCK:
         return p @ q.t()
