@@ -38,6 +38,7 @@ from torch import Tensor
 from adacomp.communicators.allgather import (_split_counts, _workspace, gather_known, gather_payloads, layout, pack,
                                              unpack)
 from adacomp.communicators.base import Charge, CommEnv, Communicator, Entry, register
+from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import divide_touched
 from adacomp.memories.base import Memory
@@ -61,7 +62,8 @@ def _decompress_into(out: Tensor, comp: Compressor, payload: list[Tensor], ctx: 
     if out.numel() == 0:
         return
     if comp.sparse:  # scatter straight into the slice: no dense temporary per part
-        out.zero_().index_add_(0, payload[1].reshape(-1).to(torch.int64), payload[0].reshape(-1).to(out.dtype))
+        if not _native.sparse_mean(out, [payload[1].reshape(-1)], [payload[0].reshape(-1)], 1):  # one C pass
+            out.zero_().index_add_(0, payload[1].reshape(-1).to(torch.int64), payload[0].reshape(-1).to(out.dtype))
     else:
         out.copy_(comp.decompress(payload, ctx).reshape(-1))
 
@@ -216,10 +218,21 @@ class AlltoallCommunicator(Communicator):
         ctx = e.ctx.parts[me].ctx
         # a recycled buffer (Workspace's rule: reused only once nothing holds it): a fresh part-size
         # tensor per step costs page faults on every multi-MB part
-        acc = _workspace(self).zeros(torch.Size([hi - lo]), hi - lo, e.tensor.dtype, e.tensor.device)
+        ws = _workspace(self)
+        if e.compressor.sparse:  # every rank's copy in one C pass (ascending indices), else torch below
+            acc = ws.output(torch.Size([hi - lo]), hi - lo, e.tensor.dtype, e.tensor.device)
+            if not _native.sparse_mean(acc, [c[1].reshape(-1) for c in copies], [c[0].reshape(-1) for c in copies],
+                                       world):
+                acc.zero_()
+                copies_left = copies
+            else:
+                copies_left = []
+        else:
+            acc = ws.zeros(torch.Size([hi - lo]), hi - lo, e.tensor.dtype, e.tensor.device)
+            copies_left = copies
         tmp = None if e.compressor.sparse else torch.empty_like(acc)
         touched: list[Tensor] = []
-        for payload in copies:
+        for payload in copies_left:
             if tmp is None:  # sparse: add every rank's values at their indices, no dense temporary
                 idx = payload[1].reshape(-1).to(torch.int64)
                 acc.index_add_(0, idx, payload[0].reshape(-1).to(acc.dtype))
@@ -229,7 +242,7 @@ class AlltoallCommunicator(Communicator):
                 acc.add_(tmp)
         if e.compressor.sparse and touched:
             divide_touched(acc, torch.cat(touched), world)
-        else:
+        elif copies_left:
             acc.div_(world)
         if self.feedback:
             acc = self.second.compensate(acc, e.name, compressor=e.compressor, whole=False)  # compressed as agg{me}
