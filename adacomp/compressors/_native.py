@@ -325,6 +325,34 @@ void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, f
         else for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t];
     }
 }
+/* PowerSGD's P Q^T (n x r times r x m, qt = Q^T contiguous) as MKL's sgemm computes it on x86 with
+   FMA: each output an fmaf chain over k = 0 .. r - 1 from a +0 accumulator (signed zeros included).
+   adacomp.compressors._lowrank uses it only where it gave torch's bits for the layout. Built twice:
+   for CPUs with AVX2 + FMA (vfmadd) and without (the C library's fmaf, the same result), picked by
+   what the CPU reports. */
+#define OUTER_FMA_BODY                                                                  \
+    for (int64_t i = 0; i < n; ++i) {                                                   \
+        float* o = out + i * m;                                                         \
+        for (int64_t j = 0; j < m; ++j) o[j] = 0.0f;                                    \
+        for (int64_t k = 0; k < r; ++k) {                                               \
+            const float a = p[i * r + k];                                               \
+            const float* q = qt + k * m;                                                \
+            for (int64_t j = 0; j < m; ++j) o[j] = __builtin_fmaf(a, q[j], o[j]);       \
+        }                                                                               \
+    }
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma"))) static void outer_fma_hw(const float* p, const float* qt, int64_t n, int64_t m,
+                                                             int64_t r, float* out) { OUTER_FMA_BODY }
+#endif
+static void outer_fma_sw(const float* p, const float* qt, int64_t n, int64_t m, int64_t r, float* out) {
+    OUTER_FMA_BODY
+}
+void ac_outer_fma(const float* p, const float* qt, int64_t n, int64_t m, int64_t r, float* out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) { outer_fma_hw(p, qt, n, m, r, out); return; }
+#endif
+    outer_fma_sw(p, qt, n, m, r, out);
+}
 /* Random-k's sample: the first k distinct values of draws (each in [0, n)) in draw order, written
    ascending; returns how many distinct values were found (< k: every draw was used). A bitmap of
    n bits (zeroed by the caller) replaces torch.unique's sort. -1 on a draw outside [0, n). */
@@ -736,6 +764,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean.restype = ctypes.c_int
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_zero_at.restype = ctypes.c_int
+    lib_.ac_outer_fma.restype = None
+    lib_.ac_outer_fma.argtypes = [vp, vp, i64, i64, i64, vp]
     lib_.ac_sample_lines.restype = None
     lib_.ac_sample_lines.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_first_distinct.restype = ctypes.c_int64
@@ -920,6 +950,20 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
             or not idx.is_contiguous()):
         return False
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
+
+
+def outer_fma(p: Tensor, q: Tensor, out: Tensor) -> bool:
+    """``out = p @ q.t()`` as fmaf chains over the rank from a +0 accumulator (how MKL's sgemm forms
+    these on x86 with FMA; the caller checks the bits per layout). False where it cannot run."""
+    lib = library()
+    if (lib is None or p.dim() != 2 or q.dim() != 2 or p.shape[1] != q.shape[1] or p.dtype != torch.float32
+            or p.device.type != "cpu" or q.dtype != torch.float32 or q.device.type != "cpu" or not usable(out)
+            or tuple(out.shape) != (p.shape[0], q.shape[0])):
+        return False
+    p = p.contiguous()  # n x r (QR's factor is column-major): small
+    qt = q.t().contiguous()
+    lib.ac_outer_fma(p.data_ptr(), qt.data_ptr(), p.shape[0], q.shape[0], p.shape[1], out.data_ptr())
+    return True
 
 
 def sample_lines(a: Tensor, b: Tensor | None, lines: int, m: int) -> Tensor | None:
