@@ -3,7 +3,8 @@ hook run the same begin -> launch -> vote -> finish -> rollback code, so a bad r
 same way whichever front end a user picked. Real gloo processes throughout.
 
 * a NaN on one rank, for every communicator (allgather, alltoall with its second-stage residuals,
-  oktopk, artopk, allreduce with PowerSGD / ACP-SGD): every component state bitwise as before the
+  oktopk, artopk, allreduce with PowerSGD / ACP-SGD / Random-k / bf16, allgather_fast with QSGD /
+  EF-SignSGD): every component state bitwise as before the
   round, the step not counted, and the run continues exactly as the run that skipped that batch;
 * a GradScaler overflow with ACP-SGD (whose P/Q alternation follows the step count) changes
   nothing compared with the run that skipped that batch, in both front ends;
@@ -39,10 +40,18 @@ COMMUNICATORS: dict[str, dict[str, Any]] = {
     # QSGD's C random stream, rounding and fused mean over ranks (Compressor.mean_into)
     "qsgd": {"compressor": {"name": "qsgd", "bits": 4}, "memory": {"name": "residual"},
              "communicator": {"name": "allgather_fast"}},
+    # the C paths of issue 32's later work: EF-SignSGD's code-table mean and one-pass residual,
+    # Random-k's in-place residual and bitmap sample, bf16's C casts (with residual memory, so there is state)
+    "efsignsgd": {"compressor": {"name": "efsignsgd"}, "memory": {"name": "residual"},
+                  "communicator": {"name": "allgather_fast"}},
+    "randomk": {"compressor": {"name": "randomk", "density": 0.05}, "memory": {"name": "residual"},
+                "communicator": {"name": "allreduce"}},
+    "bf16": {"compressor": {"name": "bf16"}, "memory": {"name": "residual"}, "communicator": {"name": "allreduce"}},
 }
 # state that must really be there, so "unchanged" is not vacuous
 EXPECT = {"allgather": "residuals", "alltoall": "alltoall\"}]/residuals", "oktopk": "threshold", "artopk": "residuals",
-          "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity", "qsgd": "residuals"}
+          "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity", "qsgd": "residuals", "efsignsgd": "residuals",
+          "randomk": "residuals", "bf16": "residuals"}
 NAN_RANK, NAN_PARAM = 1, "fc1.weight"
 BEFORE, AFTER = 3, 3
 
