@@ -307,3 +307,56 @@ def test_chunk_selection_is_canonical_on_every_path(case, monkeypatch):
         above = torch.nonzero(mags[r] > kth[r]).view(-1)
         tied = torch.nonzero(mags[r] == kth[r]).view(-1)
         assert idx[r].tolist() == sorted(above.tolist() + tied[:k - above.numel()].tolist())
+
+
+def test_chunk_selection_floor_guess_paths(monkeypatch):
+    """The C selection's floor from the previous chunk (candidates only) and its fallbacks (too
+    many candidates, too few, a zero k-th, ties at the floor) give torch's positions and values."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import chunk_select
+    g = torch.Generator().manual_seed(11)
+    scale = torch.tensor([1.0] * 8 + [30.0, 30.0, 0.01, 0.01, 1.0, 0.0, 1.0, 1.0] * 2)
+    x = torch.randn(scale.numel(), 1024, generator=g) * scale.unsqueeze(1)
+    x[14] = torch.randint(-2, 3, (1024,), generator=g).float()  # ties at the k-th
+    x[20, ::3] = 0.0
+    k = 20
+    idx, vals = chunk_select(x, k)
+    monkeypatch.setattr(_native, "usable", lambda a: False)
+    idx_t, vals_t = chunk_select(x, k)
+    assert torch.equal(idx, idx_t) and torch.equal(vals.view(torch.int32), vals_t.view(torch.int32))
+
+
+@pytest.mark.parametrize("bits,chunk,n", [(2, 4096, 3 * 4096 + 1000), (1, 64, 640), (4, 48, 2048), (8, 100, 1000),
+                                          (32, 48, 650), (2, 40000, 90000)])
+@pytest.mark.parametrize("case", ["gauss", "negzero", "nan"])
+def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case):
+    """mean_into (one sparse pass over every rank's decoded values) and residual (the kept positions
+    only) give the generic path's bits: decompress each, d0 + d1, / world; tensor - decompress."""
+    g = torch.Generator().manual_seed(bits * 7 + chunk)
+    comp = compressors.get("chunktopk", density=0.05, chunk=chunk, bits=bits)
+    ts = [torch.randn(n, generator=g) for _ in range(3)]
+    if case == "negzero":  # a chunk of -0.0 on every rank: every kept value is -0.0 there
+        for t in ts:
+            t[:chunk] = -0.0
+    if case == "nan":
+        ts[1][5] = float("nan")
+    sent = [comp.compress(t, "w") for t in ts]
+    ctx = sent[0][1]
+    for world in (2, 3):
+        dec = [comp.decompress(p, ctx).clone() for p, _ in sent[:world]]
+        ref = dec[0] + dec[1]
+        for d in dec[2:]:
+            ref += d
+        ref /= world
+        out = torch.full((n,), 7.0)
+        if comp.mean_into([p for p, _ in sent[:world]], ctx, out):
+            assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), (case, world)
+        else:
+            assert case == "negzero"  # the only payloads left to the communicator's path
+    for t, (p, c) in zip(ts, sent):
+        ref = torch.sub(t, comp.decompress(p, c).view_as(t))
+        same = t.clone()
+        assert comp.residual(same, p, c, same) is same
+        other = comp.residual(t, p, c, torch.empty_like(t))
+        for got in (same, other):
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32))

@@ -179,40 +179,70 @@ int64_t NAME(const float* a, int64_t n, float t) {                              
    takes torch's path, where NaN ranks first and the minimum of a top-r holding NaN is NaN). */
 /* The r-th largest (1-based) of the m patterns src[i * step] & mask (non-negative floats order as
    their bit patterns) by radix select: 12 bits (sign, exponent, 3 mantissa bits) read from src,
-   then 10 + 10 over the keys of the chosen bin, compacted into `keys` (scratch of m). *kth gets
-   the value's pattern and *ties_rank its rank among the keys equal to it (so r - *ties_rank keys
-   are larger). -1 on a NaN or, without the sign cleared, a negative value (torch answers). */
-static int radix_kth(const uint32_t* src, int64_t step, uint32_t mask, int64_t m, int64_t r,
-                     uint32_t* keys, uint32_t* kth, int64_t* ties_rank) {
-    static const int shifts[3] = {20, 10, 0};
-    static const uint32_t widths[3] = {4096, 1024, 1024};
-    uint32_t hist[4096];
-    for (uint32_t d = 0; d < 4096; ++d) hist[d] = 0;
-    for (int64_t i = 0; i < m; ++i) {
-        const uint32_t u = src[i * step] & mask;
-        if (u > 0x7f800000u) return -1;
-        hist[u >> 20]++;
+   then 10 + 10 over the keys of the chosen bin, compacted into `keys` (scratch of m); each bin scan
+   starts at the largest key's bin, and 48 keys or fewer are sorted instead. *kth gets the value's
+   pattern and *ties_rank its rank among the keys equal to it (so r - *ties_rank keys are larger).
+   -1 on a NaN or, without the sign cleared, a negative value (torch answers). */
+#define RADIX_SMALL 48
+static void small_kth(uint32_t* keys, int64_t m, int64_t r, uint32_t* kth, int64_t* ties_rank) {
+    for (int64_t i = 1; i < m; ++i) {  /* insertion sort, descending */
+        const uint32_t v = keys[i];
+        int64_t j = i;
+        while (j > 0 && keys[j - 1] < v) { keys[j] = keys[j - 1]; --j; }
+        keys[j] = v;
     }
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = shifts[pass];
-        const uint32_t bins = widths[pass], bmask = bins - 1u;
-        if (pass > 0) {
-            for (uint32_t d = 0; d < bins; ++d) hist[d] = 0;
-            for (int64_t i = 0; i < m; ++i) hist[(keys[i] >> shift) & bmask]++;
+    const uint32_t t = keys[r - 1];
+    int64_t above = 0;
+    while (keys[above] > t) ++above;
+    *kth = t;
+    *ties_rank = r - above;
+}
+/* The r-th largest of m keys (bit patterns of non-negative floats, no NaN) in `keys` (reordered):
+   digits of `width` bits from bit `shift` down (the last digit the bits left), bins above the
+   largest key's never scanned. */
+static void keys_kth(uint32_t* keys, int64_t m, int64_t r, int shift, int width, uint32_t* kth,
+                     int64_t* ties_rank) {
+    uint32_t hist[1024];
+    for (;;) {
+        if (m <= RADIX_SMALL) { small_kth(keys, m, r, kth, ties_rank); return; }
+        const int sh = shift < 0 ? 0 : shift;
+        const uint32_t bm = (shift < 0 ? 1u << (width + shift) : 1u << width) - 1u;
+        for (uint32_t d = 0; d <= bm; ++d) hist[d] = 0;
+        uint32_t hb = 0;
+        for (int64_t i = 0; i < m; ++i) {
+            const uint32_t b = (keys[i] >> sh) & bm;
+            hist[b]++;
+            hb = b > hb ? b : hb;
         }
-        int64_t cum = 0; uint32_t d;
-        for (d = bins - 1; d > 0; --d) { if (cum + (int64_t)hist[d] >= r) break; cum += hist[d]; }
+        int64_t cum = 0;
+        uint32_t d;
+        for (d = hb; d > 0; --d) { if (cum + (int64_t)hist[d] >= r) break; cum += hist[d]; }
         r -= cum;
         int64_t w = 0;
-        if (pass == 0) {
-            for (int64_t i = 0; i < m; ++i) { const uint32_t u = src[i * step] & mask; if ((u >> 20) == d) keys[w++] = u; }
-        } else {
-            for (int64_t i = 0; i < m; ++i) if (((keys[i] >> shift) & bmask) == d) keys[w++] = keys[i];
-        }
+        for (int64_t i = 0; i < m; ++i) if (((keys[i] >> sh) & bm) == d) keys[w++] = keys[i];
         m = w;
+        if (sh == 0) { *kth = keys[0]; *ties_rank = r; return; }
+        shift -= width;
     }
-    *kth = keys[0];
-    *ties_rank = r;
+}
+static int radix_kth(const uint32_t* src, int64_t step, uint32_t mask, int64_t m, int64_t r,
+                     uint32_t* keys, uint32_t* kth, int64_t* ties_rank) {
+    uint32_t hist[4096];
+    for (uint32_t d = 0; d < 4096; ++d) hist[d] = 0;
+    uint32_t top = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        const uint32_t u = src[i * step] & mask;
+        hist[u >> 20]++;
+        top = u > top ? u : top;
+    }
+    if (top > 0x7f800000u) return -1;
+    int64_t cum = 0;
+    uint32_t d;
+    for (d = top >> 20; d > 0; --d) { if (cum + (int64_t)hist[d] >= r) break; cum += hist[d]; }
+    r -= cum;
+    int64_t w = 0;
+    for (int64_t i = 0; i < m; ++i) { const uint32_t u = src[i * step] & mask; if ((u >> 20) == d) keys[w++] = u; }
+    keys_kth(keys, w, r, 10, 10, kth, ties_rank);
     return 0;
 }
 int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, uint32_t* keys,
@@ -220,23 +250,83 @@ int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, u
     int64_t ties;
     return radix_kth((const uint32_t*)a, step, absval ? 0x7fffffffu : 0xffffffffu, m, r, keys, out, &ties);
 }
+/* The elements of x[0 .. n) with |x| >= lo (pattern, sign cleared; lo >= 1), ascending: magnitudes
+   into mag and positions into pos while at most cap pass; returns how many passed (cap + 1 once
+   more would). */
+static int64_t chunk_at_least(const uint32_t* u, int64_t n, uint32_t lo, int64_t cap, uint32_t* mag, int32_t* pos) {
+    int64_t c = 0, i = 0;
+#if defined(__SSE2__)
+    const __m128i absm = _mm_set1_epi32(0x7fffffff), below = _mm_set1_epi32((int)(lo - 1u));
+    for (; i + 16 <= n && c <= cap; i += 16) {
+        unsigned msk = 0;
+        for (int q = 0; q < 4; ++q) {
+            const __m128i v = _mm_and_si128(_mm_loadu_si128((const __m128i*)(u + i + 4 * q)), absm);
+            msk |= (unsigned)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(v, below))) << (4 * q);
+        }
+        while (msk) {
+            const int j = __builtin_ctz(msk);
+            msk &= msk - 1;
+            if (c < cap) { mag[c] = u[i + j] & 0x7fffffffu; pos[c] = (int32_t)(i + j); }
+            ++c;
+        }
+    }
+#endif
+    for (; i < n && c <= cap; ++i) {
+        const uint32_t v = u[i] & 0x7fffffffu;
+        if (v >= lo) { if (c < cap) { mag[c] = v; pos[c] = (int32_t)i; } ++c; }
+    }
+    return c > cap ? cap + 1 : c;
+}
 /* Chunk-Top-k's canonical selection: for each of `rows` runs of `chunk` floats, the k largest
    |a| at ascending positions, ties at the k-th magnitude to the lowest positions (the same set
    and order as adacomp.compressors.chunktopk's torch path). Writes k positions (0 .. chunk - 1)
-   and the signed values per row; keys: chunk uint32 of scratch. -1 on a NaN (torch answers). */
+   and the signed values per row. Neighbouring chunks of a tensor have similar magnitudes, so a
+   floor below the previous chunk's k-th magnitude (scaled by f, which adapts) usually passes
+   between k and cap = 4 k + 64 elements: then the k-th is found among those alone (every element
+   at or above it passed), else over the whole chunk. keys: chunk + 2 cap uint32 of scratch.
+   -1 on a NaN (torch answers). */
 int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys,
                   int64_t* pos, float* vals) {
+    const int64_t cap = 4 * k + 64;
+    const int guessing = 2 * cap <= chunk;
+    uint32_t* cmag = keys + chunk;
+    int32_t* cpos = (int32_t*)(keys + chunk + cap);
+    uint32_t lo = 0;
+    float f = 0.875f;
     for (int64_t row = 0; row < rows; ++row) {
         const float* x = a + row * chunk;
         const uint32_t* u = (const uint32_t*)x;
-        uint32_t kth; int64_t ties;
-        if (radix_kth(u, 1, 0x7fffffffu, chunk, k, keys, &kth, &ties) != 0) return -1;
-        int64_t w = 0;
         int64_t* p = pos + row * k;
         float* o = vals + row * k;
-        for (int64_t i = 0; i < chunk && w < k; ++i) {
-            const uint32_t v = u[i] & 0x7fffffffu;
-            if (v > kth || (v == kth && ties-- > 0)) { p[w] = i; o[w] = x[i]; ++w; }
+        uint32_t kth;
+        int64_t ties, w = 0;
+        const int64_t c = guessing && lo > 0 ? chunk_at_least(u, chunk, lo, cap, cmag, cpos) : 0;
+        if (c >= k && c <= cap) {
+            uint32_t top = 0;
+            for (int64_t t = 0; t < c; ++t) top = cmag[t] > top ? cmag[t] : top;
+            if (top > 0x7f800000u) return -1;
+            for (int64_t t = 0; t < c; ++t) keys[t] = cmag[t];
+            keys_kth(keys, c, k, 23, 8, &kth, &ties);
+            for (int64_t t = 0; t < c && w < k; ++t) {
+                const uint32_t v = cmag[t];
+                if (v > kth || (v == kth && ties-- > 0)) { p[w] = cpos[t]; o[w] = x[cpos[t]]; ++w; }
+            }
+        } else {
+            if (radix_kth(u, 1, 0x7fffffffu, chunk, k, keys, &kth, &ties) != 0) return -1;
+            for (int64_t i = 0; i < chunk && w < k; ++i) {
+                const uint32_t v = u[i] & 0x7fffffffu;
+                if (v > kth || (v == kth && ties-- > 0)) { p[w] = i; o[w] = x[i]; ++w; }
+            }
+        }
+        if (guessing) {  /* the next chunk's floor */
+            if (c > cap) f = 0.5f * (1.0f + f);
+            else if (c < k && lo > 0) f *= 0.75f;
+            float g;
+            uint32_t b = kth;
+            __builtin_memcpy(&g, &b, sizeof g);
+            g *= f;
+            __builtin_memcpy(&b, &g, sizeof b);
+            lo = kth >= 0x7f000000u ? 0 : b;
         }
     }
     return 0;
@@ -284,6 +374,11 @@ int ac_sparse_mean(float* out, int64_t n, int world, const int64_t* const* idx, 
         pos[r] = 0;
     }
     uint64_t touched[SM_BLOCK / 64];
+    /* x / 2^e and x * 2^-e round the same exact value: a product where the divisor allows it */
+    int pow2 = 0;
+    float inv = 1.0f;
+    for (float d = divisor; d >= 1.0f && d == (float)(int64_t)d; d *= 0.5f, inv *= 0.5f)
+        if (d == 1.0f) { pow2 = 1; break; }
     for (int64_t b0 = 0; b0 < n; b0 += SM_BLOCK) {
         const int64_t b1 = n - b0 < SM_BLOCK ? n : b0 + SM_BLOCK;
         float* o = out + b0;
@@ -310,7 +405,7 @@ int ac_sparse_mean(float* out, int64_t n, int world, const int64_t* const* idx, 
             while (m) {
                 const int j = (w << 6) + __builtin_ctzll(m);
                 m &= m - 1;
-                o[j] = o[j] / divisor;
+                o[j] = pow2 ? o[j] * inv : o[j] / divisor;
             }
         }
     }
@@ -370,6 +465,43 @@ int64_t ac_first_distinct(const int64_t* draws, int64_t m, int64_t n, int64_t k,
         while (b) { out[w++] = (j << 6) + __builtin_ctzll(b); b &= b - 1; }
     }
     return c;
+}
+/* Chunk-Top-k's payload as flat positions and float32 values (adacomp.compressors.chunktopk's
+   kept_positions / kept_values): position = the int16 local index (its uint16 pattern above 32767)
+   + the chunk's start; value = levels[code] * the chunk's scale (one IEEE product), codes packed
+   LSB-first at b bits. Rows 0 .. full - 1 keep k_row values, then k_tail in the partial chunk.
+   Returns 1 when a value is -0.0 (the caller's sum from a +0 start would lose that sign), else 0. */
+int ac_chunk_decode(const int16_t* idx, const uint8_t* codes, int b, const float* scales, const float* levels,
+                    int64_t full, int64_t k_row, int64_t k_tail, int64_t chunk, int64_t* pos, float* vals) {
+    const unsigned mask = (1u << b) - 1u;
+    const int64_t kept = full * k_row + k_tail;
+    uint32_t negzero = 0;
+    int64_t i = 0;
+    int shift = 0;
+    if (kept == 0) return 0;
+    unsigned byte = codes[0];
+    for (int64_t row = 0; row <= full; ++row) {
+        const int64_t m = row < full ? k_row : k_tail, base = row * chunk;
+        const float s = m > 0 ? scales[row] : 0.0f;
+        for (int64_t j = 0; j < m; ++j, ++i) {
+            const float v = levels[(byte >> shift) & mask] * s;
+            shift += b;
+            if (shift == 8 && i + 1 < kept) { shift = 0; byte = codes[(i + 1) * b / 8]; }
+            uint32_t u;
+            __builtin_memcpy(&u, &v, sizeof u);
+            negzero |= u == 0x80000000u;
+            vals[i] = v;
+            pos[i] = base + (int64_t)(uint16_t)idx[i];
+        }
+    }
+    return negzero != 0;
+}
+/* out[idx[i]] = t[idx[i]] - v[i]: error feedback's residual where a payload changed only those
+   positions (out == t allowed). -1 (nothing written) when a position lies outside [0, n). */
+int ac_sub_at(float* out, const float* t, int64_t n, const int64_t* idx, const float* v, int64_t m) {
+    for (int64_t i = 0; i < m; ++i) if (idx[i] < 0 || idx[i] >= n) return -1;
+    for (int64_t i = 0; i < m; ++i) out[idx[i]] = t[idx[i]] - v[i];
+    return 0;
 }
 /* out[idx[i]] = +0.0 (index_fill_ with 0): error feedback's residual of an exact-value sparse payload.
    -1 (nothing written) when a position lies outside [0, n). */
@@ -778,6 +910,10 @@ def _load(out: Path) -> ctypes.CDLL:
         fc.argtypes = [vp, vp, i64]
     lib_.ac_zero_at.argtypes = [vp, i64, vp, i64]
     lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp]
+    lib_.ac_chunk_decode.restype = ctypes.c_int
+    lib_.ac_chunk_decode.argtypes = [vp, vp, ctypes.c_int, vp, vp, i64, i64, i64, i64, vp, vp]
+    lib_.ac_sub_at.restype = ctypes.c_int
+    lib_.ac_sub_at.argtypes = [vp, vp, i64, vp, vp, i64]
     h = lib_.ac_rth_largest_strided
     h.restype = ctypes.c_int
     h.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -891,12 +1027,41 @@ def chunk_topk(a: Tensor, rows: int, chunk: int, k: int) -> tuple[Tensor, Tensor
     k-th magnitude to the lowest positions; None where torch's path must answer (a NaN)."""
     lib = library()
     assert lib is not None and usable(a) and a.numel() >= rows * chunk and 1 <= k <= chunk
-    keys = torch.empty(chunk, dtype=torch.int32)
+    keys = torch.empty(chunk + 2 * (4 * k + 64), dtype=torch.int32)
     pos = torch.empty(rows, k, dtype=torch.int64)
     vals = torch.empty(rows, k, dtype=torch.float32)
     if lib.ac_chunk_topk(a.data_ptr(), rows, chunk, k, keys.data_ptr(), pos.data_ptr(), vals.data_ptr()) != 0:
         return None
     return pos, vals
+
+
+def chunk_decode(indices: Tensor, codes: Tensor, bits: int, scales: Tensor, levels: Tensor, full: int,
+                 k_row: int, k_tail: int, chunk: int) -> tuple[Tensor, Tensor, bool] | None:
+    """Chunk-Top-k's flat positions (int64) and values (``levels[code] * scale`` of the code's chunk)
+    in one pass, and whether a value is -0.0; None where torch must answer."""
+    lib = library()
+    kept = full * k_row + k_tail
+    if (lib is None or bits not in PACK_BITS or indices.dtype != torch.int16 or indices.device.type != "cpu"
+            or not indices.is_contiguous() or indices.numel() != kept or not _bytes_ok(codes)
+            or codes.numel() * 8 < kept * bits or not usable(scales) or scales.numel() < full + (1 if k_tail else 0)
+            or not usable(levels) or levels.numel() != 1 << bits or chunk > 1 << 16):
+        return None
+    pos = torch.empty(kept, dtype=torch.int64)
+    vals = torch.empty(kept, dtype=torch.float32)
+    negzero = lib.ac_chunk_decode(indices.data_ptr(), codes.data_ptr(), bits, scales.data_ptr(), levels.data_ptr(),
+                                  full, k_row, k_tail, chunk, pos.data_ptr(), vals.data_ptr())
+    return pos, vals, bool(negzero)
+
+
+def sub_at(out: Tensor, t: Tensor, idx: Tensor, vals: Tensor) -> bool:
+    """``out[idx] = t[idx] - vals`` (flat, ``out`` may be ``t``) in C; False (nothing written) where
+    torch must run."""
+    lib = library()
+    if (lib is None or not usable(out) or not usable(t) or t.numel() != out.numel() or not usable(vals)
+            or idx.dtype != torch.int64 or idx.device.type != "cpu" or not idx.is_contiguous()
+            or idx.numel() != vals.numel()):
+        return False
+    return lib.ac_sub_at(out.data_ptr(), t.data_ptr(), out.numel(), idx.data_ptr(), vals.data_ptr(), idx.numel()) == 0
 
 
 def pick_largest(mags: Tensor, idx: Tensor | None, k: int, flat: Tensor | None) -> tuple[Tensor, Tensor] | None:

@@ -120,8 +120,21 @@ def check_bits(bits: int) -> int:
     return bits
 
 
+_CPU_LEVELS: dict[int, Tensor] = {}
+
+
 def unit_levels(bits: int, device: torch.device | None = None) -> Tensor:
-    """The ``2**bits`` levels for scale 1, ascending: ``(2 j + 1 - 2**b) / (2**b - 1)`` (float32)."""
+    """The ``2**bits`` levels for scale 1, ascending: ``(2 j + 1 - 2**b) / (2**b - 1)`` (float32;
+    the CPU table is made once per ``bits``: every decode reads it, and callers never write it)."""
+    if device is None or torch.device(device).type == "cpu":
+        got = _CPU_LEVELS.get(bits)
+        if got is None:
+            got = _CPU_LEVELS[bits] = _levels(bits, None)
+        return got
+    return _levels(bits, device)
+
+
+def _levels(bits: int, device: torch.device | None) -> Tensor:
     n = 1 << bits
     j = torch.arange(n, dtype=torch.float64, device=device)
     return ((2 * j + 1 - n) / (n - 1)).to(torch.float32)
@@ -263,7 +276,9 @@ class ChunkTopkCompressor(Compressor):
                              f"{codes.numel()} and {scales.numel()}): every rank must use the same "
                              "density, chunk and bits")
         levels = unit_levels(ctx.bits, codes.device)
-        vals = levels[unpack_bits(codes, ctx.bits, k).to(torch.int64)]
+        vals = torch.empty(k, dtype=torch.float32, device=codes.device)
+        if not (codes.device.type == "cpu" and _native.decode(codes, ctx.bits, k, levels, vals)):  # one C pass
+            vals = levels[unpack_bits(codes, ctx.bits, k).to(torch.int64)]
         nf = ctx.full * ctx.k_row
         if ctx.full:
             vals[:nf].view(ctx.full, ctx.k_row).mul_(scales[:ctx.full].unsqueeze(1))
@@ -286,6 +301,59 @@ class ChunkTopkCompressor(Compressor):
         if ctx.tail:
             pos[nf:].add_(ctx.full * ctx.chunk)
         return pos
+
+    fused_mean = True
+    residual_in_place = True
+    """:meth:`residual` changes only the kept coordinates, so error feedback may keep the compensated
+    buffer itself as the residual."""
+
+    def _decoded(self, payload: Payload, ctx: ChunkCtx) -> tuple[Tensor, Tensor] | None:
+        """Flat positions (int64, ascending) and float32 values of a payload on the CPU, as
+        :meth:`decompress` writes them (one C pass where it can); None where the fused paths must
+        leave it to torch (another device or dtype, a subclass that decodes its own way, a kept
+        -0.0, whose sign a sum from a +0 start would not keep)."""
+        if (ctx.dtype != torch.float32 or ctx.device.type != "cpu"
+                or type(self).decompress is not ChunkTopkCompressor.decompress):
+            return None
+        if ctx.bits != 32:
+            got = _native.chunk_decode(payload[-1].reshape(-1), payload[0].reshape(-1), ctx.bits,
+                                       payload[1].reshape(-1), unit_levels(ctx.bits), ctx.full, ctx.k_row,
+                                       ctx.k_tail, ctx.chunk)
+            if got is not None:
+                return None if got[2] else (got[0], got[1])
+        pos = self.kept_positions(payload[-1], ctx)
+        vals = self.kept_values(payload, ctx).to(torch.float32)
+        if bool(((vals == 0) & torch.signbit(vals)).any()):
+            return None
+        return pos, vals.contiguous()
+
+    def mean_into(self, payloads: list[Payload], ctx: Any, out: Tensor) -> bool:
+        """Every rank's kept values added into ``out`` in rank order and divided by the world size in
+        one C pass (:func:`~adacomp.compressors._native.sparse_mean`): bitwise decompressing each
+        (zeros + index_copy_), ``d0 + d1``, ``+= d_r`` and ``/ world``, without a dense tensor per
+        rank. A position where every rank kept -0.0 is the only one whose sign could differ, so such
+        payloads take the communicator's path."""
+        if len(payloads) < 2 or not ctx.kept:
+            return False
+        decoded = [self._decoded(p, ctx) for p in payloads]
+        if any(d is None for d in decoded):
+            return False
+        return _native.sparse_mean(out.view(-1), [d[0] for d in decoded if d is not None],
+                                   [d[1] for d in decoded if d is not None], len(payloads))
+
+    def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        """``tensor - decompress(payload)`` changing only the kept coordinates (elsewhere
+        ``x - 0.0 = x``): a copy at most (none when ``out`` is ``tensor``) and one subtraction per
+        kept value, bitwise the generic path's."""
+        decoded = self._decoded(payload, ctx) if ctx.kept else None
+        if decoded is None or not tensor.is_contiguous() or not out.is_contiguous() or tensor.dtype != torch.float32:
+            return super().residual(tensor, payload, ctx, out)
+        pos, vals = decoded
+        if out.data_ptr() != tensor.data_ptr():
+            out.copy_(tensor)
+        if not _native.sub_at(out.view(-1), out.view(-1), pos, vals):
+            out.view(-1).index_copy_(0, pos, out.view(-1).index_select(0, pos).sub_(vals))
+        return out
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         out = self._workspace().zeros(torch.Size([ctx.numel]), ctx.numel, ctx.dtype, ctx.device)
