@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -1088,24 +1089,39 @@ def pick_largest(mags: Tensor, idx: Tensor | None, k: int, flat: Tensor | None) 
     return out_idx, out_vals
 
 
+def _cpu_contiguous(t: Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+
+
+_SCRATCH = threading.local()
+
+
+def _pointer_arrays(world: int) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, ctypes.Array]:
+    """Reused ctypes arrays for a call over ``world`` ranks (per thread): building them fresh cost
+    more than the C work on small tensors (~150 tensors, each a call per step)."""
+    cache: dict[int, tuple[ctypes.Array, ctypes.Array, ctypes.Array, ctypes.Array]] = _SCRATCH.__dict__.setdefault("arrays", {})
+    got = cache.get(world)
+    if got is None:
+        got = cache[world] = ((ctypes.c_void_p * world)(), (ctypes.c_void_p * world)(),
+                              (ctypes.c_int64 * world)(), (ctypes.c_int64 * world)())
+    return got
+
+
 def sparse_mean(out: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int) -> bool:
     """``out`` = zeros, every rank's ``vals[r]`` added at ``idx[r]`` in rank order, divided by
     ``divisor`` at the touched positions, in one sequential write (bitwise ``zero_``, ``index_add_``
     of the concatenated payloads, ``div_``). False where the torch path must run (another dtype,
     a layout it does not take, positions not strictly ascending: then ``out`` may be partly written)."""
     lib = library()
-    if lib is None or not usable(out) or len(idx) != len(vals) or not idx:
-        return False
-    for i, v in zip(idx, vals):
-        if (i.dtype != torch.int64 or i.device.type != "cpu" or not i.is_contiguous() or not usable(v)
-                or i.numel() != v.numel()):
-            return False
     world = len(idx)
-    ptrs = ctypes.c_void_p * world
-    counts = (ctypes.c_int64 * world)(*(i.numel() for i in idx))
-    pos = (ctypes.c_int64 * world)()
-    return lib.ac_sparse_mean(out.data_ptr(), out.numel(), world, ptrs(*(i.data_ptr() for i in idx)),
-                              ptrs(*(v.data_ptr() for v in vals)), counts, pos, float(divisor)) == 0
+    if lib is None or not world or len(vals) != world or not _cpu_contiguous(out, torch.float32):
+        return False
+    iptr, vptr, counts, pos = _pointer_arrays(world)
+    for r, (i, v) in enumerate(zip(idx, vals)):
+        if not (_cpu_contiguous(i, torch.int64) and _cpu_contiguous(v, torch.float32)) or i.numel() != v.numel():
+            return False
+        iptr[r], vptr[r], counts[r] = i.data_ptr(), v.data_ptr(), i.numel()
+    return lib.ac_sparse_mean(out.data_ptr(), out.numel(), world, iptr, vptr, counts, pos, float(divisor)) == 0
 
 
 def zero_at(out: Tensor, idx: Tensor) -> bool:
