@@ -17,7 +17,9 @@ A full chunk keeps ``k = max(1, round(density * c))`` coordinates, the partial o
 ``max(1, round(density * m))`` (never more than it has): the k largest ``|x|`` of that chunk
 (no padding, so a position past the tensor's end can never be chosen); ties at the k-th magnitude
 go to the lowest positions and a NaN ranks above every number, so the choice depends on the values
-only (:func:`chunk_select`: one radix select per chunk in C, or torch's path, the same bytes).
+only (:func:`chunk_select`: in C, the candidates at or above a floor just below the previous chunk's
+k-th magnitude, one radix select among those, the whole chunk where the floor passed too few or too
+many; or torch's path; the same bytes).
 The payload size therefore depends only on the shape (``fixed_size``: ``allgather_fast`` works).
 
 Values (``b = bits`` < 32): per chunk the scale is ``s = max |kept value|`` (float32), and each kept
@@ -44,8 +46,9 @@ value (``topk``: 12, a float32 value and an int64 index), 0.046 bytes per elemen
 float32).
 
 Flags: biased (a deterministic nearest-level quantizer after a Top-k), so ``memory: auto`` picks
-``residual``; the base class's ``residual`` (``tensor - decompress``) puts the quantization error into
-the residual as well. Not additive (scales differ per rank and chunk; indices differ), and the
+``residual``; the residual (``tensor - decompress``, computed at the kept positions only, in place)
+carries the quantization error as well. The ranks' mean is one sparse pass over every rank's decoded
+values (:meth:`ChunkTopkCompressor.mean_into`), bitwise the communicators' decompress-and-add. Not additive (scales differ per rank and chunk; indices differ), and the
 payload is not ``[values, indices]`` over the flat tensor (``sparse = False``): it travels on
 ``allgather`` or ``allgather_fast``, which decompress every rank's payload with this rank's ctx and
 average; ``allreduce`` refuses it. ctx depends only on the shape / dtype / device and the settings.
