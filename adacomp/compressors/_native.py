@@ -626,15 +626,53 @@ static inline int qsgd_one(float v, float u, float d, float s, uint8_t* code) {
     *code = (uint8_t)(int32_t)a;
     return 0;
 }
+/* qsgd_one's operations 8 lanes at a time with AVX2 (picked at run time; the SSE2 loop below is the
+   same operations 4 lanes at a time): codes for [i, end) of one bucket, from i in steps of 8;
+   returns the next i and sets *nan when a lane went NaN. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AC_HAVE_QSGD_AVX2 1
+__attribute__((target("avx2"))) static int64_t qsgd_codes_avx2(const float* x, const float* rnd, int64_t i,
+                                                               int64_t end, float d, float s, uint8_t* codes,
+                                                               int* nan) {
+    const __m256 dv = _mm256_set1_ps(d), sv = _mm256_set1_ps(s), big = _mm256_set1_ps(8388608.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 bad = _mm256_setzero_ps();
+    for (; i + 8 <= end; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        __m256 a = _mm256_div_ps(_mm256_andnot_ps(sign, v), dv);
+        a = _mm256_mul_ps(a, sv);
+        a = _mm256_add_ps(a, _mm256_loadu_ps(rnd + i));
+        const __m256 small = _mm256_cmp_ps(a, big, _CMP_LT_OS);
+        a = _mm256_or_ps(_mm256_and_ps(small, _mm256_cvtepi32_ps(_mm256_cvttps_epi32(a))), _mm256_andnot_ps(small, a));
+        const __m256 over = _mm256_cmp_ps(a, sv, _CMP_GT_OS);
+        a = _mm256_or_ps(_mm256_and_ps(over, sv), _mm256_andnot_ps(over, a));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        a = _mm256_add_ps(_mm256_or_ps(_mm256_andnot_ps(sign, a), _mm256_and_ps(sign, v)), sv);
+        const __m256i c = _mm256_cvttps_epi32(a);
+        __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        p = _mm_packus_epi16(p, p);
+        _mm_storel_epi64((__m128i*)(codes + i), p);
+    }
+    *nan |= _mm256_movemask_ps(bad);
+    return i;
+}
+#endif
 int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe, int64_t off0, int64_t size,
                   float s, uint8_t* codes) {
     int bad = 0;
     int64_t i = 0;
+#if defined(AC_HAVE_QSGD_AVX2)
+    const int avx2 = __builtin_cpu_supports("avx2");
+#endif
     while (i < m) {
         int64_t b = (off0 + i) / size;
         int64_t end = (b + 1) * size - off0;
         if (end > m) end = m;
         const float d = safe[b];
+#if defined(AC_HAVE_QSGD_AVX2)
+        if (avx2) i = qsgd_codes_avx2(x, rnd, i, end, d, s, codes, &bad);
+#endif
 #if defined(__SSE2__)
         /* the same operations, 4 lanes at a time: the blends are bit masks, truncation of a NaN or
            of a >= 2^23 gives the "integer indefinite" value, which the blend then drops */
@@ -733,6 +771,28 @@ AC_CLONES void ac_sign_residual(const float* t, const uint8_t* packed, float s, 
     }
     for (; i < n; ++i) out[i] = t[i] - tab[(packed[i >> 3] >> (i & 7)) & 1];
 }
+/* 4-bit codes through a 16-entry table, 8 at a time with AVX2 (the baseline build runs the scalar
+   loop): each code picks its value from the table's two halves by a lane permute and a blend on the
+   code's high bit; the first rank stores, later ranks add (out + value, one IEEE add per lane, the
+   scalar loop's operation and operand order). pk points at the group's first byte. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AC_HAVE_TABLE4_AVX2 1
+__attribute__((target("avx2"))) static void table4_avx2(const uint8_t* pk, const float* tab, float* out,
+                                                        int64_t groups, int first) {
+    const __m256 lo = _mm256_loadu_ps(tab), hi = _mm256_loadu_ps(tab + 8);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nib = _mm256_set1_epi32(15);
+    for (int64_t g = 0; g < groups; ++g) {
+        uint32_t w;
+        __builtin_memcpy(&w, pk + 4 * g, sizeof w);
+        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), nib);
+        const __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code), _mm256_permutevar8x32_ps(hi, code),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+        if (first) _mm256_storeu_ps(out + 8 * g, v);
+        else _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_loadu_ps(out + 8 * g), v));
+    }
+}
+#endif
 AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int world, int64_t n, int bits,
                    int64_t size, float* out) {
     const unsigned mask = (1u << bits) - 1u;
@@ -741,6 +801,9 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
     const int pow2 = (world & (world - 1)) == 0;
     const float inv = 1.0f / w;
     float* bt = size / per >= TABLE_BYTE_MIN ? (float*)malloc((size_t)world * 256 * 8 * sizeof(float)) : NULL;
+#if defined(AC_HAVE_TABLE4_AVX2)
+    const int avx2 = __builtin_cpu_supports("avx2");
+#endif
     for (int64_t lo0 = 0; lo0 < n; lo0 += size) {
         const int64_t hi0 = lo0 + size < n ? lo0 + size : n, b = lo0 / size;
         const int bytes = bt != NULL && (hi0 - lo0) / per >= TABLE_BYTE_MIN;
@@ -769,6 +832,13 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
                     default: BYTE_TABLE(4, ac_v2f); break;
                     }
                 } else {
+#if defined(AC_HAVE_TABLE4_AVX2)
+                    if (bits == 4 && avx2) {
+                        const int64_t groups = (whole - i) / 8;
+                        table4_avx2(pk + ((i * 4) >> 3), tab, out + i, groups, r == 0);
+                        i += 8 * groups;
+                    }
+#endif
                     switch (bits) {  /* constant widths: the per-byte loops unroll */
                     case 1: TABLE_BYTES(1); break;
                     case 2: TABLE_BYTES(2); break;
@@ -792,13 +862,13 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
 #define MT_N 624
 #define MT_M 397
 #define MT_TW(u, v) (((((u) & 0x80000000u) | ((v) & 0x7fffffffu)) >> 1) ^ (((v) & 1u) ? 0x9908b0dfu : 0u))
-static void mt_twist(uint32_t* s) {
+static inline void mt_twist(uint32_t* s) {
     int k;
     for (k = 0; k < MT_N - MT_M; ++k) s[k] = s[k + MT_M] ^ MT_TW(s[k], s[k + 1]);
     for (; k < MT_N - 1; ++k) s[k] = s[k + MT_M - MT_N] ^ MT_TW(s[k], s[k + 1]);
     s[MT_N - 1] = s[MT_M - 1] ^ MT_TW(s[MT_N - 1], s[0]);
 }
-int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
+AC_CLONES int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
     int32_t left; uint64_t next; uint32_t s[MT_N];
     int k; int64_t i = 0;
     __builtin_memcpy(&left, st + 8, 4);
