@@ -748,29 +748,6 @@ int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe
 typedef float ac_v8f __attribute__((vector_size(32)));
 typedef float ac_v4f __attribute__((vector_size(16)));
 typedef float ac_v2f __attribute__((vector_size(8)));
-/* EF-SignSGD's residual in one pass: out = t - (bit ? s : -s) per element, bitwise torch.sub of
-   the decoded signs (each decoded value is exactly +-s; one IEEE subtraction, t first). Whole
-   bytes take their 8 decoded values from a 256-entry table as one vector. out may be t. */
-AC_CLONES void ac_sign_residual(const float* t, const uint8_t* packed, float s, float* out, int64_t n) {
-    const float tab[2] = {-s, s};
-    int64_t i = 0;
-    if (n >= 1 << 14) {
-        float* bt = (float*)malloc(256 * 8 * sizeof(float));
-        if (bt != NULL) {
-            for (int byte = 0; byte < 256; ++byte)
-                for (int k = 0; k < 8; ++k) bt[byte * 8 + k] = tab[(byte >> k) & 1];
-            for (; i + 8 <= n; i += 8) {
-                ac_v8f v, x;
-                __builtin_memcpy(&v, bt + packed[i >> 3] * 8, sizeof v);
-                __builtin_memcpy(&x, t + i, sizeof x);
-                x = x - v;
-                __builtin_memcpy(out + i, &x, sizeof x);
-            }
-            free(bt);
-        }
-    }
-    for (; i < n; ++i) out[i] = t[i] - tab[(packed[i >> 3] >> (i & 7)) & 1];
-}
 /* 4-bit codes through a 16-entry table, 8 at a time with AVX2 (the baseline build runs the scalar
    loop): each code picks its value from the table's two halves by a lane permute and a blend on the
    code's high bit; the first rank stores, later ranks add (out + value, one IEEE add per lane, the
@@ -792,7 +769,59 @@ __attribute__((target("avx2"))) static void table4_avx2(const uint8_t* pk, const
         else _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_loadu_ps(out + 8 * g), v));
     }
 }
+/* 1-bit codes through a 2-entry table, a byte (8 codes) at a time with AVX2: each lane tests its
+   bit and blends the two values; stores (first rank) or adds (out + value, as the scalar loop). */
+__attribute__((target("avx2"))) static void table1_avx2(const uint8_t* pk, const float* tab, float* out,
+                                                        int64_t bytes, int first) {
+    const __m256 t0 = _mm256_set1_ps(tab[0]), t1 = _mm256_set1_ps(tab[1]);
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int64_t j = 0; j < bytes; ++j) {
+        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(pk[j]), bit), bit);
+        const __m256 v = _mm256_blendv_ps(t0, t1, _mm256_castsi256_ps(on));
+        if (first) _mm256_storeu_ps(out + 8 * j, v);
+        else _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm256_loadu_ps(out + 8 * j), v));
+    }
+}
+/* EF-SignSGD's residual, a byte at a time with AVX2: t - (bit ? s : -s), one IEEE subtraction per lane. */
+__attribute__((target("avx2"))) static int64_t sign_residual_avx2(const float* t, const uint8_t* packed, float s,
+                                                                   float* out, int64_t n) {
+    const __m256 neg = _mm256_set1_ps(-s), pos = _mm256_set1_ps(s);
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(packed[i >> 3]), bit), bit);
+        const __m256 v = _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(on));
+        _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_loadu_ps(t + i), v));
+    }
+    return i;
+}
 #endif
+/* EF-SignSGD's residual in one pass: out = t - (bit ? s : -s) per element, bitwise torch.sub of
+   the decoded signs (each decoded value is exactly +-s; one IEEE subtraction, t first). Whole
+   bytes take their 8 decoded values from a 256-entry table as one vector. out may be t. */
+AC_CLONES void ac_sign_residual(const float* t, const uint8_t* packed, float s, float* out, int64_t n) {
+    const float tab[2] = {-s, s};
+    int64_t i = 0;
+#if defined(AC_HAVE_TABLE4_AVX2)
+    if (__builtin_cpu_supports("avx2")) i = sign_residual_avx2(t, packed, s, out, n);
+#endif
+    if (n - i >= 1 << 14) {
+        float* bt = (float*)malloc(256 * 8 * sizeof(float));
+        if (bt != NULL) {
+            for (int byte = 0; byte < 256; ++byte)
+                for (int k = 0; k < 8; ++k) bt[byte * 8 + k] = tab[(byte >> k) & 1];
+            for (; i + 8 <= n; i += 8) {
+                ac_v8f v, x;
+                __builtin_memcpy(&v, bt + packed[i >> 3] * 8, sizeof v);
+                __builtin_memcpy(&x, t + i, sizeof x);
+                x = x - v;
+                __builtin_memcpy(out + i, &x, sizeof x);
+            }
+            free(bt);
+        }
+    }
+    for (; i < n; ++i) out[i] = t[i] - tab[(packed[i >> 3] >> (i & 7)) & 1];
+}
 AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int world, int64_t n, int bits,
                    int64_t size, float* out) {
     const unsigned mask = (1u << bits) - 1u;
@@ -824,6 +853,13 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
                     out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
                                     : out[i] + tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask];
                 const int64_t whole = i + (hi - i) / per * per;
+#if defined(AC_HAVE_TABLE4_AVX2)
+                if (bits == 1 && avx2) {
+                    const int64_t nbytes = (whole - i) / 8;
+                    table1_avx2(pk + (i >> 3), tab, out + i, nbytes, r == 0);
+                    i += 8 * nbytes;
+                }
+#endif
                 if (bytes) {
                     const float* tr = bt + (size_t)r * 256 * 8;
                     switch (bits) {
