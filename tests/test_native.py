@@ -548,3 +548,37 @@ def test_sample_lines_equal_torch(n: int, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("ADACOMP_NATIVE", "0")
     slow = [sample_lines(a), sample_lines(a) + sample_lines(b)]
     assert all(torch.equal(bits(x), bits(y)) for x, y in zip(fast, slow))
+
+
+@pytest.mark.skipif(_native.library() is None, reason="no C compiler: the torch path is the only path")
+def test_avx2_loops_equal_the_baseline_loops() -> None:
+    """The hand-written AVX2 loops (QSGD's rounding, the 1- and 4-bit code-table means, EF-SignSGD's
+    residual) give the baseline loops' bits: both run here (``ac_avx2_off``), on -0.0, NaN,
+    denormals and lengths that leave a tail; where the CPU has no AVX2 both are the baseline."""
+    import ctypes
+    switch = ctypes.c_int.in_dll(_native.library(), "ac_avx2_off")
+    g = torch.Generator().manual_seed(3)
+    n = 40_009
+    x = torch.randn(n, generator=g)
+    x[0], x[1], x[2], x[3] = -0.0, 0.0, 1e-42, float("nan")
+    rnd, safe = torch.rand(n, generator=g), torch.rand(n // 512 + 1, generator=g) + 0.5
+    codes = [torch.randint(0, 256, (n // 2 + 1,), dtype=torch.uint8, generator=g) for _ in range(3)]
+    tables4 = [torch.randn((n // 512 + 1) << 4, generator=g) for _ in range(3)]
+    tables1 = [torch.tensor([-0.5, 0.75]) * (r + 1) for r in range(3)]
+    runs = []
+    try:
+        for off in (0, 1):
+            switch.value = off
+            got = [torch.full((n,), 255, dtype=torch.uint8) for _ in range(2)]
+            ok = [_native.qsgd_codes(x[4:], rnd[4:], safe, 0, 512, 7, got[0][4:]),
+                  _native.qsgd_codes(x, rnd, safe, 0, 512, 7, got[1])]
+            outs = [torch.full((n,), 7.0) for _ in range(5)]
+            ok += [_native.table_mean(codes[:w], tables4[:w], 4, 512, n, outs[w - 2]) for w in (2, 3)]
+            ok += [_native.table_mean(codes[:w], tables1[:w], 1, n, n, outs[w]) for w in (2, 3)]
+            ok += [_native.sign_residual(x, codes[0], 0.25, outs[4])]
+            runs.append((ok, got, [bits(o) for o in outs]))
+    finally:
+        switch.value = 0
+    (ok_a, got_a, outs_a), (ok_b, got_b, outs_b) = runs
+    assert ok_a == ok_b == [True, False, True, True, True, True, True]  # the NaN hands its block back
+    assert torch.equal(got_a[0], got_b[0]) and all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))

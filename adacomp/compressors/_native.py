@@ -626,6 +626,12 @@ static inline int qsgd_one(float v, float u, float d, float s, uint8_t* code) {
     *code = (uint8_t)(int32_t)a;
     return 0;
 }
+/* The hand-written AVX2 loops run where the CPU has AVX2 unless ac_avx2_off is set (tests run both
+   ways and compare the bits). */
+int ac_avx2_off = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"); }
+#endif
 /* qsgd_one's operations 8 lanes at a time with AVX2 (picked at run time; the SSE2 loop below is the
    same operations 4 lanes at a time): codes for [i, end) of one bucket, from i in steps of 8;
    returns the next i and sets *nan when a lane went NaN. */
@@ -663,7 +669,7 @@ int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe
     int bad = 0;
     int64_t i = 0;
 #if defined(AC_HAVE_QSGD_AVX2)
-    const int avx2 = __builtin_cpu_supports("avx2");
+    const int avx2 = use_avx2();
 #endif
     while (i < m) {
         int64_t b = (off0 + i) / size;
@@ -803,7 +809,7 @@ AC_CLONES void ac_sign_residual(const float* t, const uint8_t* packed, float s, 
     const float tab[2] = {-s, s};
     int64_t i = 0;
 #if defined(AC_HAVE_TABLE4_AVX2)
-    if (__builtin_cpu_supports("avx2")) i = sign_residual_avx2(t, packed, s, out, n);
+    if (use_avx2()) i = sign_residual_avx2(t, packed, s, out, n);
 #endif
     if (n - i >= 1 << 14) {
         float* bt = (float*)malloc(256 * 8 * sizeof(float));
@@ -831,7 +837,7 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
     const float inv = 1.0f / w;
     float* bt = size / per >= TABLE_BYTE_MIN ? (float*)malloc((size_t)world * 256 * 8 * sizeof(float)) : NULL;
 #if defined(AC_HAVE_TABLE4_AVX2)
-    const int avx2 = __builtin_cpu_supports("avx2");
+    const int avx2 = use_avx2();
 #endif
     for (int64_t lo0 = 0; lo0 < n; lo0 += size) {
         const int64_t hi0 = lo0 + size < n ? lo0 + size : n, b = lo0 / size;
