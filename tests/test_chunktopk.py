@@ -360,3 +360,28 @@ def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case):
         other = comp.residual(t, p, c, torch.empty_like(t))
         for got in (same, other):
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_quantizer_c_path_equals_torch(bits):
+    """The C quantizer gives torch's scales and codes: a zero row (scale 0), -0.0, values at
+    +-scale, and values whose scaled level lies exactly half-way (round half to even)."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import quantize
+    g = torch.Generator().manual_seed(bits)
+    v = torch.randn(9, 33, generator=g)
+    v[2] = 0.0
+    v[3, :5] = -0.0
+    v[4, 0], v[4, 1] = -v[4].abs().max(), v[4].abs().max()
+    top = (1 << bits) - 1
+    v[5] = 1.0
+    grid = min(top + 1, 32)
+    v[5, 1:grid + 1] = torch.arange(grid) * (2.0 / top) - 1.0  # t = j exactly (grid points)
+    v[6] = torch.arange(33, dtype=torch.float32) / 32 * 2 - 1 + 1 / (2 * top)  # some t at j + 1/2
+    got = _native.chunk_quantize(v, bits)
+    assert got is not None
+    scales = v.abs().amax(dim=1)
+    assert torch.equal(got[0].view(torch.int32), scales.view(torch.int32))
+    assert torch.equal(got[1], quantize(v, scales, bits).reshape(-1))
+    v[7, 3] = float("nan")
+    assert _native.chunk_quantize(v, bits) is None

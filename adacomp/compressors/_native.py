@@ -467,6 +467,35 @@ int64_t ac_first_distinct(const int64_t* draws, int64_t m, int64_t n, int64_t k,
     }
     return c;
 }
+/* Chunk-Top-k's quantizer (adacomp.compressors.chunktopk.quantize) over `rows` runs of k kept values:
+   scale = max |v| of the run; code = clamp(round_half_even((v / safe + 1) * half), 0, top) with
+   safe = scale > 0 ? scale : 1 and half = top / 2, torch's float32 operations in its order. Here
+   |v| <= safe, so the product lies in [0, top] and adding and removing 2^23 rounds it half-even.
+   -1 on a NaN (torch answers). */
+int ac_chunk_quantize(const float* v, int64_t rows, int64_t k, int top, float* scales, uint8_t* codes) {
+    const float half = (float)top / 2.0f, tf = (float)top;
+    for (int64_t row = 0; row < rows; ++row) {
+        const float* x = v + row * k;
+        float m = 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+            const float a = __builtin_fabsf(x[j]);
+            if (a != a) return -1;
+            m = a > m ? a : m;
+        }
+        scales[row] = m;
+        const float safe = m > 0.0f ? m : 1.0f;
+        uint8_t* c = codes + row * k;
+        for (int64_t j = 0; j < k; ++j) {
+            float t = x[j] / safe;
+            t = t + 1.0f;
+            t = t * half;
+            t = (t + 8388608.0f) - 8388608.0f;
+            t = t < 0.0f ? 0.0f : (t > tf ? tf : t);
+            c[j] = (uint8_t)(int)t;
+        }
+    }
+    return 0;
+}
 /* Chunk-Top-k's payload as flat positions and float32 values (adacomp.compressors.chunktopk's
    kept_positions / kept_values): position = the int16 local index (its uint16 pattern above 32767)
    + the chunk's start; value = levels[code] * the chunk's scale (one IEEE product), codes packed
@@ -1024,6 +1053,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_zero_at.argtypes = [vp, i64, vp, i64]
     lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp]
     lib_.ac_chunk_decode.restype = ctypes.c_int
+    lib_.ac_chunk_quantize.restype = ctypes.c_int
+    lib_.ac_chunk_quantize.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp]
     lib_.ac_chunk_decode.argtypes = [vp, vp, ctypes.c_int, vp, vp, i64, i64, i64, i64, vp, vp]
     lib_.ac_sub_at.restype = ctypes.c_int
     lib_.ac_sub_at.argtypes = [vp, vp, i64, vp, vp, i64]
@@ -1146,6 +1177,20 @@ def chunk_topk(a: Tensor, rows: int, chunk: int, k: int) -> tuple[Tensor, Tensor
     if lib.ac_chunk_topk(a.data_ptr(), rows, chunk, k, keys.data_ptr(), pos.data_ptr(), vals.data_ptr()) != 0:
         return None
     return pos, vals
+
+
+def chunk_quantize(vals: Tensor, bits: int) -> tuple[Tensor, Tensor] | None:
+    """Chunk-Top-k's per-row scales (max |v|) and codes (uint8, flat) of a (rows, k) float32 tensor
+    of kept values in one C pass, bitwise its torch sequence; None where torch must answer."""
+    lib = library()
+    if lib is None or vals.dim() != 2 or not usable(vals) or not 1 <= bits <= 8:
+        return None
+    rows, k = vals.shape
+    scales = torch.empty(rows, dtype=torch.float32)
+    codes = torch.empty(rows * k, dtype=torch.uint8)
+    if lib.ac_chunk_quantize(vals.data_ptr(), rows, k, (1 << bits) - 1, scales.data_ptr(), codes.data_ptr()) != 0:
+        return None
+    return scales, codes
 
 
 def chunk_decode(indices: Tensor, codes: Tensor, bits: int, scales: Tensor, levels: Tensor, full: int,

@@ -152,6 +152,15 @@ def quantize(values: Tensor, scales: Tensor, bits: int) -> Tensor:
     return t.round_().clamp_(0, top).to(torch.uint8)
 
 
+def _scales_codes(vals: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """Per row of kept values: the scale (max |v|) and the codes (flat), one C pass where it serves."""
+    got = _native.chunk_quantize(vals, bits) if vals.device.type == "cpu" else None
+    if got is not None:
+        return got
+    scales = vals.abs().amax(dim=1)
+    return scales, quantize(vals, scales, bits).reshape(-1)
+
+
 def chunk_select(body: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Per row of ``body`` (chunks x c): the positions of the k largest ``|x|`` (int64, ascending;
     ties at the k-th magnitude to the lowest positions; NaN above every number) and their values
@@ -252,8 +261,9 @@ class ChunkTopkCompressor(Compressor):
             values = (torch.cat([v.reshape(-1) for v in val_parts]) if val_parts
                       else torch.zeros(0, dtype=torch.float32, device=tensor.device))
             return [values, indices], ctx
-        scales = [v.abs().amax(dim=1) for v in val_parts]
-        codes = [quantize(v, s, self.bits).reshape(-1) for v, s in zip(val_parts, scales)]
+        quantized = [_scales_codes(v, self.bits) for v in val_parts]
+        scales = [q[0] for q in quantized]
+        codes = [q[1] for q in quantized]
         if codes:
             packed = pack_bits(torch.cat(codes), self.bits)
             scale_t = torch.cat(scales)
