@@ -426,14 +426,37 @@ void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, f
    adacomp.compressors._lowrank uses it only where it gave torch's bits for the layout. Built twice:
    for CPUs with AVX2 + FMA (vfmadd) and without (the C library's fmaf, the same result), picked by
    what the CPU reports. */
+/* Rows longer than L1 holds: each output's chain runs in a register (the rank loop innermost,
+   unrolled for ranks up to 8) and is stored once, the same fmaf sequence per element as the
+   rank-outer loop, without re-reading and re-writing the row r times (VGG-16's fc6 rows are 100 KB).
+   Shorter rows keep the rank-outer loop, which is faster while the row sits in L1. */
+#define OUTER_ROW_L1 8192 /* floats of a row that stays in L1 through r rank-outer passes: those keep them */
+#define OUTER_FMA_R(R)                                                                  \
+    for (int64_t j = 0; j < m; ++j) {                                                   \
+        float acc = 0.0f;                                                               \
+        for (int k = 0; k < (R); ++k) acc = __builtin_fmaf(pi[k], qt[k * m + j], acc);  \
+        o[j] = acc;                                                                     \
+    }
 #define OUTER_FMA_BODY                                                                  \
     for (int64_t i = 0; i < n; ++i) {                                                   \
         float* o = out + i * m;                                                         \
-        for (int64_t j = 0; j < m; ++j) o[j] = 0.0f;                                    \
-        for (int64_t k = 0; k < r; ++k) {                                               \
-            const float a = p[i * r + k];                                               \
-            const float* q = qt + k * m;                                                \
-            for (int64_t j = 0; j < m; ++j) o[j] = __builtin_fmaf(a, q[j], o[j]);       \
+        const float* pi = p + i * r;                                                    \
+        switch (m > OUTER_ROW_L1 ? r : 0) {                                             \
+        case 1: OUTER_FMA_R(1); break;                                                  \
+        case 2: OUTER_FMA_R(2); break;                                                  \
+        case 3: OUTER_FMA_R(3); break;                                                  \
+        case 4: OUTER_FMA_R(4); break;                                                  \
+        case 5: OUTER_FMA_R(5); break;                                                  \
+        case 6: OUTER_FMA_R(6); break;                                                  \
+        case 7: OUTER_FMA_R(7); break;                                                  \
+        case 8: OUTER_FMA_R(8); break;                                                  \
+        default:                                                                        \
+            for (int64_t j = 0; j < m; ++j) o[j] = 0.0f;                                \
+            for (int64_t k = 0; k < r; ++k) {                                           \
+                const float a = pi[k];                                                  \
+                const float* q = qt + k * m;                                            \
+                for (int64_t j = 0; j < m; ++j) o[j] = __builtin_fmaf(a, q[j], o[j]);   \
+            }                                                                           \
         }                                                                               \
     }
 #if defined(__x86_64__) && defined(__GNUC__)
