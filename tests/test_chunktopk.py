@@ -385,3 +385,5 @@ def test_quantizer_c_path_equals_torch(bits):
     assert torch.equal(got[1], quantize(v, scales, bits).reshape(-1))
     v[7, 3] = float("nan")
     assert _native.chunk_quantize(v, bits) is None
+    v[7, 3] = float("inf")  # inf / inf: left to torch as well
+    assert _native.chunk_quantize(v, bits) is None

@@ -47,11 +47,14 @@ COMMUNICATORS: dict[str, dict[str, Any]] = {
     "randomk": {"compressor": {"name": "randomk", "density": 0.05}, "memory": {"name": "residual"},
                 "communicator": {"name": "allreduce"}},
     "bf16": {"compressor": {"name": "bf16"}, "memory": {"name": "residual"}, "communicator": {"name": "allreduce"}},
+    # Chunk-Top-k's C selection, in-place residual at the kept positions and fused sparse mean
+    "chunktopk": {"compressor": {"name": "chunktopk", "density": 0.05, "chunk": 64, "bits": 2},
+                  "memory": {"name": "residual"}, "communicator": {"name": "allgather_fast"}},
 }
 # state that must really be there, so "unchanged" is not vacuous
 EXPECT = {"allgather": "residuals", "alltoall": "alltoall\"}]/residuals", "oktopk": "threshold", "artopk": "residuals",
           "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity", "qsgd": "residuals", "efsignsgd": "residuals",
-          "randomk": "residuals", "bf16": "residuals"}
+          "randomk": "residuals", "bf16": "residuals", "chunktopk": "residuals"}
 NAN_RANK, NAN_PARAM = 1, "fc1.weight"
 BEFORE, AFTER = 3, 3
 

@@ -494,7 +494,7 @@ int64_t ac_first_distinct(const int64_t* draws, int64_t m, int64_t n, int64_t k,
    scale = max |v| of the run; code = clamp(round_half_even((v / safe + 1) * half), 0, top) with
    safe = scale > 0 ? scale : 1 and half = top / 2, torch's float32 operations in its order. Here
    |v| <= safe, so the product lies in [0, top] and adding and removing 2^23 rounds it half-even.
-   -1 on a NaN (torch answers). */
+   -1 on a NaN or an infinity (torch answers). */
 int ac_chunk_quantize(const float* v, int64_t rows, int64_t k, int top, float* scales, uint8_t* codes) {
     const float half = (float)top / 2.0f, tf = (float)top;
     for (int64_t row = 0; row < rows; ++row) {
@@ -505,6 +505,7 @@ int ac_chunk_quantize(const float* v, int64_t rows, int64_t k, int top, float* s
             if (a != a) return -1;
             m = a > m ? a : m;
         }
+        if (m > 3.4028234663852886e38f) return -1;  /* an infinite value: inf / inf is torch's to round */
         scales[row] = m;
         const float safe = m > 0.0f ? m : 1.0f;
         uint8_t* c = codes + row * k;
@@ -682,14 +683,14 @@ static inline int qsgd_one(float v, float u, float d, float s, uint8_t* code) {
    ways and compare the bits). */
 int ac_avx2_off = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AC_AVX2 1
 static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"); }
 #endif
 /* qsgd_one's operations 8 lanes at a time with AVX2 (picked at run time; the SSE2 loop below is the
    same operations 4 lanes at a time): codes for [i, end) of one bucket, from i in steps of 8;
    returns the next i and sets *nan when a lane went NaN. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define AC_HAVE_QSGD_AVX2 1
+#if defined(AC_AVX2)
 __attribute__((target("avx2"))) static int64_t qsgd_codes_avx2(const float* x, const float* rnd, int64_t i,
                                                                int64_t end, float d, float s, uint8_t* codes,
                                                                int* nan) {
@@ -720,7 +721,7 @@ int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe
                   float s, uint8_t* codes) {
     int bad = 0;
     int64_t i = 0;
-#if defined(AC_HAVE_QSGD_AVX2)
+#if defined(AC_AVX2)
     const int avx2 = use_avx2();
 #endif
     while (i < m) {
@@ -728,7 +729,7 @@ int ac_qsgd_codes(const float* x, int64_t m, const float* rnd, const float* safe
         int64_t end = (b + 1) * size - off0;
         if (end > m) end = m;
         const float d = safe[b];
-#if defined(AC_HAVE_QSGD_AVX2)
+#if defined(AC_AVX2)
         if (avx2) i = qsgd_codes_avx2(x, rnd, i, end, d, s, codes, &bad);
 #endif
 #if defined(__SSE2__)
@@ -810,9 +811,7 @@ typedef float ac_v2f __attribute__((vector_size(8)));
    loop): each code picks its value from the table's two halves by a lane permute and a blend on the
    code's high bit; the first rank stores, later ranks add (out + value, one IEEE add per lane, the
    scalar loop's operation and operand order). pk points at the group's first byte. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define AC_HAVE_TABLE4_AVX2 1
+#if defined(AC_AVX2)
 __attribute__((target("avx2"))) static void table4_avx2(const uint8_t* pk, const float* tab, float* out,
                                                         int64_t groups, int first) {
     const __m256 lo = _mm256_loadu_ps(tab), hi = _mm256_loadu_ps(tab + 8);
@@ -860,7 +859,7 @@ __attribute__((target("avx2"))) static int64_t sign_residual_avx2(const float* t
 AC_CLONES void ac_sign_residual(const float* t, const uint8_t* packed, float s, float* out, int64_t n) {
     const float tab[2] = {-s, s};
     int64_t i = 0;
-#if defined(AC_HAVE_TABLE4_AVX2)
+#if defined(AC_AVX2)
     if (use_avx2()) i = sign_residual_avx2(t, packed, s, out, n);
 #endif
     if (n - i >= 1 << 14) {
@@ -888,7 +887,7 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
     const int pow2 = (world & (world - 1)) == 0;
     const float inv = 1.0f / w;
     float* bt = size / per >= TABLE_BYTE_MIN ? (float*)malloc((size_t)world * 256 * 8 * sizeof(float)) : NULL;
-#if defined(AC_HAVE_TABLE4_AVX2)
+#if defined(AC_AVX2)
     const int avx2 = use_avx2();
 #endif
     for (int64_t lo0 = 0; lo0 < n; lo0 += size) {
@@ -911,7 +910,7 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
                     out[i] = r == 0 ? tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask]
                                     : out[i] + tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & mask];
                 const int64_t whole = i + (hi - i) / per * per;
-#if defined(AC_HAVE_TABLE4_AVX2)
+#if defined(AC_AVX2)
                 if (bits == 1 && avx2) {
                     const int64_t nbytes = (whole - i) / 8;
                     table1_avx2(pk + (i >> 3), tab, out + i, nbytes, r == 0);
@@ -926,7 +925,7 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
                     default: BYTE_TABLE(4, ac_v2f); break;
                     }
                 } else {
-#if defined(AC_HAVE_TABLE4_AVX2)
+#if defined(AC_AVX2)
                     if (bits == 4 && avx2) {
                         const int64_t groups = (whole - i) / 8;
                         table4_avx2(pk + ((i * 4) >> 3), tab, out + i, groups, r == 0);
