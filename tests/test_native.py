@@ -54,9 +54,21 @@ def magnitudes(n: int, seed: int) -> torch.Tensor:
     return a
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 4099, 1 << 18])
+@pytest.fixture(params=["avx2", "baseline"])
+def avx2_switch(request):
+    """Runs a test with the hand-written AVX2 loops, then with the baseline loops (the same where
+    the CPU has no AVX2)."""
+    import ctypes
+    switch = ctypes.c_int.in_dll(_native.library(), "ac_avx2_off")
+    switch.value = int(request.param == "baseline")
+    yield request.param
+    switch.value = 0
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 63, 64, 65, 4099, 1 << 18])
 @pytest.mark.parametrize("mode,op", [("ge", torch.ge), ("gt", torch.gt), ("not_lt", lambda x, t: ~torch.lt(x, t))])
-def test_select_and_count_equal_torch(n: int, mode: str, op) -> None:
+def test_select_and_count_equal_torch(n: int, mode: str, op, avx2_switch: str) -> None:
+    """Selection (64-element masks with AVX2, 16 without) and counts equal torch's comparisons."""
     a = magnitudes(max(n, 300), seed=n)[:n].contiguous()
     probe = float(a[min(n - 1, 5)]) if n > 5 else 0.5
     for thr in [0.0, 1e-40, 0.5, probe, probe + 1e-9, probe - 1e-12, 2.5000000001, math.inf, 1.1754943508222875e-38]:
@@ -67,8 +79,8 @@ def test_select_and_count_equal_torch(n: int, mode: str, op) -> None:
         assert _native.count(a, thr, mode) == int(ref.sum())
 
 
-@pytest.mark.parametrize("n", [1, 15, 17, 4099, 1 << 18])
-def test_abs_select_and_sample_equal_torch_on_signed_values(n: int) -> None:
+@pytest.mark.parametrize("n", [1, 15, 17, 65, 4099, 1 << 18])
+def test_abs_select_and_sample_equal_torch_on_signed_values(n: int, avx2_switch: str) -> None:
     """The prefilters on the signed gradient (Top-k, DGC): ``abs_<mode>`` equals ``<mode>`` on ``|a|``
     with ``|a|`` as the values, and the sampled r-th largest of ``|a[::step]|`` equals torch's on ``a.abs()``
     (-0.0, -inf, NaN, negative denormals included)."""

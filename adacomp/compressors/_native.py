@@ -4,7 +4,7 @@ Why: on CPU, torch's comparison into a bool mask and the ``nonzero`` after it co
 element together (measured: 1.0 ms + 1.1 ms on a 2.4M-element tensor, against 0.12 ms for an
 ``abs`` pass), so every threshold sparsifier (Top-k's prefilter, Gaussian-k, RedSync, DGC,
 MSTop-k, SIDCo, OkTopk) spent most of its time building masks. One C loop reads the magnitudes
-once, tests 16 at a time (vectorised by the compiler) and writes only the passing indices and
+once, tests 16 at a time (64 with AVX2) and writes only the passing indices and
 values: the same elements, in the same ascending order, as ``nonzero`` of torch's comparison.
 
 Exactness: the threshold is rounded to float32 once, as torch does when it compares a float32
@@ -52,6 +52,14 @@ _SOURCE = r"""
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+/* The hand-written AVX2 loops run where the CPU has AVX2 unless ac_avx2_off is set (tests run both
+   ways and compare the bits). */
+int ac_avx2_off = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AC_AVX2 1
+static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"); }
+#endif
 /* The 16-element test per block is one bit mask (SSE compares where the target has them), so a
    block with no passing element costs no branch per element; passing ones are read off the mask
    in ascending order. NaN: ordered compares fail, so v >= t and v > t are false and !(v < t) true. */
@@ -66,12 +74,48 @@ _SOURCE = r"""
 #define CMP_NOT_LT(x, y) _mm_cmpnlt_ps(x, y)
 #define LOAD_AS_IS(p) _mm_loadu_ps(p)
 #define LOAD_ABS(p) _mm_andnot_ps(_mm_set1_ps(-0.0f), _mm_loadu_ps(p))
+/* With AVX2 the mask covers 64 elements (eight 8-lane compares): at the densities a threshold
+   search keeps (a few percent) most blocks pass nothing, so the loop over a block's passing
+   elements, whose exit the branch predictor misses, runs once per 64 elements instead of per 16.
+   The same elements in the same order as the loop below. */
+#if defined(AC_AVX2)
+#define CMP_GE_8(x, y) _mm256_cmp_ps(x, y, _CMP_GE_OQ)
+#define CMP_GT_8(x, y) _mm256_cmp_ps(x, y, _CMP_GT_OQ)
+#define CMP_NOT_LT_8(x, y) _mm256_cmp_ps(x, y, _CMP_NLT_UQ)
+#define LOAD_AS_IS_8(p) _mm256_loadu_ps(p)
+#define LOAD_ABS_8(p) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(p))
+#define SELECT_AVX2(NAME, CMP8, LOAD8, VAL)                                             \
+__attribute__((target("avx2"))) static int64_t NAME##_avx2(const float* a, int64_t n, float t, int64_t* idx, \
+                                                          float* vals, int64_t cap, int64_t* count) { \
+    int64_t c = 0, i = 0;                                                               \
+    const __m256 tv = _mm256_set1_ps(t);                                                \
+    for (; i + 64 <= n; i += 64) {                                                      \
+        uint64_t m = 0;                                                                 \
+        for (int q = 0; q < 8; ++q)                                                     \
+            m |= (uint64_t)(unsigned)_mm256_movemask_ps(CMP8(LOAD8(a + i + 8 * q), tv)) << (8 * q); \
+        while (m) {                                                                     \
+            int j = __builtin_ctzll(m);                                                 \
+            m &= m - 1;                                                                 \
+            if (c < cap) { idx[c] = i + j; vals[c] = VAL(a[i + j]); }                   \
+            ++c;                                                                        \
+        }                                                                               \
+    }                                                                                   \
+    *count = c;                                                                         \
+    return i;                                                                           \
+}
+#define AVX2_FIRST(STMT) if (use_avx2()) { STMT; }
+#else
+#define SELECT_AVX2(NAME, CMP8, LOAD8, VAL)
+#define AVX2_FIRST(STMT)
+#endif
 /* VAL: the value tested and written (the element itself, or |element| with the sign bit cleared as
    torch.abs does: a Top-k prefilter on the signed gradient without a magnitudes pass). */
 #define SELECT_T(NAME, PASS, CMP, LOAD, VAL)                                            \
+SELECT_AVX2(NAME, CMP##_8, LOAD##_8, VAL)                                               \
 int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int64_t cap) { \
     int64_t c = 0, i = 0;                                                               \
     __m128 tv = _mm_set1_ps(t);                                                         \
+    AVX2_FIRST(i = NAME##_avx2(a, n, t, idx, vals, cap, &c))                            \
     for (; i + 16 <= n; i += 16) {                                                      \
         unsigned m = (unsigned)MASK16(CMP, LOAD);                                       \
         while (m) {                                                                     \
@@ -167,10 +211,17 @@ AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const floa
         v_out[i] = v[i] + t;
     }
 }
+/* Counted in blocks into a 32-bit counter, which the compiler vectorises (a 64-bit one it does
+   not, on SSE2). */
 #define COUNT_T(NAME, PASS, VAL)                                                        \
-int64_t NAME(const float* a, int64_t n, float t) {                                      \
+AC_CLONES int64_t NAME(const float* a, int64_t n, float t) {                           \
     int64_t c = 0;                                                                      \
-    for (int64_t i = 0; i < n; ++i) { float v = VAL(a[i]); c += (PASS) ? 1 : 0; }       \
+    for (int64_t i0 = 0; i0 < n; i0 += 1 << 16) {                                       \
+        const int64_t e = n - i0 < (1 << 16) ? n - i0 : (1 << 16);                      \
+        int32_t cb = 0;                                                                 \
+        for (int64_t i = 0; i < e; ++i) { float v = VAL(a[i0 + i]); cb += (PASS) ? 1 : 0; } \
+        c += cb;                                                                        \
+    }                                                                                   \
     return c;                                                                           \
 }
 #define COUNT(NAME, PASS) COUNT_T(NAME, PASS, AS_IS)
@@ -679,14 +730,6 @@ static inline int qsgd_one(float v, float u, float d, float s, uint8_t* code) {
     *code = (uint8_t)(int32_t)a;
     return 0;
 }
-/* The hand-written AVX2 loops run where the CPU has AVX2 unless ac_avx2_off is set (tests run both
-   ways and compare the bits). */
-int ac_avx2_off = 0;
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define AC_AVX2 1
-static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"); }
-#endif
 /* qsgd_one's operations 8 lanes at a time with AVX2 (picked at run time; the SSE2 loop below is the
    same operations 4 lanes at a time): codes for [i, end) of one bucket, from i in steps of 8;
    returns the next i and sets *nan when a lane went NaN. */
