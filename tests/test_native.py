@@ -594,3 +594,39 @@ def test_avx2_loops_equal_the_baseline_loops() -> None:
     (ok_a, got_a, outs_a), (ok_b, got_b, outs_b) = runs
     assert ok_a == ok_b == [True, False, True, True, True, True, True]  # the NaN hands its block back
     assert torch.equal(got_a[0], got_b[0]) and all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 129, 1000, 70_001])
+def test_abs_stats_equal_torch(n: int, avx2_switch: str) -> None:
+    """One pass gives torch.abs's bits with torch's max, min and argmax of them (the first position
+    of a repeated maximum, -0.0 and all-zero tensors included); a NaN hands the answer to torch."""
+    g = torch.Generator().manual_seed(n)
+    for case in range(4):
+        x = torch.randn(n, generator=g)
+        if case == 1 and n > 3:  # the maximum twice, negative: the first position counts
+            x[n // 2] = -x.abs().max() - 1
+            x[n - 1] = x[n // 2]
+        if case == 2:
+            x.zero_()
+            x[0] = -0.0
+        if case == 3 and n > 2:
+            x[n - 2] = 100.0
+        out = torch.full_like(x, 7.0)
+        got = _native.abs_stats(x, out)
+        a = x.abs()
+        assert got is not None and torch.equal(bits(out), bits(a))
+        assert (got.max, got.min, got.argmax) == (float(a.max()), float(a.min()), int(a.argmax())), case
+    x = torch.randn(max(n, 2), generator=g)
+    x[max(n, 2) // 2] = float("nan")
+    assert _native.abs_stats(x, torch.empty_like(x)) is None
+
+
+def test_magnitudes_fall_back_to_torch_on_nan_and_other_dtypes() -> None:
+    from adacomp.compressors.sparse import Magnitudes
+    from adacomp.compressors.workspace import Workspace
+    for x in [torch.tensor([1.0, -3.0, float("nan"), 3.0]), torch.tensor([1.0, -3.0, 0.5, -3.0], dtype=torch.float64)]:
+        m = Magnitudes(x, Workspace())
+        a = x.abs().float()
+        assert torch.equal(m.a, a) or (torch.isnan(m.a) == torch.isnan(a)).all()
+        assert str(m.max()) == str(float(a.max())) and str(m.min()) == str(float(a.min()))
+        assert torch.equal(m.argmax(), a.argmax().view(1))

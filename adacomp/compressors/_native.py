@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -180,6 +180,67 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
         if (!(__builtin_fabsf(v) < t)) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }
     }
     return c;
+}
+/* Magnitudes with what a threshold search asks of them, in one pass: out = |x| (the sign bit cleared,
+   as torch.abs), their largest and smallest value (stats[0], stats[1]) and the first position of the
+   largest (*amax): torch's max, min and argmax of out, at the cost of the abs pass alone. Returns -1
+   when a NaN was met (the caller asks torch then), else 0. With AVX2 each 64-element block keeps its
+   largest value; the first block whose largest beats every earlier one is re-read at the end for the
+   first position of the maximum. */
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, float* out, int64_t n, float* mx,
+                                                              float* mn, int64_t* best, int* nan) {
+    int64_t i = 0;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 vmn = _mm256_set1_ps(__builtin_inff()), un = _mm256_setzero_ps();
+    float m = *mx;
+    for (; i + 64 <= n; i += 64) {
+        __m256 bmx = _mm256_setzero_ps();
+        for (int q = 0; q < 8; ++q) {
+            const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8 * q));
+            _mm256_storeu_ps(out + i + 8 * q, v);
+            bmx = _mm256_max_ps(bmx, v);
+            vmn = _mm256_min_ps(vmn, v);
+            un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(bmx), _mm256_extractf128_ps(bmx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float hm = _mm_cvtss_f32(h);
+        if (hm > m) { m = hm; *best = i; }
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmn);
+    for (int q = 0; q < 8; ++q) *mn = lanes[q] < *mn ? lanes[q] : *mn;
+    *nan = _mm256_movemask_ps(un) != 0;
+    *mx = m;
+    return i;
+}
+#endif
+int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* amax) {
+    int64_t i = 0, best = -1, am = -1;
+    float mx = -1.0f, mn = __builtin_inff();
+    int nan = 0;
+#if defined(AC_AVX2)
+    if (use_avx2()) {
+        i = abs_stats_avx2(x, out, n, &mx, &mn, &best, &nan);
+        if (nan) return -1;
+        if (best >= 0)
+            for (am = best; out[am] != mx; ++am) {}
+    }
+#endif
+    for (; i < n; ++i) {
+        const float v = __builtin_fabsf(x[i]);
+        out[i] = v;
+        if (v != v) nan = 1;
+        if (v > mx) { mx = v; am = i; }
+        if (v < mn) mn = v;
+    }
+    if (nan) return -1;
+    stats[0] = mx;
+    stats[1] = mn;
+    *amax = am;
+    return 0;
 }
 /* The same selection with one threshold per row of an (m, n) row-major matrix (ascending flat
    indices): the row-wise prefilter of ADTopk's per-row Top-k. */
@@ -1096,6 +1157,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_add_select_abs_not_lt.restype = ctypes.c_int64
+    lib_.ac_abs_stats.restype = ctypes.c_int
+    lib_.ac_abs_stats.argtypes = [vp, vp, i64, vp, vp]
     lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
     lib_.ac_chunk_topk.restype = ctypes.c_int
     lib_.ac_pick_largest.restype = ctypes.c_int
@@ -1190,6 +1253,26 @@ def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 
     n = out.numel()
     return _compacted(lambda i, v, cap: lib.ac_add_select_abs_not_lt(g.data_ptr(), r.data_ptr(), out.data_ptr(), n,
                                                                      thr, i, v, cap), n, expected)
+
+
+class AbsStats(NamedTuple):
+    """What :func:`abs_stats` finds besides the magnitudes."""
+    max: float
+    min: float
+    argmax: int
+
+
+def abs_stats(x: Tensor, out: Tensor) -> AbsStats | None:
+    """``torch.abs(x, out=out)`` and, from the same pass, ``out``'s max, min and argmax (the first
+    position of the max), bitwise torch's. None where torch must answer (a NaN; ``out`` is written)."""
+    lib = library()
+    assert lib is not None and usable(x) and usable(out) and x.numel() == out.numel() >= 1
+    stats = torch.empty(2, dtype=torch.float32)
+    amax = torch.empty(1, dtype=torch.int64)
+    if lib.ac_abs_stats(x.data_ptr(), out.data_ptr(), x.numel(), stats.data_ptr(), amax.data_ptr()) != 0:
+        return None
+    mx, mn = stats.tolist()
+    return AbsStats(mx, mn, int(amax.item()))
 
 
 def _compacted(call: Callable[[int, int, int], int], n: int, expected: float) -> tuple[Tensor, Tensor]:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, k_for
 
 
 @register("mstopk")
@@ -75,12 +75,17 @@ class MSTopkCompressor(SparseCompressor):
         if k >= n:
             return torch.arange(n, device=flat.device)
         # |g| in a reused buffer (one pass, no page faults); other dtypes keep comparing in their own
-        mag = self._workspace().magnitudes(flat) if flat.dtype == torch.float32 else flat.abs()
-        lo, hi = torch.aminmax(mag)
-        if bool(hi == lo):  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
+        if flat.dtype == torch.float32:  # |g|, its min and its max in one pass, in a reused buffer
+            m = Magnitudes(flat, self._workspace())
+            mag, lo, hi = m.a, m.min(), m.max()
+        else:
+            mag = flat.abs()
+            lo_t, hi_t = torch.aminmax(mag)
+            lo, hi = float(lo_t), float(hi_t)
+        if hi == lo:  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
             return torch.arange(k, device=flat.device)
         counter = ThresholdCounter.for_search(mag, False, self._density, self._workspace())
-        return counter.select(self.threshold(mag, k, counter, float(hi)), self._density)
+        return counter.select(self.threshold(mag, k, counter, hi), self._density)
 
     def __repr__(self) -> str:
         return f"MSTopkCompressor(density={self._density}, rounds={self.search_rounds})"

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, k_for
 
 
 @register("redsync")
@@ -46,12 +46,13 @@ class RedSyncCompressor(SparseCompressor):
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
         self.max_steps = max_steps
 
-    def threshold(self, a: Tensor, k: int, counter: ThresholdCounter | None = None) -> float:
+    def threshold(self, a: Tensor, k: int, counter: ThresholdCounter | None = None,
+                  top: float | None = None) -> float:
         """A threshold on ``a = |g|`` passing between k and 2k elements when the budget allows
-        (``counter``: exact counts of ``a > thr`` from a kept candidate set)."""
+        (``counter``: exact counts of ``a > thr`` from a kept candidate set; ``top``: max(a) if known)."""
         if counter is None:
             counter = ThresholdCounter(a, True, self._workspace())
-        mean, top = float(a.mean()), float(a.max())
+        mean, top = float(a.mean()), float(a.max()) if top is None else top
         base, span = mean, top - mean
         if not counter.at_least(mean, k):  # search [0, mean] instead (see deviations)
             base, span = 0.0, mean
@@ -76,10 +77,11 @@ class RedSyncCompressor(SparseCompressor):
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
-        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+        mag = Magnitudes(flat, self._workspace())  # |g| and its max in one pass, in a reused buffer
+        a = mag.a
         counter = ThresholdCounter.for_search(a, True, self._density, self._workspace())
-        idx = counter.select(self.threshold(a, k, counter), self._density)
-        return idx if idx.numel() else a.argmax().view(1)
+        idx = counter.select(self.threshold(a, k, counter, mag.max()), self._density)
+        return idx if idx.numel() else mag.argmax()
 
     def __repr__(self) -> str:
         return f"RedSyncCompressor(density={self._density}, max_steps={self.max_steps})"

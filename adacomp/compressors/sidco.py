@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, k_for
 
 _EPS = 1e-12
 STALE_WINDOWS = 10  # a stage count's measured error is forgotten after this many windows
@@ -176,14 +176,15 @@ class SIDCoCompressor(SparseCompressor):
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
-        a = self._workspace().magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+        mag = Magnitudes(flat, self._workspace())  # |g| (and its argmax) in one pass, in a reused buffer
+        a = mag.a
         counter = ThresholdCounter(a, True, self._workspace())  # scratch mask; stages' thresholds vary
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})
         idx = counter.select(self.threshold(a, int(st["stages"]), counter), self._density)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
-        return idx if idx.numel() else a.argmax().view(1)
+        return idx if idx.numel() else mag.argmax()
 
     def stages_for(self, name: str) -> int:
         """Current number of fitting stages of tensor ``name`` (``stages`` before its first call)."""

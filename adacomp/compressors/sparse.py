@@ -190,6 +190,30 @@ def sampled_value(s: Tensor, fraction: float, absolute: bool = False) -> float:
     return float(torch.topk(v, min(r, v.numel()), sorted=False).values.min())
 
 
+class Magnitudes:
+    """``|flat|`` (float32, in the workspace's reused buffer) with its max, min and argmax, which a
+    threshold search asks for: one C pass where it serves (the reductions come with the abs pass,
+    bitwise torch's), torch's reductions on demand elsewhere (no compiler, a NaN, other dtypes)."""
+
+    def __init__(self, flat: Tensor, workspace: Workspace):
+        a = workspace.scratch("abs", flat.numel(), torch.float32, flat.device)
+        self._stats = (_native.abs_stats(flat, a) if flat.dtype == torch.float32 and flat.numel()
+                       and _native.usable(flat) and _native.usable(a) else None)
+        self.a = a if self._stats is not None else workspace.magnitudes(flat)
+
+    def max(self) -> float:
+        return self._stats.max if self._stats is not None else float(self.a.max())
+
+    def min(self) -> float:
+        return self._stats.min if self._stats is not None else float(self.a.min())
+
+    def argmax(self) -> Tensor:
+        """The first position of the largest magnitude, as a one-element int64 tensor."""
+        if self._stats is not None:
+            return torch.tensor([self._stats.argmax], dtype=torch.int64)
+        return self.a.argmax().view(1)
+
+
 class ThresholdCounter:
     """Exact ``count`` / ``select`` of ``a > thr`` (``strict``) or ``a >= thr`` for many thresholds.
 
