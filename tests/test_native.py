@@ -630,3 +630,59 @@ def test_magnitudes_fall_back_to_torch_on_nan_and_other_dtypes() -> None:
         assert torch.equal(m.a, a) or (torch.isnan(m.a) == torch.isnan(a)).all()
         assert str(m.max()) == str(float(a.max())) and str(m.min()) == str(float(a.min()))
         assert torch.equal(m.argmax(), a.argmax().view(1))
+
+
+@pytest.mark.parametrize("n", [2, 63, 65, 70_001, 1 << 20])
+def test_std_select_equals_torch_std_and_select(n: int, avx2_switch: str) -> None:
+    """Gaussian-k's fused read: torch.std's bits (its one-thread sum) and select's abs_gt candidates;
+    with more threads torch sums in parts, so the fused read declines."""
+    g = torch.Generator().manual_seed(n)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for case in range(3):
+            x = torch.randn(n, generator=g) * 0.01 + 0.002
+            if case == 1:
+                x[n // 2], x[0] = float("nan"), -0.0
+            if case == 2:
+                x[n - 1] = float("-inf")
+            mean = float(x.mean())
+            got = _native.std_select(x, mean, 0.015, expected=0.001)
+            assert got is not None
+            std, idx, vals = got
+            assert str(std) == str(float(x.std())), case  # NaN compares by its text
+            ref = x.abs() > 0.015
+            assert torch.equal(idx, torch.nonzero(ref).view(-1)) and torch.equal(bits(vals), bits(x.abs()[ref]))
+        torch.set_num_threads(2)
+        assert _native.std_select(torch.randn(n, generator=g), 0.0, 1.0) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["gaussiank", "redsync", "mstopk", "sidco"])
+def test_fused_search_passes_give_the_torch_paths_payloads(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The magnitudes-with-stats pass (RedSync, MSTop-k, SIDCo) and the moments-with-candidates
+    pass (Gaussian-k, one thread) leave every payload as the torch path's: normal, heavy-tailed and
+    tied inputs, a tensor whose search selects nothing (the argmax fallback) and one with a NaN."""
+    g = torch.Generator().manual_seed(5)
+    n = (1 << 17) + 5
+    inputs = [torch.randn(n, generator=g), torch.randn(n, generator=g) ** 3, torch.randn(n, generator=g).round(),
+              torch.full((n,), 0.5), torch.randn(n, generator=g)]
+    inputs[3][77] = -4.0
+    inputs[4][123] = float("nan")
+    threads = torch.get_num_threads()
+
+    def payloads() -> list[list[torch.Tensor]]:
+        comp = compressors.get(name, density=0.01)
+        return [list(comp.compress(x.clone(), "w")[0]) for x in inputs]
+
+    try:
+        torch.set_num_threads(1)
+        fast = payloads()
+        monkeypatch.setenv("ADACOMP_NATIVE", "0")
+        slow = payloads()
+    finally:
+        torch.set_num_threads(threads)
+    for f, s in zip(fast, slow):
+        assert len(f) == len(s) and all(torch.equal(bits(a) if a.is_floating_point() else a,
+                                                    bits(b) if b.is_floating_point() else b) for a, b in zip(f, s))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -241,6 +242,55 @@ int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* a
     stats[1] = mn;
     *amax = am;
     return 0;
+}
+/* Gaussian-k's moments and its search's candidates in one read: *sumsq = the sum of ((double)x - mean)^2
+   in index order from 0, one double add after another (torch.std's sum for a float32 tensor on one
+   thread, given torch's float32 mean as a double), and the positions and magnitudes of |x| > t as
+   ac_select_abs_gt lists them. The sum is a chain of dependent adds, so the comparisons and the
+   compaction run beside it at no cost. Returns how many passed (writing at most cap). */
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static int64_t sumsq_select_avx2(const float* x, int64_t n, double mean, float t,
+                                                                 int64_t* idx, float* vals, int64_t cap,
+                                                                 double* sum, int64_t* count) {
+    int64_t c = 0, i = 0;
+    double acc = *sum;
+    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 64 <= n; i += 64) {
+        uint64_t m = 0;
+        for (int q = 0; q < 8; ++q)
+            m |= (uint64_t)(unsigned)_mm256_movemask_ps(
+                _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8 * q)), tv, _CMP_GT_OQ)) << (8 * q);
+        for (int j = 0; j < 64; ++j) {
+            const double d = (double)x[i + j] - mean;
+            acc = acc + d * d;
+        }
+        while (m) {
+            int j = __builtin_ctzll(m);
+            m &= m - 1;
+            if (c < cap) { idx[c] = i + j; vals[c] = __builtin_fabsf(x[i + j]); }
+            ++c;
+        }
+    }
+    *sum = acc;
+    *count = c;
+    return i;
+}
+#endif
+int64_t ac_sumsq_select_abs_gt(const float* x, int64_t n, double mean, float t, int64_t* idx, float* vals,
+                               int64_t cap, double* sumsq) {
+    int64_t c = 0, i = 0;
+    double acc = 0.0;
+#if defined(AC_AVX2)
+    if (use_avx2()) i = sumsq_select_avx2(x, n, mean, t, idx, vals, cap, &acc, &c);
+#endif
+    for (; i < n; ++i) {
+        const double d = (double)x[i] - mean;
+        acc = acc + d * d;
+        const float v = __builtin_fabsf(x[i]);
+        if (v > t) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }
+    }
+    *sumsq = acc;
+    return c;
 }
 /* The same selection with one threshold per row of an (m, n) row-major matrix (ascending flat
    indices): the row-wise prefilter of ADTopk's per-row Top-k. */
@@ -1158,6 +1208,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_add_select_abs_not_lt.restype = ctypes.c_int64
     lib_.ac_abs_stats.restype = ctypes.c_int
+    lib_.ac_sumsq_select_abs_gt.restype = ctypes.c_int64
+    lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp]
     lib_.ac_abs_stats.argtypes = [vp, vp, i64, vp, vp]
     lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
     lib_.ac_chunk_topk.restype = ctypes.c_int
@@ -1273,6 +1325,22 @@ def abs_stats(x: Tensor, out: Tensor) -> AbsStats | None:
         return None
     mx, mn = stats.tolist()
     return AbsStats(mx, mn, int(amax.item()))
+
+
+def std_select(x: Tensor, mean: float, thr: float, expected: float = 1.0) -> tuple[float, Tensor, Tensor] | None:
+    """``float(x.std())`` given ``mean = float(x.mean())``, with the positions and magnitudes of
+    ``|x| > thr`` (:func:`select` in mode ``abs_gt``) from the same read: torch's bits where torch sums
+    on one thread (it splits the sum across threads otherwise: None, and torch answers)."""
+    lib = library()
+    assert lib is not None and usable(x) and x.numel() >= 2
+    if torch.get_num_threads() != 1:
+        return None
+    total = torch.empty(1, dtype=torch.float64)
+    idx, vals = _compacted(lambda i, v, cap: lib.ac_sumsq_select_abs_gt(x.data_ptr(), x.numel(), mean, thr, i, v, cap,
+                                                                         total.data_ptr()), x.numel(), expected)
+    var = float(total.item()) / (x.numel() - 1)
+    std = torch.tensor(math.sqrt(var) if var >= 0 else math.nan, dtype=torch.float32)  # torch's fill_ of a float32 tensor
+    return float(std.item()), idx, vals
 
 
 def _compacted(call: Callable[[int, int, int], int], n: int, expected: float) -> tuple[Tensor, Tensor]:

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from adacomp.compressors import _native
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for, largest_k
+from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for, largest_k, sample_value
 
 
 @register("gaussiank")
@@ -67,13 +67,17 @@ class GaussianKCompressor(SparseCompressor):
         self.max_adjust = max_adjust
         self.truncate = truncate
 
-    def threshold(self, a: Tensor, signed: Tensor, k: int, counter: ThresholdCounter | None = None) -> float:
+    def threshold(self, a: Tensor, signed: Tensor, k: int, counter: ThresholdCounter | None = None,
+                  moments: tuple[float, float] | None = None) -> float:
         """Threshold on ``|signed|`` expected to pass about ``k`` elements (``counter``: exact counts
         of ``|signed| > thr`` reusing a candidate set; a full pass over ``a`` (``|signed|``, or
-        ``signed`` itself for the C passes, which clear the sign as they read) per count without one)."""
+        ``signed`` itself for the C passes, which clear the sign as they read) per count without one;
+        ``moments``: ``signed``'s mean and std when already known)."""
         count_above = counter.count if counter is not None else (lambda t: int(torch.count_nonzero(signed.abs() > t)))
         n = a.numel()
-        mean, std = float(signed.mean()), float(signed.std()) if n > 1 else 0.0
+        if moments is None:
+            moments = float(signed.mean()), float(signed.std()) if n > 1 else 0.0
+        mean, std = moments
         z = NormalDist().inv_cdf(1.0 - 0.5 * k / n) if k < n else 0.0
         thr = mean + std * z
         if not math.isfinite(thr) or thr <= 0.0:  # constant tensor: fall back to its magnitude
@@ -101,12 +105,29 @@ class GaussianKCompressor(SparseCompressor):
         # elsewhere |g| goes to a reused buffer (one pass, no page faults)
         native = _native.usable(signed)
         a = signed if native else self._workspace().magnitudes(flat)
-        counter = ThresholdCounter.for_search(a, True, self._density, self._workspace(), absolute=native)
-        idx = counter.select(self.threshold(a, signed, k, counter), self._density)
+        counter, moments = self._search(a, native)
+        idx = counter.select(self.threshold(a, signed, k, counter, moments), self._density)
         cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
             idx = largest_k(idx, a.index_select(0, idx).abs(), cap)
         return idx if idx.numel() else (signed.abs() if native else a).argmax().view(1)
+
+    def _search(self, a: Tensor, native: bool) -> tuple[ThresholdCounter, tuple[float, float] | None]:
+        """The search's counter (candidates kept from a sampled floor) and, where one C read serves,
+        the moments: the std's sum is a chain of dependent adds, so that read compacts the candidates
+        beside it for free (torch's std and a separate compaction pass otherwise)."""
+        ws = self._workspace()
+        expected = min(0.25, 3.0 * self._density)  # ThresholdCounter.for_search's target
+        if native and a.numel() >= 1 << 16:
+            mean = float(a.mean())
+            floor = sample_value(a, expected, absolute=True)
+            got = _native.std_select(a, mean, floor, expected) if math.isfinite(floor) else None
+            if got is not None:
+                std, idx, vals = got
+                counter = ThresholdCounter(a, True, ws, absolute=True)
+                counter.adopt(floor, idx, vals)
+                return counter, (mean, std)
+        return ThresholdCounter.for_search(a, True, self._density, ws, absolute=native), None
 
     def __repr__(self) -> str:
         return (f"GaussianKCompressor(density={self._density}, max_adjust={self.max_adjust}, "

@@ -272,6 +272,10 @@ class ThresholdCounter:
         self.vals = self.a.index_select(0, self.idx)
         self.floor = floor
 
+    def adopt(self, floor: float, idx: Tensor, vals: Tensor) -> None:
+        """Keep a candidate set a fused pass compacted at ``floor`` (what :meth:`compact` would keep)."""
+        self.idx, self.vals, self.floor = idx, vals, floor
+
     def count(self, thr: float) -> int:
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
