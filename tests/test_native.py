@@ -22,6 +22,7 @@ import torch
 from adacomp import communicators, compressors, memories
 from adacomp.communicators.base import CommEnv, Entry
 from adacomp.compressors import _native
+from adacomp.compressors._bitpack import pack_bits
 from adacomp.compressors.sparse import divide_touched
 from adacomp.engine.error_feedback import exchange
 from adacomp.engine.metrics import StepStats
@@ -263,7 +264,7 @@ def test_sparsifiers_bitwise_equal_with_and_without_the_library(method: str, com
 @pytest.mark.parametrize("b", [1, 2, 4])
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001, 1 << 16])
 def test_bit_packing_equals_torch(b: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from adacomp.compressors._bitpack import byte_table, pack_bits, unpack_bits, unpack_table
+    from adacomp.compressors._bitpack import byte_table, unpack_bits, unpack_table
     g = torch.Generator().manual_seed(n + b)
     codes = torch.randint(0, 1 << b, (n,), generator=g, dtype=torch.uint8)
     values = torch.randn(1 << b, generator=g)
@@ -686,3 +687,47 @@ def test_fused_search_passes_give_the_torch_paths_payloads(name: str, monkeypatc
     for f, s in zip(fast, slow):
         assert len(f) == len(s) and all(torch.equal(bits(a) if a.is_floating_point() else a,
                                                     bits(b) if b.is_floating_point() else b) for a, b in zip(f, s))
+
+
+@pytest.fixture
+def one_thread():
+    """torch sums on one thread here (with more it splits a sum, and the C cascade declines)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [8, 9, 31, 32, 33, 100, 1000, 4133, 65_573, (1 << 20) + 3])
+def test_cascade_sum_and_ef_sign_scale_equal_torch(n: int, avx2_switch: str, one_thread: None) -> None:
+    """torch's one-thread float32 sum (its cascade of 8-lane levels) copied in C: the sum, the sum of
+    magnitudes, the magnitudes' mean beside the abs pass, and EF-SignSGD's scale with its signs from
+    one read, bit for bit (-0.0, values over many magnitudes, every level of the cascade)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(6) * 1e3 - 0.125
+    x[0] = -0.0
+    if not _native.sums_like_torch():  # another ATen kernel: every caller keeps torch's reduction
+        assert _native.cascade_sum(x) is None and _native.abs_mean_signs(x) is None
+        return
+    assert str(_native.cascade_sum(x)) == str(float(x.sum()))
+    assert str(_native.cascade_sum(x, absolute=True)) == str(float(x.abs().sum()))
+    got = _native.abs_stats(x, torch.empty_like(x))
+    assert got is not None and got.mean == float(x.abs().mean())
+    fused = _native.abs_mean_signs(x)
+    assert fused is not None
+    assert torch.equal(bits(fused[0]), bits(x.abs().mean().reshape(1)))
+    assert torch.equal(fused[1], pack_bits(torch.ge(x, 0), 1))
+    x[n // 2] = float("inf")  # an infinite scale is left to torch
+    assert _native.abs_mean_signs(x) is None
+    torch.set_num_threads(2)
+    assert _native.cascade_sum(x) is None and _native.abs_mean_signs(x) is None
+
+
+def test_efsignsgd_payload_is_the_torch_paths(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn((1 << 16) + 9, generator=g), torch.randn(300, generator=g) * 1e-3, torch.randn(5, generator=g)]
+    fast = [compressors.get("efsignsgd").compress(x, "w")[0] for x in xs]
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    slow = [compressors.get("efsignsgd").compress(x, "w")[0] for x in xs]
+    for (fs, fp), (ss, sp) in zip(fast, slow):
+        assert torch.equal(bits(fs), bits(ss)) and torch.equal(fp, sp)

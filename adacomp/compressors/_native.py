@@ -182,15 +182,137 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
     }
     return c;
 }
+/* torch's float32 sum of a contiguous tensor on one thread (ATen's SumKernel cascade_sum, the
+   vectorized inner sum: the dispatched kernel is the AVX2 one also on AVX-512 CPUs, 8-lane vectors):
+   the elements are rows of 4 vectors of 8 lanes; each row adds into 4 x 8 level-0 accumulators, and
+   after every full group of 2^lp rows (lp = max(4, ceil(log2 rows) / 4)) level j-1 is added into level
+   j, up the levels while the row count is a multiple of the level's span; then the levels are added
+   down into level 0, leftover vectors into its first vector, vectors 1-3 into 0, and the scalar sum
+   (0, the tail elements, then the 8 lanes in order) is the result. Lane-wise adds: the compiler's
+   vectorisation keeps every bit. Callers feed rows (ac_cascade_row) while they stream the data and
+   hand the last n - 32 rows elements to ac_cascade_finish; Python checks the result against
+   torch.sum once per process before trusting it. */
+typedef struct {
+    float acc[4][32];
+    int64_t row, rows, groups_end;
+    int lp;
+} ac_cascade;
+static void ac_cascade_init(ac_cascade* c, int64_t n) {
+    __builtin_memset(c->acc, 0, sizeof(c->acc));
+    c->row = 0;
+    c->rows = (n / 8) / 4;
+    int l = 0;
+    while (((int64_t)1 << l) < c->rows) ++l;
+    c->lp = l / 4 < 4 ? 4 : l / 4;
+    c->groups_end = (c->rows >> c->lp) << c->lp;
+}
+/* After row c->row (a count) closed a full group: level j-1 into level j, up while the count is a
+   multiple of level j's span. */
+static void ac_cascade_flush(ac_cascade* c) {
+    const int64_t mask = ((int64_t)1 << c->lp) - 1;
+    for (int j = 1; j < 4; ++j) {
+        for (int l = 0; l < 32; ++l) { c->acc[j][l] += c->acc[j - 1][l]; c->acc[j - 1][l] = 0.0f; }
+        if ((c->row & (mask << (j * c->lp))) != 0) break;
+    }
+}
+static inline int ac_cascade_closes(const ac_cascade* c, int64_t count) {
+    return count <= c->groups_end && (count & (((int64_t)1 << c->lp) - 1)) == 0;
+}
+static inline void ac_cascade_row(ac_cascade* c, const float* v) {
+    for (int l = 0; l < 32; ++l) c->acc[0][l] += v[l];
+    ++c->row;
+    if (ac_cascade_closes(c, c->row)) ac_cascade_flush(c);
+}
+/* The remaining full rows of x (from row c->row) with the level-0 accumulators in registers; absmode:
+   of |x|; packed (may be NULL): also pack_bits(x >= 0, 1) of those rows, 4 bytes per row. */
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, const float* x, int absmode,
+                                                                 uint8_t* packed) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    __m256 a[4];
+    for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(c->acc[0] + 8 * k);
+    for (int64_t r = c->row; r < c->rows; ++r) {
+        for (int k = 0; k < 4; ++k) {
+            __m256 v = _mm256_loadu_ps(x + 32 * r + 8 * k);
+            if (packed) packed[4 * r + k] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ));
+            if (absmode) v = _mm256_andnot_ps(sign, v);
+            a[k] = _mm256_add_ps(a[k], v);
+        }
+        if (ac_cascade_closes(c, r + 1)) {
+            for (int k = 0; k < 4; ++k) _mm256_storeu_ps(c->acc[0] + 8 * k, a[k]);
+            c->row = r + 1;
+            ac_cascade_flush(c);
+            for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(c->acc[0] + 8 * k);
+        }
+    }
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(c->acc[0] + 8 * k, a[k]);
+    c->row = c->rows;
+}
+#endif
+/* rest: the n - 32 rows elements after the full rows (leftover vectors, then tail elements) */
+static float ac_cascade_finish(ac_cascade* c, const float* rest, int64_t n) {
+    for (int j = 1; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) c->acc[0][l] += c->acc[j][l];
+    const int64_t vecs = n / 8 - 4 * c->rows;
+    for (int64_t v = 0; v < vecs; ++v)
+        for (int l = 0; l < 8; ++l) c->acc[0][l] += rest[8 * v + l];
+    for (int k = 1; k < 4; ++k)
+        for (int l = 0; l < 8; ++l) c->acc[0][l] += c->acc[0][8 * k + l];
+    float s = 0.0f;
+    for (int64_t t = 8 * vecs; t < n - 32 * c->rows; ++t) s += rest[t];
+    for (int l = 0; l < 8; ++l) s += c->acc[0][l];
+    return s;
+}
+/* torch.sum (absmode 0) or torch.abs(x).sum() (absmode 1) of n >= 8 elements, as above. */
+float ac_cascade_sum(const float* x, int64_t n, int absmode) {
+    ac_cascade c;
+    float buf[32];
+    ac_cascade_init(&c, n);
+    AVX2_FIRST(ac_cascade_rows_avx2(&c, x, absmode, 0))
+    for (int64_t r = c.row; r < c.rows; ++r) {
+        for (int l = 0; l < 32; ++l) buf[l] = absmode ? __builtin_fabsf(x[32 * r + l]) : x[32 * r + l];
+        ac_cascade_row(&c, buf);
+    }
+    const int64_t rest = n - 32 * c.rows;
+    for (int64_t t = 0; t < rest; ++t) buf[t] = absmode ? __builtin_fabsf(x[32 * c.rows + t]) : x[32 * c.rows + t];
+    return ac_cascade_finish(&c, buf, n);
+}
+/* EF-SignSGD's scale and signs in one read: *sum = torch.abs(x).sum() (the cascade above; n >= 8)
+   and out = pack_bits(x >= 0, 1) (ac_pack_nonneg's bytes), no magnitudes written. */
+void ac_abs_sum_pack(const float* x, int64_t n, uint8_t* out, float* sum) {
+    ac_cascade c;
+    float buf[32];
+    ac_cascade_init(&c, n);
+    AVX2_FIRST(ac_cascade_rows_avx2(&c, x, 1, out))
+    for (int64_t r = c.row; r < c.rows; ++r) {
+        const float* v = x + 32 * r;
+        for (int l = 0; l < 32; ++l) buf[l] = __builtin_fabsf(v[l]);
+        for (int b = 0; b < 4; ++b) {
+            unsigned m = 0;
+            for (int t = 0; t < 8; ++t) m |= (unsigned)(v[8 * b + t] >= 0.0f) << t;
+            out[4 * r + b] = (uint8_t)m;
+        }
+        ac_cascade_row(&c, buf);
+    }
+    const int64_t done = 32 * c.rows, rest = n - done;
+    for (int64_t t = 0; t < rest; ++t) buf[t] = __builtin_fabsf(x[done + t]);
+    for (int64_t j = done / 8; 8 * j < n; ++j) {
+        unsigned m = 0;
+        for (int t = 0; t < 8 && 8 * j + t < n; ++t) m |= (unsigned)(x[8 * j + t] >= 0.0f) << t;
+        out[j] = (uint8_t)m;
+    }
+    *sum = ac_cascade_finish(&c, buf, n);
+}
 /* Magnitudes with what a threshold search asks of them, in one pass: out = |x| (the sign bit cleared,
-   as torch.abs), their largest and smallest value (stats[0], stats[1]) and the first position of the
-   largest (*amax): torch's max, min and argmax of out, at the cost of the abs pass alone. Returns -1
+   as torch.abs), their largest and smallest value (stats[0], stats[1]), the first position of the
+   largest (*amax) and, for n >= 8, their one-thread torch sum (stats[2], the cascade above): torch's
+   max, min, argmax and sum of out, at the cost of the abs pass alone. Returns -1
    when a NaN was met (the caller asks torch then), else 0. With AVX2 each 64-element block keeps its
    largest value; the first block whose largest beats every earlier one is re-read at the end for the
    first position of the maximum. */
 #if defined(AC_AVX2)
 __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, float* out, int64_t n, float* mx,
-                                                              float* mn, int64_t* best, int* nan) {
+                                                              float* mn, int64_t* best, int* nan, ac_cascade* cs) {
     int64_t i = 0;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 vmn = _mm256_set1_ps(__builtin_inff()), un = _mm256_setzero_ps();
@@ -209,6 +331,7 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, fl
         h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
         const float hm = _mm_cvtss_f32(h);
         if (hm > m) { m = hm; *best = i; }
+        if (cs) { ac_cascade_row(cs, out + i); ac_cascade_row(cs, out + i + 32); }
     }
     float lanes[8];
     _mm256_storeu_ps(lanes, vmn);
@@ -222,9 +345,11 @@ int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* a
     int64_t i = 0, best = -1, am = -1;
     float mx = -1.0f, mn = __builtin_inff();
     int nan = 0;
+    ac_cascade cs;
+    ac_cascade_init(&cs, n);
 #if defined(AC_AVX2)
     if (use_avx2()) {
-        i = abs_stats_avx2(x, out, n, &mx, &mn, &best, &nan);
+        i = abs_stats_avx2(x, out, n, &mx, &mn, &best, &nan, n >= 8 ? &cs : 0);
         if (nan) return -1;
         if (best >= 0)
             for (am = best; out[am] != mx; ++am) {}
@@ -241,6 +366,10 @@ int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* a
     stats[0] = mx;
     stats[1] = mn;
     *amax = am;
+    if (n >= 8) {  /* the rows the AVX2 loop did not feed, from out (just written: in cache) */
+        while (cs.row < cs.rows) ac_cascade_row(&cs, out + 32 * cs.row);
+        stats[2] = ac_cascade_finish(&cs, out + 32 * cs.rows, n);
+    }
     return 0;
 }
 /* Gaussian-k's moments and its search's candidates in one read: *sumsq = the sum of ((double)x - mean)^2
@@ -1208,6 +1337,10 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_add_select_abs_not_lt.restype = ctypes.c_int64
     lib_.ac_abs_stats.restype = ctypes.c_int
+    lib_.ac_cascade_sum.restype = ctypes.c_float
+    lib_.ac_cascade_sum.argtypes = [vp, i64, ctypes.c_int]
+    lib_.ac_abs_sum_pack.restype = None
+    lib_.ac_abs_sum_pack.argtypes = [vp, i64, vp, vp]
     lib_.ac_sumsq_select_abs_gt.restype = ctypes.c_int64
     lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp]
     lib_.ac_abs_stats.argtypes = [vp, vp, i64, vp, vp]
@@ -1307,24 +1440,78 @@ def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 
                                                                      thr, i, v, cap), n, expected)
 
 
+_CASCADE_PROBES = (8, 37, 1000, 4133, 65_573, 300_007)
+_cascade_state: list[bool] = []
+
+
+def sums_like_torch() -> bool:
+    """Whether :func:`cascade_sum` gives torch.sum's bits here: torch sums on one thread (more
+    threads split the sum), and a probe of sizes that reach every level of the cascade, raw and
+    absolute, matched torch once in this process (another ATen kernel would not)."""
+    if torch.get_num_threads() != 1 or library() is None:
+        return False
+    if not _cascade_state:
+        g = torch.Generator().manual_seed(12345)
+        ok = True
+        for n in _CASCADE_PROBES:
+            x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(8) * 1e3 + 0.25
+            for absolute in (False, True):
+                want = (x.abs() if absolute else x).sum()
+                got = torch.tensor(float(library().ac_cascade_sum(x.data_ptr(), n, int(absolute))),  # type: ignore[union-attr]
+                                   dtype=torch.float32)
+                ok = ok and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        _cascade_state.append(ok)
+    return _cascade_state[0]
+
+
+def mean_from_sum(total: float, n: int) -> float:
+    """torch's mean from its sum: the float32 sum divided by ``n`` as torch divides (``div_``)."""
+    return float(torch.tensor([total], dtype=torch.float32).div_(n))
+
+
+def cascade_sum(x: Tensor, absolute: bool = False) -> float | None:
+    """``float(x.sum())`` (``absolute``: of ``x.abs()``) bitwise, or None where torch must answer."""
+    if not (usable(x) and x.numel() >= 8 and sums_like_torch()):
+        return None
+    return float(library().ac_cascade_sum(x.data_ptr(), x.numel(), int(absolute)))  # type: ignore[union-attr]
+
+
+def abs_mean_signs(x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """EF-SignSGD's ``x.abs().mean()`` (shape (1,)) and ``pack_bits(x >= 0, 1)`` from one read,
+    torch's bits; None where torch must answer (see :func:`sums_like_torch`; a non-finite mean)."""
+    if not (usable(x) and x.numel() >= 8 and sums_like_torch()):
+        return None
+    total = torch.empty(1, dtype=torch.float32)
+    packed = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
+    library().ac_abs_sum_pack(x.data_ptr(), x.numel(), packed.data_ptr(), total.data_ptr())  # type: ignore[union-attr]
+    mean = total.div_(x.numel())
+    if not bool(torch.isfinite(mean)):  # a NaN's bits may depend on the order of operations
+        return None
+    return mean, packed
+
+
 class AbsStats(NamedTuple):
     """What :func:`abs_stats` finds besides the magnitudes."""
     max: float
     min: float
     argmax: int
+    mean: float | None
+    """torch's mean of the magnitudes where :func:`sums_like_torch` (None otherwise)."""
 
 
 def abs_stats(x: Tensor, out: Tensor) -> AbsStats | None:
-    """``torch.abs(x, out=out)`` and, from the same pass, ``out``'s max, min and argmax (the first
-    position of the max), bitwise torch's. None where torch must answer (a NaN; ``out`` is written)."""
+    """``torch.abs(x, out=out)`` and, from the same pass, ``out``'s max, min, argmax (the first
+    position of the max) and mean, bitwise torch's. None where torch must answer (a NaN; ``out`` is
+    written)."""
     lib = library()
     assert lib is not None and usable(x) and usable(out) and x.numel() == out.numel() >= 1
-    stats = torch.empty(2, dtype=torch.float32)
+    stats = torch.empty(3, dtype=torch.float32)
     amax = torch.empty(1, dtype=torch.int64)
     if lib.ac_abs_stats(x.data_ptr(), out.data_ptr(), x.numel(), stats.data_ptr(), amax.data_ptr()) != 0:
         return None
-    mx, mn = stats.tolist()
-    return AbsStats(mx, mn, int(amax.item()))
+    mx, mn, total = stats.tolist()
+    mean = mean_from_sum(total, x.numel()) if x.numel() >= 8 and sums_like_torch() else None
+    return AbsStats(mx, mn, int(amax.item()), mean)
 
 
 def std_select(x: Tensor, mean: float, thr: float, expected: float = 1.0) -> tuple[float, Tensor, Tensor] | None:

@@ -38,6 +38,9 @@ class EFSignSGDCompressor(Compressor):
         """|p| and the sign mask go to reused scratch (no page faults on fresh multi-MB tensors);
         the scale is the same ``mean`` of the same float32 |p| as before."""
         flat = tensor.reshape(-1)
+        fused = _native.abs_mean_signs(flat)  # the scale's sum and the signs in one C read, torch's bits
+        if fused is not None:
+            return list(fused), SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
         ws = self._workspace()
         scale = ws.magnitudes(flat).mean().reshape(1)
         signs = _native.pack_nonneg(flat)  # one C read; the same bits as the mask below

@@ -42,12 +42,13 @@ class MSTopkCompressor(SparseCompressor):
         self.search_rounds = rounds
 
     def threshold(self, mag: Tensor, k: int, counter: ThresholdCounter | None = None,
-                  hi_val: float | None = None) -> float:
+                  hi_val: float | None = None, mean: float | None = None) -> float:
         """The searched threshold for magnitudes ``mag`` and target count ``k`` (``counter``:
-        exact counts of ``mag >= thr`` from a kept candidate set; ``hi_val``: max(mag) if known)."""
+        exact counts of ``mag >= thr`` from a kept candidate set; ``hi_val``, ``mean``: max(mag) and
+        mean(mag) if known)."""
         if counter is None:
             counter = ThresholdCounter(mag, False, self._workspace())
-        lo_val = float(mag.mean())
+        lo_val = float(mag.mean()) if mean is None else mean
         hi_val = float(mag.max()) if hi_val is None else hi_val
         if not counter.at_least(lo_val, k):
             lo_val = 0.0
@@ -74,10 +75,11 @@ class MSTopkCompressor(SparseCompressor):
         k = k_for(n, self._density)
         if k >= n:
             return torch.arange(n, device=flat.device)
-        # |g| in a reused buffer (one pass, no page faults); other dtypes keep comparing in their own
-        if flat.dtype == torch.float32:  # |g|, its min and its max in one pass, in a reused buffer
+        # other dtypes keep comparing in their own
+        mean: float | None = None
+        if flat.dtype == torch.float32:  # |g|, its min, max and mean in one pass, in a reused buffer
             m = Magnitudes(flat, self._workspace())
-            mag, lo, hi = m.a, m.min(), m.max()
+            mag, lo, hi, mean = m.a, m.min(), m.max(), m.mean()
         else:
             mag = flat.abs()
             lo_t, hi_t = torch.aminmax(mag)
@@ -85,7 +87,7 @@ class MSTopkCompressor(SparseCompressor):
         if hi == lo:  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
             return torch.arange(k, device=flat.device)
         counter = ThresholdCounter.for_search(mag, False, self._density, self._workspace())
-        return counter.select(self.threshold(mag, k, counter, hi), self._density)
+        return counter.select(self.threshold(mag, k, counter, hi, mean), self._density)
 
     def __repr__(self) -> str:
         return f"MSTopkCompressor(density={self._density}, rounds={self.search_rounds})"

@@ -47,12 +47,14 @@ class RedSyncCompressor(SparseCompressor):
         self.max_steps = max_steps
 
     def threshold(self, a: Tensor, k: int, counter: ThresholdCounter | None = None,
-                  top: float | None = None) -> float:
+                  top: float | None = None, mean: float | None = None) -> float:
         """A threshold on ``a = |g|`` passing between k and 2k elements when the budget allows
-        (``counter``: exact counts of ``a > thr`` from a kept candidate set; ``top``: max(a) if known)."""
+        (``counter``: exact counts of ``a > thr`` from a kept candidate set; ``top``, ``mean``: max(a)
+        and mean(a) if known)."""
         if counter is None:
             counter = ThresholdCounter(a, True, self._workspace())
-        mean, top = float(a.mean()), float(a.max()) if top is None else top
+        mean = float(a.mean()) if mean is None else mean
+        top = float(a.max()) if top is None else top
         base, span = mean, top - mean
         if not counter.at_least(mean, k):  # search [0, mean] instead (see deviations)
             base, span = 0.0, mean
@@ -77,10 +79,10 @@ class RedSyncCompressor(SparseCompressor):
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
-        mag = Magnitudes(flat, self._workspace())  # |g| and its max in one pass, in a reused buffer
+        mag = Magnitudes(flat, self._workspace())  # |g|, its max and mean in one pass, in a reused buffer
         a = mag.a
         counter = ThresholdCounter.for_search(a, True, self._density, self._workspace())
-        idx = counter.select(self.threshold(a, k, counter, mag.max()), self._density)
+        idx = counter.select(self.threshold(a, k, counter, mag.max(), mag.mean()), self._density)
         return idx if idx.numel() else mag.argmax()
 
     def __repr__(self) -> str:

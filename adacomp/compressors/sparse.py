@@ -191,9 +191,10 @@ def sampled_value(s: Tensor, fraction: float, absolute: bool = False) -> float:
 
 
 class Magnitudes:
-    """``|flat|`` (float32, in the workspace's reused buffer) with its max, min and argmax, which a
-    threshold search asks for: one C pass where it serves (the reductions come with the abs pass,
-    bitwise torch's), torch's reductions on demand elsewhere (no compiler, a NaN, other dtypes)."""
+    """``|flat|`` (float32, in the workspace's reused buffer) with its max, min, argmax and mean, which
+    a threshold search asks for: one C pass where it serves (the reductions come with the abs pass,
+    bitwise torch's), torch's reductions on demand elsewhere (no compiler, a NaN, other dtypes, a
+    sum torch splits across threads)."""
 
     def __init__(self, flat: Tensor, workspace: Workspace):
         a = workspace.scratch("abs", flat.numel(), torch.float32, flat.device)
@@ -206,6 +207,9 @@ class Magnitudes:
 
     def min(self) -> float:
         return self._stats.min if self._stats is not None else float(self.a.min())
+
+    def mean(self) -> float:
+        return self._stats.mean if self._stats is not None and self._stats.mean is not None else float(self.a.mean())
 
     def argmax(self) -> Tensor:
         """The first position of the largest magnitude, as a one-element int64 tensor."""
