@@ -46,12 +46,17 @@ _EPS = 1e-12
 STALE_WINDOWS = 10  # a stage count's measured error is forgotten after this many windows
 
 
-def exponential_quantile(x: Tensor, ratio: float) -> float:
-    return -float(x.mean()) * math.log(ratio)
+def _mean(x: Tensor, mean: float | None) -> float:
+    return float(x.mean()) if mean is None else mean
 
 
-def gpareto_quantile(x: Tensor, ratio: float) -> float:
-    mu, var = float(x.mean()), float(x.var()) if x.numel() > 1 else 0.0
+def exponential_quantile(x: Tensor, ratio: float, mean: float | None = None) -> float:
+    """``mean``: ``float(x.mean())`` when the caller has it already (from the magnitudes pass)."""
+    return -_mean(x, mean) * math.log(ratio)
+
+
+def gpareto_quantile(x: Tensor, ratio: float, mean: float | None = None) -> float:
+    mu, var = _mean(x, mean), float(x.var()) if x.numel() > 1 else 0.0
     if var <= 0.0 or mu <= 0.0:
         return -mu * math.log(ratio)
     q = mu * mu / var
@@ -61,20 +66,21 @@ def gpareto_quantile(x: Tensor, ratio: float) -> float:
     return scale * (1.0 - ratio ** kappa) / kappa
 
 
-def gamma_quantile(x: Tensor, ratio: float) -> float:
+def gamma_quantile(x: Tensor, ratio: float, mean: float | None = None) -> float:
     try:
         from scipy.special import gammaincinv
     except ImportError as exc:  # pragma: no cover - scipy ships with scikit-learn
         raise ImportError("sidco with distribution='gamma' needs scipy: pip install scipy") from exc
-    mu = float(x.mean())
+    mu = _mean(x, mean)
     s = math.log(max(mu, _EPS)) - float(torch.log(x + _EPS).mean())
     if s <= 0.0 or mu <= 0.0:
-        return exponential_quantile(x, ratio)
+        return exponential_quantile(x, ratio, mu)
     shape = (3.0 - s + math.sqrt((s - 3.0) ** 2 + 24.0 * s)) / (12.0 * s)
     return mu / shape * float(gammaincinv(shape, 1.0 - ratio))
 
 
-Quantile = Callable[[Tensor, float], float]
+Quantile = Callable[..., float]
+"""``(x, ratio, mean=None) -> threshold``: ``mean`` is ``float(x.mean())`` when already known."""
 # distribution -> (first-stage fit, later-stage fit on the exceedances)
 FITS: dict[str, tuple[Quantile, Quantile]] = {
     "exponential": (exponential_quantile, exponential_quantile),
@@ -122,10 +128,12 @@ class SIDCoCompressor(SparseCompressor):
         for st in self._state.values():  # errors measured at the old target no longer apply
             st.update(sum=0.0, n=0, seen={}, stages=min(st["stages"], self.max_stages()))
 
-    def threshold(self, a: Tensor, stages: int, counter: ThresholdCounter | None = None) -> float:
+    def threshold(self, a: Tensor, stages: int, counter: ThresholdCounter | None = None,
+                  mean: float | None = None) -> float:
+        """``mean``: ``float(a.mean())`` when already known (the first stage's fit reads it)."""
         first, later = FITS[self.distribution]
         ratio = self._density ** (1.0 / stages)
-        thr = first(a, ratio)
+        thr = first(a, ratio, mean)
         if counter is not None and stages > 1:
             # keep the first stage's exceedances: the later stages' thresholds (and, when they rise,
             # the final selection) are answered from them instead of passes over the whole tensor
@@ -181,7 +189,7 @@ class SIDCoCompressor(SparseCompressor):
         counter = ThresholdCounter(a, True, self._workspace())  # scratch mask; stages' thresholds vary
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})
-        idx = counter.select(self.threshold(a, int(st["stages"]), counter), self._density)
+        idx = counter.select(self.threshold(a, int(st["stages"]), counter, mag.mean()), self._density)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
         return idx if idx.numel() else mag.argmax()
