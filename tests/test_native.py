@@ -731,3 +731,31 @@ def test_efsignsgd_payload_is_the_torch_paths(monkeypatch: pytest.MonkeyPatch, o
     slow = [compressors.get("efsignsgd").compress(x, "w")[0] for x in xs]
     for (fs, fp), (ss, sp) in zip(fast, slow):
         assert torch.equal(bits(fs), bits(ss)) and torch.equal(fp, sp)
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "gaussiank", "topk"])
+def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                                    one_thread: None) -> None:
+    """Error feedback's compensation written by the compressor's fused pass (EF-SignSGD's scale and
+    signs, Gaussian-k's mean, Top-k's candidates, read while the sum is written) gives the payloads
+    and residuals of torch's add and the compressor's own passes, step after step."""
+    g = torch.Generator().manual_seed(21)
+    grads = [[torch.randn((1 << 17) + 3, generator=g), torch.randn(4000, generator=g)] for _ in range(3)]
+
+    def run() -> list[torch.Tensor]:
+        comp, memory = compressors.get(name, **({} if name == "efsignsgd" else {"density": 0.01})), memories.get("residual")
+        seen = []
+        for step in grads:
+            for i, grad in enumerate(step):
+                t = memory.compensate(grad.clone(), f"w{i}", compressor=comp)
+                payload, ctx = comp.compress(t, f"w{i}")
+                memory.update(t, f"w{i}", comp, list(payload), ctx)
+                seen += [p.clone() for p in payload] + [memory.residuals[f"w{i}"].clone()]
+        return seen
+
+    fast = run()
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    slow = run()
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)

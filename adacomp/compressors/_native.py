@@ -223,17 +223,21 @@ static inline void ac_cascade_row(ac_cascade* c, const float* v) {
     ++c->row;
     if (ac_cascade_closes(c, c->row)) ac_cascade_flush(c);
 }
-/* The remaining full rows of x (from row c->row) with the level-0 accumulators in registers; absmode:
-   of |x|; packed (may be NULL): also pack_bits(x >= 0, 1) of those rows, 4 bytes per row. */
+/* The remaining full rows (from row c->row) of v = x, or x + plus (one IEEE add per element) where
+   plus is not NULL, with the level-0 accumulators in registers: the cascade of v (|v| when absmode);
+   out (may be NULL): v is written there; packed (may be NULL): pack_bits(v >= 0, 1), 4 bytes a row. */
 #if defined(AC_AVX2)
-__attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, const float* x, int absmode,
-                                                                 uint8_t* packed) {
+__attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, const float* x, const float* plus,
+                                                                 float* out, int absmode, uint8_t* packed) {
     const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
     __m256 a[4];
     for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(c->acc[0] + 8 * k);
     for (int64_t r = c->row; r < c->rows; ++r) {
         for (int k = 0; k < 4; ++k) {
-            __m256 v = _mm256_loadu_ps(x + 32 * r + 8 * k);
+            const int64_t e = 32 * r + 8 * k;
+            __m256 v = _mm256_loadu_ps(x + e);
+            if (plus) v = _mm256_add_ps(v, _mm256_loadu_ps(plus + e));
+            if (out) _mm256_storeu_ps(out + e, v);
             if (packed) packed[4 * r + k] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ));
             if (absmode) v = _mm256_andnot_ps(sign, v);
             a[k] = _mm256_add_ps(a[k], v);
@@ -263,45 +267,48 @@ static float ac_cascade_finish(ac_cascade* c, const float* rest, int64_t n) {
     for (int l = 0; l < 8; ++l) s += c->acc[0][l];
     return s;
 }
-/* torch.sum (absmode 0) or torch.abs(x).sum() (absmode 1) of n >= 8 elements, as above. */
-float ac_cascade_sum(const float* x, int64_t n, int absmode) {
+/* One streaming pass over v = x (+ plus) as ac_cascade_rows_avx2 describes, all n >= 8 elements:
+   returns the cascade sum of v (|v| when absmode). */
+static float ac_cascade_stream(const float* x, const float* plus, float* out, int64_t n, int absmode,
+                               uint8_t* packed) {
     ac_cascade c;
-    float buf[32];
+    float buf[32], vals[32];
     ac_cascade_init(&c, n);
-    AVX2_FIRST(ac_cascade_rows_avx2(&c, x, absmode, 0))
-    for (int64_t r = c.row; r < c.rows; ++r) {
-        for (int l = 0; l < 32; ++l) buf[l] = absmode ? __builtin_fabsf(x[32 * r + l]) : x[32 * r + l];
-        ac_cascade_row(&c, buf);
+    AVX2_FIRST(ac_cascade_rows_avx2(&c, x, plus, out, absmode, packed))
+    const int64_t done = 32 * c.rows;
+    for (int64_t r = c.row; r <= c.rows; ++r) {  /* the rows left, then the rest (< 32 elements) */
+        const int64_t e0 = 32 * r, len = r < c.rows ? 32 : n - done;
+        for (int64_t l = 0; l < len; ++l) {
+            const float v = plus ? x[e0 + l] + plus[e0 + l] : x[e0 + l];
+            vals[l] = v;
+            buf[l] = absmode ? __builtin_fabsf(v) : v;
+            if (out) out[e0 + l] = v;
+        }
+        if (packed)
+            for (int64_t j = 0; 8 * j < len; ++j) {
+                unsigned m = 0;
+                for (int t = 0; t < 8 && 8 * j + t < len; ++t) m |= (unsigned)(vals[8 * j + t] >= 0.0f) << t;
+                packed[e0 / 8 + j] = (uint8_t)m;
+            }
+        if (r < c.rows) ac_cascade_row(&c, buf);
     }
-    const int64_t rest = n - 32 * c.rows;
-    for (int64_t t = 0; t < rest; ++t) buf[t] = absmode ? __builtin_fabsf(x[32 * c.rows + t]) : x[32 * c.rows + t];
     return ac_cascade_finish(&c, buf, n);
 }
+/* torch.sum (absmode 0) or torch.abs(x).sum() (absmode 1) of n >= 8 elements, as above. */
+float ac_cascade_sum(const float* x, int64_t n, int absmode) {
+    return ac_cascade_stream(x, 0, 0, n, absmode, 0);
+}
 /* EF-SignSGD's scale and signs in one read: *sum = torch.abs(x).sum() (the cascade above; n >= 8)
-   and out = pack_bits(x >= 0, 1) (ac_pack_nonneg's bytes), no magnitudes written. */
-void ac_abs_sum_pack(const float* x, int64_t n, uint8_t* out, float* sum) {
-    ac_cascade c;
-    float buf[32];
-    ac_cascade_init(&c, n);
-    AVX2_FIRST(ac_cascade_rows_avx2(&c, x, 1, out))
-    for (int64_t r = c.row; r < c.rows; ++r) {
-        const float* v = x + 32 * r;
-        for (int l = 0; l < 32; ++l) buf[l] = __builtin_fabsf(v[l]);
-        for (int b = 0; b < 4; ++b) {
-            unsigned m = 0;
-            for (int t = 0; t < 8; ++t) m |= (unsigned)(v[8 * b + t] >= 0.0f) << t;
-            out[4 * r + b] = (uint8_t)m;
-        }
-        ac_cascade_row(&c, buf);
-    }
-    const int64_t done = 32 * c.rows, rest = n - done;
-    for (int64_t t = 0; t < rest; ++t) buf[t] = __builtin_fabsf(x[done + t]);
-    for (int64_t j = done / 8; 8 * j < n; ++j) {
-        unsigned m = 0;
-        for (int t = 0; t < 8 && 8 * j + t < n; ++t) m |= (unsigned)(x[8 * j + t] >= 0.0f) << t;
-        out[j] = (uint8_t)m;
-    }
-    *sum = ac_cascade_finish(&c, buf, n);
+   and packed = pack_bits(x >= 0, 1) (ac_pack_nonneg's bytes), no magnitudes written. */
+void ac_abs_sum_pack(const float* x, int64_t n, uint8_t* packed, float* sum) {
+    *sum = ac_cascade_stream(x, 0, 0, n, 1, packed);
+}
+/* Error feedback's compensation with a reduction of its result in the same pass: out = g + r (one
+   IEEE add per element, as torch.add; out may be g), *sum = the cascade sum of out (of |out| when
+   absmode), packed (may be NULL) = pack_bits(out >= 0, 1). n >= 8. */
+void ac_add_cascade(const float* g, const float* r, float* out, int64_t n, int absmode, uint8_t* packed,
+                    float* sum) {
+    *sum = ac_cascade_stream(g, r, out, n, absmode, packed);
 }
 /* Magnitudes with what a threshold search asks of them, in one pass: out = |x| (the sign bit cleared,
    as torch.abs), their largest and smallest value (stats[0], stats[1]), the first position of the
@@ -1340,6 +1347,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_cascade_sum.restype = ctypes.c_float
     lib_.ac_cascade_sum.argtypes = [vp, i64, ctypes.c_int]
     lib_.ac_abs_sum_pack.restype = None
+    lib_.ac_add_cascade.restype = None
+    lib_.ac_add_cascade.argtypes = [vp, vp, vp, i64, ctypes.c_int, vp, vp]
     lib_.ac_abs_sum_pack.argtypes = [vp, i64, vp, vp]
     lib_.ac_sumsq_select_abs_gt.restype = ctypes.c_int64
     lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp]
@@ -1488,6 +1497,22 @@ def abs_mean_signs(x: Tensor) -> tuple[Tensor, Tensor] | None:
     if not bool(torch.isfinite(mean)):  # a NaN's bits may depend on the order of operations
         return None
     return mean, packed
+
+
+def add_cascade(g: Tensor, r: Tensor, out: Tensor, absolute: bool = False,
+                signs: bool = False) -> tuple[float, Tensor | None] | None:
+    """``torch.add(g, r, out=out)`` (bitwise; ``out`` may be ``g``) and, from the same pass, torch's
+    one-thread ``float(out.sum())`` (``absolute``: of ``out.abs()``) and, with ``signs``,
+    ``pack_bits(out >= 0, 1)``: error feedback's compensation with what the compressor reads of its
+    result. None (nothing written) where this cannot run (see :func:`sums_like_torch`)."""
+    n = out.numel()
+    if not (usable(g) and usable(r) and usable(out) and g.numel() == r.numel() == n >= 8 and sums_like_torch()):
+        return None
+    total = torch.empty(1, dtype=torch.float32)
+    packed = torch.empty(-(-n // 8), dtype=torch.uint8) if signs else None
+    library().ac_add_cascade(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, int(absolute),  # type: ignore[union-attr]
+                             packed.data_ptr() if packed is not None else None, total.data_ptr())
+    return float(total.item()), packed
 
 
 class AbsStats(NamedTuple):

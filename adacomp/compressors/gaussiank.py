@@ -105,21 +105,43 @@ class GaussianKCompressor(SparseCompressor):
         # elsewhere |g| goes to a reused buffer (one pass, no page faults)
         native = _native.usable(signed)
         a = signed if native else self._workspace().magnitudes(flat)
-        counter, moments = self._search(a, native)
+        counter, moments = self._search(a, native, name)
         idx = counter.select(self.threshold(a, signed, k, counter, moments), self._density)
         cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
             idx = largest_k(idx, a.index_select(0, idx).abs(), cap)
         return idx if idx.numel() else (signed.abs() if native else a).argmax().view(1)
 
-    def _search(self, a: Tensor, native: bool) -> tuple[ThresholdCounter, tuple[float, float] | None]:
+    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+        """``out = g + r`` (error feedback's compensation, torch.add's bits) with ``out``'s mean from
+        the same pass, kept for :meth:`select` of ``out`` (the moments' read then needs no mean pass
+        before it). False (nothing written) where the fused pass cannot run: the caller adds."""
+        flat = out.reshape(-1)
+        if flat.numel() < 1 << 16:
+            return False
+        got = _native.add_cascade(g.reshape(-1), r.reshape(-1), flat)
+        if got is None:
+            return False
+        mean = _native.mean_from_sum(got[0], flat.numel())
+        if math.isfinite(mean):
+            self._means()[name] = (flat.data_ptr(), flat.numel(), flat._version, mean)
+        return True
+
+    def _means(self) -> dict[str, tuple[int, int, int, float]]:
+        got = self.__dict__.get("_pending")
+        if got is None:
+            got = self._pending = {}
+        return got
+
+    def _search(self, a: Tensor, native: bool, name: str = "") -> tuple[ThresholdCounter, tuple[float, float] | None]:
         """The search's counter (candidates kept from a sampled floor) and, where one C read serves,
         the moments: the std's sum is a chain of dependent adds, so that read compacts the candidates
         beside it for free (torch's std and a separate compaction pass otherwise)."""
         ws = self._workspace()
         expected = min(0.25, 3.0 * self._density)  # ThresholdCounter.for_search's target
+        kept = self._means().pop(name, None)
         if native and a.numel() >= 1 << 16:
-            mean = float(a.mean())
+            mean = kept[3] if kept is not None and kept[:3] == (a.data_ptr(), a.numel(), a._version) else float(a.mean())
             floor = sample_value(a, expected, absolute=True)
             got = _native.std_select(a, mean, floor, expected) if math.isfinite(floor) else None
             if got is not None:

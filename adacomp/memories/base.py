@@ -158,8 +158,9 @@ class ResidualMemory(Memory):
     ``residual`` may write over its input (``residual_in_place``: the sparsifiers, which only zero
     the sent coordinates) it adds into that spare buffer instead, and ``update`` zeroes the sent
     coordinates there: the same values, without copying the whole compensated tensor (a read and a
-    write of the model per step). A compressor with ``compensate_into`` (Top-k) may write that sum
-    itself and select from it in the same pass; the values are the same add's.
+    write of the model per step). A compressor with ``compensate_into(g, r, out, name)`` (Top-k,
+    Gaussian-k, EF-SignSGD) may write that sum itself (into the spare buffer, or into the gradient)
+    and read what it needs of it in the same pass; the values are the same add's.
     """
 
     owed_keys = ("residuals",)
@@ -198,7 +199,13 @@ class ResidualMemory(Memory):
             if fused is not None and fused(tensor, r, spare, name):
                 return spare
             return torch.add(tensor, r, out=spare)
-        return tensor.add_(r) if self.beta == 1.0 else tensor.add_(r, alpha=self.beta)
+        if self.beta == 1.0:
+            # a compressor may read what it needs of the sum while it is written (EF-SignSGD's scale)
+            fused = getattr(compressor, "compensate_into", None) if whole else None
+            if fused is not None and fused(tensor, r, tensor, name):
+                return tensor
+            return tensor.add_(r)
+        return tensor.add_(r, alpha=self.beta)
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         out = self._spare.pop(name, None)
