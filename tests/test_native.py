@@ -428,13 +428,15 @@ def _ascending(n: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("n", [1, 100, 4097, 20000])
-def test_sparse_mean_is_bitwise_zero_fill_index_add_and_div(world: int, n: int) -> None:
+@pytest.mark.parametrize("n", [1, 100, 4097, 20000, (1 << 18) + 37])
+def test_sparse_mean_is_bitwise_zero_fill_index_add_and_div(world: int, n: int, avx2_switch: str) -> None:
     """The one-pass sparse mean equals zeros + ``index_add_`` of the ranks' payloads concatenated in
     rank order + ``div_``: overlapping positions, -0.0, inf, NaN, subnormals, a divisor that is not
-    a power of two, empty payloads, and an output that is not 16-byte aligned."""
+    a power of two, empty payloads, and an output that is not 16-byte aligned; outputs from 2^18
+    elements are streamed (AVX2, aligned), with blocks that no payload touches."""
     g = torch.Generator().manual_seed(world * 7 + n)
-    idx = [_ascending(n, 0 if r == 1 else max(1, n // (3 + r)), g) for r in range(world)]
+    idx = [_ascending(n, 0 if r == 1 else max(1, n // (3 + r) if n < 1 << 18 else n // 3000), g)
+           for r in range(world)]
     vals = [torch.randn(i.numel(), generator=g) for i in idx]
     for v in vals:
         v[: min(3, v.numel())] = torch.tensor([-0.0, float("inf"), float("nan"), 1e-45, -1e-45][: min(3, v.numel())])
