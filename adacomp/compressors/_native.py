@@ -33,6 +33,9 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+STREAM_MIN = 1 << 20
+"""``AC_STREAM_MIN``: outputs from this many elements are written with non-temporal stores."""
+
 MODES = {"ge": 0, "gt": 1, "not_lt": 2}
 """``a >= t``, ``a > t``, ``not (a < t)`` (NaN passes only the last, as torch.topk ranks NaN first);
 each also as ``abs_<mode>``: the test on ``|a|`` (sign bit cleared, as torch.abs does), values ``|a|``."""
@@ -61,6 +64,11 @@ int ac_avx2_off = 0;
 #define AC_AVX2 1
 static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"); }
 #endif
+/* Outputs of at least AC_STREAM_MIN elements are written with non-temporal stores where the CPU has
+   AVX2: their lines are not read first (a plain store to a line not in cache reads it), a third of
+   the traffic of a pass that reads two tensors and writes one. The same floats. Such a tensor is
+   read back from memory anyway (past what the caches hold). */
+#define AC_STREAM_MIN (1 << 20)
 /* The 16-element test per block is one bit mask (SSE compares where the target has them), so a
    block with no passing element costs no branch per element; passing ones are read off the mask
    in ascending order. NaN: ordered compares fail, so v >= t and v > t are false and !(v < t) true. */
@@ -155,9 +163,61 @@ SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
    element, as torch.add), and the indices / signed values of the sums passing !(|sum| < t) (a NaN
    passes), ascending: the set ac_select_abs_not_lt finds over out afterwards, one read less. The
    values keep their signs, so the payload's values need no gather from out (ac_pick_largest). */
+#if defined(AC_AVX2)
+/* Large tensors with AVX2: 64 sums a block, streamed to out (32-byte aligned; see AC_STREAM_MIN), the
+   passing ones read back from the block's copy on the stack. */
+__attribute__((target("avx2"))) static int64_t add_select_stream(const float* g, const float* r, float* out,
+                                                                 int64_t n, float t, int64_t* idx, float* vals,
+                                                                 int64_t cap, int64_t* count) {
+    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
+    float blk[64] __attribute__((aligned(32)));
+    int64_t c = *count, i = 0;
+    for (; i + 64 <= n; i += 64) {
+        uint64_t m = 0;
+        for (int q = 0; q < 8; ++q) {
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
+            _mm256_stream_ps(out + i + 8 * q, v);
+            _mm256_store_ps(blk + 8 * q, v);
+            m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
+                 << (8 * q);
+        }
+        while (m) {
+            const int j = __builtin_ctzll(m);
+            m &= m - 1;
+            if (c < cap) { idx[c] = i + j; vals[c] = blk[j]; }
+            ++c;
+        }
+    }
+    _mm_sfence();
+    *count = c;
+    return i;
+}
+#endif
+/* out = g + r (one IEEE add per element, as torch.add) into a buffer of its own: error feedback's
+   compensation where the compressor reads the sum afterwards; streamed from AC_STREAM_MIN elements. */
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static int64_t add_stream(const float* g, const float* r, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_stream_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(g + i), _mm256_loadu_ps(r + i)));
+    _mm_sfence();
+    return i;
+}
+#endif
+AC_CLONES void ac_add(const float* g, const float* r, float* out, int64_t n) {
+    int64_t i = 0;
+#if defined(AC_AVX2)
+    if (n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2()) i = add_stream(g, r, out, n);
+#endif
+    for (; i < n; ++i) out[i] = g[i] + r[i];
+}
 int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
                                  int64_t* idx, float* vals, int64_t cap) {
     int64_t c = 0, i = 0;
+#if defined(AC_AVX2)
+    if (n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2())
+        i = add_select_stream(g, r, out, n, t, idx, vals, cap, &c);
+#endif
 #if defined(__SSE2__)
     const __m128 tv = _mm_set1_ps(t), sign = _mm_set1_ps(-0.0f);
     for (; i + 16 <= n; i += 16) {
@@ -324,11 +384,15 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, fl
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 vmn = _mm256_set1_ps(__builtin_inff()), un = _mm256_setzero_ps();
     float m = *mx;
+    float blk[64] __attribute__((aligned(32)));  /* the block's magnitudes for the cascade (out may be streamed) */
+    const int stream = n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     for (; i + 64 <= n; i += 64) {
         __m256 bmx = _mm256_setzero_ps();
         for (int q = 0; q < 8; ++q) {
             const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8 * q));
-            _mm256_storeu_ps(out + i + 8 * q, v);
+            if (stream) _mm256_stream_ps(out + i + 8 * q, v);
+            else _mm256_storeu_ps(out + i + 8 * q, v);
+            _mm256_store_ps(blk + 8 * q, v);
             bmx = _mm256_max_ps(bmx, v);
             vmn = _mm256_min_ps(vmn, v);
             un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -338,8 +402,9 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, fl
         h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
         const float hm = _mm_cvtss_f32(h);
         if (hm > m) { m = hm; *best = i; }
-        if (cs) { ac_cascade_row(cs, out + i); ac_cascade_row(cs, out + i + 32); }
+        if (cs) { ac_cascade_row(cs, blk); ac_cascade_row(cs, blk + 32); }
     }
+    if (stream) _mm_sfence();
     float lanes[8];
     _mm256_storeu_ps(lanes, vmn);
     for (int q = 0; q < 8; ++q) *mn = lanes[q] < *mn ? lanes[q] : *mn;
@@ -449,9 +514,34 @@ SELECT_ROWS(ac_select_rows_ge, ac_select_ge)
 SELECT_ROWS(ac_select_rows_not_lt, ac_select_not_lt)
 /* DGC's momentum correction in one pass: u = u * m + g (two roundings, as torch's mul_ then add_),
    out = v + u. */
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static int64_t momentum_accumulate_avx2(const float* u, const float* g,
+                                                                        const float* v, float* u_out, float* v_out,
+                                                                        int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t i = 0;
+    for (; i < n && ((uintptr_t)(u_out + i) & 31); ++i) {
+        const float t = u[i] * m + g[i];
+        u_out[i] = t;
+        v_out[i] = v[i] + t;
+    }
+    if (((uintptr_t)(v_out + i) & 31) != 0) return i;  /* the outputs' alignments differ: the plain loop */
+    for (; i + 8 <= n; i += 8) {
+        const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(u + i), mv), _mm256_loadu_ps(g + i));
+        _mm256_stream_ps(u_out + i, t);
+        _mm256_stream_ps(v_out + i, _mm256_add_ps(_mm256_loadu_ps(v + i), t));
+    }
+    _mm_sfence();
+    return i;
+}
+#endif
 AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const float* v, float* u_out, float* v_out,
                             int64_t n, float m) {
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+#if defined(AC_AVX2)
+    if (n >= AC_STREAM_MIN && use_avx2()) i = momentum_accumulate_avx2(u, g, v, u_out, v_out, n, m);
+#endif
+    for (; i < n; ++i) {
         float t = u[i] * m;
         t = t + g[i];
         u_out[i] = t;
@@ -1398,6 +1488,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_pick_largest.restype = ctypes.c_int
     lib_.ac_pick_largest.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp]
     lib_.ac_sparse_mean.restype = ctypes.c_int
+    lib_.ac_add.restype = None
+    lib_.ac_add.argtypes = [vp, vp, vp, i64]
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_zero_at.restype = ctypes.c_int
     lib_.ac_outer_fma.restype = None
@@ -1476,6 +1568,18 @@ def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Ten
     assert lib is not None and usable(a)
     f = getattr(lib, f"ac_select_{mode}")
     return _compacted(lambda i, v, cap: f(a.data_ptr(), a.numel(), thr, i, v, cap), a.numel(), expected)
+
+
+def add_into(g: Tensor, r: Tensor, out: Tensor) -> bool:
+    """``torch.add(g, r, out=out)`` bitwise into a buffer that aliases neither (large outputs are
+    streamed: see ``AC_STREAM_MIN``); False (nothing written) where torch must run."""
+    lib = library()
+    n = out.numel()
+    if (lib is None or n < STREAM_MIN or not (usable(g) and usable(r) and usable(out)) or g.numel() != n
+            or r.numel() != n or out.data_ptr() in (g.data_ptr(), r.data_ptr())):
+        return False
+    lib.ac_add(g.data_ptr(), r.data_ptr(), out.data_ptr(), n)
+    return True
 
 
 def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 1.0) -> tuple[Tensor, Tensor]:

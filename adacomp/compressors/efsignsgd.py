@@ -48,9 +48,10 @@ class EFSignSGDCompressor(Compressor):
         return True
 
     def _fused(self) -> dict[str, tuple[int, int, int, Tensor, Tensor]]:
-        got = self.__dict__.get("_pending")
+        got: dict[str, tuple[int, int, int, Tensor, Tensor]] | None = self.__dict__.get("_pending")
         if got is None:
-            got = self._pending = {}
+            got = {}
+            self._pending = got
         return got
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:

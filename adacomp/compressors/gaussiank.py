@@ -128,9 +128,10 @@ class GaussianKCompressor(SparseCompressor):
         return True
 
     def _means(self) -> dict[str, tuple[int, int, int, float]]:
-        got = self.__dict__.get("_pending")
+        got: dict[str, tuple[int, int, int, float]] | None = self.__dict__.get("_pending")
         if got is None:
-            got = self._pending = {}
+            got = {}
+            self._pending = got
         return got
 
     def _search(self, a: Tensor, native: bool, name: str = "") -> tuple[ThresholdCounter, tuple[float, float] | None]:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.registry import Registry
 
 registry: Registry["Memory"] = Registry("memory", "adacomp.memories")
@@ -197,6 +198,8 @@ class ResidualMemory(Memory):
             # a compressor may write the sum itself and select from it in the same pass (Top-k)
             fused = getattr(compressor, "compensate_into", None) if whole else None
             if fused is not None and fused(tensor, r, spare, name):
+                return spare
+            if _native.add_into(tensor, r, spare):  # the same add; large buffers written without a read
                 return spare
             return torch.add(tensor, r, out=spare)
         if self.beta == 1.0:
