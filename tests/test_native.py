@@ -761,3 +761,36 @@ def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, m
     assert len(fast) == len(slow)
     for a, b in zip(fast, slow):
         assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
+    """Outputs from 2^20 elements are written with non-temporal stores (AVX2, 32-byte aligned; a
+    shifted output takes the plain loop): the compensation add, Top-k's add with its prefilter, DGC's
+    momentum correction and the magnitudes pass keep torch's bits."""
+    n = (1 << 20) + 37
+    g = torch.Generator().manual_seed(shift)
+    a, b, c = (torch.randn(n, generator=g) for _ in range(3))
+    a[:4] = torch.tensor([-0.0, float("inf"), float("nan"), 1e-42])
+
+    def fresh() -> torch.Tensor:
+        return torch.full((n + shift,), 7.0)[shift:]
+
+    out = fresh()
+    assert _native.add_into(a, b, out) and torch.equal(bits(out), bits(torch.add(a, b)))
+    out = fresh()
+    idx, vals = _native.add_select(a, b, out, 1.5, expected=0.2)
+    s = torch.add(a, b)
+    want = ~torch.lt(s.abs(), 1.5)
+    assert torch.equal(bits(out), bits(s)) and torch.equal(idx, torch.nonzero(want).view(-1))
+    assert torch.equal(bits(vals), bits(s[want]))
+    u_out, v_out = fresh(), fresh()
+    assert _native.momentum_accumulate(a, b, c, u_out, v_out, 0.9)
+    u_want = torch.mul(a, 0.9).add_(b)
+    assert torch.equal(bits(u_out), bits(u_want)) and torch.equal(bits(v_out), bits(torch.add(c, u_want)))
+    x = a.clone()
+    x[2] = 3.0  # no NaN: the stats answer
+    out = fresh()
+    st = _native.abs_stats(x, out)
+    assert st is not None and torch.equal(bits(out), bits(x.abs()))
+    assert (st.max, st.min, st.argmax) == (float(x.abs().max()), float(x.abs().min()), int(x.abs().argmax()))
