@@ -767,7 +767,8 @@ def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, m
 def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
     """Outputs from 2^20 elements are written with non-temporal stores (AVX2, 32-byte aligned; a
     shifted output takes the plain loop): the compensation add, Top-k's add with its prefilter, DGC's
-    momentum correction and the magnitudes pass keep torch's bits."""
+    momentum correction, the magnitudes pass, EF-SignSGD's residual and the compensation that sums
+    as it writes keep torch's bits."""
     n = (1 << 20) + 37
     g = torch.Generator().manual_seed(shift)
     a, b, c = (torch.randn(n, generator=g) for _ in range(3))
@@ -794,3 +795,18 @@ def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
     st = _native.abs_stats(x, out)
     assert st is not None and torch.equal(bits(out), bits(x.abs()))
     assert (st.max, st.min, st.argmax) == (float(x.abs().max()), float(x.abs().min()), int(x.abs().argmax()))
+    packed = pack_bits(torch.ge(b, 0), 1)
+    out = fresh()
+    assert _native.sign_residual(a, packed, 0.25, out)
+    decoded = torch.where(torch.ge(b, 0), torch.tensor(0.25), torch.tensor(-0.25))
+    assert torch.equal(bits(out), bits(torch.sub(a, decoded)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = fresh()
+        got = _native.add_cascade(x, b, out)
+        assert got is not None and torch.equal(bits(out), bits(torch.add(x, b)))
+        if _native.sums_like_torch():
+            assert got[0] == float(torch.add(x, b).sum())
+    finally:
+        torch.set_num_threads(threads)

@@ -290,6 +290,7 @@ static inline void ac_cascade_row(ac_cascade* c, const float* v) {
 __attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, const float* x, const float* plus,
                                                                  float* out, int absmode, uint8_t* packed) {
     const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    const int stream = out && c->rows * 32 >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     __m256 a[4];
     for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(c->acc[0] + 8 * k);
     for (int64_t r = c->row; r < c->rows; ++r) {
@@ -297,7 +298,8 @@ __attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, 
             const int64_t e = 32 * r + 8 * k;
             __m256 v = _mm256_loadu_ps(x + e);
             if (plus) v = _mm256_add_ps(v, _mm256_loadu_ps(plus + e));
-            if (out) _mm256_storeu_ps(out + e, v);
+            if (stream) _mm256_stream_ps(out + e, v);
+            else if (out) _mm256_storeu_ps(out + e, v);
             if (packed) packed[4 * r + k] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ));
             if (absmode) v = _mm256_andnot_ps(sign, v);
             a[k] = _mm256_add_ps(a[k], v);
@@ -311,6 +313,7 @@ __attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, 
     }
     for (int k = 0; k < 4; ++k) _mm256_storeu_ps(c->acc[0] + 8 * k, a[k]);
     c->row = c->rows;
+    if (stream) _mm_sfence();
 }
 #endif
 /* rest: the n - 32 rows elements after the full rows (leftover vectors, then tail elements) */
@@ -1264,12 +1267,15 @@ __attribute__((target("avx2"))) static int64_t sign_residual_avx2(const float* t
                                                                    float* out, int64_t n) {
     const __m256 neg = _mm256_set1_ps(-s), pos = _mm256_set1_ps(s);
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const int stream = n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(packed[i >> 3]), bit), bit);
-        const __m256 v = _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(on));
-        _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_loadu_ps(t + i), v));
+        const __m256 v = _mm256_sub_ps(_mm256_loadu_ps(t + i), _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(on)));
+        if (stream) _mm256_stream_ps(out + i, v);
+        else _mm256_storeu_ps(out + i, v);
     }
+    if (stream) _mm_sfence();
     return i;
 }
 #endif
