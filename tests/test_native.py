@@ -810,3 +810,39 @@ def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
             assert got[0] == float(torch.add(x, b).sum())
     finally:
         torch.set_num_threads(threads)
+
+
+def test_chunk_selection_with_and_without_the_avx2_compaction() -> None:
+    """Chunk-Top-k's floor compaction (64-element AVX2 masks, or 16-element SSE2 ones) selects the
+    same positions and values, chunks whose floor passed too few or too many included; both equal
+    the canonical per-chunk selection."""
+    import ctypes
+    g = torch.Generator().manual_seed(4)
+    rows, chunk, k = 96, 4096, 82
+    a = torch.randn(rows * chunk, generator=g) * torch.linspace(0.1, 3.0, rows).repeat_interleave(chunk)
+    a[chunk * 5: chunk * 6] *= 100.0  # a jump: the previous chunk's floor passes everything here
+    a[chunk * 9: chunk * 10] *= 0.001  # and nothing here
+    a[chunk * 20 + 7] = -0.0
+    switch = ctypes.c_int.in_dll(_native.library(), "ac_avx2_off")
+    got = []
+    try:
+        for off in (0, 1):
+            switch.value = off
+            got.append(_native.chunk_topk(a, rows, chunk, k))
+    finally:
+        switch.value = 0
+    (pa, va), (pb, vb) = got
+    assert torch.equal(pa, pb) and torch.equal(bits(va), bits(vb))
+    mags = a.view(rows, chunk).abs()
+    for row in range(rows):
+        want = largest_k_positions(mags[row], k)
+        assert torch.equal(pa[row], want), row
+        assert torch.equal(bits(va[row]), bits(a.view(rows, chunk)[row][want]))
+
+
+def largest_k_positions(m: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest of m, ties at the k-th to the lowest positions, ascending (the canonical choice)."""
+    kth = torch.topk(m, k).values[-1]
+    above = torch.nonzero(m > kth).view(-1)
+    ties = torch.nonzero(m == kth).view(-1)[: k - above.numel()]
+    return torch.cat([above, ties]).sort().values

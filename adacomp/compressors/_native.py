@@ -645,8 +645,36 @@ int ac_rth_largest_strided(const float* a, int64_t m, int64_t step, int64_t r, u
 /* The elements of x[0 .. n) with |x| >= lo (pattern, sign cleared; lo >= 1), ascending: magnitudes
    into mag and positions into pos while at most cap pass; returns how many passed (cap + 1 once
    more would). */
+#if defined(AC_AVX2)
+/* chunk_at_least's blocks of 64 with AVX2 (one mask per block: the loop over a block's passing
+   elements, whose exit the branch predictor misses, runs a quarter as often); from 0, returns the
+   next i and the count so far in *count (stops once more than cap passed). */
+__attribute__((target("avx2"))) static int64_t chunk_at_least_avx2(const uint32_t* u, int64_t n, uint32_t lo,
+                                                                   int64_t cap, uint32_t* mag, int32_t* pos,
+                                                                   int64_t* count) {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), below = _mm256_set1_epi32((int)(lo - 1u));
+    int64_t c = 0, i = 0;
+    for (; i + 64 <= n && c <= cap; i += 64) {
+        uint64_t msk = 0;
+        for (int q = 0; q < 8; ++q) {
+            const __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(u + i + 8 * q)), absm);
+            msk |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, below)))
+                   << (8 * q);
+        }
+        while (msk) {
+            const int j = __builtin_ctzll(msk);
+            msk &= msk - 1;
+            if (c < cap) { mag[c] = u[i + j] & 0x7fffffffu; pos[c] = (int32_t)(i + j); }
+            ++c;
+        }
+    }
+    *count = c;
+    return i;
+}
+#endif
 static int64_t chunk_at_least(const uint32_t* u, int64_t n, uint32_t lo, int64_t cap, uint32_t* mag, int32_t* pos) {
     int64_t c = 0, i = 0;
+    AVX2_FIRST(i = chunk_at_least_avx2(u, n, lo, cap, mag, pos, &c))
 #if defined(__SSE2__)
     const __m128i absm = _mm_set1_epi32(0x7fffffff), below = _mm_set1_epi32((int)(lo - 1u));
     for (; i + 16 <= n && c <= cap; i += 16) {
@@ -752,10 +780,9 @@ int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k
    order, and div_ (adacomp.communicators.allgather). Block by block (16 KiB of output): a zero
    fill, the adds and, while those lines are still in L1, one division per touched position (a
    bitmap finds them): one write of the output instead of a zero fill, a scatter and a
-   gather-divide-scatter over it. (Measured on the 2-core EPYC: one fill of the whole output
-   first, or a block assembled on the stack and streamed out with non-temporal stores, were both
-   slower on 0.6M- and 25M-element outputs.) Each rank's positions must ascend strictly within [0, n): -1
-   otherwise, before anything is written. pos: world int64 of scratch. */
+   gather-divide-scatter over it. (Measured on the 2-core EPYC: one fill of the whole output first
+   was slower; for large outputs see SM_STREAM_MIN below.) Each rank's positions must ascend
+   strictly within [0, n): -1 otherwise, before anything is written. pos: world int64 of scratch. */
 #define SM_BLOCK 4096
 /* Outputs of at least SM_STREAM_MIN elements (past what the caches keep for the reader anyway) are
    built a block at a time in an L1 scratch block and written with non-temporal stores: the output's
