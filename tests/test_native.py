@@ -846,3 +846,21 @@ def largest_k_positions(m: torch.Tensor, k: int) -> torch.Tensor:
     above = torch.nonzero(m > kth).view(-1)
     ties = torch.nonzero(m == kth).view(-1)[: k - above.numel()]
     return torch.cat([above, ties]).sort().values
+
+
+@pytest.mark.parametrize("rows,b,r", [(512, 128, 47), (2048, 32, 6), (7, 5, 5), (3, 64, 1), (100, 33, 17)])
+def test_row_kth_equals_torch_topk_min(rows: int, b: int, r: int) -> None:
+    """ADTopk's per-row floor in C: the r-th largest of each row, torch's value (ties, an all-tied
+    row, zeros, a NaN row)."""
+    g = torch.Generator().manual_seed(rows + b)
+    a = torch.randn(rows, b, generator=g).abs()
+    a[0, :] = a[0, 0]
+    a[1, b // 2] = float("nan")
+    a[2, :] = 0.0
+    if rows > 4:
+        a[4, ::2] = 1.0
+    got = _native.row_kth(a, r)
+    want = torch.topk(a, r, dim=1, sorted=False).values.amin(1)
+    assert got is not None and torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok], want[ok])

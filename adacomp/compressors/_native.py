@@ -751,6 +751,38 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
     }
     return 0;
 }
+/* ADTopk's per-row floor: out[i] = the r-th largest (1-based) of row i of the (rows, b) float32 matrix
+   a, whose values are magnitudes (>= 0; a zero's sign is ignored), or NaN where the row holds a NaN:
+   torch.topk(a, r, dim=1).values.amin(1) (torch ranks NaN first, and amin of a NaN is NaN). A
+   quickselect on the bit patterns (non-negative floats order as them) in `keys` (b of scratch). */
+void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* keys, float* out) {
+    for (int64_t i = 0; i < rows; ++i) {
+        const uint32_t* u = (const uint32_t*)(a + i * b);
+        int nan = 0;
+        for (int64_t j = 0; j < b; ++j) {
+            keys[j] = u[j] & 0x7fffffffu;
+            nan |= keys[j] > 0x7f800000u;
+        }
+        if (nan) { out[i] = __builtin_nanf(""); continue; }
+        int64_t lo = 0, hi = b - 1;
+        const int64_t want = r - 1;  /* position in descending order */
+        while (lo < hi) {
+            const uint32_t pivot = keys[lo + (hi - lo) / 2];
+            int64_t x = lo, y = hi;
+            while (x <= y) {
+                while (keys[x] > pivot) ++x;
+                while (keys[y] < pivot) --y;
+                if (x <= y) { const uint32_t t = keys[x]; keys[x] = keys[y]; keys[y] = t; ++x; --y; }
+            }
+            if (want <= y) hi = y;
+            else if (want >= x) lo = x;
+            else break;
+        }
+        float v;
+        __builtin_memcpy(&v, keys + want, sizeof v);
+        out[i] = v;
+    }
+}
 /* Top-k's last step on a prefilter's candidates (adacomp.compressors.sparse.largest_k): of the m
    candidates at ascending positions cidx with values vals (signed, or magnitudes), the k largest
    |value|, ties at the k-th magnitude to the lowest positions, written as positions and the signed
@@ -1521,6 +1553,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_pick_largest.restype = ctypes.c_int
     lib_.ac_pick_largest.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp]
     lib_.ac_sparse_mean.restype = ctypes.c_int
+    lib_.ac_row_kth.restype = None
+    lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
@@ -1893,6 +1927,20 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
             or not idx.is_contiguous()):
         return False
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
+
+
+def row_kth(a: Tensor, r: int) -> Tensor | None:
+    """``torch.topk(a, r, dim=1).values.amin(1)`` of a (rows, b) float32 CPU matrix of magnitudes
+    (>= 0), bitwise (a row holding a NaN gives NaN; a zero's sign may differ: callers clamp it
+    away), in one C call instead of torch's per-row topk (~10 ns per element on short rows).
+    None where torch must answer."""
+    lib = library()
+    if lib is None or a.dim() != 2 or not usable(a) or not 1 <= r <= a.shape[1]:
+        return None
+    out = torch.empty(a.shape[0], dtype=torch.float32)
+    keys = torch.empty(a.shape[1], dtype=torch.int32)
+    lib.ac_row_kth(a.data_ptr(), a.shape[0], a.shape[1], r, keys.data_ptr(), out.data_ptr())
+    return out
 
 
 def outer_fma(p: Tensor, q: Tensor, out: Tensor) -> bool:
