@@ -864,3 +864,22 @@ def test_row_kth_equals_torch_topk_min(rows: int, b: int, r: int) -> None:
     assert got is not None and torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
     assert torch.equal(got[ok], want[ok])
+
+
+@pytest.mark.parametrize("n,m,r", [(512, 4608, 4), (2048, 512, 1), (300, 1025, 8), (7, 1100, 9), (3, 5, 2)])
+def test_residual_of_a_product_formed_in_registers(n: int, m: int, r: int) -> None:
+    """``a - P Q^T`` with the products formed again and never written equals torch.sub of ``a`` and
+    the written product (signed zeros, infinities and NaN in ``a``), and the low-rank helper gives
+    the reference path's bits whichever way it takes."""
+    from adacomp.compressors._lowrank import residual_of_product
+    from adacomp.compressors.workspace import Workspace
+    g = torch.Generator().manual_seed(n + m + r)
+    p, q, a = torch.randn(n, r, generator=g), torch.randn(m, r, generator=g), torch.randn(n, m, generator=g)
+    a.view(-1)[:3] = torch.tensor([-0.0, float("inf"), float("nan")])
+    approx, out = torch.empty(n, m), torch.empty(n, m)
+    assert _native.outer_fma(p, q, approx) and _native.outer_fma_sub(a, p, q, out)
+    assert torch.equal(bits(out), bits(torch.sub(a, approx)))
+    ws = Workspace()
+    for _ in range(2):  # the first call of a layout decides; the second takes the fused path where it may
+        got = residual_of_product(a, p, q, torch.empty(n, m), ws)
+        assert torch.equal(bits(got), bits(torch.sub(a, p @ q.t())))  # the reference: torch's product

@@ -962,6 +962,60 @@ void ac_outer_fma(const float* p, const float* qt, int64_t n, int64_t m, int64_t
 #endif
     outer_fma_sw(p, qt, n, m, r, out);
 }
+/* Error feedback of a rank-r approximation without writing it: out = a - P Q^T, each product the fmaf
+   chain ac_outer_fma forms (k = 0 .. r - 1 from a +0 accumulator) followed by one IEEE subtraction,
+   so out is bitwise torch.sub(a, ac_outer_fma's output). The chain runs in a register per output
+   (the rank loop innermost, unrolled for ranks up to 8; larger ranks take the same loop, slower). */
+#define OUTER_SUB_R(R)                                                                  \
+    for (int64_t j = j0; j < j1; ++j) {                                                 \
+        float acc = 0.0f;                                                               \
+        for (int k = 0; k < (R); ++k) acc = __builtin_fmaf(pi[k], qt[k * m + j], acc);  \
+        o[j] = ai[j] - acc;                                                             \
+    }
+/* Columns in chunks of OUTER_SUB_COLS, every row over one chunk before the next: the chunk of Q^T
+   (r x 1024 floats) stays in L1 while the rows stream past. */
+#define OUTER_SUB_COLS 1024
+#define OUTER_SUB_BODY                                                                  \
+    for (int64_t j0 = 0; j0 < m; j0 += OUTER_SUB_COLS) {                                \
+        const int64_t j1 = m - j0 < OUTER_SUB_COLS ? m : j0 + OUTER_SUB_COLS;           \
+        for (int64_t i = 0; i < n; ++i) {                                               \
+            float* o = out + i * m;                                                     \
+            const float* ai = a + i * m;                                                \
+            const float* pi = p + i * r;                                                \
+            switch (r) {                                                                \
+            case 1: OUTER_SUB_R(1); break;                                              \
+            case 2: OUTER_SUB_R(2); break;                                              \
+            case 3: OUTER_SUB_R(3); break;                                              \
+            case 4: OUTER_SUB_R(4); break;                                              \
+            case 5: OUTER_SUB_R(5); break;                                              \
+            case 6: OUTER_SUB_R(6); break;                                              \
+            case 7: OUTER_SUB_R(7); break;                                              \
+            case 8: OUTER_SUB_R(8); break;                                              \
+            default:                                                                    \
+                for (int64_t j = j0; j < j1; ++j) {                                     \
+                    float acc = 0.0f;                                                   \
+                    for (int64_t k = 0; k < r; ++k) acc = __builtin_fmaf(pi[k], qt[k * m + j], acc); \
+                    o[j] = ai[j] - acc;                                                 \
+                }                                                                       \
+            }                                                                           \
+        }                                                                               \
+    }
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma"))) static void outer_sub_hw(const float* p, const float* qt, const float* a,
+                                                             int64_t n, int64_t m, int64_t r, float* out) {
+    OUTER_SUB_BODY
+}
+#endif
+static void outer_sub_sw(const float* p, const float* qt, const float* a, int64_t n, int64_t m, int64_t r,
+                         float* out) {
+    OUTER_SUB_BODY
+}
+void ac_outer_fma_sub(const float* p, const float* qt, const float* a, int64_t n, int64_t m, int64_t r, float* out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) { outer_sub_hw(p, qt, a, n, m, r, out); return; }
+#endif
+    outer_sub_sw(p, qt, a, n, m, r, out);
+}
 /* Random-k's sample: the first k distinct values of draws (each in [0, n)) in draw order, written
    ascending; returns how many distinct values were found (< k: every draw was used). A bitmap of
    n bits (zeroed by the caller) replaces torch.unique's sort. -1 on a draw outside [0, n). */
@@ -1553,6 +1607,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_pick_largest.restype = ctypes.c_int
     lib_.ac_pick_largest.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp]
     lib_.ac_sparse_mean.restype = ctypes.c_int
+    lib_.ac_outer_fma_sub.restype = None
+    lib_.ac_outer_fma_sub.argtypes = [vp, vp, vp, i64, i64, i64, vp]
     lib_.ac_row_kth.restype = None
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_add.restype = None
@@ -1954,6 +2010,20 @@ def outer_fma(p: Tensor, q: Tensor, out: Tensor) -> bool:
     p = p.contiguous()  # n x r (QR's factor is column-major): small
     qt = q.t().contiguous()
     lib.ac_outer_fma(p.data_ptr(), qt.data_ptr(), p.shape[0], q.shape[0], p.shape[1], out.data_ptr())
+    return True
+
+
+def outer_fma_sub(a: Tensor, p: Tensor, q: Tensor, out: Tensor) -> bool:
+    """``out = a - p @ q.t()`` with each product the fma chain :func:`outer_fma` forms (bitwise
+    ``torch.sub`` of ``a`` and that output) without writing the product. False where it cannot run."""
+    lib = library()
+    shape = (p.shape[0], q.shape[0]) if p.dim() == 2 and q.dim() == 2 else None
+    if (lib is None or shape is None or p.shape[1] != q.shape[1] or p.dtype != torch.float32 or q.dtype != torch.float32
+            or p.device.type != "cpu" or q.device.type != "cpu" or not usable(out) or not usable(a)
+            or tuple(out.shape) != shape or tuple(a.shape) != shape):
+        return False
+    pc, qt = p.contiguous(), q.t().contiguous()
+    lib.ac_outer_fma_sub(pc.data_ptr(), qt.data_ptr(), a.data_ptr(), shape[0], shape[1], p.shape[1], out.data_ptr())
     return True
 
 

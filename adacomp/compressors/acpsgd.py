@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors._lowrank import (LowRankCompressor, as_matrix_shape, orthogonalize, outer_product,
-                                          transposed_product)
+                                          residual_of_product, transposed_product)
 from adacomp.compressors.base import Payload, register
 
 
@@ -96,17 +96,31 @@ class ACPSGDCompressor(LowRankCompressor):
         self.p[name], self.q[name] = p_hat, sent
         return [sent], ACPSGDCtx(name, tensor.shape, "q", p_hat, sent)
 
+    def _factors(self, payload: Payload, ctx: ACPSGDCtx) -> tuple[Tensor, Tensor]:
+        """(P, Q) of the approximation ``payload`` stands for; a mean over ranks is kept for the
+        next step (Alg. 2 lines 4 / 9)."""
+        f = payload[0]
+        if f is not ctx.sent:
+            (self.p if ctx.kind == "p" else self.q)[ctx.name] = f.detach().clone()
+        assert ctx.other is not None  # set for "p" and "q" contexts
+        return (f, ctx.other) if ctx.kind == "p" else (ctx.other, f)
+
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         c: ACPSGDCtx = ctx
-        f = payload[0]
         if c.kind == "dense":
-            return f.view(c.shape)
-        if f is not c.sent:  # the mean over ranks: reuse it next step (Alg. 2 lines 4 / 9)
-            (self.p if c.kind == "p" else self.q)[c.name] = f.detach().clone()
-        assert c.other is not None  # set for "p" and "q" contexts
-        p, q = (f, c.other) if c.kind == "p" else (c.other, f)
-        out = outer_product(p, q, self._workspace())
-        return out.view(c.shape)
+            return payload[0].view(c.shape)
+        return outer_product(*self._factors(payload, c), self._workspace()).view(c.shape)
+
+    def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        """``tensor - P Q^T`` of this rank's own factor (error feedback, Alg. 2) with the products
+        formed in registers and never written where that gives the written product's bits."""
+        c: ACPSGDCtx = ctx
+        if c.kind == "dense" or not (tensor.is_contiguous() and out.is_contiguous()):
+            return super().residual(tensor, payload, ctx, out)
+        n, m = as_matrix_shape(c.shape)
+        p, q = self._factors(payload, c)
+        residual_of_product(tensor.reshape(n, m), p, q, out.view(n, m), self._workspace())
+        return out
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         """Bytes per step averaged over a P-step and a Q-step: ``(n + m) r / 2`` elements, so one
