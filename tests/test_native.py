@@ -780,6 +780,8 @@ def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
     out = fresh()
     assert _native.add_into(a, b, out) and torch.equal(bits(out), bits(torch.add(a, b)))
     out = fresh()
+    assert _native.add_into(a, b, out, subtract=True) and torch.equal(bits(out), bits(torch.sub(a, b)))
+    out = fresh()
     idx, vals = _native.add_select(a, b, out, 1.5, expected=0.2)
     s = torch.add(a, b)
     want = ~torch.lt(s.abs(), 1.5)

@@ -196,10 +196,13 @@ __attribute__((target("avx2"))) static int64_t add_select_stream(const float* g,
 /* out = g + r (one IEEE add per element, as torch.add) into a buffer of its own: error feedback's
    compensation where the compressor reads the sum afterwards; streamed from AC_STREAM_MIN elements. */
 #if defined(AC_AVX2)
-__attribute__((target("avx2"))) static int64_t add_stream(const float* g, const float* r, float* out, int64_t n) {
+__attribute__((target("avx2"))) static int64_t add_stream(const float* g, const float* r, float* out, int64_t n,
+                                                          int subtract) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_stream_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(g + i), _mm256_loadu_ps(r + i)));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i), y = _mm256_loadu_ps(r + i);
+        _mm256_stream_ps(out + i, subtract ? _mm256_sub_ps(x, y) : _mm256_add_ps(x, y));
+    }
     _mm_sfence();
     return i;
 }
@@ -207,9 +210,18 @@ __attribute__((target("avx2"))) static int64_t add_stream(const float* g, const 
 AC_CLONES void ac_add(const float* g, const float* r, float* out, int64_t n) {
     int64_t i = 0;
 #if defined(AC_AVX2)
-    if (n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2()) i = add_stream(g, r, out, n);
+    if (n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2()) i = add_stream(g, r, out, n, 0);
 #endif
     for (; i < n; ++i) out[i] = g[i] + r[i];
+}
+/* out = a - b (one IEEE subtraction, as torch.sub): error feedback's residual of a compressor that
+   decompresses, into the buffer the next step reads; streamed from AC_STREAM_MIN elements. */
+AC_CLONES void ac_sub(const float* a, const float* b, float* out, int64_t n) {
+    int64_t i = 0;
+#if defined(AC_AVX2)
+    if (n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2()) i = add_stream(a, b, out, n, 1);
+#endif
+    for (; i < n; ++i) out[i] = a[i] - b[i];
 }
 int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
                                  int64_t* idx, float* vals, int64_t cap) {
@@ -1613,6 +1625,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
+    lib_.ac_sub.restype = None
+    lib_.ac_sub.argtypes = [vp, vp, vp, i64]
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_zero_at.restype = ctypes.c_int
     lib_.ac_outer_fma.restype = None
@@ -1693,15 +1707,15 @@ def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Ten
     return _compacted(lambda i, v, cap: f(a.data_ptr(), a.numel(), thr, i, v, cap), a.numel(), expected)
 
 
-def add_into(g: Tensor, r: Tensor, out: Tensor) -> bool:
-    """``torch.add(g, r, out=out)`` bitwise into a buffer that aliases neither (large outputs are
-    streamed: see ``AC_STREAM_MIN``); False (nothing written) where torch must run."""
+def add_into(g: Tensor, r: Tensor, out: Tensor, subtract: bool = False) -> bool:
+    """``torch.add(g, r, out=out)`` (``subtract``: ``torch.sub``) bitwise into a large buffer that
+    aliases neither, streamed (see ``AC_STREAM_MIN``); False (nothing written) where torch runs."""
     lib = library()
     n = out.numel()
     if (lib is None or n < STREAM_MIN or not (usable(g) and usable(r) and usable(out)) or g.numel() != n
             or r.numel() != n or out.data_ptr() in (g.data_ptr(), r.data_ptr())):
         return False
-    lib.ac_add(g.data_ptr(), r.data_ptr(), out.data_ptr(), n)
+    (lib.ac_sub if subtract else lib.ac_add)(g.data_ptr(), r.data_ptr(), out.data_ptr(), n)
     return True
 
 

@@ -86,7 +86,10 @@ class Compressor:
         """``out = tensor - decompress(payload, ctx)``: what this rank did not send. Error feedback
         writes it into a buffer it keeps, so no model-size tensor is allocated per step; a
         compressor that can say it without decompressing (a sparsifier) overrides this."""
-        return torch.sub(tensor, self.decompress(payload, ctx).view_as(tensor), out=out)
+        approx = self.decompress(payload, ctx).view_as(tensor)
+        if _native.add_into(tensor, approx, out, subtract=True):  # the same floats; large buffers streamed
+            return out
+        return torch.sub(tensor, approx, out=out)
 
     def next_round(self, round_index: int, mean_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
         """Multi-round methods: given the mean over ranks of round ``round_index - 1``'s payload,
