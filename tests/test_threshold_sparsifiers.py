@@ -382,3 +382,66 @@ def test_trains_through_the_optimizer_on_two_ranks():
     assert ok["fused"] == ok["buckets"]  # re-estimated in between when the count left [k/2, 2k] (_band.py)
     assert all(st["step"] == steps and set(st["estimated_at"]) == set(st["threshold"])
                and all(0 <= v < steps - 1 for v in st["estimated_at"].values()) for st in ok["state"])
+
+
+def _eager_redsync(c, a, k, counter, top, mean):
+    """RedSync's loop with every count taken (the reference the lazy search must equal)."""
+    import math
+    base, span = mean, top - mean
+    if not counter.at_least(mean, k):
+        base, span = 0.0, mean
+    lo, hi, best_thr, best_err = 0.0, 1.0, base, math.inf
+    for _ in range(c.max_steps):
+        mid = 0.5 * (lo + hi)
+        thr = base + mid * span
+        count = counter.count(thr)
+        if k <= count < 2 * k:
+            return thr
+        err = abs(math.log(max(count, 1) / k))
+        if err < best_err:
+            best_thr, best_err = thr, err
+        hi, lo = (mid, lo) if count < k else (hi, mid)
+    return best_thr
+
+
+def _eager_mstopk(c, mag, k, counter, hi_val, mean):
+    lo_val = mean if counter.at_least(mean, k) else 0.0
+    span, left, right, best_thr, best_err = hi_val - lo_val, 0.0, 1.0, hi_val, None
+    for _ in range(c.search_rounds):
+        ratio = 0.5 * (left + right)
+        thr = lo_val + ratio * span
+        nnz = counter.count(thr)
+        err = abs(nnz - k)
+        if best_err is None or err < best_err:
+            best_thr, best_err = thr, err
+        if nnz == k:
+            break
+        right, left = (ratio, left) if nnz < k else (right, ratio)
+    return best_thr
+
+
+@pytest.mark.parametrize("name,steps", [("redsync", 20), ("redsync", 2), ("redsync", 1), ("mstopk", 25), ("mstopk", 3),
+                                        ("mstopk", 1)])
+def test_lazy_counts_below_the_floor_give_the_eager_threshold(name: str, steps: int) -> None:
+    """RedSync and MSTop-k skip a count below the kept floor when its size already decides the
+    search's move; the threshold is the eager loop's, also when the search runs out of steps and
+    such a threshold might be the best (few steps), on normal, heavy-tailed and tied magnitudes."""
+    from adacomp.compressors.sparse import ThresholdCounter
+    from adacomp.compressors.workspace import Workspace
+    g = torch.Generator().manual_seed(steps)
+    kw = {"max_steps": steps} if name == "redsync" else {"rounds": steps}
+    comp = compressors.get(name, density=0.01, **kw)
+    for t, x in enumerate([torch.randn(1 << 17, generator=g), torch.randn(1 << 17, generator=g) ** 5,
+                           torch.randn(1 << 17, generator=g).round(), torch.rand(1 << 17, generator=g) + 3.0]):
+        a = x.abs()
+        k = max(1, int(0.01 * a.numel()))
+        for density in (0.01, 0.0005, 0.2):
+            fresh = lambda: ThresholdCounter.for_search(a, name == "redsync", density, Workspace())  # noqa: E731
+            top, mean = float(a.max()), float(a.mean())
+            if name == "redsync":
+                got = comp.threshold(a, k, fresh(), top, mean)
+                want = _eager_redsync(comp, a, k, fresh(), top, mean)
+            else:
+                got = comp.threshold(a, k, fresh(), top, mean)
+                want = _eager_mstopk(comp, a, k, fresh(), top, mean)
+            assert got == want, (t, density)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import LazyBest, Magnitudes, SparseCompressor, ThresholdCounter, k_for
 
 
 @register("mstopk")
@@ -54,21 +54,26 @@ class MSTopkCompressor(SparseCompressor):
             lo_val = 0.0
         span = hi_val - lo_val
         left, right = 0.0, 1.0
-        best_thr, best_err = hi_val, None
+        # a threshold below the kept floor whose count is known to exceed k moves the search up
+        # without a pass; its error is only taken if it could still be the smallest
+        seen = LazyBest(counter, lambda nnz: float(abs(nnz - k)))
         for _ in range(self.search_rounds):
             ratio = 0.5 * (left + right)
             thr = lo_val + ratio * span
+            bound = counter.lower_bound(thr)
+            if bound > k:
+                seen.add(thr, None, bound)
+                left = ratio
+                continue
             nnz = counter.count(thr)
-            err = abs(nnz - k)
-            if best_err is None or err < best_err:
-                best_thr, best_err = thr, err
+            seen.add(thr, nnz)
             if nnz == k:
                 break
             if nnz < k:
                 right = ratio
             else:
                 left = ratio
-        return best_thr
+        return seen.best(hi_val)
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         n = flat.numel()

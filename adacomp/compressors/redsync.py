@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import LazyBest, Magnitudes, SparseCompressor, ThresholdCounter, k_for
 
 
 @register("redsync")
@@ -59,21 +59,26 @@ class RedSyncCompressor(SparseCompressor):
         if not counter.at_least(mean, k):  # search [0, mean] instead (see deviations)
             base, span = 0.0, mean
         lo, hi = 0.0, 1.0
-        best_thr, best_err = base, math.inf
+        # a threshold below the kept floor whose count is known to reach 2k moves the search up
+        # without a pass; its error is only needed if no later threshold lands in [k, 2k)
+        seen = LazyBest(counter, lambda count: abs(math.log(max(count, 1) / k)))
         for _ in range(self.max_steps):
             mid = 0.5 * (lo + hi)
             thr = base + mid * span
+            bound = counter.lower_bound(thr)
+            if bound >= 2 * k:
+                seen.add(thr, None, bound)
+                lo = mid
+                continue
             count = counter.count(thr)
             if k <= count < 2 * k:
                 return thr
-            err = abs(math.log(max(count, 1) / k))
-            if err < best_err:
-                best_thr, best_err = thr, err
+            seen.add(thr, count)
             if count < k:
                 hi = mid
             else:
                 lo = mid
-        return best_thr
+        return seen.best(base)
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)

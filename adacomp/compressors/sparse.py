@@ -218,6 +218,34 @@ class Magnitudes:
         return self.a.argmax().view(1)
 
 
+class LazyBest:
+    """The best threshold of a search whose error of a count is monotone in the count above the
+    target, with counts of thresholds below a counter's floor left uncounted where the search's
+    next move does not need them (:meth:`ThresholdCounter.lower_bound` decides it): such a count
+    is taken only if its error's lower bound could still beat the others. Picks what the eager
+    loop would (the earliest of the smallest errors)."""
+
+    def __init__(self, counter: "ThresholdCounter", error: Any):
+        self.counter, self.error = counter, error
+        self.seen: list[tuple[float, float | None, int]] = []  # (threshold, error or None, lower bound)
+
+    def add(self, thr: float, count: int | None, bound: int = 0) -> None:
+        self.seen.append((thr, None if count is None else self.error(count), bound))
+
+    def best(self, default: float) -> float:
+        known = [e for _, e, _ in self.seen if e is not None]
+        floor = min(known) if known else math.inf
+        best_thr, best_err = default, math.inf
+        for thr, err, bound in self.seen:
+            if err is None:
+                if self.error(bound) > floor:  # its count is >= bound: it cannot win
+                    continue
+                err = self.error(self.counter.count(thr))
+            if err < best_err:
+                best_thr, best_err = thr, err
+        return best_thr
+
+
 class ThresholdCounter:
     """Exact ``count`` / ``select`` of ``a > thr`` (``strict``) or ``a >= thr`` for many thresholds.
 
@@ -241,6 +269,7 @@ class ThresholdCounter:
         self.floor: float | None = None
         self.idx: Tensor | None = None
         self.vals: Tensor | None = None
+        self.nan_kept = False  # the kept set holds NaNs too (compact(keep_nan=True))
 
     @property
     def mask(self) -> Tensor:
@@ -263,6 +292,7 @@ class ThresholdCounter:
         see them, as torch.topk ranks NaN first), after which only ``vals`` / ``idx`` are valid."""
         if not math.isfinite(floor):
             return
+        self.nan_kept = keep_nan
         if self.native:
             self.idx, self.vals = _native.select(self.a, floor, self.prefix + "not_lt" if keep_nan else self.mode,
                                                  expected)
@@ -289,6 +319,13 @@ class ThresholdCounter:
         if self.native:
             return _native.count(self.a, thr, self.mode)
         return int(torch.count_nonzero(self._cmp(self.a, thr, out=self.mask)))
+
+    def lower_bound(self, thr: float) -> int:
+        """A number the count at ``thr`` is known to reach without a pass: the kept set's size where
+        ``thr`` is at or below the floor (everything kept passes ``thr`` too), else 0."""
+        if self.floor is not None and thr <= self.floor and self.vals is not None and not self.nan_kept:
+            return self.vals.numel()
+        return 0
 
     def at_least(self, thr: float, m: int) -> bool:
         """``count(thr) >= m``, without a pass when thr <= floor and the kept set already has m."""
