@@ -445,3 +445,19 @@ def test_lazy_counts_below_the_floor_give_the_eager_threshold(name: str, steps: 
                 got = comp.threshold(a, k, fresh(), top, mean)
                 want = _eager_mstopk(comp, a, k, fresh(), top, mean)
             assert got == want, (t, density)
+
+
+def test_gaussiank_skips_counts_the_kept_set_decides() -> None:
+    """Gaussian-k's corrections take the kept set's size for a threshold below its floor when that
+    size already exceeds the band (the step is the same); the threshold equals the search that
+    counts every time, on normal, heavy-tailed, light-tailed and shifted inputs."""
+    from adacomp.compressors.sparse import ThresholdCounter
+    from adacomp.compressors.workspace import Workspace
+    g = torch.Generator().manual_seed(9)
+    comp = compressors.get("gaussiank", density=0.01)
+    for x in [torch.randn(1 << 17, generator=g), torch.randn(1 << 17, generator=g) ** 3,
+              torch.rand(1 << 17, generator=g) - 0.5, torch.randn(1 << 17, generator=g) + 2.0]:
+        k = max(1, int(0.01 * x.numel()))
+        for density in (0.01, 0.1):
+            counter = ThresholdCounter.for_search(x.abs(), True, density, Workspace())
+            assert comp.threshold(x.abs(), x, k, counter) == comp.threshold(x.abs(), x, k, None)

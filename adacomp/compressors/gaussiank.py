@@ -85,7 +85,9 @@ class GaussianKCompressor(SparseCompressor):
         lo, hi = 2.0 * k / 3.0, 4.0 * k / 3.0
         too_low, too_high = None, None  # thresholds known to pass too many / too few
         for _ in range(self.max_adjust):
-            count = count_above(thr)
+            # below the kept floor, a kept set larger than hi decides the step without a pass
+            bound = counter.lower_bound(thr) if counter is not None else 0
+            count = bound if bound > hi else count_above(thr)
             if lo <= count <= hi:
                 break
             if count > hi:
