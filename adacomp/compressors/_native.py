@@ -83,6 +83,15 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
 #define CMP_NOT_LT(x, y) _mm_cmpnlt_ps(x, y)
 #define LOAD_AS_IS(p) _mm_loadu_ps(p)
 #define LOAD_ABS(p) _mm_andnot_ps(_mm_set1_ps(-0.0f), _mm_loadu_ps(p))
+/* The passing elements of one mask M (bit j: element AT + j), in ascending order, into idx / vals
+   (VALUE: what is written, j in scope) while c < cap; c counts them all. */
+#define AC_EMIT(M, CTZ, AT, VALUE)                                                      \
+    while (M) {                                                                         \
+        const int j = CTZ(M);                                                           \
+        M &= M - 1;                                                                     \
+        if (c < cap) { idx[c] = (AT) + j; vals[c] = (VALUE); }                          \
+        ++c;                                                                            \
+    }
 /* With AVX2 the mask covers 64 elements (eight 8-lane compares): at the densities a threshold
    search keeps (a few percent) most blocks pass nothing, so the loop over a block's passing
    elements, whose exit the branch predictor misses, runs once per 64 elements instead of per 16.
@@ -102,12 +111,7 @@ __attribute__((target("avx2"))) static int64_t NAME##_avx2(const float* a, int64
         uint64_t m = 0;                                                                 \
         for (int q = 0; q < 8; ++q)                                                     \
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(CMP8(LOAD8(a + i + 8 * q), tv)) << (8 * q); \
-        while (m) {                                                                     \
-            int j = __builtin_ctzll(m);                                                 \
-            m &= m - 1;                                                                 \
-            if (c < cap) { idx[c] = i + j; vals[c] = VAL(a[i + j]); }                   \
-            ++c;                                                                        \
-        }                                                                               \
+        AC_EMIT(m, __builtin_ctzll, i, VAL(a[i + j]))                                   \
     }                                                                                   \
     *count = c;                                                                         \
     return i;                                                                           \
@@ -127,12 +131,7 @@ int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int6
     AVX2_FIRST(i = NAME##_avx2(a, n, t, idx, vals, cap, &c))                            \
     for (; i + 16 <= n; i += 16) {                                                      \
         unsigned m = (unsigned)MASK16(CMP, LOAD);                                       \
-        while (m) {                                                                     \
-            int j = __builtin_ctz(m);                                                   \
-            m &= m - 1;                                                                 \
-            if (c < cap) { idx[c] = i + j; vals[c] = VAL(a[i + j]); }                   \
-            ++c;                                                                        \
-        }                                                                               \
+        AC_EMIT(m, __builtin_ctz, i, VAL(a[i + j]))                                     \
     }                                                                                   \
     for (; i < n; ++i) {                                                                \
         float v = VAL(a[i]);                                                            \
@@ -181,12 +180,7 @@ __attribute__((target("avx2"))) static int64_t add_select_stream(const float* g,
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
                  << (8 * q);
         }
-        while (m) {
-            const int j = __builtin_ctzll(m);
-            m &= m - 1;
-            if (c < cap) { idx[c] = i + j; vals[c] = blk[j]; }
-            ++c;
-        }
+        AC_EMIT(m, __builtin_ctzll, i, blk[j])
     }
     _mm_sfence();
     *count = c;
@@ -239,12 +233,7 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
             _mm_storeu_ps(out + i + 4 * q, v);
             m |= (unsigned)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_andnot_ps(sign, v), tv)) << (4 * q);
         }
-        while (m) {
-            int j = __builtin_ctz(m);
-            m &= m - 1;
-            if (c < cap) { idx[c] = i + j; vals[c] = out[i + j]; }
-            ++c;
-        }
+        AC_EMIT(m, __builtin_ctz, i, out[i + j])
     }
 #endif
     for (; i < n; ++i) {
@@ -939,19 +928,17 @@ void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, f
         for (int k = 0; k < (R); ++k) acc = __builtin_fmaf(pi[k], qt[k * m + j], acc);  \
         o[j] = acc;                                                                     \
     }
+/* a switch's cases for ranks 1 .. 8, each running BODY with its rank as a constant (the loop unrolls) */
+#define AC_RANK_CASES(BODY)                                                             \
+    case 1: BODY(1); break; case 2: BODY(2); break; case 3: BODY(3); break;             \
+    case 4: BODY(4); break; case 5: BODY(5); break; case 6: BODY(6); break;             \
+    case 7: BODY(7); break; case 8: BODY(8); break;
 #define OUTER_FMA_BODY                                                                  \
     for (int64_t i = 0; i < n; ++i) {                                                   \
         float* o = out + i * m;                                                         \
         const float* pi = p + i * r;                                                    \
         switch (m > OUTER_ROW_L1 ? r : 0) {                                             \
-        case 1: OUTER_FMA_R(1); break;                                                  \
-        case 2: OUTER_FMA_R(2); break;                                                  \
-        case 3: OUTER_FMA_R(3); break;                                                  \
-        case 4: OUTER_FMA_R(4); break;                                                  \
-        case 5: OUTER_FMA_R(5); break;                                                  \
-        case 6: OUTER_FMA_R(6); break;                                                  \
-        case 7: OUTER_FMA_R(7); break;                                                  \
-        case 8: OUTER_FMA_R(8); break;                                                  \
+        AC_RANK_CASES(OUTER_FMA_R)                                                      \
         default:                                                                        \
             for (int64_t j = 0; j < m; ++j) o[j] = 0.0f;                                \
             for (int64_t k = 0; k < r; ++k) {                                           \
@@ -995,14 +982,7 @@ void ac_outer_fma(const float* p, const float* qt, int64_t n, int64_t m, int64_t
             const float* ai = a + i * m;                                                \
             const float* pi = p + i * r;                                                \
             switch (r) {                                                                \
-            case 1: OUTER_SUB_R(1); break;                                              \
-            case 2: OUTER_SUB_R(2); break;                                              \
-            case 3: OUTER_SUB_R(3); break;                                              \
-            case 4: OUTER_SUB_R(4); break;                                              \
-            case 5: OUTER_SUB_R(5); break;                                              \
-            case 6: OUTER_SUB_R(6); break;                                              \
-            case 7: OUTER_SUB_R(7); break;                                              \
-            case 8: OUTER_SUB_R(8); break;                                              \
+            AC_RANK_CASES(OUTER_SUB_R)                                                  \
             default:                                                                    \
                 for (int64_t j = j0; j < j1; ++j) {                                     \
                     float acc = 0.0f;                                                   \
