@@ -184,7 +184,7 @@ def test_topk_compensation_and_prefilter_share_one_pass() -> None:
         out = []
         for step, g in enumerate((g0, g1, g0 * 3)):
             t = mem.compensate(g.clone(), "w", compressor=comp)
-            assert ("w" in comp.__dict__.get("_candidates", {})) == (fused and step > 0)  # step 0: no residual
+            assert ("w" in comp._kept()) == (fused and step > 0)  # step 0: no residual
             payload, ctx = comp.compress(t, "w")
             out.append((t.clone(), [p.clone() for p in payload]))
             mem.update(t, "w", comp, payload, ctx)
@@ -203,7 +203,7 @@ def test_topk_compensation_and_prefilter_share_one_pass() -> None:
     assert torch.equal(idx, topk_indices(t.reshape(-1), idx.numel(), Workspace()))
     mem.update(t, "w", comp, [vals, idx], _)
     # a communicator that compresses parts (alltoall) asks for the plain add: no selection to waste
-    comp.__dict__.pop("_candidates", None)
+    comp.__dict__.pop("kept", None)
     want = g1 + mem.residuals["w"]
     assert torch.equal(mem.compensate(g1.clone(), "w", compressor=comp, whole=False), want)
-    assert not comp.__dict__.get("_candidates")
+    assert "w" not in comp._kept()

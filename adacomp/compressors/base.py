@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors import _native
-from adacomp.compressors.workspace import Workspace
+from adacomp.compressors.workspace import Kept, Workspace
 from adacomp.registry import Registry
 
 registry: Registry["Compressor"] = Registry("compressor", "adacomp.compressors")
@@ -65,6 +65,14 @@ class Compressor:
         if ws is None:
             ws = self.workspace = Workspace()
         return ws
+
+    def _kept(self) -> Kept:
+        """What a fused compensation pass found for the next call on a tensor (:class:`Kept`);
+        created on first use like the workspace, never state."""
+        kept = self.__dict__.get("kept")
+        if kept is None:
+            kept = self.kept = Kept()
+        return kept
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError(f"{type(self).__name__} must implement compress()")

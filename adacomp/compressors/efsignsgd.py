@@ -44,24 +44,15 @@ class EFSignSGDCompressor(Compressor):
         total, packed = got
         scale = torch.tensor([total], dtype=torch.float32).div_(out.numel())  # torch's mean from its sum
         if bool(torch.isfinite(scale)) and packed is not None:  # else compress asks torch (a NaN's bits)
-            self._fused()[name] = (out.data_ptr(), out.numel(), out._version, scale, packed)
+            self._kept().keep(name, out.reshape(-1), [scale, packed])
         return True
-
-    def _fused(self) -> dict[str, tuple[int, int, int, Tensor, Tensor]]:
-        got: dict[str, tuple[int, int, int, Tensor, Tensor]] | None = self.__dict__.get("_pending")
-        if got is None:
-            got = {}
-            self._pending = got
-        return got
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         """|p| and the sign mask go to reused scratch (no page faults on fresh multi-MB tensors);
         the scale is the same ``mean`` of the same float32 |p| as before."""
         flat = tensor.reshape(-1)
-        kept = self._fused().pop(name, None)
-        if kept is not None and kept[:3] == (flat.data_ptr(), flat.numel(), flat._version):
-            return [kept[3], kept[4]], SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
-        fused = _native.abs_mean_signs(flat)  # the scale's sum and the signs in one C read, torch's bits
+        kept = self._kept().take(name, flat)  # from the compensation's pass, else one C read, torch's bits
+        fused = kept if isinstance(kept, list) else _native.abs_mean_signs(flat)
         if fused is not None:
             return list(fused), SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
         ws = self._workspace()

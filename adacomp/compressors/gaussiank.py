@@ -126,15 +126,8 @@ class GaussianKCompressor(SparseCompressor):
             return False
         mean = _native.mean_from_sum(got[0], flat.numel())
         if math.isfinite(mean):
-            self._means()[name] = (flat.data_ptr(), flat.numel(), flat._version, mean)
+            self._kept().keep(name, flat, mean)
         return True
-
-    def _means(self) -> dict[str, tuple[int, int, int, float]]:
-        got: dict[str, tuple[int, int, int, float]] | None = self.__dict__.get("_pending")
-        if got is None:
-            got = {}
-            self._pending = got
-        return got
 
     def _search(self, a: Tensor, native: bool, name: str = "") -> tuple[ThresholdCounter, tuple[float, float] | None]:
         """The search's counter (candidates kept from a sampled floor) and, where one C read serves,
@@ -142,9 +135,9 @@ class GaussianKCompressor(SparseCompressor):
         beside it for free (torch's std and a separate compaction pass otherwise)."""
         ws = self._workspace()
         expected = min(0.25, 3.0 * self._density)  # ThresholdCounter.for_search's target
-        kept = self._means().pop(name, None)
+        kept = self._kept().take(name, a)
         if native and a.numel() >= 1 << 16:
-            mean = kept[3] if kept is not None and kept[:3] == (a.data_ptr(), a.numel(), a._version) else float(a.mean())
+            mean = kept if isinstance(kept, float) else float(a.mean())
             floor = sample_value(a, expected, absolute=True)
             got = _native.std_select(a, mean, floor, expected) if math.isfinite(floor) else None
             if got is not None:

@@ -91,12 +91,9 @@ def prefilters(flat: Tensor, k: int) -> bool:
 
 class Candidates(NamedTuple):
     """The prefilter's candidates of one compensated tensor, found while it was written
-    (:meth:`TopkCompressor.compensate_into`); valid while the tensor is unchanged since. ``vals``
-    are the signed values (ranked by magnitude)."""
+    (:meth:`TopkCompressor.compensate_into`; kept in the compressor's :class:`Kept`, valid while
+    the tensor is unchanged since). ``vals`` are the signed values (ranked by magnitude)."""
 
-    ptr: int
-    numel: int
-    version: int
     idx: Tensor
     vals: Tensor
 
@@ -137,22 +134,14 @@ class TopkCompressor(SparseCompressor):
         if not math.isfinite(floor):
             return False
         idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
-        self._pending()[name] = Candidates(flat.data_ptr(), n, flat._version, idx, vals)
+        self._kept().keep(name, flat, Candidates(idx, vals))
         return True
-
-    def _pending(self) -> dict[str, Candidates]:
-        got: dict[str, Candidates] | None = self.__dict__.get("_candidates")
-        if got is None:
-            got = {}
-            self._candidates = got
-        return got
 
     def _prepared(self, flat: Tensor, name: str, k: int) -> Candidates | None:
         """The candidates :meth:`compensate_into` found for ``flat``, if ``flat`` is unchanged since
         and they hold k (what :func:`topk_indices`' first attempt would find)."""
-        c = self._pending().pop(name, None)
-        if (c is not None and c.ptr == flat.data_ptr() and c.numel == flat.numel() and c.version == flat._version
-                and c.vals.numel() >= k and prefilters(flat, k)):
+        c = self._kept().take(name, flat)
+        if isinstance(c, Candidates) and c.vals.numel() >= k and prefilters(flat, k):
             return c
         return None
 

@@ -80,3 +80,25 @@ class Workspace:
         if flat.dtype == torch.float32:
             return torch.abs(flat, out=a)
         return a.copy_(flat).abs_()
+
+
+class Kept:
+    """What a fused pass learnt about a tensor while writing it (error feedback's compensation:
+    Top-k's candidates, EF-SignSGD's scale and signs, Gaussian-k's mean), held per tensor name for
+    the compressor's next call on that tensor. :meth:`take` gives it back only if the tensor is the
+    one that pass wrote and unchanged since (same storage, size and version counter); not state."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, tuple[int, int, int, object]] = {}
+
+    def keep(self, name: str, tensor: Tensor, value: object) -> None:
+        self._by_name[name] = (tensor.data_ptr(), tensor.numel(), tensor._version, value)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def take(self, name: str, tensor: Tensor) -> object | None:
+        got = self._by_name.pop(name, None)
+        if got is None or got[:3] != (tensor.data_ptr(), tensor.numel(), tensor._version):
+            return None
+        return got[3]
