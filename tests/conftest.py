@@ -25,3 +25,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if spawns(Path(str(item.fspath))):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(params=["avx2", "baseline"])
+def avx2_switch(request):
+    """Runs a test with the hand-written AVX2 loops, then with the baseline loops (the same where
+    the CPU has no AVX2)."""
+    import ctypes
+
+    from adacomp.compressors import _native
+    switch = ctypes.c_int.in_dll(_native.library(), "ac_avx2_off")
+    switch.value = int(request.param == "baseline")
+    yield request.param
+    switch.value = 0

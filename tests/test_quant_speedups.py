@@ -56,8 +56,14 @@ def test_pack_matches_bit_plane_reference(bits: int, n: int) -> None:
     ((1000,), 4, 512), ((7, 300), 2, 512), ((3, 100003), 3, 100), ((513,), 8, 0), ((2100,), 5, 0),
     ((300, 1000), 4, 70000), ((40, 41), 7, 1), (((1 << 19) + 5,), 4, 512),
 ])
-def test_blockwise_qsgd_equals_whole_tensor_expression(shape, bits, bucket, monkeypatch) -> None:
+@pytest.mark.parametrize("path", ["tiles", "blocks"])
+def test_blockwise_qsgd_equals_whole_tensor_expression(shape, bits, bucket, path, monkeypatch, avx2_switch) -> None:
+    """QSGD's C tile loop (uniforms, codes and packing per L1 tile; bits 2, 4, 8) and its block loop
+    (every other case, or ``path == "blocks"``) both give the whole-tensor expression's norms and
+    packed codes, and leave the generator where it leaves it."""
     monkeypatch.setattr(qsgd_mod, "CHUNK", 4096)  # many blocks, buckets above and below a block
+    if path == "blocks":
+        monkeypatch.setattr(qsgd_mod._native, "qsgd_compress", lambda *a: False)
     x = torch.randn(shape, generator=gen(1))
     x.view(-1)[::97] = 0.0
     x.view(-1)[1::101] = -0.0
@@ -74,6 +80,26 @@ def test_blockwise_qsgd_equals_whole_tensor_expression(shape, bits, bucket, monk
         padded[:x.numel()] = levels
         want = (padded.view(-1, size) * (norms / s).unsqueeze(1)).reshape(-1)[:x.numel()].view(shape)
         assert torch.equal(q.decompress([norms, packed], ctx), want)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_qsgd_tile_loop_refuses_a_nan_without_drawing(bits: int) -> None:
+    """A NaN stops the C tile loop before it moves the generator: the block loop then draws the
+    same numbers, so the next tensor's codes equal those of a compressor that never tried the tiles."""
+    x = torch.randn(5000, generator=gen(2))
+    y = x.clone()
+    y[4321] = float("nan")
+    tiled, plain = C.get("qsgd", bits=bits, seed=1), C.get("qsgd", bits=bits, seed=1)
+    tiled.compress(y, "w")
+    saved = qsgd_mod._native.qsgd_compress
+    try:
+        qsgd_mod._native.qsgd_compress = lambda *a: False
+        plain.compress(y, "w")
+    finally:
+        qsgd_mod._native.qsgd_compress = saved
+    a, b = tiled.compress(x, "w")[0], plain.compress(x, "w")[0]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(tiled._gen(x.device).get_state(), plain._gen(x.device).get_state())
 
 
 def test_efsignsgd_equals_plain_expressions() -> None:

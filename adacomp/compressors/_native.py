@@ -1222,7 +1222,9 @@ static inline int qsgd_one(float v, float u, float d, float s, uint8_t* code) {
 __attribute__((target("avx2"))) static int64_t qsgd_codes_avx2(const float* x, const float* rnd, int64_t i,
                                                                int64_t end, float d, float s, uint8_t* codes,
                                                                int* nan) {
-    const __m256 dv = _mm256_set1_ps(d), sv = _mm256_set1_ps(s), big = _mm256_set1_ps(8388608.0f);
+    /* a >= +0 (or NaN) after the add, so truncation (vroundps) is the floor, min(s, a) keeps a NaN
+       for the flag below, and a's sign bit is clear before v's is or-ed in */
+    const __m256 dv = _mm256_set1_ps(d), sv = _mm256_set1_ps(s);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 bad = _mm256_setzero_ps();
     for (; i + 8 <= end; i += 8) {
@@ -1230,12 +1232,10 @@ __attribute__((target("avx2"))) static int64_t qsgd_codes_avx2(const float* x, c
         __m256 a = _mm256_div_ps(_mm256_andnot_ps(sign, v), dv);
         a = _mm256_mul_ps(a, sv);
         a = _mm256_add_ps(a, _mm256_loadu_ps(rnd + i));
-        const __m256 small = _mm256_cmp_ps(a, big, _CMP_LT_OS);
-        a = _mm256_or_ps(_mm256_and_ps(small, _mm256_cvtepi32_ps(_mm256_cvttps_epi32(a))), _mm256_andnot_ps(small, a));
-        const __m256 over = _mm256_cmp_ps(a, sv, _CMP_GT_OS);
-        a = _mm256_or_ps(_mm256_and_ps(over, sv), _mm256_andnot_ps(over, a));
+        a = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        a = _mm256_min_ps(sv, a);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-        a = _mm256_add_ps(_mm256_or_ps(_mm256_andnot_ps(sign, a), _mm256_and_ps(sign, v)), sv);
+        a = _mm256_add_ps(_mm256_or_ps(a, _mm256_and_ps(sign, v)), sv);
         const __m256i c = _mm256_cvttps_epi32(a);
         __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
         p = _mm_packus_epi16(p, p);
@@ -1492,29 +1492,115 @@ static inline void mt_twist(uint32_t* s) {
     for (; k < MT_N - 1; ++k) s[k] = s[k + MT_M - MT_N] ^ MT_TW(s[k], s[k + 1]);
     s[MT_N - 1] = s[MT_M - 1] ^ MT_TW(s[MT_N - 1], s[0]);
 }
-AC_CLONES int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
-    int32_t left; uint64_t next; uint32_t s[MT_N];
-    int k; int64_t i = 0;
-    __builtin_memcpy(&left, st + 8, 4);
-    __builtin_memcpy(&next, st + 16, 8);
-    if (left < 1 || left > MT_N || next > MT_N || (int64_t)next + left - 1 > MT_N) return -1;
-    for (k = 0; k < MT_N; ++k) { uint64_t w; __builtin_memcpy(&w, st + 24 + 8 * k, 8); s[k] = (uint32_t)w; }
-    while (i < n) {
-        if (left == 1) { mt_twist(s); left = MT_N + 1; next = 0; }
-        int64_t run = left - 1 < n - i ? left - 1 : n - i;
-        for (int64_t j = 0; j < run; ++j) {
-            uint32_t y = s[next + j];
-            y ^= y >> 11;
-            y ^= (y << 7) & 0x9d2c5680u;
-            y ^= (y << 15) & 0xefc60000u;
-            y ^= y >> 18;
-            out[i + j] = (float)(y & 0xFFFFFFu) * (1.0f / 16777216.0f);
-        }
-        i += run; next += run; left -= (int32_t)run;
-    }
+#if defined(AC_AVX2)
+/* mt_twist 8 words at a time: word k reads k + 1 before it is rewritten and k + M (k - 227 in the
+   second part, already rewritten), so a vector of 8 sees what the scalar order sees */
+__attribute__((target("avx2"))) static inline __m256i mt_tw8(const uint32_t* s, int k, int far) {
+    const __m256i u = _mm256_loadu_si256((const __m256i*)(s + k));
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(s + k + 1));
+    const __m256i y = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32((int)0x80000000u)),
+                                      _mm256_and_si256(v, _mm256_set1_epi32(0x7fffffff)));
+    const __m256i odd = _mm256_srai_epi32(_mm256_slli_epi32(v, 31), 31);
+    const __m256i tw = _mm256_xor_si256(_mm256_srli_epi32(y, 1), _mm256_and_si256(odd, _mm256_set1_epi32((int)0x9908b0dfu)));
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(s + far)), tw);
+}
+__attribute__((target("avx2"))) static void mt_twist_avx2(uint32_t* s) {
+    int k;
+    for (k = 0; k + 8 <= MT_N - MT_M; k += 8) _mm256_storeu_si256((__m256i*)(s + k), mt_tw8(s, k, k + MT_M));
+    for (; k < MT_N - MT_M; ++k) s[k] = s[k + MT_M] ^ MT_TW(s[k], s[k + 1]);
+    for (; k + 8 <= MT_N - 1; k += 8) _mm256_storeu_si256((__m256i*)(s + k), mt_tw8(s, k, k + MT_M - MT_N));
+    for (; k < MT_N - 1; ++k) s[k] = s[k + MT_M - MT_N] ^ MT_TW(s[k], s[k + 1]);
+    s[MT_N - 1] = s[MT_M - 1] ^ MT_TW(s[MT_N - 1], s[0]);
+}
+#endif
+static int mt_load(const uint8_t* st, uint32_t* s, int32_t* left, uint64_t* next) {
+    __builtin_memcpy(left, st + 8, 4);
+    __builtin_memcpy(next, st + 16, 8);
+    if (*left < 1 || *left > MT_N || *next > MT_N || (int64_t)*next + *left - 1 > MT_N) return -1;
+    for (int k = 0; k < MT_N; ++k) { uint64_t w; __builtin_memcpy(&w, st + 24 + 8 * k, 8); s[k] = (uint32_t)w; }
+    return 0;
+}
+static void mt_store(uint8_t* st, const uint32_t* s, int32_t left, uint64_t next) {
     __builtin_memcpy(st + 8, &left, 4);
     __builtin_memcpy(st + 16, &next, 8);
-    for (k = 0; k < MT_N; ++k) { uint64_t w = s[k]; __builtin_memcpy(st + 24 + 8 * k, &w, 8); }
+    for (int k = 0; k < MT_N; ++k) { uint64_t w = s[k]; __builtin_memcpy(st + 24 + 8 * k, &w, 8); }
+}
+#if defined(AC_AVX2)
+/* the tempering and float conversion below 8 words at a time (the low 24 bits convert exactly as
+   signed integers); returns how many it did */
+__attribute__((target("avx2"))) static int64_t mt_temper_avx2(const uint32_t* src, float* out, int64_t run) {
+    const __m256i b = _mm256_set1_epi32((int)0x9d2c5680u), c = _mm256_set1_epi32((int)0xefc60000u);
+    const __m256i low = _mm256_set1_epi32(0xFFFFFF);
+    const __m256 scale = _mm256_set1_ps(1.0f / 16777216.0f);
+    int64_t j = 0;
+    for (; j + 8 <= run; j += 8) {
+        __m256i y = _mm256_loadu_si256((const __m256i*)(src + j));
+        y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 11));
+        y = _mm256_xor_si256(y, _mm256_and_si256(_mm256_slli_epi32(y, 7), b));
+        y = _mm256_xor_si256(y, _mm256_and_si256(_mm256_slli_epi32(y, 15), c));
+        y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 18));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(y, low)), scale));
+    }
+    return j;
+}
+#endif
+/* the next n uniforms of the stream into out (out may be NULL: the numbers are drawn and dropped) */
+AC_CLONES static void mt_fill(uint32_t* s, int32_t* left, uint64_t* next, float* out, int64_t n) {
+    int64_t i = 0;
+    while (i < n) {
+        if (*left == 1) {
+#if defined(AC_AVX2)
+            if (use_avx2()) mt_twist_avx2(s); else
+#endif
+            mt_twist(s);
+            *left = MT_N + 1; *next = 0;
+        }
+        int64_t run = *left - 1 < n - i ? *left - 1 : n - i;
+        if (out) {
+            const uint32_t* src = s + *next;
+            int64_t j = 0;
+#if defined(AC_AVX2)
+            if (use_avx2()) j = mt_temper_avx2(src, out + i, run);
+#endif
+            for (; j < run; ++j) {
+                uint32_t y = src[j];
+                y ^= y >> 11;
+                y ^= (y << 7) & 0x9d2c5680u;
+                y ^= (y << 15) & 0xefc60000u;
+                y ^= y >> 18;
+                out[i + j] = (float)(y & 0xFFFFFFu) * (1.0f / 16777216.0f);
+            }
+        }
+        i += run; *next += run; *left -= (int32_t)run;
+    }
+}
+AC_CLONES int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
+    int32_t left; uint64_t next; uint32_t s[MT_N];
+    if (mt_load(st, s, &left, &next)) return -1;
+    mt_fill(s, &left, &next, out, n);
+    mt_store(st, s, left, next);
+    return 0;
+}
+/* QSGD's whole compress after the norms, in tiles that stay in L1: each tile's uniforms from the
+   generator state st (in stream order, the padding of the last bucket drawn too), its codes
+   (ac_qsgd_codes) and their packing (ac_pack) into out. Bitwise the block loop of qsgd.py; -1 (st
+   untouched) on a NaN code or an unreadable state. */
+#define QSGD_TILE 2048
+int ac_qsgd_compress(const float* x, int64_t n, int64_t padded, const float* safe, int64_t size, float s, int bits,
+                     uint8_t* st, uint8_t* out) {
+    int32_t left; uint64_t next; uint32_t mt[MT_N];
+    float rnd[QSGD_TILE];
+    uint8_t codes[QSGD_TILE];
+    if (mt_load(st, mt, &left, &next)) return -1;
+    for (int64_t lo = 0; lo < n; lo += QSGD_TILE) {
+        const int64_t m = n - lo < QSGD_TILE ? n - lo : QSGD_TILE;
+        mt_fill(mt, &left, &next, rnd, m);
+        if (ac_qsgd_codes(x + lo, m, rnd, safe, lo, size, s, codes)) return -1;
+        if (bits == 8) __builtin_memcpy(out + lo, codes, (size_t)m);
+        else ac_pack(codes, m, bits, out + lo * bits / 8);
+    }
+    mt_fill(mt, &left, &next, NULL, padded - n);
+    mt_store(st, mt, left, next);
     return 0;
 }
 """
@@ -1583,6 +1669,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_table_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
+    lib_.ac_qsgd_compress.restype = ctypes.c_int
+    lib_.ac_qsgd_compress.argtypes = [vp, i64, i64, vp, i64, ctypes.c_float, ctypes.c_int, vp, vp]
     lib_.ac_add_select_abs_not_lt.restype = ctypes.c_int64
     lib_.ac_abs_stats.restype = ctypes.c_int
     lib_.ac_cascade_sum.restype = ctypes.c_float
@@ -2238,6 +2326,24 @@ def uniform_(out: Tensor, gen: torch.Generator) -> bool:
         return False
     st = gen.get_state()
     if library().ac_mt_uniform(st.data_ptr(), out.data_ptr(), out.numel()) != 0:  # type: ignore[union-attr]
+        return False
+    gen.set_state(st)
+    return True
+
+
+def qsgd_compress(x: Tensor, padded: int, safe: Tensor, size: int, s: int, bits: int, gen: torch.Generator,
+                  out: Tensor) -> bool:
+    """QSGD's codes of the whole 1-D float32 ``x`` packed into ``out`` in one C loop over L1-sized
+    tiles (each tile's uniforms drawn from ``gen``, ``padded`` in all, then coded and packed), bitwise
+    ``qsgd.py``'s block loop and leaving ``gen`` in its state; False (``gen`` untouched) where that
+    loop must run: a NaN code, another layout, or bits outside 2, 4, 8."""
+    if not (bits in (2, 4, 8) and usable(x) and usable(safe) and _bytes_ok(out) and gen.device.type == "cpu"
+            and out.numel() == -(-x.numel() * bits // 8) and safe.numel() * size >= padded >= x.numel()
+            and _rng_checked()):
+        return False
+    st = gen.get_state()
+    if library().ac_qsgd_compress(x.data_ptr(), x.numel(), padded, safe.data_ptr(), size,  # type: ignore[union-attr]
+                                  float(s), bits, st.data_ptr(), out.data_ptr()) != 0:
         return False
     gen.set_state(st)
     return True

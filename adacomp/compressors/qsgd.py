@@ -141,6 +141,11 @@ class QSGDCompressor(Compressor):
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         gen = self._gen(src.device)
         ws = self._workspace()
+        nbytes = packed_bytes(n, self.bits)
+        packed = ws.output(torch.Size([nbytes]), nbytes, torch.uint8, src.device)  # recycled once nobody holds it
+        ctx = QuantCtx(tensor.shape, n, tensor.dtype, tensor.device, self.bits, self.s, size)
+        if _native.qsgd_compress(src, nb * size, safe, size, self.s, self.bits, gen, packed):
+            return [norms, packed], ctx  # one C loop over L1 tiles: uniforms, codes, packing
         chunk = CHUNK * max(1, torch.get_num_threads())
         blocks = self._blocks(size, nb, chunk)
         width = max(hi - lo for lo, hi, _ in blocks)
@@ -149,8 +154,6 @@ class QSGDCompressor(Compressor):
         aligned = all(lo % 8 == 0 for lo, _, _ in blocks)
         codes_all = None if aligned else torch.empty(n, dtype=torch.uint8, device=src.device)
         c_buf = ws.scratch("codes", width, torch.uint8, src.device)
-        nbytes = packed_bytes(n, self.bits)
-        packed = ws.output(torch.Size([nbytes]), nbytes, torch.uint8, src.device)  # recycled once nobody holds it
         for lo, hi, first in blocks:
             m = max(0, min(hi, n) - lo)  # real elements; the rest is the last bucket's zero padding
             a, rnd = a_buf[:hi - lo], r_buf[:hi - lo]
@@ -169,7 +172,6 @@ class QSGDCompressor(Compressor):
                     dst.copy_(pack_bits(codes, self.bits))
         if not aligned:
             packed = pack_bits(codes_all, self.bits)  # type: ignore[arg-type]
-        ctx = QuantCtx(tensor.shape, n, tensor.dtype, tensor.device, self.bits, self.s, size)
         return [norms, packed], ctx
 
     def _codes_torch(self, x: Tensor, a: Tensor, rnd: Tensor, safe: Tensor, lo: int, hi: int, first: int,
