@@ -1492,27 +1492,6 @@ static inline void mt_twist(uint32_t* s) {
     for (; k < MT_N - 1; ++k) s[k] = s[k + MT_M - MT_N] ^ MT_TW(s[k], s[k + 1]);
     s[MT_N - 1] = s[MT_M - 1] ^ MT_TW(s[MT_N - 1], s[0]);
 }
-#if defined(AC_AVX2)
-/* mt_twist 8 words at a time: word k reads k + 1 before it is rewritten and k + M (k - 227 in the
-   second part, already rewritten), so a vector of 8 sees what the scalar order sees */
-__attribute__((target("avx2"))) static inline __m256i mt_tw8(const uint32_t* s, int k, int far) {
-    const __m256i u = _mm256_loadu_si256((const __m256i*)(s + k));
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(s + k + 1));
-    const __m256i y = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32((int)0x80000000u)),
-                                      _mm256_and_si256(v, _mm256_set1_epi32(0x7fffffff)));
-    const __m256i odd = _mm256_srai_epi32(_mm256_slli_epi32(v, 31), 31);
-    const __m256i tw = _mm256_xor_si256(_mm256_srli_epi32(y, 1), _mm256_and_si256(odd, _mm256_set1_epi32((int)0x9908b0dfu)));
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(s + far)), tw);
-}
-__attribute__((target("avx2"))) static void mt_twist_avx2(uint32_t* s) {
-    int k;
-    for (k = 0; k + 8 <= MT_N - MT_M; k += 8) _mm256_storeu_si256((__m256i*)(s + k), mt_tw8(s, k, k + MT_M));
-    for (; k < MT_N - MT_M; ++k) s[k] = s[k + MT_M] ^ MT_TW(s[k], s[k + 1]);
-    for (; k + 8 <= MT_N - 1; k += 8) _mm256_storeu_si256((__m256i*)(s + k), mt_tw8(s, k, k + MT_M - MT_N));
-    for (; k < MT_N - 1; ++k) s[k] = s[k + MT_M - MT_N] ^ MT_TW(s[k], s[k + 1]);
-    s[MT_N - 1] = s[MT_M - 1] ^ MT_TW(s[MT_N - 1], s[0]);
-}
-#endif
 static int mt_load(const uint8_t* st, uint32_t* s, int32_t* left, uint64_t* next) {
     __builtin_memcpy(left, st + 8, 4);
     __builtin_memcpy(next, st + 16, 8);
@@ -1525,44 +1504,15 @@ static void mt_store(uint8_t* st, const uint32_t* s, int32_t left, uint64_t next
     __builtin_memcpy(st + 16, &next, 8);
     for (int k = 0; k < MT_N; ++k) { uint64_t w = s[k]; __builtin_memcpy(st + 24 + 8 * k, &w, 8); }
 }
-#if defined(AC_AVX2)
-/* the tempering and float conversion below 8 words at a time (the low 24 bits convert exactly as
-   signed integers); returns how many it did */
-__attribute__((target("avx2"))) static int64_t mt_temper_avx2(const uint32_t* src, float* out, int64_t run) {
-    const __m256i b = _mm256_set1_epi32((int)0x9d2c5680u), c = _mm256_set1_epi32((int)0xefc60000u);
-    const __m256i low = _mm256_set1_epi32(0xFFFFFF);
-    const __m256 scale = _mm256_set1_ps(1.0f / 16777216.0f);
-    int64_t j = 0;
-    for (; j + 8 <= run; j += 8) {
-        __m256i y = _mm256_loadu_si256((const __m256i*)(src + j));
-        y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 11));
-        y = _mm256_xor_si256(y, _mm256_and_si256(_mm256_slli_epi32(y, 7), b));
-        y = _mm256_xor_si256(y, _mm256_and_si256(_mm256_slli_epi32(y, 15), c));
-        y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 18));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(y, low)), scale));
-    }
-    return j;
-}
-#endif
 /* the next n uniforms of the stream into out (out may be NULL: the numbers are drawn and dropped) */
 AC_CLONES static void mt_fill(uint32_t* s, int32_t* left, uint64_t* next, float* out, int64_t n) {
     int64_t i = 0;
     while (i < n) {
-        if (*left == 1) {
-#if defined(AC_AVX2)
-            if (use_avx2()) mt_twist_avx2(s); else
-#endif
-            mt_twist(s);
-            *left = MT_N + 1; *next = 0;
-        }
+        if (*left == 1) { mt_twist(s); *left = MT_N + 1; *next = 0; }
         int64_t run = *left - 1 < n - i ? *left - 1 : n - i;
         if (out) {
             const uint32_t* src = s + *next;
-            int64_t j = 0;
-#if defined(AC_AVX2)
-            if (use_avx2()) j = mt_temper_avx2(src, out + i, run);
-#endif
-            for (; j < run; ++j) {
+            for (int64_t j = 0; j < run; ++j) {
                 uint32_t y = src[j];
                 y ^= y >> 11;
                 y ^= (y << 7) & 0x9d2c5680u;
