@@ -2,7 +2,8 @@
 
 * ``fast_row_topk`` equals a straightforward per-row ``torch.topk`` selection (written out here),
   index set for index set, on Gaussian, heavy-tailed, tied, NaN / inf, fp16 / bf16 and mostly-zero
-  data, for ``rows`` and ``dim1`` splits and both candidate strategies (block gather, mask).
+  data, for ``rows`` and ``dim1`` splits and every candidate strategy (block gather, mask, and
+  the C row maxima with the compare on |x|).
 * the three compressors give the same payloads and state as copies with the fast paths switched
   off, over consecutive calls (ADTopk-t's warm-up, re-estimation and threshold reuse included).
 * payloads are fresh: a later call never rewrites or shares the storage of an earlier payload.
@@ -96,14 +97,14 @@ def test_fast_row_topk_equals_plain_per_row_topk(monkeypatch, kind, shape, split
 def test_both_candidate_strategies_are_used(monkeypatch):
     monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
     used = []
-    for fname in ("_by_blocks", "_by_mask"):
+    for fname in ("_by_blocks", "_by_mask", "_by_row_maxima"):
         fn = getattr(rowtopk, fname)
         monkeypatch.setattr(rowtopk, fname, lambda *a, _f=fn, _n=fname, **kw: used.append(_n) or _f(*a, **kw))
     for shape, split, density in CASES:
         x = make("gauss", shape, 1)
         m, n, rr = adtopk.matrix_shape(x.shape, split)
         adtopk.fast_row_topk(x, m, n, rr, max(1, round(density * x.numel())), Workspace())
-    assert {"_by_blocks", "_by_mask"} <= set(used)
+    assert {"_by_blocks", "_by_mask", "_by_row_maxima"} <= set(used)
 
 
 def plain(name: str, **kw):

@@ -842,10 +842,11 @@ def largest_k_positions(m: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([above, ties]).sort().values
 
 
-@pytest.mark.parametrize("rows,b,r", [(512, 128, 47), (2048, 32, 6), (7, 5, 5), (3, 64, 1), (100, 33, 17)])
-def test_row_kth_equals_torch_topk_min(rows: int, b: int, r: int) -> None:
+@pytest.mark.parametrize("rows,b,r", [(512, 128, 47), (2048, 32, 6), (7, 5, 5), (3, 64, 1), (100, 33, 17),
+                                      (300, 64, 64), (50, 65, 9), (40, 12, 1)])
+def test_row_kth_equals_torch_topk_min(rows: int, b: int, r: int, avx2_switch: str) -> None:
     """ADTopk's per-row floor in C: the r-th largest of each row, torch's value (ties, an all-tied
-    row, zeros, a NaN row)."""
+    row, zeros, a NaN row), by the branch-free rank count (rows up to 64) and by the quickselect."""
     g = torch.Generator().manual_seed(rows + b)
     a = torch.randn(rows, b, generator=g).abs()
     a[0, :] = a[0, 0]
@@ -855,6 +856,21 @@ def test_row_kth_equals_torch_topk_min(rows: int, b: int, r: int) -> None:
         a[4, ::2] = 1.0
     got = _native.row_kth(a, r)
     want = torch.topk(a, r, dim=1, sorted=False).values.amin(1)
+    assert got is not None and torch.equal(torch.isnan(got), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok], want[ok])
+
+
+@pytest.mark.parametrize("m,n,blocks", [(5, 64, 32), (3, 100, 32), (7, 1000, 64), (2, 33, 33)])
+def test_row_block_max_abs_equals_torch_strided_amax(m: int, n: int, blocks: int) -> None:
+    """ADTopk's strided block maxima of |x| from one read of x: torch's amax over the same columns
+    (-0.0, infinities, a NaN anywhere in a block, columns past the last whole block ignored)."""
+    g = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, n, generator=g)
+    x[0, 0], x[0, 1], x[1, 2] = -0.0, float("-inf"), float("nan")
+    got = _native.row_block_max_abs(x, blocks)
+    bs = n // blocks
+    want = x[:, :bs * blocks].abs().reshape(m, bs, blocks).amax(1)
     assert got is not None and torch.equal(torch.isnan(got), torch.isnan(want))
     ok = ~torch.isnan(want)
     assert torch.equal(got[ok], want[ok])

@@ -516,6 +516,26 @@ int64_t NAME(const float* base, int64_t m, int64_t n, const float* thr, int64_t*
 }
 SELECT_ROWS(ac_select_rows_ge, ac_select_ge)
 SELECT_ROWS(ac_select_rows_not_lt, ac_select_not_lt)
+SELECT_ROWS(ac_select_rows_abs_ge, ac_select_abs_ge)
+SELECT_ROWS(ac_select_rows_abs_not_lt, ac_select_abs_not_lt)
+/* ADTopk's block maxima of |x| in one read of x (no |x| written): out[i, j] = max over c < n / b of
+   |x[i, c * b + j]| (strided blocks: the inner loop runs along the row, one lane per block), or
+   NaN where one is NaN. On the magnitude bits (|x| orders as its bits, NaN above infinity). */
+AC_CLONES void ac_row_block_max_abs(const float* x, int64_t m, int64_t n, int64_t b, float* out) {
+    const int64_t bs = n / b;
+    for (int64_t i = 0; i < m; ++i) {
+        const uint32_t* u = (const uint32_t*)(x + i * n);
+        uint32_t* acc = (uint32_t*)(out + i * b);
+        for (int64_t j = 0; j < b; ++j) acc[j] = u[j] & 0x7fffffffu;
+        for (int64_t c = 1; c < bs; ++c) {
+            const uint32_t* v = u + c * b;
+            for (int64_t j = 0; j < b; ++j) {
+                const uint32_t k = v[j] & 0x7fffffffu;
+                acc[j] = k > acc[j] ? k : acc[j];
+            }
+        }
+    }
+}
 /* DGC's momentum correction in one pass: u = u * m + g (two roundings, as torch's mul_ then add_),
    out = v + u. */
 #if defined(AC_AVX2)
@@ -756,7 +776,34 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
    a, whose values are magnitudes (>= 0; a zero's sign is ignored), or NaN where the row holds a NaN:
    torch.topk(a, r, dim=1).values.amin(1) (torch ranks NaN first, and amin of a NaN is NaN). A
    quickselect on the bit patterns (non-negative floats order as them) in `keys` (b of scratch). */
+#if defined(AC_AVX2)
+/* The r-th largest of b <= ROW_KTH_RANKED keys (< 2^31, so signed compares order them; zero padded
+   to a multiple of 8) without branches: the largest key that at least r keys reach. b^2 / 8 compares
+   instead of a quickselect's mispredicted partition loop (~35 cycles a key on rows of 32-64). */
+#define ROW_KTH_RANKED 64
+__attribute__((target("avx2"))) static uint32_t row_kth_ranked_avx2(const uint32_t* keys, int64_t b, int64_t r) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i best = _mm256_setzero_si256();
+    for (int64_t j = 0; j < b; j += 8) {
+        const __m256i kj = _mm256_loadu_si256((const __m256i*)(keys + j));
+        __m256i reach = _mm256_set1_epi32((int)b);  /* b - #(keys below it) = #(keys >= it) */
+        for (int64_t i = 0; i < b; ++i)
+            reach = _mm256_add_epi32(reach, _mm256_cmpgt_epi32(kj, _mm256_set1_epi32((int)keys[i])));
+        const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(reach, _mm256_set1_epi32((int)r - 1)),
+                                            _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(b - j)), lane));
+        best = _mm256_max_epi32(best, _mm256_and_si256(ok, kj));
+    }
+    uint32_t v[8], m = 0;
+    _mm256_storeu_si256((__m256i*)v, best);
+    for (int t = 0; t < 8; ++t) m = v[t] > m ? v[t] : m;
+    return m;
+}
+#endif
 void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* keys, float* out) {
+#if defined(AC_AVX2)
+    uint32_t padded[ROW_KTH_RANKED + 8] = {0};
+    const int ranked = use_avx2() && b <= ROW_KTH_RANKED;
+#endif
     for (int64_t i = 0; i < rows; ++i) {
         const uint32_t* u = (const uint32_t*)(a + i * b);
         int nan = 0;
@@ -765,6 +812,14 @@ void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* ke
             nan |= keys[j] > 0x7f800000u;
         }
         if (nan) { out[i] = __builtin_nanf(""); continue; }
+#if defined(AC_AVX2)
+        if (ranked) {
+            __builtin_memcpy(padded, keys, (size_t)b * sizeof *keys);
+            const uint32_t kth = row_kth_ranked_avx2(padded, b, r);
+            __builtin_memcpy(out + i, &kth, sizeof kth);
+            continue;
+        }
+#endif
         int64_t lo = 0, hi = b - 1;
         const int64_t want = r - 1;  /* position in descending order */
         while (lo < hi) {
@@ -1607,10 +1662,12 @@ def _load(out: Path) -> ctypes.CDLL:
         fn = getattr(lib_, fname)
         fn.restype = None
         fn.argtypes = args
-    for mode in ("ge", "not_lt"):
+    for mode in ("ge", "not_lt", "abs_ge", "abs_not_lt"):
         fr = getattr(lib_, f"ac_select_rows_{mode}")
         fr.restype = ctypes.c_int64
         fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
+    lib_.ac_row_block_max_abs.restype = None
+    lib_.ac_row_block_max_abs.argtypes = [vp, i64, i64, i64, vp]
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
     lib_.ac_qsgd_codes.restype = ctypes.c_int
@@ -2017,6 +2074,18 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
 
 
+def row_block_max_abs(x: Tensor, blocks: int) -> Tensor | None:
+    """(m, blocks) maxima of |x| over the strided blocks of each row of the (m, n) float32 ``x``
+    (block j: columns j, j + blocks, ... below ``blocks * (n // blocks)``; NaN where one is NaN), in
+    one read of ``x``; None where torch must answer."""
+    lib = library()
+    if lib is None or x.dim() != 2 or not usable(x) or not 1 <= blocks <= x.shape[1]:
+        return None
+    out = torch.empty(x.shape[0], blocks, dtype=torch.float32)
+    lib.ac_row_block_max_abs(x.data_ptr(), x.shape[0], x.shape[1], blocks, out.data_ptr())
+    return out
+
+
 def row_kth(a: Tensor, r: int) -> Tensor | None:
     """``torch.topk(a, r, dim=1).values.amin(1)`` of a (rows, b) float32 CPU matrix of magnitudes
     (>= 0), bitwise (a row holding a NaN gives NaN; a zero's sign may differ: callers clamp it
@@ -2204,12 +2273,13 @@ def decode(packed: Tensor, bits: int, numel: int, values: Tensor, out: Tensor) -
 def select_rows(a: Tensor, thr: Tensor, mode: str, expected: float = 1.0,
                 limit: int | None = None) -> tuple[Tensor, Tensor, int] | None:
     """:func:`select` on an (m, n) contiguous float32 ``a`` with the float32 threshold ``thr[row]``
-    per row (``mode`` "ge" or "not_lt"): ascending flat indices, their values, and the count. When
-    more than ``limit`` pass (a set the caller rejects), the indices and values are left empty and
-    only the count is right. None where the torch path must answer."""
+    per row (``mode`` "ge" or "not_lt"; "abs_ge" / "abs_not_lt" compare |a| and return |a|): ascending
+    flat indices, their values, and the count. When more than ``limit`` pass (a set the caller
+    rejects), the indices and values are left empty and only the count is right. None where the
+    torch path must answer."""
     lib = library()
     if (lib is None or a.dim() != 2 or not usable(a) or thr.dtype != torch.float32 or thr.device.type != "cpu"
-            or thr.numel() != a.shape[0] or mode not in ("ge", "not_lt")):
+            or thr.numel() != a.shape[0] or mode not in ("ge", "not_lt", "abs_ge", "abs_not_lt")):
         return None
     m, n = a.shape
     t = thr.contiguous()

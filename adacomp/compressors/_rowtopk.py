@@ -109,11 +109,34 @@ def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates | 
                       hit[:, 0].index_select(0, at // bs), bad)
 
 
+def _by_row_maxima(x: Tensor, q1: int, blocks: int) -> Candidates | None | bool:
+    """Contiguous rows of float32 on CPU in two C reads of ``x`` and no |x| written: the strided
+    blocks' maxima of |x|, then the per-row compare of |x| with the floor. False where C cannot run
+    (the caller's torch path answers)."""
+    m, n = x.shape
+    bmax = _native.row_block_max_abs(x, blocks)
+    if bmax is None:
+        return False
+    floor, bad = _floor(bmax, q1)
+    got = _native.select_rows(x, floor, "abs_ge" if n % blocks == 0 else "abs_not_lt", min(1.0, 1.6 * q1 / n),
+                              limit=int(CANDIDATE_LIMIT * m * n))
+    if got is None:
+        return False
+    flat, mag, count = got
+    if _too_many(count, m * n):
+        return None
+    return Candidates(flat, mag, flat // n, bad)
+
+
 def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: Workspace) -> Candidates | None:
     """Any split, any q: |x| into scratch, block maxima over the first ``blocks * (n // blocks)``
     columns (contiguous blocks where they are long enough to reduce fast, else strided), one
     compare pass against the per-row floor."""
     s0, bs = m // rr, n // blocks
+    if rr == 1:
+        c = _by_row_maxima(tensor.reshape(m, n), q1, blocks)
+        if c is not False:
+            return c
     a = ws.magnitudes(tensor.reshape(-1))
     a3 = a.view(s0, n, rr)
     if rr == 1 and bs * blocks == n and bs >= 32:
