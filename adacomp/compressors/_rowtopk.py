@@ -7,7 +7,7 @@ compressors so adtopk.py holds the algorithms of the paper and this file the sel
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -109,7 +109,7 @@ def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates | 
                       hit[:, 0].index_select(0, at // bs), bad)
 
 
-def _by_row_maxima(x: Tensor, q1: int, blocks: int) -> Candidates | None | bool:
+def _by_row_maxima(x: Tensor, q1: int, blocks: int) -> Candidates | None | Literal[False]:
     """Contiguous rows of float32 on CPU in two C reads of ``x`` and no |x| written: the strided
     blocks' maxima of |x|, then the per-row compare of |x| with the floor. False where C cannot run
     (the caller's torch path answers)."""
