@@ -521,20 +521,19 @@ SELECT_ROWS(ac_select_rows_abs_not_lt, ac_select_abs_not_lt)
 /* ADTopk's block maxima of |x| in one read of x (no |x| written): out[i, j] = max over c < n / b of
    |x[i, c * b + j]| (strided blocks: the inner loop runs along the row, one lane per block), or
    NaN where one is NaN. On the magnitude bits (|x| orders as its bits, NaN above infinity). */
-AC_CLONES void ac_row_block_max_abs(const float* x, int64_t m, int64_t n, int64_t b, float* out) {
+static inline void block_max_keys(const uint32_t* u, int64_t n, int64_t b, uint32_t* acc) {
     const int64_t bs = n / b;
-    for (int64_t i = 0; i < m; ++i) {
-        const uint32_t* u = (const uint32_t*)(x + i * n);
-        uint32_t* acc = (uint32_t*)(out + i * b);
-        for (int64_t j = 0; j < b; ++j) acc[j] = u[j] & 0x7fffffffu;
-        for (int64_t c = 1; c < bs; ++c) {
-            const uint32_t* v = u + c * b;
-            for (int64_t j = 0; j < b; ++j) {
-                const uint32_t k = v[j] & 0x7fffffffu;
-                acc[j] = k > acc[j] ? k : acc[j];
-            }
+    for (int64_t j = 0; j < b; ++j) acc[j] = u[j] & 0x7fffffffu;
+    for (int64_t c = 1; c < bs; ++c) {
+        const uint32_t* v = u + c * b;
+        for (int64_t j = 0; j < b; ++j) {
+            const uint32_t k = v[j] & 0x7fffffffu;
+            acc[j] = k > acc[j] ? k : acc[j];
         }
     }
+}
+AC_CLONES void ac_row_block_max_abs(const float* x, int64_t m, int64_t n, int64_t b, float* out) {
+    for (int64_t i = 0; i < m; ++i) block_max_keys((const uint32_t*)(x + i * n), n, b, (uint32_t*)(out + i * b));
 }
 /* DGC's momentum correction in one pass: u = u * m + g (two roundings, as torch's mul_ then add_),
    out = v + u. */
@@ -799,11 +798,41 @@ __attribute__((target("avx2"))) static uint32_t row_kth_ranked_avx2(const uint32
     return m;
 }
 #endif
-void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* keys, float* out) {
+/* the r-th largest of b keys (each < 2^31; keys is reordered), by the rank count where padded (room
+   for b + 8) is given, else by a quickselect */
+static uint32_t kth_of_keys(uint32_t* keys, int64_t b, int64_t r, uint32_t* padded) {
 #if defined(AC_AVX2)
-    uint32_t padded[ROW_KTH_RANKED + 8] = {0};
-    const int ranked = use_avx2() && b <= ROW_KTH_RANKED;
+    if (padded) {
+        __builtin_memcpy(padded, keys, (size_t)b * sizeof *keys);
+        return row_kth_ranked_avx2(padded, b, r);
+    }
+#else
+    (void)padded;
 #endif
+    int64_t lo = 0, hi = b - 1;
+    const int64_t want = r - 1;  /* position in descending order */
+    while (lo < hi) {
+        const uint32_t pivot = keys[lo + (hi - lo) / 2];
+        int64_t x = lo, y = hi;
+        while (x <= y) {
+            while (keys[x] > pivot) ++x;
+            while (keys[y] < pivot) --y;
+            if (x <= y) { const uint32_t t = keys[x]; keys[x] = keys[y]; keys[y] = t; ++x; --y; }
+        }
+        if (want <= y) hi = y;
+        else if (want >= x) lo = x;
+        else break;
+    }
+    return keys[want];
+}
+#if defined(AC_AVX2)
+#define RANKED_SCRATCH(b) uint32_t padded_[ROW_KTH_RANKED + 8]; \
+    uint32_t* const padded = use_avx2() && (b) <= ROW_KTH_RANKED ? padded_ : NULL;
+#else
+#define RANKED_SCRATCH(b) uint32_t* const padded = NULL;
+#endif
+void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* keys, float* out) {
+    RANKED_SCRATCH(b)
     for (int64_t i = 0; i < rows; ++i) {
         const uint32_t* u = (const uint32_t*)(a + i * b);
         int nan = 0;
@@ -812,32 +841,38 @@ void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* ke
             nan |= keys[j] > 0x7f800000u;
         }
         if (nan) { out[i] = __builtin_nanf(""); continue; }
-#if defined(AC_AVX2)
-        if (ranked) {
-            __builtin_memcpy(padded, keys, (size_t)b * sizeof *keys);
-            const uint32_t kth = row_kth_ranked_avx2(padded, b, r);
-            __builtin_memcpy(out + i, &kth, sizeof kth);
-            continue;
-        }
-#endif
-        int64_t lo = 0, hi = b - 1;
-        const int64_t want = r - 1;  /* position in descending order */
-        while (lo < hi) {
-            const uint32_t pivot = keys[lo + (hi - lo) / 2];
-            int64_t x = lo, y = hi;
-            while (x <= y) {
-                while (keys[x] > pivot) ++x;
-                while (keys[y] < pivot) --y;
-                if (x <= y) { const uint32_t t = keys[x]; keys[x] = keys[y]; keys[y] = t; ++x; --y; }
-            }
-            if (want <= y) hi = y;
-            else if (want >= x) lo = x;
-            else break;
-        }
-        float v;
-        __builtin_memcpy(&v, keys + want, sizeof v);
-        out[i] = v;
+        const uint32_t kth = kth_of_keys(keys, b, r, padded);
+        __builtin_memcpy(out + i, &kth, sizeof kth);
     }
+}
+/* ADTopk's candidates row by row while the row is in cache (rows of x, one read from memory): the
+   strided block maxima of |x| (ac_row_block_max_abs), their r-th largest as the row's floor (at
+   least tiny; infinity and bad[i] = 1 where a maximum is NaN), then the row's |x| >= floor
+   (!(|x| < floor) where columns lie past the last whole block) as ascending flat indices and |x|
+   (keys: b of scratch). Returns the count; only the first cap are written. */
+AC_CLONES int64_t ac_row_candidates(const float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny, uint32_t* keys,
+                          uint8_t* bad, int64_t* idx, float* vals, int64_t cap) {
+    RANKED_SCRATCH(b)
+    int64_t total = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        block_max_keys((const uint32_t*)(x + i * n), n, b, keys);
+        int nan = 0;
+        for (int64_t j = 0; j < b; ++j) nan |= keys[j] > 0x7f800000u;
+        float t = __builtin_inff();
+        bad[i] = (uint8_t)nan;
+        if (!nan) {
+            const uint32_t kth = kth_of_keys(keys, b, r, padded);
+            __builtin_memcpy(&t, &kth, sizeof t);
+            t = t < tiny ? tiny : t;
+        }
+        const int64_t at = total < cap ? total : cap;
+        const int64_t c = (n % b == 0 ? ac_select_abs_ge : ac_select_abs_not_lt)(x + i * n, n, t, idx + at, vals + at,
+                                                                                 cap - at);
+        const int64_t w = c < cap - at ? c : cap - at;
+        for (int64_t j = 0; j < w; ++j) idx[at + j] += i * n;
+        total += c;
+    }
+    return total;
 }
 /* Top-k's last step on a prefilter's candidates (adacomp.compressors.sparse.largest_k): of the m
    candidates at ascending positions cidx with values vals (signed, or magnitudes), the k largest
@@ -1666,6 +1701,8 @@ def _load(out: Path) -> ctypes.CDLL:
         fr = getattr(lib_, f"ac_select_rows_{mode}")
         fr.restype = ctypes.c_int64
         fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
+    lib_.ac_row_candidates.restype = ctypes.c_int64
+    lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64]
     lib_.ac_row_block_max_abs.restype = None
     lib_.ac_row_block_max_abs.argtypes = [vp, i64, i64, i64, vp]
     lib_.ac_momentum_accumulate.restype = None
@@ -2084,6 +2121,33 @@ def row_block_max_abs(x: Tensor, blocks: int) -> Tensor | None:
     out = torch.empty(x.shape[0], blocks, dtype=torch.float32)
     lib.ac_row_block_max_abs(x.data_ptr(), x.shape[0], x.shape[1], blocks, out.data_ptr())
     return out
+
+
+def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
+                   limit: int) -> tuple[Tensor, Tensor, int, Tensor] | None:
+    """ADTopk's candidates of the (m, n) float32 ``x`` row by row in one read: each row's floor is the
+    ``r``-th largest of its strided block maxima of |x| (:func:`row_block_max_abs`, :func:`row_kth`),
+    at least ``tiny``, infinity where a maximum is NaN; then :func:`select_rows` of |x| against it
+    ("abs_ge", or "abs_not_lt" where ``blocks`` does not divide n). Returns ascending flat indices,
+    their |x|, the count (indices and values left empty above ``limit``) and the rows whose floor was
+    NaN; None where torch must answer."""
+    lib = library()
+    if lib is None or x.dim() != 2 or not usable(x) or not 1 <= r <= blocks <= x.shape[1]:
+        return None
+    m, n = x.shape
+    keys = torch.empty(blocks, dtype=torch.int32)
+    bad = torch.empty(m, dtype=torch.uint8)
+    cap = min(m * n, int(m * n * min(1.0, expected) * 1.5) + 1024)
+    while True:
+        idx = torch.empty(cap, dtype=torch.int64)
+        vals = torch.empty(cap, dtype=torch.float32)
+        c = int(lib.ac_row_candidates(x.data_ptr(), m, n, blocks, r, tiny, keys.data_ptr(), bad.data_ptr(),
+                                      idx.data_ptr(), vals.data_ptr(), cap))
+        if c <= cap:
+            return idx[:c], vals[:c], c, bad.bool()
+        if c > limit:
+            return idx[:0], vals[:0], c, bad.bool()
+        cap = c
 
 
 def row_kth(a: Tensor, r: int) -> Tensor | None:

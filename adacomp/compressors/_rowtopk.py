@@ -110,19 +110,14 @@ def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates | 
 
 
 def _by_row_maxima(x: Tensor, q1: int, blocks: int) -> Candidates | None | Literal[False]:
-    """Contiguous rows of float32 on CPU in two C reads of ``x`` and no |x| written: the strided
-    blocks' maxima of |x|, then the per-row compare of |x| with the floor. False where C cannot run
-    (the caller's torch path answers)."""
+    """Contiguous rows of float32 on CPU in one C read of ``x`` and no |x| written: per row, while it
+    is in cache, the strided blocks' maxima of |x|, their q1-th largest as the floor (:func:`_floor`'s
+    value), and the compare of |x| with it. False where C cannot run (the torch path answers)."""
     m, n = x.shape
-    bmax = _native.row_block_max_abs(x, blocks)
-    if bmax is None:
-        return False
-    floor, bad = _floor(bmax, q1)
-    got = _native.select_rows(x, floor, "abs_ge" if n % blocks == 0 else "abs_not_lt", min(1.0, 1.6 * q1 / n),
-                              limit=int(CANDIDATE_LIMIT * m * n))
+    got = _native.row_candidates(x, q1, blocks, TINY, min(1.0, 1.6 * q1 / n), limit=int(CANDIDATE_LIMIT * m * n))
     if got is None:
         return False
-    flat, mag, count = got
+    flat, mag, count, bad = got
     if _too_many(count, m * n):
         return None
     return Candidates(flat, mag, flat // n, bad)
