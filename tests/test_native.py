@@ -861,19 +861,30 @@ def test_row_kth_equals_torch_topk_min(rows: int, b: int, r: int, avx2_switch: s
     assert torch.equal(got[ok], want[ok])
 
 
-@pytest.mark.parametrize("m,n,blocks", [(5, 64, 32), (3, 100, 32), (7, 1000, 64), (2, 33, 33)])
-def test_row_block_max_abs_equals_torch_strided_amax(m: int, n: int, blocks: int) -> None:
-    """ADTopk's strided block maxima of |x| from one read of x: torch's amax over the same columns
-    (-0.0, infinities, a NaN anywhere in a block, columns past the last whole block ignored)."""
-    g = torch.Generator().manual_seed(m * n)
+@pytest.mark.parametrize("m,n,blocks,r", [(5, 64, 32, 3), (3, 100, 32, 32), (7, 1000, 64, 9), (3, 33, 33, 1),
+                                           (4, 3000, 128, 40)])
+def test_row_candidates_equal_torch_floor_and_compare(m: int, n: int, blocks: int, r: int, avx2_switch: str) -> None:
+    """ADTopk's candidates from one read per row: torch's strided block maxima of |x| (amax), their
+    r-th largest (topk), clamped to TINY, infinity on a NaN row, then |x| against it (-0.0,
+    infinities, an all-zero row, columns past the last whole block, which still compare)."""
+    from adacomp.compressors.sparse import TINY
+    g = torch.Generator().manual_seed(m * n + r)
     x = torch.randn(m, n, generator=g)
     x[0, 0], x[0, 1], x[1, 2] = -0.0, float("-inf"), float("nan")
-    got = _native.row_block_max_abs(x, blocks)
+    x[-1] = 0.0
     bs = n // blocks
-    want = x[:, :bs * blocks].abs().reshape(m, bs, blocks).amax(1)
-    assert got is not None and torch.equal(torch.isnan(got), torch.isnan(want))
-    ok = ~torch.isnan(want)
-    assert torch.equal(got[ok], want[ok])
+    bmax = x[:, :bs * blocks].abs().reshape(m, bs, blocks).amax(1)
+    floor = torch.topk(bmax, r, dim=1).values.amin(1).clamp_(min=TINY)
+    bad = torch.isnan(floor)
+    floor.masked_fill_(bad, float("inf"))
+    a = x.abs()
+    keep = a >= floor[:, None] if n % blocks == 0 else ~(a < floor[:, None])
+    want = torch.nonzero(keep.view(-1)).view(-1)
+    got = _native.row_candidates(x, r, blocks, TINY, 0.01, limit=m * n)
+    assert got is not None
+    flat, mag, count, got_bad = got
+    assert count == want.numel() and torch.equal(flat, want) and torch.equal(got_bad, bad)
+    assert torch.equal(mag.view(torch.int32), a.view(-1)[want].view(torch.int32))
 
 
 @pytest.mark.parametrize("n,m,r", [(512, 4608, 4), (2048, 512, 1), (300, 1025, 8), (7, 1100, 9), (3, 5, 2)])

@@ -518,9 +518,9 @@ SELECT_ROWS(ac_select_rows_ge, ac_select_ge)
 SELECT_ROWS(ac_select_rows_not_lt, ac_select_not_lt)
 SELECT_ROWS(ac_select_rows_abs_ge, ac_select_abs_ge)
 SELECT_ROWS(ac_select_rows_abs_not_lt, ac_select_abs_not_lt)
-/* ADTopk's block maxima of |x| in one read of x (no |x| written): out[i, j] = max over c < n / b of
-   |x[i, c * b + j]| (strided blocks: the inner loop runs along the row, one lane per block), or
-   NaN where one is NaN. On the magnitude bits (|x| orders as its bits, NaN above infinity). */
+/* ADTopk's block maxima of |x| for one row u of n floats (as bits): acc[j] = max over c < n / b of
+   |u[c * b + j]| (strided blocks: the inner loop runs along the row, one lane per block), a NaN's
+   bits where one is NaN (|x| orders as its bits, NaN above infinity). */
 static inline void block_max_keys(const uint32_t* u, int64_t n, int64_t b, uint32_t* acc) {
     const int64_t bs = n / b;
     for (int64_t j = 0; j < b; ++j) acc[j] = u[j] & 0x7fffffffu;
@@ -531,9 +531,6 @@ static inline void block_max_keys(const uint32_t* u, int64_t n, int64_t b, uint3
             acc[j] = k > acc[j] ? k : acc[j];
         }
     }
-}
-AC_CLONES void ac_row_block_max_abs(const float* x, int64_t m, int64_t n, int64_t b, float* out) {
-    for (int64_t i = 0; i < m; ++i) block_max_keys((const uint32_t*)(x + i * n), n, b, (uint32_t*)(out + i * b));
 }
 /* DGC's momentum correction in one pass: u = u * m + g (two roundings, as torch's mul_ then add_),
    out = v + u. */
@@ -1703,8 +1700,6 @@ def _load(out: Path) -> ctypes.CDLL:
         fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
     lib_.ac_row_candidates.restype = ctypes.c_int64
     lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64]
-    lib_.ac_row_block_max_abs.restype = None
-    lib_.ac_row_block_max_abs.argtypes = [vp, i64, i64, i64, vp]
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
     lib_.ac_qsgd_codes.restype = ctypes.c_int
@@ -2111,22 +2106,11 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
 
 
-def row_block_max_abs(x: Tensor, blocks: int) -> Tensor | None:
-    """(m, blocks) maxima of |x| over the strided blocks of each row of the (m, n) float32 ``x``
-    (block j: columns j, j + blocks, ... below ``blocks * (n // blocks)``; NaN where one is NaN), in
-    one read of ``x``; None where torch must answer."""
-    lib = library()
-    if lib is None or x.dim() != 2 or not usable(x) or not 1 <= blocks <= x.shape[1]:
-        return None
-    out = torch.empty(x.shape[0], blocks, dtype=torch.float32)
-    lib.ac_row_block_max_abs(x.data_ptr(), x.shape[0], x.shape[1], blocks, out.data_ptr())
-    return out
-
-
 def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
                    limit: int) -> tuple[Tensor, Tensor, int, Tensor] | None:
     """ADTopk's candidates of the (m, n) float32 ``x`` row by row in one read: each row's floor is the
-    ``r``-th largest of its strided block maxima of |x| (:func:`row_block_max_abs`, :func:`row_kth`),
+    ``r``-th largest of its strided block maxima of |x| (block j: columns j, j + blocks, ... below
+    ``blocks * (n // blocks)``; :func:`row_kth`),
     at least ``tiny``, infinity where a maximum is NaN; then :func:`select_rows` of |x| against it
     ("abs_ge", or "abs_not_lt" where ``blocks`` does not divide n). Returns ascending flat indices,
     their |x|, the count (indices and values left empty above ``limit``) and the rows whose floor was
