@@ -744,9 +744,13 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
             if (top > 0x7f800000u) return -1;
             for (int64_t t = 0; t < c; ++t) keys[t] = cmag[t];
             keys_kth(keys, c, k, 23, 8, &kth, &ties);
-            for (int64_t t = 0; t < c && w < k; ++t) {
-                const uint32_t v = cmag[t];
-                if (v > kth || (v == kth && ties-- > 0)) { p[w] = cpos[t]; o[w] = x[cpos[t]]; ++w; }
+            for (int64_t t = 0; t < c && w < k; ++t) {  /* branch-free: every candidate is written, */
+                const uint32_t v = cmag[t];              /* the kept ones advance w */
+                const int64_t eq = v == kth;
+                p[w] = cpos[t];
+                o[w] = x[cpos[t]];
+                w += (v > kth) | (eq & (ties > 0));
+                ties -= eq;
             }
         } else {
             if (radix_kth(u, 1, 0x7fffffffu, chunk, k, keys, &kth, &ties) != 0) return -1;
