@@ -296,11 +296,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape,r", [((3072, 768), 4), ((768, 3072), 2), ((300, 70), 8), ((1000, 33), 3),
                                      ((512, 4608), 1), ((600, 300), 8), ((2000, 100), 5)])
-def test_factor_products_are_torchs_bits(shape, r):
-    """``M^T P`` by columns and ``P Q^T`` by the C fma chains or in row blocks (the speed paths) give
-    exactly torch's ``matrix.t() @ p`` and ``p @ q.t()`` bit for bit (signed zeros of zero rows
-    included; P as QR returns it, column-major), on the call that decides a layout and on the ones
-    after; a held output is never rewritten by the next product."""
+def test_factor_products_are_torchs_bits(shape, r, avx2_switch):
+    """``M^T P`` and ``M Q`` in one C read of M (or ``M^T P`` by columns), and ``P Q^T`` by the C fma
+    chains or in row blocks (the speed paths) give exactly torch's ``matrix.t() @ p``,
+    ``matrix @ q`` and ``p @ q.t()`` bit for bit (signed zeros of zero rows included; P and Q as QR
+    returns them, column-major), on the call that decides a layout and on the ones after; a held
+    output is never rewritten by the next product."""
     from adacomp.compressors import _lowrank as L
     from adacomp.compressors.sparse import Workspace
     g = torch.Generator().manual_seed(sum(shape) + r)
@@ -313,13 +314,17 @@ def test_factor_products_are_torchs_bits(shape, r):
             p = torch.linalg.qr(p, mode="reduced").Q  # column-major, as PowerSGD's P_hat
         p[3] = -0.0  # a dead unit's row
         q = torch.randn(shape[1], r, generator=g)
+        m[5] = 0.0  # a row of M that had no gradient
         got = L.transposed_product(m, p)
         assert got.is_contiguous() and torch.equal(got, m.t() @ p)
+        qq = torch.linalg.qr(q, mode="reduced").Q if i == 2 else -q
+        assert torch.equal(_bits(L.product(m, qq)), _bits(m @ qq))
         out = L.outer_product(p, q, ws)
         assert torch.equal(_bits(out), _bits(p @ q.t()))
         held.append((out, out.clone()))
     assert all(torch.equal(a, b) for a, b in held)
     assert r < 2 or L._EXACT.get(L._layout("tp", m, p)) is not None  # decided here, either way (r 1: torch's mv)
+    assert r < 2 or L._EXACT.get(L._layout("mq", m, qq)) is not None
 
 
 def test_factor_product_layout_judged_different_uses_torch(monkeypatch):

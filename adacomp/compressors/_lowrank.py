@@ -65,14 +65,18 @@ def _layout(tag: str, *ts: Tensor) -> tuple:
 def transposed_product(matrix: Tensor, f: Tensor) -> Tensor:
     """``matrix.t() @ f`` (``M^T P``: Q in PowerSGD's round 1, ACP-SGD's Q step), bitwise.
 
-    On CPU the same product as one matrix-vector product per column of ``f`` gave MKL's bits on
-    every zoo shape and rank tried (r 1-8), 5-10x faster for r >= 2 (GPT-2-small's embedding at
-    r 4: 232 ms -> 45 ms; VGG-16's fc6: 777 ms -> 78 ms): the (T, N) kernel for a narrow right-hand
-    side is that slow there. Checked per layout (:func:`_exact_or_reference`)."""
+    On CPU torch.mv forms each column of the product as a sum from +0 down the columns of M, product
+    then addition, in row order; :func:`_native.mtm_seq` forms all r columns that way in one read of
+    M (GPT-2-small's embedding at r 4: 4.1 -> 0.9 memory floors), else one matrix-vector product
+    per column (r reads of M; still 5-10x faster than the (T, N) kernel torch picks for a narrow
+    right-hand side). Checked per layout (:func:`_exact_or_reference`)."""
     if matrix.device.type != "cpu" or matrix.dim() != 2 or f.dim() != 2 or f.shape[1] < 2:
         return matrix.t() @ f
 
     def by_columns() -> Tensor:
+        fast = _native.mtm_seq(matrix, f)
+        if fast is not None:
+            return fast
         mt = matrix.t()
         rows = torch.empty(f.shape[1], matrix.shape[1], dtype=torch.result_type(matrix, f))
         for j in range(f.shape[1]):
@@ -80,6 +84,21 @@ def transposed_product(matrix: Tensor, f: Tensor) -> Tensor:
         return rows.t().contiguous()
 
     return _exact_or_reference(_layout("tp", matrix, f), by_columns, lambda: matrix.t() @ f, (matrix, f))
+
+
+def product(matrix: Tensor, q: Tensor) -> Tensor:
+    """``matrix @ q`` (``M Q``: P in PowerSGD's round 0, ACP-SGD's P step), bitwise: on CPU by
+    :func:`_native.mm_seq` (each output a sum from +0 along the row, product then addition, as
+    torch's matmul formed it for a narrow Q: one read of M, 4-8x faster), where that was seen to
+    give torch's bits for the layout (:func:`_exact_or_reference`)."""
+    if matrix.device.type != "cpu" or matrix.dim() != 2 or q.dim() != 2 or q.shape[1] < 2:
+        return matrix @ q
+
+    def by_rows() -> Tensor:
+        fast = _native.mm_seq(matrix, q)
+        return fast if fast is not None else matrix @ q
+
+    return _exact_or_reference(_layout("mq", matrix, q), by_rows, lambda: matrix @ q, (matrix, q))
 
 
 def outer_product(p: Tensor, q: Tensor, workspace: Workspace) -> Tensor:

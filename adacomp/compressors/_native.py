@@ -1052,6 +1052,105 @@ void ac_outer_fma(const float* p, const float* qt, int64_t n, int64_t m, int64_t
 #endif
     outer_fma_sw(p, qt, n, m, r, out);
 }
+/* The two long products of the low-rank compressors as torch's CPU matmul / mv form them for a
+   narrow factor (seen on x86; the caller checks the bits per layout): every output from +0, one
+   IEEE product and one IEEE addition per term, terms in order, no FMA.
+   ac_mm_seq: P = M Q (M n x m, Q m x r, both row-major; P n x r), the terms along a row of M. With
+   AVX2, eight rows at a time: each 8 x 8 block of M is transposed in registers so one vector holds
+   a column's eight values, and each rank's eight sums live in a register. */
+#define MM_SEQ_ROW(R)                                                                   \
+    for (int j = 0; j < (R); ++j) {                                                     \
+        float acc = 0.0f;                                                               \
+        for (int64_t c = 0; c < m; ++c) acc = acc + mi[c] * Q[c * (R) + j];             \
+        P[i * (R) + j] = acc;                                                           \
+    }
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static inline void transpose8(__m256* v) {
+    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    v[0] = _mm256_permute2f128_ps(s0, s4, 0x20); v[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    v[2] = _mm256_permute2f128_ps(s2, s6, 0x20); v[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    v[4] = _mm256_permute2f128_ps(s0, s4, 0x31); v[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    v[6] = _mm256_permute2f128_ps(s2, s6, 0x31); v[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#define MM_SEQ_TERM(COL, C, R)                                                          \
+    for (int j = 0; j < (R); ++j)                                                       \
+        acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps((COL), _mm256_set1_ps(Q[(C) * (R) + j])));
+#define MM_SEQ_AVX2(R)                                                                  \
+__attribute__((target("avx2"))) static void mm_seq_avx2_##R(const float* M, int64_t n, int64_t m, \
+                                                           const float* Q, float* P, int64_t* done) { \
+    int64_t i = 0;                                                                      \
+    for (; i + 8 <= n; i += 8) {                                                        \
+        __m256 acc[R], v[8];                                                            \
+        for (int j = 0; j < (R); ++j) acc[j] = _mm256_setzero_ps();                     \
+        int64_t c = 0;                                                                  \
+        for (; c + 8 <= m; c += 8) {                                                    \
+            for (int l = 0; l < 8; ++l) v[l] = _mm256_loadu_ps(M + (i + l) * m + c);    \
+            transpose8(v);                                                              \
+            for (int t = 0; t < 8; ++t) { MM_SEQ_TERM(v[t], c + t, R) }                 \
+        }                                                                               \
+        for (; c < m; ++c) {                                                            \
+            const float* b = M + i * m + c;                                             \
+            const __m256 col = _mm256_setr_ps(b[0], b[m], b[2 * m], b[3 * m], b[4 * m], b[5 * m], \
+                                              b[6 * m], b[7 * m]);                      \
+            MM_SEQ_TERM(col, c, R)                                                      \
+        }                                                                               \
+        float t[R][8];                                                                  \
+        for (int j = 0; j < (R); ++j) _mm256_storeu_ps(t[j], acc[j]);                   \
+        for (int l = 0; l < 8; ++l)                                                     \
+            for (int j = 0; j < (R); ++j) P[(i + l) * (R) + j] = t[j][l];               \
+    }                                                                                   \
+    *done = i;                                                                          \
+}
+MM_SEQ_AVX2(1) MM_SEQ_AVX2(2) MM_SEQ_AVX2(3) MM_SEQ_AVX2(4)
+MM_SEQ_AVX2(5) MM_SEQ_AVX2(6) MM_SEQ_AVX2(7) MM_SEQ_AVX2(8)
+#define MM_SEQ_CALL(R) mm_seq_avx2_##R(M, n, m, Q, P, &i)
+#endif
+void ac_mm_seq(const float* M, int64_t n, int64_t m, const float* Q, int64_t r, float* P) {
+    int64_t i = 0;
+#if defined(AC_AVX2)
+    if (use_avx2()) switch (r) { AC_RANK_CASES(MM_SEQ_CALL) default: break; }
+#endif
+    for (; i < n; ++i) {
+        const float* mi = M + i * m;
+        MM_SEQ_ROW(r)
+    }
+}
+/* ac_mtm_seq: Y = F^T M (M n x m, F n x r row-major; Y r x m), the terms down a column of M: for
+   long rows four rows of M at a time are added to a sum while it is in a register (in row order),
+   over column chunks whose rows and sums stay in L1; M is read once. */
+#define MTM_SEQ_COLS 1024
+AC_CLONES void ac_mtm_seq(const float* M, int64_t n, int64_t m, const float* F, int64_t r, float* Y) {
+    for (int64_t c0 = 0; c0 < m; c0 += MTM_SEQ_COLS) {
+        const int64_t c1 = m - c0 < MTM_SEQ_COLS ? m : c0 + MTM_SEQ_COLS;
+        for (int64_t j = 0; j < r; ++j)
+            for (int64_t c = c0; c < c1; ++c) Y[j * m + c] = 0.0f;
+        int64_t i = 0;
+        for (; m > MTM_SEQ_COLS && i + 4 <= n; i += 4) {  /* (short rows: one at a time was faster) */
+            const float *m0 = M + i * m, *m1 = m0 + m, *m2 = m1 + m, *m3 = m2 + m;
+            for (int64_t j = 0; j < r; ++j) {
+                const float f0 = F[i * r + j], f1 = F[(i + 1) * r + j], f2 = F[(i + 2) * r + j],
+                            f3 = F[(i + 3) * r + j];
+                float* y = Y + j * m;
+                for (int64_t c = c0; c < c1; ++c) y[c] = (((y[c] + f0 * m0[c]) + f1 * m1[c]) + f2 * m2[c]) + f3 * m3[c];
+            }
+        }
+        for (; i < n; ++i) {
+            const float* mi = M + i * m;
+            for (int64_t j = 0; j < r; ++j) {
+                const float f = F[i * r + j];
+                float* y = Y + j * m;
+                for (int64_t c = c0; c < c1; ++c) y[c] = y[c] + f * mi[c];
+            }
+        }
+    }
+}
 /* Error feedback of a rank-r approximation without writing it: out = a - P Q^T, each product the fmaf
    chain ac_outer_fma forms (k = 0 .. r - 1 from a +0 accumulator) followed by one IEEE subtraction,
    so out is bitwise torch.sub(a, ac_outer_fma's output). The chain runs in a register per output
@@ -1702,6 +1801,10 @@ def _load(out: Path) -> ctypes.CDLL:
         fr = getattr(lib_, f"ac_select_rows_{mode}")
         fr.restype = ctypes.c_int64
         fr.argtypes = [vp, i64, i64, vp, vp, vp, i64]
+    for fname in ("ac_mm_seq", "ac_mtm_seq"):
+        fm = getattr(lib_, fname)
+        fm.restype = None
+        fm.argtypes = [vp, i64, i64, vp, i64, vp]
     lib_.ac_row_candidates.restype = ctypes.c_int64
     lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64]
     lib_.ac_momentum_accumulate.restype = None
@@ -2150,6 +2253,37 @@ def row_kth(a: Tensor, r: int) -> Tensor | None:
     keys = torch.empty(a.shape[1], dtype=torch.int32)
     lib.ac_row_kth(a.data_ptr(), a.shape[0], a.shape[1], r, keys.data_ptr(), out.data_ptr())
     return out
+
+
+def _seq_inputs(matrix: Tensor, f: Tensor) -> bool:
+    return (library() is not None and matrix.dim() == 2 and f.dim() == 2 and usable(matrix)
+            and f.dtype == torch.float32 and f.device.type == "cpu" and 1 <= f.shape[1] <= 8)
+
+
+def mm_seq(matrix: Tensor, q: Tensor) -> Tensor | None:
+    """``matrix @ q`` (n x m times m x r, r <= 8) with every output summed from +0 in term order,
+    product then addition (how torch's CPU matmul formed it on x86 for a narrow ``q``; the caller
+    checks the bits per layout), in one read of ``matrix``; None where it cannot run."""
+    if not _seq_inputs(matrix, q) or q.shape[0] != matrix.shape[1]:
+        return None
+    qc = q.contiguous()
+    out = torch.empty(matrix.shape[0], q.shape[1], dtype=torch.float32)
+    library().ac_mm_seq(matrix.data_ptr(), matrix.shape[0], matrix.shape[1],  # type: ignore[union-attr]
+                        qc.data_ptr(), q.shape[1], out.data_ptr())
+    return out
+
+
+def mtm_seq(matrix: Tensor, f: Tensor) -> Tensor | None:
+    """``matrix.t() @ f`` (n x m, f n x r, r <= 8) summed like :func:`mm_seq` down the columns (how
+    torch.mv formed ``matrix.t() @ f[:, j]``; checked per layout by the caller), all r columns in
+    one read of ``matrix``; (m, r) contiguous, or None where it cannot run."""
+    if not _seq_inputs(matrix, f) or f.shape[0] != matrix.shape[0]:
+        return None
+    fc = f.contiguous()
+    out = torch.empty(f.shape[1], matrix.shape[1], dtype=torch.float32)
+    library().ac_mtm_seq(matrix.data_ptr(), matrix.shape[0], matrix.shape[1],  # type: ignore[union-attr]
+                         fc.data_ptr(), f.shape[1], out.data_ptr())
+    return out.t().contiguous()
 
 
 def outer_fma(p: Tensor, q: Tensor, out: Tensor) -> bool:

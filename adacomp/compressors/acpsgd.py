@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors._lowrank import (LowRankCompressor, as_matrix_shape, orthogonalize, outer_product,
-                                          residual_of_product, transposed_product)
+                                          product, residual_of_product, transposed_product)
 from adacomp.compressors.base import Payload, register
 
 
@@ -88,7 +88,7 @@ class ACPSGDCompressor(LowRankCompressor):
         eps = self.orthogonalization_epsilon
         if self.p_step():
             q_hat = orthogonalize(self._previous(self.q, name, "q", m, r, tensor), eps)
-            sent = matrix @ q_hat
+            sent = product(matrix, q_hat)
             self.q[name], self.p[name] = q_hat, sent  # sent P stands in until the mean arrives
             return [sent], ACPSGDCtx(name, tensor.shape, "p", q_hat, sent)
         p_hat = orthogonalize(self._previous(self.p, name, "p", n, r, tensor), eps)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors._lowrank import (LowRankCompressor, as_matrix_shape, orthogonalize, outer_product,
-                                          transposed_product)
+                                          product, transposed_product)
 from adacomp.compressors.base import Payload, register
 
 
@@ -72,7 +72,7 @@ class PowerSGDCompressor(LowRankCompressor):
         q = self.q.get(name)
         if q is None or tuple(q.shape) != (m, r):
             q = self.initial_factor(name, "q", m, r, tensor)
-        p = matrix @ q.to(device=tensor.device, dtype=tensor.dtype)
+        p = product(matrix, q.to(device=tensor.device, dtype=tensor.dtype))
         return [p], PowerSGDCtx(name, tensor.shape, dense=False, matrix=matrix)
 
     def next_round(self, round_index: int, mean_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
