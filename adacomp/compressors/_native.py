@@ -1042,13 +1042,44 @@ void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, f
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx2,fma"))) static void outer_fma_hw(const float* p, const float* qt, int64_t n, int64_t m,
                                                              int64_t r, float* out) { OUTER_FMA_BODY }
+/* Large outputs (AC_STREAM_MIN): the same fmaf chain per element in a register, streamed to out,
+   whose lines are then not read first (the product goes to memory anyway). */
+__attribute__((target("avx2,fma"))) static void outer_fma_stream(const float* p, const float* qt, int64_t n,
+                                                                 int64_t m, int64_t r, float* out) {
+    for (int64_t i = 0; i < n; ++i) {
+        float* o = out + i * m;
+        const float* pi = p + i * r;
+        int64_t j = 0;
+        for (; j < m && ((uintptr_t)(o + j) & 31); ++j) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < r; ++k) acc = __builtin_fmaf(pi[k], qt[k * m + j], acc);
+            o[j] = acc;
+        }
+        for (; j + 8 <= m; j += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t k = 0; k < r; ++k)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(pi[k]), _mm256_loadu_ps(qt + k * m + j), acc);
+            _mm256_stream_ps(o + j, acc);
+        }
+        for (; j < m; ++j) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < r; ++k) acc = __builtin_fmaf(pi[k], qt[k * m + j], acc);
+            o[j] = acc;
+        }
+    }
+    _mm_sfence();
+}
 #endif
 static void outer_fma_sw(const float* p, const float* qt, int64_t n, int64_t m, int64_t r, float* out) {
     OUTER_FMA_BODY
 }
 void ac_outer_fma(const float* p, const float* qt, int64_t n, int64_t m, int64_t r, float* out) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) { outer_fma_hw(p, qt, n, m, r, out); return; }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        if (n * m >= AC_STREAM_MIN && use_avx2()) outer_fma_stream(p, qt, n, m, r, out);
+        else outer_fma_hw(p, qt, n, m, r, out);
+        return;
+    }
 #endif
     outer_fma_sw(p, qt, n, m, r, out);
 }
