@@ -1119,10 +1119,14 @@ __attribute__((target("avx2"))) static void mm_seq_avx2_##R(const float* M, int6
     int64_t i = 0;                                                                      \
     for (; i + 8 <= n; i += 8) {                                                        \
         __m256 acc[R], v[8];                                                            \
+        const int64_t ahead = i + 16 <= n ? 8 : 0; /* the next 8 rows, fetched while these are summed */ \
         for (int j = 0; j < (R); ++j) acc[j] = _mm256_setzero_ps();                     \
         int64_t c = 0;                                                                  \
         for (; c + 8 <= m; c += 8) {                                                    \
-            for (int l = 0; l < 8; ++l) v[l] = _mm256_loadu_ps(M + (i + l) * m + c);    \
+            for (int l = 0; l < 8; ++l) {                                               \
+                v[l] = _mm256_loadu_ps(M + (i + l) * m + c);                            \
+                _mm_prefetch((const char*)(M + (i + ahead + l) * m + c), _MM_HINT_T0);  \
+            }                                                                           \
             transpose8(v);                                                              \
             for (int t = 0; t < 8; ++t) { MM_SEQ_TERM(v[t], c + t, R) }                 \
         }                                                                               \
