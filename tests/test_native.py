@@ -654,6 +654,26 @@ def test_std_select_equals_torch_std_and_select(n: int, avx2_switch: str) -> Non
         torch.set_num_threads(threads)
 
 
+def test_std_from_lane_sums_is_torchs_or_undecided(one_thread: None) -> None:
+    """Gaussian-k's std from the 16-lane sum: torch's float32 on many tensors (large ones included,
+    where the two sums differ in their last bits), and undecided for a sum whose std sits on a float32
+    rounding boundary (the in-order sum then decides)."""
+    g = torch.Generator().manual_seed(7)
+    for n in (2, 64, 1000, 70_001, 1 << 20, 3_000_001):
+        for _ in range(3 if n > 100_000 else 20):
+            x = torch.randn(n, generator=g) * float(torch.rand(1, generator=g)) + 0.01
+            mean = float(x.mean())
+            got = _native.std_select(x, mean, 1e30)
+            assert got is not None and str(got[0]) == str(float(x.std()))
+    n = 1001
+    lo = torch.tensor(0.1, dtype=torch.float32)
+    hi = torch.nextafter(lo, torch.tensor(1.0))
+    mid = (float(lo) + float(hi)) / 2  # std exactly between two float32 values
+    assert _native.std_if_decided(mid * mid * (n - 1), n) is None
+    assert _native.std_if_decided(float(lo) ** 2 * (n - 1), n) == float(lo)
+    assert _native.std_if_decided(float("nan"), n) is None and _native.std_if_decided(float("inf"), n) is None
+
+
 @pytest.mark.parametrize("name", ["gaussiank", "redsync", "mstopk", "sidco"])
 def test_fused_search_passes_give_the_torch_paths_payloads(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The magnitudes-with-stats pass (RedSync, MSTop-k, SIDCo) and the moments-with-candidates

@@ -448,26 +448,45 @@ int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* a
     }
     return 0;
 }
-/* Gaussian-k's moments and its search's candidates in one read: *sumsq = the sum of ((double)x - mean)^2
-   in index order from 0, one double add after another (torch.std's sum for a float32 tensor on one
-   thread, given torch's float32 mean as a double), and the positions and magnitudes of |x| > t as
-   ac_select_abs_gt lists them. The sum is a chain of dependent adds, so the comparisons and the
-   compaction run beside it at no cost. Returns how many passed (writing at most cap). */
+/* Gaussian-k's moments and its search's candidates in one read: *sumsq = the sum of the terms
+   ((double)x - mean)^2 and the positions and magnitudes of |x| > t as ac_select_abs_gt lists them.
+   torch.std sums those terms in index order, one dependent double add after another (latency-bound:
+   ~0.5 ns an element). With lanes != 0 and AVX2 the same terms are summed in 16 double lanes (each
+   in index order, then the lanes in a fixed tree; the tail of up to 63 terms last): *lanes_used = 1
+   and the caller, which knows both sums lie within a proven distance of the exact one, decides
+   whether the float32 std can differ and sums again in order where it can. Else the in-order chain
+   (*lanes_used = 0), with the comparisons and compaction beside it at no cost. Returns how many
+   passed (writing at most cap). */
 #if defined(AC_AVX2)
 __attribute__((target("avx2"))) static int64_t sumsq_select_avx2(const float* x, int64_t n, double mean, float t,
                                                                  int64_t* idx, float* vals, int64_t cap,
-                                                                 double* sum, int64_t* count) {
+                                                                 double* sum, int64_t* count, int lanes) {
     int64_t c = 0, i = 0;
     double acc = *sum;
     const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
+    const __m256d mv = _mm256_set1_pd(mean);
+    __m256d l0 = _mm256_setzero_pd(), l1 = l0, l2 = l0, l3 = l0;
     for (; i + 64 <= n; i += 64) {
         uint64_t m = 0;
         for (int q = 0; q < 8; ++q)
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(
                 _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8 * q)), tv, _CMP_GT_OQ)) << (8 * q);
-        for (int j = 0; j < 64; ++j) {
-            const double d = (double)x[i + j] - mean;
-            acc = acc + d * d;
+        if (lanes) {
+            for (int q = 0; q < 64; q += 16) {
+                const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + q)), mv);
+                const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + q + 4)), mv);
+                const __m256d d2 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + q + 8)), mv);
+                const __m256d d3 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + q + 12)), mv);
+                l0 = _mm256_add_pd(l0, _mm256_mul_pd(d0, d0));
+                l1 = _mm256_add_pd(l1, _mm256_mul_pd(d1, d1));
+                l2 = _mm256_add_pd(l2, _mm256_mul_pd(d2, d2));
+                l3 = _mm256_add_pd(l3, _mm256_mul_pd(d3, d3));
+            }
+        } else {
+            for (int j = 0; j < 64; ++j) {
+                const double d = (double)x[i + j] - mean;
+                acc = acc + d * d;
+            }
         }
         while (m) {
             int j = __builtin_ctzll(m);
@@ -476,17 +495,26 @@ __attribute__((target("avx2"))) static int64_t sumsq_select_avx2(const float* x,
             ++c;
         }
     }
+    if (lanes) {
+        double v[4];
+        _mm256_storeu_pd(v, _mm256_add_pd(_mm256_add_pd(l0, l1), _mm256_add_pd(l2, l3)));
+        acc = (v[0] + v[1]) + (v[2] + v[3]);
+    }
     *sum = acc;
     *count = c;
     return i;
 }
 #endif
 int64_t ac_sumsq_select_abs_gt(const float* x, int64_t n, double mean, float t, int64_t* idx, float* vals,
-                               int64_t cap, double* sumsq) {
+                               int64_t cap, double* sumsq, int lanes, int* lanes_used) {
     int64_t c = 0, i = 0;
     double acc = 0.0;
+    *lanes_used = 0;
 #if defined(AC_AVX2)
-    if (use_avx2()) i = sumsq_select_avx2(x, n, mean, t, idx, vals, cap, &acc, &c);
+    if (use_avx2()) {
+        i = sumsq_select_avx2(x, n, mean, t, idx, vals, cap, &acc, &c, lanes);
+        *lanes_used = lanes != 0;
+    }
 #endif
     for (; i < n; ++i) {
         const double d = (double)x[i] - mean;
@@ -1861,7 +1889,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_add_cascade.argtypes = [vp, vp, vp, i64, ctypes.c_int, vp, vp]
     lib_.ac_abs_sum_pack.argtypes = [vp, i64, vp, vp]
     lib_.ac_sumsq_select_abs_gt.restype = ctypes.c_int64
-    lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp]
+    lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int, vp]
     lib_.ac_abs_stats.argtypes = [vp, vp, i64, vp, vp]
     lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
     lib_.ac_chunk_topk.restype = ctypes.c_int
@@ -2069,20 +2097,60 @@ def abs_stats(x: Tensor, out: Tensor) -> AbsStats | None:
     return AbsStats(mx, mn, int(amax.item()), mean)
 
 
+def _std_of(sumsq: float, n: int) -> float:
+    """torch.std's float32 from its sum of squared deviations: the double division and square root,
+    then the float32 rounding (a torch float32 tensor's fill_)."""
+    var = sumsq / (n - 1)
+    return float(torch.tensor(math.sqrt(var) if var >= 0 else math.nan, dtype=torch.float32).item())
+
+
+def std_if_decided(lanes_sum: float, n: int) -> float | None:
+    """torch.std's float32 for n elements whose squared deviations summed to ``lanes_sum`` in
+    :func:`std_select`'s 16 lanes, where every sum within the proven distance of it (torch's in-order
+    sum among them) gives the same float32; None where it may not (or the sum is not finite)."""
+    if not math.isfinite(lanes_sum):
+        return None
+    u, h = 2.0 ** -53, n // 16 + 67
+    k = (n - 1) + h  # both chains' lengths: gamma_a + gamma_b <= gamma_(a + b)
+    err = 2 * k * u / (1 - k * u) * lanes_sum / (1 - h * u / (1 - h * u))  # 2: slack for the roundings here
+    lo, hi = _std_of(max(0.0, lanes_sum - err), n), _std_of(lanes_sum + err, n)
+    return lo if lo == hi else None
+
+
 def std_select(x: Tensor, mean: float, thr: float, expected: float = 1.0) -> tuple[float, Tensor, Tensor] | None:
     """``float(x.std())`` given ``mean = float(x.mean())``, with the positions and magnitudes of
     ``|x| > thr`` (:func:`select` in mode ``abs_gt``) from the same read: torch's bits where torch sums
-    on one thread (it splits the sum across threads otherwise: None, and torch answers)."""
+    on one thread (it splits the sum across threads otherwise: None, and torch answers).
+
+    torch's sum of the squared deviations is one chain of dependent double adds; here the same terms
+    are summed in 16 lanes. Both sums are sums of the same non-negative terms, so each lies within
+    gamma_k * sum of the exact sum (k: the longest chain of additions, n - 1 for torch's, n / 16 + 67
+    for the lanes'); every later step (division, square root, float32 rounding) is monotone, so where
+    both ends of that interval give the same float32 std, torch's gives it too. Otherwise (a sum
+    within ~n * 2^-52 of a float32 rounding boundary, ~1 % of ResNet-50's largest tensors) or on a
+    non-finite sum, the terms are summed again in torch's order."""
     lib = library()
     assert lib is not None and usable(x) and x.numel() >= 2
     if torch.get_num_threads() != 1:
         return None
+    n = x.numel()
     total = torch.empty(1, dtype=torch.float64)
-    idx, vals = _compacted(lambda i, v, cap: lib.ac_sumsq_select_abs_gt(x.data_ptr(), x.numel(), mean, thr, i, v, cap,
-                                                                         total.data_ptr()), x.numel(), expected)
-    var = float(total.item()) / (x.numel() - 1)
-    std = torch.tensor(math.sqrt(var) if var >= 0 else math.nan, dtype=torch.float32)  # torch's fill_ of a float32 tensor
-    return float(std.item()), idx, vals
+    used = ctypes.c_int(0)
+
+    def read(lanes: int) -> Callable[[int, int, int], int]:
+        return lambda i, v, cap: lib.ac_sumsq_select_abs_gt(x.data_ptr(), n, mean, thr, i, v, cap, total.data_ptr(),
+                                                            lanes, ctypes.byref(used))
+
+    idx, vals = _compacted(read(1), n, expected)
+    fast = float(total.item())
+    if not used.value:
+        return _std_of(fast, n), idx, vals
+    std = std_if_decided(fast, n)
+    if std is not None:
+        return std, idx, vals
+    lib.ac_sumsq_select_abs_gt(x.data_ptr(), n, mean, thr, idx.data_ptr(), vals.data_ptr(), 0, total.data_ptr(), 0,
+                               ctypes.byref(used))  # torch's order (cap 0: the candidates are kept)
+    return _std_of(float(total.item()), n), idx, vals
 
 
 def _compacted(call: Callable[[int, int, int], int], n: int, expected: float) -> tuple[Tensor, Tensor]:
