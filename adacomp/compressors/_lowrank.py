@@ -91,8 +91,8 @@ def product(matrix: Tensor, q: Tensor) -> Tensor:
     :func:`_native.mm_seq` (each output a sum from +0 along the row, product then addition, as
     torch's matmul formed it for a narrow Q: one read of M, 4-8x faster), where that was seen to
     give torch's bits for the layout (:func:`_exact_or_reference`)."""
-    if matrix.device.type != "cpu" or matrix.dim() != 2 or q.dim() != 2 or q.shape[1] < 2:
-        return matrix @ q
+    if matrix.device.type != "cpu" or matrix.dim() != 2 or q.dim() != 2 or q.shape[1] < 2 or not q.is_contiguous():
+        return matrix @ q  # (a column-major Q, as QR returns it, takes another torch kernel: never the same bits)
 
     def by_rows() -> Tensor:
         fast = _native.mm_seq(matrix, q)

@@ -2168,6 +2168,17 @@ def _compacted(call: Callable[[int, int, int], int], n: int, expected: float) ->
         cap = c  # the guess was short: the exact count is known now
 
 
+def counter(a: Tensor, mode: str) -> Callable[[float], int] | None:
+    """:func:`count` bound to 1-D ``a`` (which the caller keeps alive while it counts): searches
+    count dozens of thresholds on one candidate set, and the per-call checks cost more than the
+    count of a few thousand values. None where :func:`count` could not run."""
+    lib = library()
+    if lib is None or not usable(a):
+        return None
+    fn, ptr, n = getattr(lib, f"ac_count_{mode}"), a.data_ptr(), a.numel()
+    return lambda thr: int(fn(ptr, n, thr))
+
+
 def count(a: Tensor, thr: float, mode: str) -> int:
     """Number of elements of 1-D ``a`` passing ``thr`` (``mode`` of :data:`MODES`)."""
     lib = library()

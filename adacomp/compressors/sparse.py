@@ -9,7 +9,7 @@ result: they only decide which memory is reused and which elements are re-read.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -270,6 +270,8 @@ class ThresholdCounter:
         self.idx: Tensor | None = None
         self.vals: Tensor | None = None
         self.nan_kept = False  # the kept set holds NaNs too (compact(keep_nan=True))
+        self._kept_counter: tuple[Tensor | None, Callable[[float], int] | None] = (None, None)
+        self._full_counter: Callable[[float], int] | None = None  # over ``a``, bound on first use
 
     @property
     def mask(self) -> Tensor:
@@ -313,10 +315,18 @@ class ThresholdCounter:
     def count(self, thr: float) -> int:
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
-            if self.native and _native.usable(self.vals):  # the kept values are magnitudes when absolute
-                return _native.count(self.vals, thr, "gt" if self.strict else "ge")
+            if self._kept_counter[0] is not self.vals:  # bound once per kept set: no checks per count
+                self._kept_counter = (self.vals, _native.counter(self.vals, "gt" if self.strict else "ge")
+                                      if self.native else None)
+            fast = self._kept_counter[1]  # the kept values are magnitudes when absolute
+            if fast is not None:
+                return fast(thr)
             return int(torch.count_nonzero(self._cmp(self.vals, thr)))
         if self.native:
+            if self._full_counter is None:
+                self._full_counter = _native.counter(self.a, self.mode)
+            if self._full_counter is not None:
+                return self._full_counter(thr)
             return _native.count(self.a, thr, self.mode)
         return int(torch.count_nonzero(self._cmp(self.a, thr, out=self.mask)))
 
