@@ -863,7 +863,7 @@ def largest_k_positions(m: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows,b,r", [(512, 128, 47), (2048, 32, 6), (7, 5, 5), (3, 64, 1), (100, 33, 17),
-                                      (300, 64, 64), (50, 65, 9), (40, 12, 1)])
+                                      (300, 64, 64), (50, 65, 9), (40, 12, 1), (30, 128, 40), (20, 129, 7)])
 def test_row_kth_equals_torch_topk_min(rows: int, b: int, r: int, avx2_switch: str) -> None:
     """ADTopk's per-row floor in C: the r-th largest of each row, torch's value (ties, an all-tied
     row, zeros, a NaN row), by the branch-free rank count (rows up to 64) and by the quickselect."""

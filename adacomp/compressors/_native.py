@@ -807,8 +807,9 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
 #if defined(AC_AVX2)
 /* The r-th largest of b <= ROW_KTH_RANKED keys (< 2^31, so signed compares order them; zero padded
    to a multiple of 8) without branches: the largest key that at least r keys reach. b^2 / 8 compares
-   instead of a quickselect's mispredicted partition loop (~35 cycles a key on rows of 32-64). */
-#define ROW_KTH_RANKED 64
+   instead of a quickselect's mispredicted partition loop (~35 cycles a key on rows of 32-64; at
+   256 keys the quadratic count loses). */
+#define ROW_KTH_RANKED 128
 __attribute__((target("avx2"))) static uint32_t row_kth_ranked_avx2(const uint32_t* keys, int64_t b, int64_t r) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256i best = _mm256_setzero_si256();
