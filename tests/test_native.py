@@ -907,6 +907,31 @@ def test_row_candidates_equal_torch_floor_and_compare(m: int, n: int, blocks: in
     assert torch.equal(mag.view(torch.int32), a.view(-1)[want].view(torch.int32))
 
 
+@pytest.mark.parametrize("width,size", [(1, 0), (4, 512), (4, 100), (4, 0)])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_large_table_mean_equals_torch_decode_sum_divide(width: int, size: int, world: int, avx2_switch: str) -> None:
+    """The code-table mean of outputs large enough to be streamed (from AC_STREAM_MIN elements; two
+    ranks with both tables in registers, other power-of-two worlds rank by rank, three ranks and
+    buckets not a multiple of 8 through the run loop) equals torch's decode of every rank, sum in
+    rank order and division, bit for bit (a tail past the last group of 8 included)."""
+    n = (1 << 20) + 13
+    size = size or n
+    from adacomp.compressors._bitpack import unpack_bits
+    g = torch.Generator().manual_seed(width * 10 + world)
+    nb = -(-n // size)
+    packed = [torch.randint(0, 256, (-(-n * width // 8),), dtype=torch.uint8, generator=g) for _ in range(world)]
+    tables = [torch.randn(nb << width, generator=g) for _ in range(world)]
+    tables[0][0] = -0.0
+    out = torch.full((n,), float("nan"))
+    assert _native.table_mean(packed, tables, width, size, n, out)
+    bucket = torch.arange(n) // size
+    decoded = [t.view(nb, 1 << width)[bucket, unpack_bits(p, width, n).long()] for p, t in zip(packed, tables)]
+    want = decoded[0]
+    for d in decoded[1:]:
+        want = want + d
+    assert torch.equal(bits(out), bits(want / world))
+
+
 @pytest.mark.parametrize("n,m,r", [(512, 4608, 4), (2048, 512, 1), (300, 1025, 8), (7, 1100, 9), (3, 5, 2)])
 def test_residual_of_a_product_formed_in_registers(n: int, m: int, r: int) -> None:
     """``a - P Q^T`` with the products formed again and never written equals torch.sub of ``a`` and

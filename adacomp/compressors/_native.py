@@ -1664,8 +1664,98 @@ AC_CLONES void ac_sign_residual(const float* t, const uint8_t* packed, float s, 
     }
     for (; i < n; ++i) out[i] = t[i] - tab[(packed[i >> 3] >> (i & 7)) & 1];
 }
+#if defined(AC_AVX2)
+/* ac_table_mean for 1- and 4-bit codes and a power-of-two world, buckets starting at multiples of 8
+   (or one bucket): each group of 8 outputs is summed over the ranks in rank order and multiplied by
+   1 / world in registers (the run loop's operations), written once; streamed (never read first: the
+   mean goes to memory anyway) where the output is 32-byte aligned and has AC_STREAM_MIN elements. */
+#define TABLE_STORE(p, v) do { if (stream) _mm256_stream_ps((p), (v)); else _mm256_storeu_ps((p), (v)); } while (0)
+__attribute__((target("avx2"))) static void table_mean_pow2(const uint64_t* packed, const uint64_t* tables,
+                                                               int world, int64_t n, int bits, int64_t size,
+                                                               float inv, float* out, int stream) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nib = _mm256_set1_epi32(15);
+    for (int64_t lo = 0; lo < n; lo += size) {
+        const int64_t groups = ((lo + size < n ? lo + size : n) - lo) / 8, b = lo / size;
+        if (world == 2) {  /* the common case with both ranks' tables in registers */
+            const uint8_t *p0 = (const uint8_t*)(uintptr_t)packed[0], *p1 = (const uint8_t*)(uintptr_t)packed[1];
+            const float *a = (const float*)(uintptr_t)tables[0] + (b << bits);
+            const float *c = (const float*)(uintptr_t)tables[1] + (b << bits);
+            if (bits == 1) {
+                const __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]);
+                const __m256 c0 = _mm256_set1_ps(c[0]), c1 = _mm256_set1_ps(c[1]);
+                for (int64_t g = 0, j = lo >> 3; g < groups; ++g, ++j) {
+                    const __m256i o0 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(p0[j]), bit), bit);
+                    const __m256i o1 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(p1[j]), bit), bit);
+                    const __m256 v = _mm256_add_ps(_mm256_blendv_ps(a0, a1, _mm256_castsi256_ps(o0)),
+                                                   _mm256_blendv_ps(c0, c1, _mm256_castsi256_ps(o1)));
+                    TABLE_STORE(out + lo + 8 * g, _mm256_mul_ps(v, iv));
+                }
+            } else {
+                const __m256 alo = _mm256_loadu_ps(a), ahi = _mm256_loadu_ps(a + 8);
+                const __m256 clo = _mm256_loadu_ps(c), chi = _mm256_loadu_ps(c + 8);
+                for (int64_t g = 0; g < groups; ++g) {
+                    const int64_t i = lo + 8 * g;
+                    uint32_t w0, w1;
+                    __builtin_memcpy(&w0, p0 + (i >> 1), sizeof w0);
+                    __builtin_memcpy(&w1, p1 + (i >> 1), sizeof w1);
+                    const __m256i k0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w0), shifts), nib);
+                    const __m256i k1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w1), shifts), nib);
+                    const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(alo, k0), _mm256_permutevar8x32_ps(ahi, k0),
+                                                       _mm256_castsi256_ps(_mm256_slli_epi32(k0, 28)));
+                    const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(clo, k1), _mm256_permutevar8x32_ps(chi, k1),
+                                                       _mm256_castsi256_ps(_mm256_slli_epi32(k1, 28)));
+                    TABLE_STORE(out + i, _mm256_mul_ps(_mm256_add_ps(v0, v1), iv));
+                }
+            }
+        }
+        for (int64_t g = world == 2 ? groups : 0; g < groups; ++g) {
+            const int64_t i = lo + 8 * g;
+            __m256 acc = _mm256_setzero_ps();
+            for (int r = 0; r < world; ++r) {
+                const uint8_t* pk = (const uint8_t*)(uintptr_t)packed[r];
+                const float* tab = (const float*)(uintptr_t)tables[r] + (b << bits);
+                __m256 v;
+                if (bits == 1) {
+                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(pk[i >> 3]), bit), bit);
+                    v = _mm256_blendv_ps(_mm256_set1_ps(tab[0]), _mm256_set1_ps(tab[1]), _mm256_castsi256_ps(on));
+                } else {
+                    uint32_t w;
+                    __builtin_memcpy(&w, pk + (i >> 1), sizeof w);
+                    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), nib);
+                    v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), code),
+                                         _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 8), code),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+                }
+                acc = r == 0 ? v : _mm256_add_ps(acc, v);
+            }
+            TABLE_STORE(out + i, _mm256_mul_ps(acc, iv));
+        }
+        for (int64_t i = lo + 8 * groups; i < (lo + size < n ? lo + size : n); ++i) {
+            float a = 0.0f;
+            for (int r = 0; r < world; ++r) {
+                const uint8_t* pk = (const uint8_t*)(uintptr_t)packed[r];
+                const float* tab = (const float*)(uintptr_t)tables[r] + (b << bits);
+                const float v = tab[(pk[(i * bits) >> 3] >> ((i * bits) & 7)) & ((1u << bits) - 1u)];
+                a = r == 0 ? v : a + v;
+            }
+            out[i] = a * inv;
+        }
+    }
+    if (stream) _mm_sfence();
+}
+#undef TABLE_STORE
+#endif
 AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int world, int64_t n, int bits,
                    int64_t size, float* out) {
+#if defined(AC_AVX2)
+    if ((bits == 1 || bits == 4) && (world & (world - 1)) == 0 && (size % 8 == 0 || size >= n) && use_avx2()) {
+        table_mean_pow2(packed, tables, world, n, bits, size, 1.0f / (float)world, out,
+                          n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0);
+        return;
+    }
+#endif
     const unsigned mask = (1u << bits) - 1u;
     const int per = 8 / bits;
     const float w = (float)world;
