@@ -611,9 +611,10 @@ def test_abs_stats_equal_torch(n: int, avx2_switch: str) -> None:
         a = x.abs()
         assert got is not None and torch.equal(bits(out), bits(a))
         assert (got.max, got.min, got.argmax) == (float(a.max()), float(a.min()), int(a.argmax())), case
+        assert _native.abs_stats(x, None) == got  # the statistics alone, |x| not written: the same
     x = torch.randn(max(n, 2), generator=g)
     x[max(n, 2) // 2] = float("nan")
-    assert _native.abs_stats(x, torch.empty_like(x)) is None
+    assert _native.abs_stats(x, torch.empty_like(x)) is None and _native.abs_stats(x, None) is None
 
 
 def test_magnitudes_fall_back_to_torch_on_nan_and_other_dtypes() -> None:
@@ -726,7 +727,7 @@ def test_cascade_sum_and_ef_sign_scale_equal_torch(n: int, avx2_switch: str, one
     assert str(_native.cascade_sum(x)) == str(float(x.sum()))
     assert str(_native.cascade_sum(x, absolute=True)) == str(float(x.abs().sum()))
     got = _native.abs_stats(x, torch.empty_like(x))
-    assert got is not None and got.mean == float(x.abs().mean())
+    assert got is not None and got.mean == float(x.abs().mean()) and _native.abs_stats(x, None) == got
     fused = _native.abs_mean_signs(x)
     assert fused is not None
     assert torch.equal(bits(fused[0]), bits(x.abs().mean().reshape(1)))

@@ -389,13 +389,13 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, fl
     __m256 vmn = _mm256_set1_ps(__builtin_inff()), un = _mm256_setzero_ps();
     float m = *mx;
     float blk[64] __attribute__((aligned(32)));  /* the block's magnitudes for the cascade (out may be streamed) */
-    const int stream = n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
+    const int stream = out != NULL && n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     for (; i + 64 <= n; i += 64) {
         __m256 bmx = _mm256_setzero_ps();
         for (int q = 0; q < 8; ++q) {
             const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8 * q));
             if (stream) _mm256_stream_ps(out + i + 8 * q, v);
-            else _mm256_storeu_ps(out + i + 8 * q, v);
+            else if (out) _mm256_storeu_ps(out + i + 8 * q, v);
             _mm256_store_ps(blk + 8 * q, v);
             bmx = _mm256_max_ps(bmx, v);
             vmn = _mm256_min_ps(vmn, v);
@@ -418,6 +418,8 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, fl
 }
 #endif
 int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* amax) {
+    /* out NULL: the statistics alone, |x| formed again where the cascade needs it (a search that
+       counts on x's magnitudes itself then never writes them) */
     int64_t i = 0, best = -1, am = -1;
     float mx = -1.0f, mn = __builtin_inff();
     int nan = 0;
@@ -428,12 +430,12 @@ int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* a
         i = abs_stats_avx2(x, out, n, &mx, &mn, &best, &nan, n >= 8 ? &cs : 0);
         if (nan) return -1;
         if (best >= 0)
-            for (am = best; out[am] != mx; ++am) {}
+            for (am = best; __builtin_fabsf(x[am]) != mx; ++am) {}
     }
 #endif
     for (; i < n; ++i) {
         const float v = __builtin_fabsf(x[i]);
-        out[i] = v;
+        if (out) out[i] = v;
         if (v != v) nan = 1;
         if (v > mx) { mx = v; am = i; }
         if (v < mn) mn = v;
@@ -442,9 +444,16 @@ int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* a
     stats[0] = mx;
     stats[1] = mn;
     *amax = am;
-    if (n >= 8) {  /* the rows the AVX2 loop did not feed, from out (just written: in cache) */
-        while (cs.row < cs.rows) ac_cascade_row(&cs, out + 32 * cs.row);
-        stats[2] = ac_cascade_finish(&cs, out + 32 * cs.rows, n);
+    if (n >= 8) {  /* the rows the AVX2 loop did not feed, from out (just written: in cache) or x */
+        float row[32];
+        while (cs.row < cs.rows) {
+            if (out) { ac_cascade_row(&cs, out + 32 * cs.row); continue; }
+            for (int t = 0; t < 32; ++t) row[t] = __builtin_fabsf(x[32 * cs.row + t]);
+            ac_cascade_row(&cs, row);
+        }
+        if (!out)
+            for (int64_t t = 32 * cs.rows; t < n; ++t) row[t - 32 * cs.rows] = __builtin_fabsf(x[t]);
+        stats[2] = ac_cascade_finish(&cs, out ? out + 32 * cs.rows : row, n);
     }
     return 0;
 }
@@ -2173,15 +2182,17 @@ class AbsStats(NamedTuple):
     """torch's mean of the magnitudes where :func:`sums_like_torch` (None otherwise)."""
 
 
-def abs_stats(x: Tensor, out: Tensor) -> AbsStats | None:
+def abs_stats(x: Tensor, out: Tensor | None) -> AbsStats | None:
     """``torch.abs(x, out=out)`` and, from the same pass, ``out``'s max, min, argmax (the first
-    position of the max) and mean, bitwise torch's. None where torch must answer (a NaN; ``out`` is
-    written)."""
+    position of the max) and mean, bitwise torch's; with ``out`` None the statistics of |x| alone
+    (one read, nothing written). None where torch must answer (a NaN; ``out`` is written)."""
     lib = library()
-    assert lib is not None and usable(x) and usable(out) and x.numel() == out.numel() >= 1
+    assert lib is not None and usable(x) and x.numel() >= 1
+    assert out is None or (usable(out) and x.numel() == out.numel())
     stats = torch.empty(3, dtype=torch.float32)
     amax = torch.empty(1, dtype=torch.int64)
-    if lib.ac_abs_stats(x.data_ptr(), out.data_ptr(), x.numel(), stats.data_ptr(), amax.data_ptr()) != 0:
+    if lib.ac_abs_stats(x.data_ptr(), None if out is None else out.data_ptr(), x.numel(), stats.data_ptr(),
+                        amax.data_ptr()) != 0:
         return None
     mx, mn, total = stats.tolist()
     mean = mean_from_sum(total, x.numel()) if x.numel() >= 8 and sums_like_torch() else None

@@ -84,9 +84,10 @@ class RedSyncCompressor(SparseCompressor):
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
-        mag = Magnitudes(flat, self._workspace())  # |g|, its max and mean in one pass, in a reused buffer
-        a = mag.a
-        counter = ThresholdCounter.for_search(a, True, self._density, self._workspace())
+        # |g|'s max and mean in one read; the counts then read g itself (|g| is not written) where C serves
+        mag = Magnitudes(flat, self._workspace(), write=False)
+        counter = mag.search_counter(True, self._density, self._workspace())
+        a = mag.a if mag.a is not None else flat  # (threshold reads only the counter, max and mean given)
         idx = counter.select(self.threshold(a, k, counter, mag.max(), mag.mean()), self._density)
         return idx if idx.numel() else mag.argmax()
 

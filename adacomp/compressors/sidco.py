@@ -185,7 +185,7 @@ class SIDCoCompressor(SparseCompressor):
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
         mag = Magnitudes(flat, self._workspace())  # |g| (and its argmax) in one pass, in a reused buffer
-        a = mag.a
+        a = mag.written()
         counter = ThresholdCounter(a, True, self._workspace())  # scratch mask; stages' thresholds vary
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})

@@ -196,26 +196,50 @@ class Magnitudes:
     bitwise torch's), torch's reductions on demand elsewhere (no compiler, a NaN, other dtypes, a
     sum torch splits across threads)."""
 
-    def __init__(self, flat: Tensor, workspace: Workspace):
+    def __init__(self, flat: Tensor, workspace: Workspace, write: bool = True):
+        """``write=False``: where the C pass serves, |flat| is not written (``a`` is None) and a
+        search counts on ``flat`` with absolute answers (:meth:`search_counter`): one write of the
+        tensor less."""
+        self.flat = flat
+        fast = flat.dtype == torch.float32 and flat.numel() and _native.usable(flat)
+        if fast and not write:
+            stats = _native.abs_stats(flat, None)
+            if stats is not None and stats.mean is not None:
+                self._stats: _native.AbsStats | None = stats
+                self.a: Tensor | None = None
+                return
         a = workspace.scratch("abs", flat.numel(), torch.float32, flat.device)
-        self._stats = (_native.abs_stats(flat, a) if flat.dtype == torch.float32 and flat.numel()
-                       and _native.usable(flat) and _native.usable(a) else None)
+        self._stats = _native.abs_stats(flat, a) if fast and _native.usable(a) else None
         self.a = a if self._stats is not None else workspace.magnitudes(flat)
 
+    def search_counter(self, strict: bool, density: float, workspace: Workspace) -> "ThresholdCounter":
+        """:meth:`ThresholdCounter.for_search` on the magnitudes: on ``a``, or on ``flat`` with
+        absolute answers where ``a`` was not written."""
+        if self.a is None:
+            return ThresholdCounter.for_search(self.flat, strict, density, workspace, absolute=True)
+        return ThresholdCounter.for_search(self.a, strict, density, workspace)
+
+    def written(self) -> Tensor:
+        """``a``, which the default ``write=True`` always holds."""
+        assert self.a is not None  # the stats are known whenever a was not written
+        return self.a
+
     def max(self) -> float:
-        return self._stats.max if self._stats is not None else float(self.a.max())
+        return self._stats.max if self._stats is not None else float(self.written().max())
 
     def min(self) -> float:
-        return self._stats.min if self._stats is not None else float(self.a.min())
+        return self._stats.min if self._stats is not None else float(self.written().min())
 
     def mean(self) -> float:
-        return self._stats.mean if self._stats is not None and self._stats.mean is not None else float(self.a.mean())
+        if self._stats is not None and self._stats.mean is not None:
+            return self._stats.mean
+        return float(self.written().mean())
 
     def argmax(self) -> Tensor:
         """The first position of the largest magnitude, as a one-element int64 tensor."""
         if self._stats is not None:
             return torch.tensor([self._stats.argmax], dtype=torch.int64)
-        return self.a.argmax().view(1)
+        return self.written().argmax().view(1)
 
 
 class LazyBest:
