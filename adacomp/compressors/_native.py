@@ -780,7 +780,11 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
             for (int64_t t = 0; t < c; ++t) top = cmag[t] > top ? cmag[t] : top;
             if (top > 0x7f800000u) return -1;
             for (int64_t t = 0; t < c; ++t) keys[t] = cmag[t];
-            keys_kth(keys, c, k, 23, 8, &kth, &ties);
+            /* every candidate lies in [lo, top], so they share the bits above the highest bit where
+               lo and top differ: the first radix digit starts there (the exponent digit would put
+               nearly all of them in one bucket and cost a pass) */
+            const int high = top > lo ? 31 - __builtin_clz(top ^ lo) : 30;
+            keys_kth(keys, c, k, high - 7, 8, &kth, &ties);
             for (int64_t t = 0; t < c && w < k; ++t) {  /* branch-free: every candidate is written, */
                 const uint32_t v = cmag[t];              /* the kept ones advance w */
                 const int64_t eq = v == kth;
