@@ -371,6 +371,10 @@ class ThresholdCounter:
         """Ascending flat indices passing ``thr`` (a fresh tensor, as ``torch.nonzero`` returns)."""
         if self.covers(thr):
             assert self.idx is not None and self.vals is not None  # set with floor by compact()
+            if self.native and _native.usable(self.vals):  # one C pass over the kept values, no bool mask
+                share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+                at = _native.select(self.vals, thr, "gt" if self.strict else "ge", share)[0]
+                return self.idx.index_select(0, at)
             return self.idx[self._cmp(self.vals, thr)]
         if self.native:
             return _native.select(self.a, thr, self.mode, expected)[0]
@@ -393,6 +397,8 @@ class ThresholdCounter:
         """The elements of ``a`` passing ``thr``, in index order (fresh)."""
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
+            if self.native and _native.usable(self.vals):
+                return _native.select(self.vals, thr, "gt" if self.strict else "ge")[1]
             return self.vals[self._cmp(self.vals, thr)]
         if self.native:
             return _native.select(self.a, thr, self.mode)[1]
