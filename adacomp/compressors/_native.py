@@ -893,8 +893,8 @@ void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* ke
    least tiny; infinity and bad[i] = 1 where a maximum is NaN), then the row's |x| >= floor
    (!(|x| < floor) where columns lie past the last whole block) as ascending flat indices and |x|
    (keys: b of scratch). Returns the count; only the first cap are written. */
-AC_CLONES int64_t ac_row_candidates(const float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny, uint32_t* keys,
-                          uint8_t* bad, int64_t* idx, float* vals, int64_t cap) {
+AC_CLONES int64_t ac_row_candidates(const float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny,
+                                    uint32_t* keys, uint8_t* bad, int64_t* idx, float* vals, int64_t cap) {
     RANKED_SCRATCH(b)
     int64_t total = 0;
     for (int64_t i = 0; i < m; ++i) {
@@ -1715,9 +1715,11 @@ __attribute__((target("avx2"))) static void table_mean_pow2(const uint64_t* pack
                     __builtin_memcpy(&w1, p1 + (i >> 1), sizeof w1);
                     const __m256i k0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w0), shifts), nib);
                     const __m256i k1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w1), shifts), nib);
-                    const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(alo, k0), _mm256_permutevar8x32_ps(ahi, k0),
+                    const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(alo, k0),
+                                                       _mm256_permutevar8x32_ps(ahi, k0),
                                                        _mm256_castsi256_ps(_mm256_slli_epi32(k0, 28)));
-                    const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(clo, k1), _mm256_permutevar8x32_ps(chi, k1),
+                    const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(clo, k1),
+                                                       _mm256_permutevar8x32_ps(chi, k1),
                                                        _mm256_castsi256_ps(_mm256_slli_epi32(k1, 28)));
                     TABLE_STORE(out + i, _mm256_mul_ps(_mm256_add_ps(v0, v1), iv));
                 }
@@ -2480,17 +2482,20 @@ def _seq_inputs(matrix: Tensor, f: Tensor) -> bool:
             and f.dtype == torch.float32 and f.device.type == "cpu" and 1 <= f.shape[1] <= 8)
 
 
+def _run_seq(fname: str, matrix: Tensor, f: Tensor, out: Tensor) -> Tensor:
+    fc = f.contiguous()  # held through the call
+    getattr(library(), fname)(matrix.data_ptr(), matrix.shape[0], matrix.shape[1], fc.data_ptr(), f.shape[1],
+                              out.data_ptr())
+    return out
+
+
 def mm_seq(matrix: Tensor, q: Tensor) -> Tensor | None:
     """``matrix @ q`` (n x m times m x r, r <= 8) with every output summed from +0 in term order,
     product then addition (how torch's CPU matmul formed it on x86 for a narrow ``q``; the caller
     checks the bits per layout), in one read of ``matrix``; None where it cannot run."""
     if not _seq_inputs(matrix, q) or q.shape[0] != matrix.shape[1]:
         return None
-    qc = q.contiguous()
-    out = torch.empty(matrix.shape[0], q.shape[1], dtype=torch.float32)
-    library().ac_mm_seq(matrix.data_ptr(), matrix.shape[0], matrix.shape[1],  # type: ignore[union-attr]
-                        qc.data_ptr(), q.shape[1], out.data_ptr())
-    return out
+    return _run_seq("ac_mm_seq", matrix, q, torch.empty(matrix.shape[0], q.shape[1], dtype=torch.float32))
 
 
 def mtm_seq(matrix: Tensor, f: Tensor) -> Tensor | None:
@@ -2499,10 +2504,7 @@ def mtm_seq(matrix: Tensor, f: Tensor) -> Tensor | None:
     one read of ``matrix``; (m, r) contiguous, or None where it cannot run."""
     if not _seq_inputs(matrix, f) or f.shape[0] != matrix.shape[0]:
         return None
-    fc = f.contiguous()
-    out = torch.empty(f.shape[1], matrix.shape[1], dtype=torch.float32)
-    library().ac_mtm_seq(matrix.data_ptr(), matrix.shape[0], matrix.shape[1],  # type: ignore[union-attr]
-                         fc.data_ptr(), f.shape[1], out.data_ptr())
+    out = _run_seq("ac_mtm_seq", matrix, f, torch.empty(f.shape[1], matrix.shape[1], dtype=torch.float32))
     return out.t().contiguous()
 
 
