@@ -4,7 +4,8 @@ same way whichever front end a user picked. Real gloo processes throughout.
 
 * a NaN on one rank, for every communicator (allgather, alltoall with its second-stage residuals,
   oktopk, artopk, allreduce with PowerSGD / ACP-SGD / Random-k / bf16, allgather_fast with QSGD /
-  EF-SignSGD): every component state bitwise as before the
+  EF-SignSGD, allgather with the threshold searches RedSync / MSTop-k / Gaussian-k / ADTopk):
+  every component state bitwise as before the
   round, the step not counted, and the run continues exactly as the run that skipped that batch;
 * a GradScaler overflow with ACP-SGD (whose P/Q alternation follows the step count) changes
   nothing compared with the run that skipped that batch, in both front ends;
@@ -50,11 +51,22 @@ COMMUNICATORS: dict[str, dict[str, Any]] = {
     # Chunk-Top-k's C selection, in-place residual at the kept positions and fused sparse mean
     "chunktopk": {"compressor": {"name": "chunktopk", "density": 0.05, "chunk": 64, "bits": 2},
                   "memory": {"name": "residual"}, "communicator": {"name": "allgather_fast"}},
+    # the threshold searches' C paths: |g|'s statistics without writing it and counts / selections
+    # on g (RedSync, MSTop-k), the std from lane sums (Gaussian-k), ADTopk's per-row candidates
+    "redsync": {"compressor": {"name": "redsync", "density": 0.05}, "memory": {"name": "residual"},
+                "communicator": {"name": "allgather"}},
+    "mstopk": {"compressor": {"name": "mstopk", "density": 0.05}, "memory": {"name": "residual"},
+               "communicator": {"name": "allgather"}},
+    "gaussiank": {"compressor": {"name": "gaussiank", "density": 0.05}, "memory": {"name": "residual"},
+                  "communicator": {"name": "allgather"}},
+    "adtopk": {"compressor": {"name": "adtopk", "density": 0.05}, "memory": {"name": "residual"},
+               "communicator": {"name": "allgather"}},
 }
 # state that must really be there, so "unchanged" is not vacuous
 EXPECT = {"allgather": "residuals", "alltoall": "alltoall\"}]/residuals", "oktopk": "threshold", "artopk": "residuals",
           "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity", "qsgd": "residuals", "efsignsgd": "residuals",
-          "randomk": "residuals", "bf16": "residuals", "chunktopk": "residuals"}
+          "randomk": "residuals", "bf16": "residuals", "chunktopk": "residuals", "redsync": "residuals",
+          "mstopk": "residuals", "gaussiank": "residuals", "adtopk": "residuals"}
 NAN_RANK, NAN_PARAM = 1, "fc1.weight"
 BEFORE, AFTER = 3, 3
 

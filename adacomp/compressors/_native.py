@@ -1607,16 +1607,27 @@ typedef float ac_v2f __attribute__((vector_size(8)));
    code's high bit; the first rank stores, later ranks add (out + value, one IEEE add per lane, the
    scalar loop's operation and operand order). pk points at the group's first byte. */
 #if defined(AC_AVX2)
+/* The values of one group of 8 codes: 4-bit codes from the 4 bytes at pk through the table halves
+   lo / hi, 1-bit codes from the byte b through t0 / t1. */
+__attribute__((target("avx2"))) static inline __m256 decode4_avx2(const uint8_t* pk, __m256 lo, __m256 hi) {
+    uint32_t w;
+    __builtin_memcpy(&w, pk, sizeof w);
+    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                                            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                          _mm256_set1_epi32(15));
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code), _mm256_permutevar8x32_ps(hi, code),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+}
+__attribute__((target("avx2"))) static inline __m256 decode1_avx2(uint8_t b, __m256 t0, __m256 t1) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(b), bit), bit);
+    return _mm256_blendv_ps(t0, t1, _mm256_castsi256_ps(on));
+}
 __attribute__((target("avx2"))) static void table4_avx2(const uint8_t* pk, const float* tab, float* out,
                                                         int64_t groups, int first) {
     const __m256 lo = _mm256_loadu_ps(tab), hi = _mm256_loadu_ps(tab + 8);
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nib = _mm256_set1_epi32(15);
     for (int64_t g = 0; g < groups; ++g) {
-        uint32_t w;
-        __builtin_memcpy(&w, pk + 4 * g, sizeof w);
-        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), nib);
-        const __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code), _mm256_permutevar8x32_ps(hi, code),
-                                          _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+        const __m256 v = decode4_avx2(pk + 4 * g, lo, hi);
         if (first) _mm256_storeu_ps(out + 8 * g, v);
         else _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_loadu_ps(out + 8 * g), v));
     }
@@ -1626,10 +1637,8 @@ __attribute__((target("avx2"))) static void table4_avx2(const uint8_t* pk, const
 __attribute__((target("avx2"))) static void table1_avx2(const uint8_t* pk, const float* tab, float* out,
                                                         int64_t bytes, int first) {
     const __m256 t0 = _mm256_set1_ps(tab[0]), t1 = _mm256_set1_ps(tab[1]);
-    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     for (int64_t j = 0; j < bytes; ++j) {
-        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(pk[j]), bit), bit);
-        const __m256 v = _mm256_blendv_ps(t0, t1, _mm256_castsi256_ps(on));
+        const __m256 v = decode1_avx2(pk[j], t0, t1);
         if (first) _mm256_storeu_ps(out + 8 * j, v);
         else _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm256_loadu_ps(out + 8 * j), v));
     }
@@ -1687,8 +1696,6 @@ __attribute__((target("avx2"))) static void table_mean_pow2(const uint64_t* pack
                                                                int world, int64_t n, int bits, int64_t size,
                                                                float inv, float* out, int stream) {
     const __m256 iv = _mm256_set1_ps(inv);
-    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nib = _mm256_set1_epi32(15);
     for (int64_t lo = 0; lo < n; lo += size) {
         const int64_t groups = ((lo + size < n ? lo + size : n) - lo) / 8, b = lo / size;
         if (world == 2) {  /* the common case with both ranks' tables in registers */
@@ -1698,30 +1705,16 @@ __attribute__((target("avx2"))) static void table_mean_pow2(const uint64_t* pack
             if (bits == 1) {
                 const __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]);
                 const __m256 c0 = _mm256_set1_ps(c[0]), c1 = _mm256_set1_ps(c[1]);
-                for (int64_t g = 0, j = lo >> 3; g < groups; ++g, ++j) {
-                    const __m256i o0 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(p0[j]), bit), bit);
-                    const __m256i o1 = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(p1[j]), bit), bit);
-                    const __m256 v = _mm256_add_ps(_mm256_blendv_ps(a0, a1, _mm256_castsi256_ps(o0)),
-                                                   _mm256_blendv_ps(c0, c1, _mm256_castsi256_ps(o1)));
-                    TABLE_STORE(out + lo + 8 * g, _mm256_mul_ps(v, iv));
-                }
+                for (int64_t g = 0, j = lo >> 3; g < groups; ++g, ++j)
+                    TABLE_STORE(out + lo + 8 * g, _mm256_mul_ps(_mm256_add_ps(decode1_avx2(p0[j], a0, a1),
+                                                                              decode1_avx2(p1[j], c0, c1)), iv));
             } else {
                 const __m256 alo = _mm256_loadu_ps(a), ahi = _mm256_loadu_ps(a + 8);
                 const __m256 clo = _mm256_loadu_ps(c), chi = _mm256_loadu_ps(c + 8);
                 for (int64_t g = 0; g < groups; ++g) {
                     const int64_t i = lo + 8 * g;
-                    uint32_t w0, w1;
-                    __builtin_memcpy(&w0, p0 + (i >> 1), sizeof w0);
-                    __builtin_memcpy(&w1, p1 + (i >> 1), sizeof w1);
-                    const __m256i k0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w0), shifts), nib);
-                    const __m256i k1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w1), shifts), nib);
-                    const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(alo, k0),
-                                                       _mm256_permutevar8x32_ps(ahi, k0),
-                                                       _mm256_castsi256_ps(_mm256_slli_epi32(k0, 28)));
-                    const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(clo, k1),
-                                                       _mm256_permutevar8x32_ps(chi, k1),
-                                                       _mm256_castsi256_ps(_mm256_slli_epi32(k1, 28)));
-                    TABLE_STORE(out + i, _mm256_mul_ps(_mm256_add_ps(v0, v1), iv));
+                    TABLE_STORE(out + i, _mm256_mul_ps(_mm256_add_ps(decode4_avx2(p0 + (i >> 1), alo, ahi),
+                                                                     decode4_avx2(p1 + (i >> 1), clo, chi)), iv));
                 }
             }
         }
@@ -1731,18 +1724,8 @@ __attribute__((target("avx2"))) static void table_mean_pow2(const uint64_t* pack
             for (int r = 0; r < world; ++r) {
                 const uint8_t* pk = (const uint8_t*)(uintptr_t)packed[r];
                 const float* tab = (const float*)(uintptr_t)tables[r] + (b << bits);
-                __m256 v;
-                if (bits == 1) {
-                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(pk[i >> 3]), bit), bit);
-                    v = _mm256_blendv_ps(_mm256_set1_ps(tab[0]), _mm256_set1_ps(tab[1]), _mm256_castsi256_ps(on));
-                } else {
-                    uint32_t w;
-                    __builtin_memcpy(&w, pk + (i >> 1), sizeof w);
-                    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), nib);
-                    v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), code),
-                                         _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 8), code),
-                                         _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-                }
+                const __m256 v = bits == 1 ? decode1_avx2(pk[i >> 3], _mm256_set1_ps(tab[0]), _mm256_set1_ps(tab[1]))
+                                           : decode4_avx2(pk + (i >> 1), _mm256_loadu_ps(tab), _mm256_loadu_ps(tab + 8));
                 acc = r == 0 ? v : _mm256_add_ps(acc, v);
             }
             TABLE_STORE(out + i, _mm256_mul_ps(acc, iv));
@@ -2289,9 +2272,9 @@ def counter(a: Tensor, mode: str) -> Callable[[float], int] | None:
 
 def count(a: Tensor, thr: float, mode: str) -> int:
     """Number of elements of 1-D ``a`` passing ``thr`` (``mode`` of :data:`MODES`)."""
-    lib = library()
-    assert lib is not None and usable(a)
-    return int(getattr(lib, f"ac_count_{mode}")(a.data_ptr(), a.numel(), thr))
+    fn = counter(a, mode)
+    assert fn is not None
+    return fn(thr)
 
 
 def rth_largest_strided(a: Tensor, step: int, r: int, absolute: bool = False) -> float | None:

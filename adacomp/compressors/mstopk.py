@@ -82,20 +82,19 @@ class MSTopkCompressor(SparseCompressor):
             return torch.arange(n, device=flat.device)
         # other dtypes keep comparing in their own
         mean: float | None = None
+        m: Magnitudes | None = None
         if flat.dtype == torch.float32:  # |g|'s min, max and mean in one read; |g| is not written where C serves
             m = Magnitudes(flat, self._workspace(), write=False)
             lo, hi, mean = m.min(), m.max(), m.mean()
             mag = m.a if m.a is not None else flat  # (threshold reads only the counter, max and mean given)
-            if hi == lo:  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
-                return torch.arange(k, device=flat.device)
-            counter = m.search_counter(False, self._density, self._workspace())
         else:
             mag = flat.abs()
             lo_t, hi_t = torch.aminmax(mag)
             lo, hi = float(lo_t), float(hi_t)
-            if hi == lo:
-                return torch.arange(k, device=flat.device)
-            counter = ThresholdCounter.for_search(mag, False, self._density, self._workspace())
+        if hi == lo:  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
+            return torch.arange(k, device=flat.device)
+        counter = (m.search_counter(False, self._density, self._workspace()) if m is not None
+                   else ThresholdCounter.for_search(mag, False, self._density, self._workspace()))
         return counter.select(self.threshold(mag, k, counter, hi, mean), self._density)
 
     def __repr__(self) -> str:

@@ -294,7 +294,7 @@ class ThresholdCounter:
         self.idx: Tensor | None = None
         self.vals: Tensor | None = None
         self.nan_kept = False  # the kept set holds NaNs too (compact(keep_nan=True))
-        self._kept_counter: tuple[Tensor | None, Callable[[float], int] | None] = (None, None)
+        self._kept_counter: Callable[[float], int] | None = None  # over ``vals``, bound by adopt()
         self._full_counter: Callable[[float], int] | None = None  # over ``a``, bound on first use
 
     @property
@@ -310,6 +310,11 @@ class ThresholdCounter:
             return torch.gt(x, thr) if self.strict else torch.ge(x, thr)
         return torch.gt(x, thr, out=out) if self.strict else torch.ge(x, thr, out=out)
 
+    @property
+    def _kept_mode(self) -> str:
+        """The comparison on the kept values, which are magnitudes already when ``absolute``."""
+        return "gt" if self.strict else "ge"
+
     def covers(self, thr: float) -> bool:
         return self.floor is not None and thr >= self.floor
 
@@ -320,38 +325,33 @@ class ThresholdCounter:
             return
         self.nan_kept = keep_nan
         if self.native:
-            self.idx, self.vals = _native.select(self.a, floor, self.prefix + "not_lt" if keep_nan else self.mode,
-                                                 expected)
-            self.floor = floor
+            self.adopt(floor, *_native.select(self.a, floor, self.prefix + "not_lt" if keep_nan else self.mode,
+                                              expected))
             return
         if keep_nan:
             mask = torch.logical_not(torch.lt(self.a, floor, out=self.mask), out=self.mask)
         else:
             mask = self._cmp(self.a, floor, out=self.mask)
-        self.idx = nonzero_1d(mask, expected)
-        self.vals = self.a.index_select(0, self.idx)
-        self.floor = floor
+        idx = nonzero_1d(mask, expected)
+        self.adopt(floor, idx, self.a.index_select(0, idx))
 
     def adopt(self, floor: float, idx: Tensor, vals: Tensor) -> None:
-        """Keep a candidate set a fused pass compacted at ``floor`` (what :meth:`compact` would keep)."""
+        """Keep a candidate set a fused pass compacted at ``floor`` (what :meth:`compact` would keep);
+        its counts go through a function bound here once (searches count dozens of thresholds)."""
         self.idx, self.vals, self.floor = idx, vals, floor
+        self._kept_counter = _native.counter(vals, self._kept_mode) if self.native else None
 
     def count(self, thr: float) -> int:
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
-            if self._kept_counter[0] is not self.vals:  # bound once per kept set: no checks per count
-                self._kept_counter = (self.vals, _native.counter(self.vals, "gt" if self.strict else "ge")
-                                      if self.native else None)
-            fast = self._kept_counter[1]  # the kept values are magnitudes when absolute
-            if fast is not None:
-                return fast(thr)
+            if self._kept_counter is not None:  # the kept values are magnitudes when absolute
+                return self._kept_counter(thr)
             return int(torch.count_nonzero(self._cmp(self.vals, thr)))
         if self.native:
             if self._full_counter is None:
                 self._full_counter = _native.counter(self.a, self.mode)
-            if self._full_counter is not None:
-                return self._full_counter(thr)
-            return _native.count(self.a, thr, self.mode)
+            assert self._full_counter is not None  # native: a is usable, so the counter binds
+            return self._full_counter(thr)
         return int(torch.count_nonzero(self._cmp(self.a, thr, out=self.mask)))
 
     def lower_bound(self, thr: float) -> int:
@@ -373,7 +373,7 @@ class ThresholdCounter:
             assert self.idx is not None and self.vals is not None  # set with floor by compact()
             if self.native and _native.usable(self.vals):  # one C pass over the kept values, no bool mask
                 share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
-                at = _native.select(self.vals, thr, "gt" if self.strict else "ge", share)[0]
+                at = _native.select(self.vals, thr, self._kept_mode, share)[0]
                 return self.idx.index_select(0, at)
             return self.idx[self._cmp(self.vals, thr)]
         if self.native:
@@ -398,7 +398,7 @@ class ThresholdCounter:
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
             if self.native and _native.usable(self.vals):
-                return _native.select(self.vals, thr, "gt" if self.strict else "ge")[1]
+                return _native.select(self.vals, thr, self._kept_mode)[1]
             return self.vals[self._cmp(self.vals, thr)]
         if self.native:
             return _native.select(self.a, thr, self.mode)[1]
