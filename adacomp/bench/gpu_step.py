@@ -14,12 +14,21 @@ per inner step. Memory: ``torch.cuda.memory_allocated`` held between steps beyon
     adacomp bench gpu_step                                   # ResNet-50 (batch 64) and GPT-2 small (8 x 1024)
     adacomp bench gpu_step --models gpt2_small --methods topk sparseloco --rounds 1
 
-Writes docs/results/gpu_step.{md,json} (``--out-dir``). Needs a CUDA device.
+``--front hook``: the same step through adacomp's DDP communication hook, on a DDP model over NCCL with
+one process (world 1: DDP still hands every bucket to the hook); the baseline is plain DDP (its own
+allreduce) and PyTorch's bf16 hook runs beside it. ``--sites`` records where each host wait comes from
+(the innermost adacomp frame) and the step's heaviest device kernels (torch.profiler), for the fused-kernel
+work.
+
+Writes docs/results/gpu_step.{md,json} (``--out-dir``; the hook front end gpu_step_hook.*). Needs a CUDA device.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
 import gc
+import os
 import json
 import statistics
 import time
@@ -41,6 +50,51 @@ OFFLOAD = {"compressor": {"name": "topk", "density": 0.01}, "memory": {"name": "
 """ByteComp's "compress on CPU" (§4.2, Alg. 2) for every tensor: Top-k 1 % with residuals on the host."""
 
 
+HOOK_SKIP = {"offload", "localsgd", "diloco_topk", "sparseloco"}
+"""Not per-step DDP hook methods: offload is the optimizer's host path, local steps the outer loop's."""
+
+
+class _Device:
+    """The few device calls the bench makes; ``cpu`` (a hidden option) runs the same code paths on
+    the host so the bench itself can be checked where no GPU is lent."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.cuda = kind == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def held(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def release(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name() if self.cuda else "CPU (bench check only)"
+
+    def sync_debug(self, mode: str) -> None:
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    def autocast(self, amp: bool) -> Any:
+        return torch.autocast(self.kind, dtype=torch.bfloat16, enabled=amp)
+
+
+DEV = _Device("cuda")
+
+
 def arm_config(method: str, every: int) -> tuple[dict[str, Any], int]:
     from adacomp.bench.zoo import arm_config as zoo_arm
     if method == "offload":
@@ -58,7 +112,7 @@ class Arm:
         self.name, self.model, self.data, self.args = name, model, data, args
         self.cfg: dict[str, Any] | None = None
         self.warm = 0
-        if name != "plain":
+        if name not in ("plain", "bf16_torch"):
             self.cfg, self.warm = arm_config(name, args.every)
         self.local = self.cfg is not None and "local_steps" in self.cfg
         self.times: list[float] = []
@@ -67,15 +121,38 @@ class Arm:
         self.offload_s: list[float] = []
         self.ratio: list[float] = []
         self.waits: list[int] = []
+        self.sites: collections.Counter[str] = collections.Counter()
+        self.kernels: list[dict[str, Any]] = []
+        self._state: Any = None
 
-    def round(self, base_held: int) -> None:
+    def _optimizer(self) -> tuple[torch.nn.Module, Any, Callable[[], None]]:
         import adacomp
         from adacomp.backends.base import LocalBackend
-        args, model = self.args, self.model
-        inner = torch.optim.SGD(model.parameters(), lr=0.0)
+        inner = torch.optim.SGD(self.model.parameters(), lr=0.0)
         opt: Any = inner if self.cfg is None else adacomp.DistributedOptimizer(
-            inner, model.named_parameters(), config=self.cfg, backend=LocalBackend())
-        amp = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp)
+            inner, self.model.named_parameters(), config=self.cfg, backend=LocalBackend())
+        return self.model, opt, (lambda: opt.remove_hooks()) if self.cfg is not None else (lambda: None)
+
+    def _ddp(self) -> tuple[torch.nn.Module, Any, Callable[[], None]]:
+        import adacomp
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(copy.deepcopy(self.model), device_ids=[torch.cuda.current_device()] if DEV.cuda else None)
+        state: Any = None
+        if self.name == "bf16_torch":
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif self.cfg is not None:
+            state = adacomp.ddp.register(ddp, self.cfg, named_parameters=ddp.module.named_parameters())
+        self._state = state
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), lambda: None
+
+    def _stats(self, opt: Any) -> Any:
+        return getattr(self._state if self._state is not None else opt, "last_stats", None)
+
+    def round(self, base_held: int) -> None:
+        args = self.args
+        model, opt, close = self._ddp() if args.front == "hook" else self._optimizer()
+        amp = DEV.autocast(args.amp)
 
         def step() -> None:
             opt.zero_grad(set_to_none=False)
@@ -83,47 +160,88 @@ class Arm:
                 loss = self.data.loss(model)
             loss.backward()
             opt.step()
-            torch.cuda.synchronize()
+            DEV.sync()
 
         n = args.steps if not self.local else args.every * max(1, args.steps // args.every)
         warm = max(args.warmup, self.warm) if not self.local else 2 * args.every
         for _ in range(warm):
             step()
-        torch.cuda.reset_peak_memory_stats()
+        DEV.reset_peak()
         t: list[float] = []
         for _ in range(n):
             t0 = time.perf_counter()
             step()
             t.append(time.perf_counter() - t0)
-            st = getattr(opt, "last_stats", None)
+            st = self._stats(opt)
             if st is not None:
                 if "offload_s" in st.extra:
                     self.offload_s.append(st.extra["offload_s"])
                 if st.dense_bytes:
                     self.ratio.append(st.dense_bytes / max(st.bytes_sent, 1))
         self.times.append(statistics.fmean(t) if self.local else statistics.median(t))
-        self.waits.append(host_waits(step))
-        self.held.append(torch.cuda.memory_allocated() - base_held)
-        self.peak.append(torch.cuda.max_memory_allocated())
-        if self.cfg is not None:
-            opt.remove_hooks()
-        del opt, inner
-        gc.collect()
-        torch.cuda.empty_cache()
+        n_waits, sites = host_waits(step)
+        self.waits.append(n_waits)
+        self.held.append(DEV.held() - base_held)
+        self.peak.append(DEV.peak())
+        if args.sites and not self.kernels:
+            self.sites.update(sites)
+            self.kernels = heaviest_kernels(step)
+        close()
+        self._state = None
+        del opt, model
+        DEV.release()
 
 
-def host_waits(step: Callable[[], None]) -> int:
+def host_waits(step: Callable[[], None]) -> tuple[int, collections.Counter[str]]:
     """How often one step makes the host wait for the device (torch's sync debug mode; the step's
-    own closing synchronisation included). Waits inside backward stop the host queueing ahead."""
+    own closing synchronisation included), and where: the innermost adacomp frame of each wait
+    (``module:line function``). Waits inside backward stop the host queueing ahead."""
+    import traceback
     import warnings
-    with warnings.catch_warnings(record=True) as seen:
+    sites: collections.Counter[str] = collections.Counter()
+    n = 0
+    here = os.path.abspath(__file__)
+    root = os.path.dirname(os.path.dirname(here))
+
+    def show(message: Any, *a: Any, **k: Any) -> None:
+        nonlocal n
+        if "synchroniz" not in str(message):
+            return
+        n += 1
+        for fr in reversed(traceback.extract_stack()):
+            f = os.path.abspath(fr.filename)
+            if f.startswith(root) and f != here:
+                sites[f"{os.path.relpath(f, os.path.dirname(root))}:{fr.lineno} {fr.name}"] += 1
+                break
+        else:
+            sites["(outside adacomp)"] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = show
+        DEV.sync_debug("warn")
         try:
             step()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in seen)
+            DEV.sync_debug("default")
+    return n, sites
+
+
+def heaviest_kernels(step: Callable[[], None], top: int = 12) -> list[dict[str, Any]]:
+    """One step under torch.profiler: the ops with the most device time (self), with their counts."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if DEV.cuda else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        step()
+    rows = []
+    for ev in prof.key_averages():
+        dev = getattr(ev, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(ev, "self_cuda_time_total", 0)
+        rows.append({"op": ev.key, "count": ev.count, "self_device_us": float(dev or 0),
+                     "self_cpu_us": float(ev.self_cpu_time_total)})
+    rows.sort(key=lambda r: -r["self_device_us"])
+    return rows[:top]
 
 
 def backward_ms(model: torch.nn.Module, data: Any, amp: bool, n: int) -> float:
@@ -131,8 +249,14 @@ def backward_ms(model: torch.nn.Module, data: Any, amp: bool, n: int) -> float:
     out = []
     for i in range(n + 3):
         model.zero_grad(set_to_none=False)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        with DEV.autocast(amp):
             loss = data.loss(model)
+        if not DEV.cuda:
+            t0 = time.perf_counter()
+            loss.backward()
+            if i >= 3:
+                out.append(1e3 * (time.perf_counter() - t0))
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         loss.backward()
@@ -146,23 +270,24 @@ def backward_ms(model: torch.nn.Module, data: Any, amp: bool, n: int) -> float:
 def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -> list[dict[str, Any]]:
     from adacomp.models import build, synthetic_batch
     torch.manual_seed(0)
-    model = build(name, **MODEL_ARGS.get(name, {})).cuda()
+    model = build(name, **{**MODEL_ARGS.get(name, {}), **args.model_args}).to(DEV.kind)
     batch = args.batch or BATCH[name]
-    data = synthetic_batch(model, batch, seed=0).to("cuda")
+    data = synthetic_batch(model, batch, seed=0).to(DEV.kind)
     bwd = backward_ms(model, data, args.amp, 10)
     model.zero_grad(set_to_none=False)
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    base_held = torch.cuda.memory_allocated()  # parameters, gradients, the batch
-    arms = {a: Arm(a, model, data, args) for a in ["plain", *args.methods]}
+    DEV.sync()
+    DEV.release()
+    base_held = DEV.held()  # parameters, gradients, the batch
+    methods = [m for m in args.methods if m not in HOOK_SKIP] if args.front == "hook" else args.methods
+    baselines = ["plain", "bf16_torch"] if args.front == "hook" and DEV.cuda else ["plain"]  # NCCL only
+    arms = {a: Arm(a, model, data, args) for a in [*baselines, *methods]}
     order = list(arms)
     for r in range(args.rounds):
         for a in order[r % len(order):] + order[:r % len(order)]:
             arms[a].round(base_held)
             say(f"{name} round {r + 1}/{args.rounds} {a:<12} {1e3 * arms[a].times[-1]:8.2f} ms/step")
     for a, arm in arms.items():  # the work happened: each method synchronised, and compressed what it claims
-        if a == "plain":
+        if a in ("plain", "bf16_torch"):
             continue
         if not arm.ratio:
             raise RuntimeError(f"gpu_step: {a} recorded no synchronisation on {name}")
@@ -185,22 +310,26 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             "param_mib": params * 4 / 2 ** 20, "compression": statistics.median(arm.ratio) if arm.ratio else None,
             "offload_host_ms": off,
             "offload_hidden": None if off is None else max(0.0, min(1.0, 1.0 - extra / off)),
-            "local_every": args.every if arm.local else None, "host_waits": max(arm.waits), "rounds_ms": [1e3 * t for t in arm.times]})
+            "local_every": args.every if arm.local else None, "host_waits": max(arm.waits),
+            "rounds_ms": [1e3 * t for t in arm.times], "front": args.front,
+            "wait_sites": dict(arm.sites.most_common(12)), "kernels": arm.kernels})
     del model, data, arms
-    gc.collect()
-    torch.cuda.empty_cache()
+    DEV.release()
     return rows
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_step.json").write_text(json.dumps({"rows": rows, "gpu": torch.cuda.get_device_name(),
+    stem = "gpu_step_hook" if args.front == "hook" else "gpu_step"
+    (out / f"{stem}.json").write_text(json.dumps({"rows": rows, "gpu": DEV.name(),
                                                    "command": args.command}, indent=1))
-    lines = [f"GPU: {torch.cuda.get_device_name()}; one process, `LocalBackend` (no transport), "
+    front = ("adacomp's DDP hook on a DDP model over NCCL, world 1; `plain` = DDP's own allreduce, `bf16_torch` = "
+             "PyTorch's bf16 hook" if args.front == "hook" else "`LocalBackend` (no transport)")
+    lines = [f"GPU: {DEV.name()}; one process, {front}, "
              f"{'bf16 autocast' if args.amp else 'fp32'} forward, fp32 gradients, lr 0 (every step the same work); "
              f"{args.rounds} round(s) x ({args.warmup} warm-up + {args.steps} measured steps), arms alternating. "
-             "`extra` = method step - plain SGD step (median); `share` = extra / backward; `held` = device memory kept "
+             "`extra` = method step - plain step (median); `share` = extra / backward; `held` = device memory kept "
              "between steps beyond the plain step's; `peak` = peak beyond the plain step's peak. Local-step methods: "
              f"outer sync every {args.every} inner steps, cost averaged per inner step.", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -220,7 +349,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                          f"{100 * r['share_of_backward']:.0f}% | {r['extra_held_mib']:.0f} | {r['extra_peak_mib']:.0f} | "
                          f"{comp} | {r['host_waits']} | {off} |")
         lines.append("")
-    write_result(out / "gpu_step.md", "One training step on a GPU per method", lines, args.command)
+    write_result(out / f"{stem}.md", "One training step on a GPU per method", lines, args.command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,10 +362,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--every", type=int, default=8, help="local-step methods: inner steps per outer sync")
     ap.add_argument("--no-amp", dest="amp", action="store_false", help="fp32 forward (default: bf16 autocast)")
+    ap.add_argument("--front", choices=["optimizer", "hook"], default="optimizer",
+                    help="hook: adacomp's DDP communication hook on DDP over NCCL (one process)")
+    ap.add_argument("--sites", action="store_true",
+                    help="record each method's host-wait sites and heaviest kernels in the JSON")
     ap.add_argument("--out-dir", default=RESULTS)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--model-args", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    global DEV
+    DEV = _Device(args.device)
+    if DEV.cuda and not torch.cuda.is_available():
         ap.error("needs a CUDA device (no GPU visible to torch)")
+    if args.front == "hook" and not torch.distributed.is_initialized():
+        import tempfile
+        store = tempfile.NamedTemporaryFile(prefix="adacomp_gpu_step_", delete=False).name
+        torch.distributed.init_process_group("nccl" if DEV.cuda else "gloo", init_method=f"file://{store}",
+                                             rank=0, world_size=1)
     args.command = bench_command("gpu_step", argv)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
