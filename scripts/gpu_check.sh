@@ -8,7 +8,8 @@
 #      the compressors against the memory floor (COMP=1).
 # Results go to ${OUT:-gpu_out}/: run.log (tests, benches), suite.log, the benches' JSON / markdown.
 # SUITE_S bounds the suite, BENCH_S each bench (seconds); SKIP_SUITE=1 leaves the suite out, SKIP_BENCH=1
-# the benches; TESTS="tests/test_x.py ..." runs those files instead of the whole suite.
+# the benches (STEP=0 / HOOK=0 one of them); TESTS_FILE=f runs the test ids listed in f (one per line)
+# instead of the whole suite; CUDA_K selects CUDA tests (pytest -k, default "cuda or device").
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=$PWD/.gpu_bin:$PATH
@@ -23,29 +24,34 @@ stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 } > "$OUT/run.log" 2>&1 || { cat "$OUT/run.log"; exit 1; }
 if [ "${SKIP_SUITE:-0}" != 1 ] && [ "$CORES" -ge 8 ]; then
-    FILES=${TESTS:-$(ls tests/test_*.py | grep -v test_cuda.py)}
-    ( OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 pin 2-$((CORES - 1)) timeout "${SUITE_S:-300}" python3 -m pytest -v \
-        -p no:cacheprovider -n $((CORES - 2)) --dist worksteal --timeout 240 -rfE $FILES \
-        --deselect tests/test_architecture.py::test_package_type_checks > "$OUT/suite.log" 2>&1
+    LIST=${TESTS_FILE:-$(mktemp)}
+    [ -n "${TESTS_FILE:-}" ] || ls tests/test_*.py | grep -v test_cuda.py > "$LIST"
+    ( OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 pin 2-$((CORES - 1)) timeout "${SUITE_S:-300}" xargs -d '\n' -a "$LIST" \
+        python3 -m pytest -v -p no:cacheprovider -n $((CORES - 2)) --dist worksteal --timeout "${TEST_S:-240}" \
+        -rfE --deselect tests/test_architecture.py::test_package_type_checks > "$OUT/suite.log" 2>&1
       echo "suite rc $?" >> "$OUT/suite.log" ) &
 fi
 {
     stamp "cuda tests"
     pin 0-1 timeout "${CUDA_S:-240}" python3 -m pytest -v -p no:cacheprovider -rfE tests/test_cuda.py \
-        tests/test_topk_family.py tests/test_threshold_sparsifiers.py -k "cuda or device"
+        tests/test_topk_family.py tests/test_threshold_sparsifiers.py -k "${CUDA_K:-cuda or device}"
     echo "cuda tests rc $?"
 } >> "$OUT/run.log" 2>&1
 wait
 stamp "suite done" >> "$OUT/run.log"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     {
-        stamp "gpu_step (optimizer)"
-        timeout "${BENCH_S:-150}" adacomp bench gpu_step --sites --out-dir "$OUT" ${GPU_STEP_ARGS:-}
-        echo "gpu_step rc $?"
-        stamp "gpu_step (hook)"
-        timeout "${BENCH_S:-150}" adacomp bench gpu_step --front hook --sites --out-dir "$OUT" \
-            ${HOOK_ARGS:---models gpt2_small}
-        echo "gpu_step hook rc $?"
+        if [ "${STEP:-1}" = 1 ]; then
+            stamp "gpu_step (optimizer)"
+            timeout "${BENCH_S:-150}" adacomp bench gpu_step --sites --out-dir "$OUT" ${GPU_STEP_ARGS:-}
+            echo "gpu_step rc $?"
+        fi
+        if [ "${HOOK:-1}" = 1 ]; then
+            stamp "gpu_step (hook)"
+            timeout "${BENCH_S:-150}" adacomp bench gpu_step --front hook --sites --out-dir "$OUT" \
+                ${HOOK_ARGS:---models gpt2_small}
+            echo "gpu_step hook rc $?"
+        fi
         if [ "${COMP:-0}" = 1 ]; then
             timeout "${BENCH_S:-150}" adacomp bench compressors --device cuda \
                 ${COMP_ARGS:---exps 20 22 24 26 28 --repeats 7 --budget 0.5} --out-dir "$RES"

@@ -219,8 +219,8 @@ def _distributed_worker(pg: str) -> dict[str, Any]:
     """What the tests below check, measured on this rank."""
     import torch.distributed as dist
     dev = DEV
-    if pg == "gloo":
-        dist.init_process_group("gloo")  # adacomp's torch backend takes the group that exists
+    if pg in ("gloo", "nccl"):
+        dist.init_process_group(pg)  # adacomp's torch backend takes the group that exists
     be = adacomp.init()
     out: dict[str, Any] = {"rank": be.rank(), "group": str(dist.get_backend())}
     ddp = _ddp_run(dev, STEPS, None)
@@ -249,10 +249,14 @@ def _check_distributed(results: list[dict[str, Any]]) -> None:
         assert all(torch.equal(r[key], results[0][key]) for r in results), key
 
 
-def test_nccl_one_process_both_front_ends_and_the_outer_loop() -> None:
+@pytest.mark.parametrize("pg", ["default", "nccl"])
+def test_nccl_one_process_both_front_ends_and_the_outer_loop(pg: str) -> None:
+    """``default``: the group adacomp makes (``cpu:gloo,cuda:nccl``); ``nccl``: the user's own
+    ``init_process_group("nccl")``, which has no CPU backend, so the vote, counts and the CPU run's
+    payloads travel through the GPU."""
     if DEV != "cuda":
         pytest.skip("NCCL needs a CUDA device (ADACOMP_TEST_CUDA_AS=cpu runs the gloo test only)")
-    res = run_workers(_distributed_worker, 1, "default", timeout=300)
+    res = run_workers(_distributed_worker, 1, pg, timeout=300)
     assert "nccl" in res[0]["group"], res[0]["group"]
     _check_distributed(res)
 

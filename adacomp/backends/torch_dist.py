@@ -169,6 +169,7 @@ class TorchBackend(Backend):
         if self._rank < 0:
             raise ValueError("backend 'torch': this process is not a member of the process group it was given")
         self._local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+        self._cpu_served: bool | None = None  # does the group have a backend for CPU tensors?
         self._next_port: int | None = None
         if self._owns_group and self._size > 1 and not _agent_store():
             # shutdown() then init() (Horovod allows it) must not meet rank 0's previous rendezvous
@@ -187,9 +188,32 @@ class TorchBackend(Backend):
     def local_rank(self) -> int:
         return self._local_rank
 
+    def _device(self, t: Tensor) -> torch.device:
+        """Where ``t``'s collective runs: its own device, unless it is a CPU tensor and the group has
+        no CPU backend (``init_process_group("nccl")`` serves CUDA tensors only). adacomp's vote,
+        counts and CPU-side payloads then go through the current CUDA device, as NCCL's own object
+        collectives do."""
+        if t.device.type != "cpu":
+            return t.device
+        if self._cpu_served is None:
+            from torch.distributed import distributed_c10d as c10d
+            pg = self._group if self._group is not None else c10d._get_default_group()
+            try:
+                pg._get_backend(torch.device("cpu"))
+                self._cpu_served = True
+            except RuntimeError:
+                self._cpu_served = False
+        if self._cpu_served:
+            return t.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _staged(self, t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``t`` on its collective's device (and widened to ``dtype``); ``t`` itself when neither changes."""
+        return t.to(device=self._device(t), dtype=dtype or t.dtype)
+
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
         wide = _WIDEN.get(tensor.dtype)
-        buf = tensor.to(wide) if wide else tensor
+        buf = self._staged(tensor, wide)
         work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         size = self._size
 
@@ -200,7 +224,7 @@ class TorchBackend(Backend):
                     buf.div_(size)
                 else:
                     buf.floor_divide_(size)
-            if wide:
+            if buf is not tensor:
                 tensor.copy_(buf)
             return tensor
         return Handle(wait, work.is_completed)
@@ -211,19 +235,21 @@ class TorchBackend(Backend):
         if len(sizes) != self._size:
             raise ValueError(f"sizes has {len(sizes)} entries for a world of {self._size}")
         rows = max(sizes)
-        padded = _bits(_pad_rows(tensor.contiguous(), rows))
+        padded = _bits(_pad_rows(self._staged(tensor.contiguous()), rows))
         outs = [torch.empty_like(padded) for _ in range(self._size)]
         work = dist.all_gather(outs, padded, group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
             if all(s == rows for s in sizes):
-                return torch.cat(outs).view(tensor.dtype)
-            return torch.cat([o[:s] for o, s in zip(outs, sizes)]).view(tensor.dtype)
+                out = torch.cat(outs).view(tensor.dtype)
+            else:
+                out = torch.cat([o[:s] for o, s in zip(outs, sizes)]).view(tensor.dtype)
+            return out.to(tensor.device)
         return Handle(wait, work.is_completed)
 
     def allgather_sizes(self, n: int) -> list[int]:
-        t = torch.tensor([n], dtype=torch.int64)
+        t = self._staged(torch.tensor([n], dtype=torch.int64))
         outs = [torch.empty_like(t) for _ in range(self._size)]
         dist.all_gather(outs, t, group=self._group)
         return [int(o.item()) for o in outs]
@@ -233,7 +259,7 @@ class TorchBackend(Backend):
         counts, recv = check_alltoall(tensor, splits, recv_splits, self._size)
         if recv is None:
             recv = self.alltoall_splits(counts)
-        send = tensor.detach().contiguous()
+        send = self._staged(tensor.detach().contiguous())
         out = torch.empty((sum(recv),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(_bits(out), _bits(send),
                                       output_split_sizes=recv, input_split_sizes=counts, group=self._group,
@@ -241,21 +267,24 @@ class TorchBackend(Backend):
 
         def wait() -> Tensor:
             work.wait()
-            return out
+            return out.to(tensor.device)
         return Handle(wait, work.is_completed)
 
     def alltoall_splits(self, splits: list[int]) -> list[int]:
-        # CPU counts: gloo serves CPU tensors in the "cpu:gloo,cuda:nccl" group (as allgather_sizes).
-        send = torch.tensor(check_splits(splits, self._size, "alltoall splits"), dtype=torch.int64)
+        # CPU counts: gloo serves them in the "cpu:gloo,cuda:nccl" group; an NCCL-only group via _staged.
+        send = self._staged(torch.tensor(check_splits(splits, self._size, "alltoall splits"), dtype=torch.int64))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self._group)
         return [int(x) for x in recv.tolist()]
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
-        work = dist.broadcast(_bits(tensor), src=self._global(root), group=self._group, async_op=True)
+        buf = self._staged(tensor)
+        work = dist.broadcast(_bits(buf), src=self._global(root), group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
+            if buf is not tensor:
+                tensor.copy_(buf)
             return tensor
         return Handle(wait, work.is_completed)
 
@@ -263,13 +292,12 @@ class TorchBackend(Backend):
         """Native MIN / MAX / PRODUCT reductions (the generic version gathers every rank's copy)."""
         if op not in _REDUCE_OPS:
             return super().reduce_async(tensor, op)  # the generic version names the valid ops
-        wide = _WIDEN.get(tensor.dtype)
-        buf = tensor.to(wide) if wide else tensor
+        buf = self._staged(tensor, _WIDEN.get(tensor.dtype))
         work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=self._group, async_op=True)
 
         def wait() -> Tensor:
             work.wait()
-            if wide:
+            if buf is not tensor:
                 tensor.copy_(buf)
             return tensor
         return Handle(wait, work.is_completed)
