@@ -13,6 +13,9 @@ def _grads(name: str) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     import torch.nn.functional as F
     from adacomp.tools.baselines import ddp_baseline
+    # a CPU model: on a GPU host torch's PowerSGD hook would synchronise CUDA on a CPU device
+    # (check_powersgd_device); hiding the GPU before CUDA starts keeps the run what CI runs
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -52,6 +55,15 @@ def test_powersgd_hook_runs_and_agrees_across_ranks() -> None:
         assert torch.equal(res[0][n], res[1][n])
         assert int(torch.linalg.matrix_rank(res[0][n])) == 1  # rank-1 P Q^T, not the dense mean
         assert int(torch.linalg.matrix_rank(_mean_local(res, n))) > 1
+
+
+def test_powersgd_baseline_of_a_cpu_model_on_a_gpu_host_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adacomp.tools.baselines import check_powersgd_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
+        check_powersgd_device(torch.nn.Linear(2, 2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_powersgd_device(torch.nn.Linear(2, 2))
 
 
 def test_unknown_baseline() -> None:

@@ -227,7 +227,10 @@ def _distributed_worker(pg: str) -> dict[str, Any]:
     for front in ("optimizer", "hook"):
         out[f"none_{front}_equals_ddp"] = torch.equal(_front_end_run(front, NONE, dev, STEPS), ddp)
         gpu = _front_end_run(front, TOPK, dev, STEPS)
-        cpu = _front_end_run(front, TOPK, "cpu", STEPS)
+        # DDP itself cannot put a CPU model on an NCCL-only group (no CPU backend): the hook's
+        # CPU reference is then the optimizer's CPU run, which adacomp stages through the GPU
+        cpu = out["topk_cpu"] if front == "hook" and pg == "nccl" else _front_end_run(front, TOPK, "cpu", STEPS)
+        out["topk_cpu"] = cpu
         out[f"topk_{front}_rel"] = rel(gpu, cpu, flat(model()))
         out[f"topk_{front}"] = gpu
     local = {"local_steps": {"every": 2, "outer_optimizer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}},

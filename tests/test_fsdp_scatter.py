@@ -335,3 +335,18 @@ def test_bench_fsdp_writes_every_arm(tmp_path: Path) -> None:
     dense = payload["FSDP2 (native reduce-scatter)"]
     assert payload["FSDP2 + adacomp Top-k 1 %"] < dense / 10
     assert 0.45 * dense < payload["FSDP2 + adacomp bf16 cast"] < 0.6 * dense  # tensors under min_numel stay fp32
+
+
+def test_param_groups_read_both_layouts_of_fsdp2_state() -> None:
+    """torch 2.13 keeps a unit's param groups in a list (``_fsdp_param_groups``); torch 2.11 (the lent
+    GPU's) in one optional ``_fsdp_param_group``. The unit layout reads either."""
+    from types import SimpleNamespace
+
+    from adacomp.engine.fsdp import _param_groups
+
+    def unit(**state: object) -> SimpleNamespace:
+        return SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+
+    assert _param_groups(unit(_fsdp_param_groups=["a", "b"])) == ["a", "b"]
+    assert _param_groups(unit(_fsdp_param_group="a")) == ["a"]
+    assert _param_groups(unit(_fsdp_param_group=None)) == []

@@ -23,6 +23,7 @@ import adacomp.ddp
 from adacomp.bench.common import (RESULTS, add_mlp_arguments, alternating_blocks, bench_command, start_mlp_job,
                                   write_result)
 from adacomp.models import MLP
+from adacomp.tools.baselines import check_powersgd_device
 
 LAUNCH = "adacomp run -np 2 -- adacomp bench ddp_hook"  # or torchrun / mpirun / horovodrun
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             model.register_comm_hook(state, hook)
         return register
 
+    check_powersgd_device(ref)
     arms: dict[str, Callable[[], None]] = {
         "DDP": ddp_arm(None),
         "DDP + fp16 hook": ddp_arm(lambda m: m.register_comm_hook(None, default_hooks.fp16_compress_hook)),

@@ -88,6 +88,9 @@ def _build_arm(arm: str, model: nn.Module, args: argparse.Namespace) -> tuple[An
         if arm == "ddp":
             return net, opt, lambda: dense
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+        from adacomp.tools.baselines import check_powersgd_device
+        check_powersgd_device(model)
         state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                                  start_powerSGD_iter=args.start_iter, min_compression_rate=2, random_seed=0)
         net.register_comm_hook(state, ph.powerSGD_hook)

@@ -178,6 +178,24 @@ class _Gradients:
         return True
 
 
+def _native_reduce_scatter() -> Any:
+    """torch.distributed's single-tensor reduce-scatter: ``reduce_scatter_single`` from torch 2.12
+    (which deprecates the old name), ``reduce_scatter_tensor`` before (the lent GPU's torch 2.11)."""
+    import torch.distributed as dist
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _param_groups(module: Any) -> list[Any]:
+    """A unit's FSDP param groups: a list from torch 2.12 (``_fsdp_param_groups``; per-parameter
+    meshes can make several), one optional ``_fsdp_param_group`` before."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        return [] if one is None else [one]
+    return list(groups)
+
+
 def _reduce_scatter_base() -> type:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     return ReduceScatter
@@ -208,7 +226,7 @@ class _Scatter:
         import torch.distributed as dist
         self.calls += 1
         if self.native:
-            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+            return _native_reduce_scatter()(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
         if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             raise RuntimeError(f"adacomp.fsdp (FSDP unit {self.name!r}): FSDP2 asked for reduce op {op!r}; adacomp "
                                "averages (AVG) or sums (SUM) only, so set_reduce_scatter_divide_factor / "
@@ -397,7 +415,7 @@ def _pieces(module: Any, names: dict[int, str], world: int) -> tuple[list[_Piece
     """The layout of a unit's reduce-scatter input, from its FSDP parameters (FSDP2 keeps them on
     its param group; there is no public accessor in torch 2.13)."""
     from torch.distributed.tensor import Shard
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    groups = _param_groups(module)
     if not groups:  # a unit whose parameters all belong to inner units (a root wrapper)
         return [], torch.float32
     if len(groups) != 1:

@@ -43,8 +43,20 @@ def _bf16(model: nn.Module) -> DistributedDataParallel:
     return ddp
 
 
+def check_powersgd_device(model: nn.Module) -> None:
+    """PyTorch's ``powerSGD_hook`` calls ``torch.cuda.synchronize(<bucket's device>)`` whenever CUDA
+    is available (powerSGD_hook.py, both decompress callbacks), which raises for a CPU bucket: on a
+    GPU host a CPU model under that hook fails at its first compressed step. Say so up front."""
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type == "cpu" and torch.cuda.is_available():
+        raise RuntimeError("PyTorch's powerSGD_hook synchronises CUDA on the bucket's device whenever CUDA is "
+                           "available, which fails for a CPU model; train this baseline on the GPU, or hide the "
+                           "GPU from the process (CUDA_VISIBLE_DEVICES=)")
+
+
 def _powersgd(model: nn.Module, rank: int = 1) -> DistributedDataParallel:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+    check_powersgd_device(model)
     # one bucket: torch's PowerSGD hook on several gloo buckets can issue its rounds in different
     # orders on different ranks (see adacomp/engine/ddp.py); a single bucket avoids that
     ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
@@ -65,4 +77,4 @@ def ddp_baseline(name: str, model: nn.Module) -> DistributedDataParallel:
     return BASELINES[name](model)
 
 
-__all__ = ["BASELINES", "bf16_hook", "ddp_baseline"]
+__all__ = ["BASELINES", "bf16_hook", "check_powersgd_device", "ddp_baseline"]
