@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._netns import needs_netns
+
 ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 600  # only against a hung run; no test here measures time
 
@@ -136,7 +138,7 @@ def test_throughput_bench_zoo_model(tmp_path):
     assert not (tmp_path / "throughput.csv").exists()  # the MLP tables are left alone
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
+@needs_netns
 def test_netem_experiment_bench(tmp_path):
     out = _run([*BENCH, "netem_experiment", "--hosts", "2", "--bandwidths", "200mbit",
                 "--arms", "dense", "topk_allgather", "--steps", "2", "--warmup", "1", "--inputs", "32",
@@ -201,7 +203,7 @@ def _tiny_fortunes(tmp_path):
     return text
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
+@needs_netns
 def test_hsdp_netem_tiny(tmp_path):
     """``adacomp bench hsdp_netem`` end to end at the tiny size: 2 emulated hosts x 2 ranks; every arm
     trained, bytes measured on the capped interfaces; Top-k's per-step cross-host bytes below FSDP2's
@@ -226,7 +228,7 @@ def test_hsdp_netem_tiny(tmp_path):
     assert "achz-" not in left
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces, tc)")
+@needs_netns
 def test_time_to_accuracy_lm_tiny(tmp_path):
     """The lm task end to end at the tiny size (a 2-layer transformer on a few KB of text standing in for
     Debian's fortunes): compute-only step and comm share, a DDP arm and a local-step arm (checked to have

@@ -21,24 +21,13 @@ from adacomp.netem import hosts as netem
 from adacomp.tools import netem_cmd
 from adacomp.errors import ConfigError
 from adacomp.netem.schedule import ScheduleController, load_schedule, parse_schedule, read_progress, report_step
+from tests._netns import needs_netns
 
 PREFIX = "acnt"
 TRANSFER = [sys.executable, "-m", "adacomp.bench.netem_transfer"]  # adacomp bench netem_transfer
 
 
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc); CI runs these as root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) not installed: apt-get install iproute2"
-    probe = f"{PREFIX}probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None if made.returncode == 0 else f"`ip netns add` fails here: {made.stderr.strip()}"
 
-
-_SKIP_REASON = _netns_unavailable()
-needs_netns = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
 
 
 # ---------------------------------------------------------------- no root needed
