@@ -45,7 +45,29 @@ from torch import Tensor
 
 from adacomp.compressors import _native
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for, largest_k, sample_value
+from adacomp.compressors.sparse import (BISECT_LEVELS, SparseCompressor, ThresholdCounter, k_for, largest_k,
+                                        sample_value)
+
+
+def adjust(thr: float, too_low: float | None, too_high: float | None, too_many: bool
+           ) -> tuple[float, float | None, float | None]:
+    """One step of the bounded correction loop (module docstring): up by 1.5x or down by 2x until
+    the count has been on both sides, then the geometric mean of the two nearest thresholds.
+    Returns the new ``(thr, too_low, too_high)``."""
+    if too_many:
+        return (thr * 1.5 if too_high is None else math.sqrt(thr * too_high)), thr, too_high
+    return (thr * 0.5 if too_low is None else math.sqrt(thr * too_low)), too_low, thr
+
+
+def adjust_thresholds(thr: float, too_low: float | None, too_high: float | None, levels: int) -> list[float]:
+    """Every threshold the adjustment may try in its next ``levels`` steps from this state, computed
+    as :func:`adjust` computes them: what :meth:`ThresholdCounter.prefetch` takes."""
+    if levels <= 0:
+        return []
+    out = [thr]
+    for too_many in (True, False):
+        out += adjust_thresholds(*adjust(thr, too_low, too_high, too_many), levels - 1)
+    return out
 
 
 @register("gaussiank")
@@ -83,19 +105,17 @@ class GaussianKCompressor(SparseCompressor):
         if not math.isfinite(thr) or thr <= 0.0:  # constant tensor: fall back to its magnitude
             thr = float(signed.abs().max()) * 0.5
         lo, hi = 2.0 * k / 3.0, 4.0 * k / 3.0
-        too_low, too_high = None, None  # thresholds known to pass too many / too few
-        for _ in range(self.max_adjust):
+        too_low: float | None = None  # thresholds known to pass too many / too few
+        too_high: float | None = None
+        for step in range(self.max_adjust):
             # below the kept floor, a kept set larger than hi decides the step without a pass
             bound = counter.lower_bound(thr) if counter is not None else 0
+            if counter is not None and counter.batched and bound <= hi and not counter.known(thr):
+                counter.prefetch(adjust_thresholds(thr, too_low, too_high, min(BISECT_LEVELS, self.max_adjust - step)))
             count = bound if bound > hi else count_above(thr)
             if lo <= count <= hi:
                 break
-            if count > hi:
-                too_low = thr
-                thr = thr * 1.5 if too_high is None else math.sqrt(thr * too_high)
-            else:
-                too_high = thr
-                thr = thr * 0.5 if too_low is None else math.sqrt(thr * too_low)
+            thr, too_low, too_high = adjust(thr, too_low, too_high, count > hi)
         return thr
 
     def select(self, flat: Tensor, name: str) -> Tensor:

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import LazyBest, Magnitudes, SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import (BISECT_LEVELS, LazyBest, Magnitudes, SparseCompressor, ThresholdCounter,
+                                        bisect_thresholds, k_for)
 
 
 @register("mstopk")
@@ -50,6 +51,10 @@ class MSTopkCompressor(SparseCompressor):
             counter = ThresholdCounter(mag, False, self._workspace())
         lo_val = float(mag.mean()) if mean is None else mean
         hi_val = float(mag.max()) if hi_val is None else hi_val
+        levels = min(BISECT_LEVELS, self.search_rounds)
+        if counter.batched:  # the count at the mean and either search's first levels: one host wait
+            counter.prefetch([lo_val, *bisect_thresholds(0.0, 1.0, lo_val, hi_val - lo_val, levels),
+                              *bisect_thresholds(0.0, 1.0, 0.0, hi_val, levels)])
         if not counter.at_least(lo_val, k):
             lo_val = 0.0
         span = hi_val - lo_val
@@ -57,7 +62,7 @@ class MSTopkCompressor(SparseCompressor):
         # a threshold below the kept floor whose count is known to exceed k moves the search up
         # without a pass; its error is only taken if it could still be the smallest
         seen = LazyBest(counter, lambda nnz: float(abs(nnz - k)))
-        for _ in range(self.search_rounds):
+        for step in range(self.search_rounds):
             ratio = 0.5 * (left + right)
             thr = lo_val + ratio * span
             bound = counter.lower_bound(thr)
@@ -65,6 +70,9 @@ class MSTopkCompressor(SparseCompressor):
                 seen.add(thr, None, bound)
                 left = ratio
                 continue
+            if counter.batched and not counter.known(thr):
+                counter.prefetch(bisect_thresholds(left, right, lo_val, span,
+                                                   min(BISECT_LEVELS, self.search_rounds - step)))
             nnz = counter.count(thr)
             seen.add(thr, nnz)
             if nnz == k:

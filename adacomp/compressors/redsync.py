@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import LazyBest, Magnitudes, SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import (BISECT_LEVELS, LazyBest, Magnitudes, SparseCompressor, ThresholdCounter,
+                                        bisect_thresholds, k_for)
 
 
 @register("redsync")
@@ -56,13 +57,17 @@ class RedSyncCompressor(SparseCompressor):
         mean = float(a.mean()) if mean is None else mean
         top = float(a.max()) if top is None else top
         base, span = mean, top - mean
+        levels = min(BISECT_LEVELS, self.max_steps)
+        if counter.batched:  # the count at the mean and either search's first levels: one host wait
+            counter.prefetch([mean, *bisect_thresholds(0.0, 1.0, base, span, levels),
+                              *bisect_thresholds(0.0, 1.0, 0.0, mean, levels)])
         if not counter.at_least(mean, k):  # search [0, mean] instead (see deviations)
             base, span = 0.0, mean
         lo, hi = 0.0, 1.0
         # a threshold below the kept floor whose count is known to reach 2k moves the search up
         # without a pass; its error is only needed if no later threshold lands in [k, 2k)
         seen = LazyBest(counter, lambda count: abs(math.log(max(count, 1) / k)))
-        for _ in range(self.max_steps):
+        for step in range(self.max_steps):
             mid = 0.5 * (lo + hi)
             thr = base + mid * span
             bound = counter.lower_bound(thr)
@@ -70,6 +75,8 @@ class RedSyncCompressor(SparseCompressor):
                 seen.add(thr, None, bound)
                 lo = mid
                 continue
+            if counter.batched and not counter.known(thr):
+                counter.prefetch(bisect_thresholds(lo, hi, base, span, min(BISECT_LEVELS, self.max_steps - step)))
             count = counter.count(thr)
             if k <= count < 2 * k:
                 return thr

@@ -120,6 +120,12 @@ def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
     only on the values, never on how a selection was computed (a prefilter, a sample, a device)."""
     if idx.numel() <= k:
         return idx
+    if mags.device.type in BATCHED_DEVICES:  # the same set with one host wait (the final index)
+        m = torch.where(torch.isnan(mags), math.inf, mags)
+        kth_t = torch.topk(m, k, sorted=False).values.min()
+        keep_t, ties = m > kth_t, m == kth_t
+        keep_t |= ties & (torch.cumsum(ties, 0) <= k - keep_t.sum())  # the lowest-index ties
+        return idx[keep_t]
     kth = _native.rth_largest_strided(mags, 1, k) if mags.numel() >= NATIVE_KTH_MIN and _native.usable(mags) else None
     if kth is None:  # torch answers (a NaN, no C library, another device)
         mags = nan_as_largest(mags)
@@ -141,6 +147,14 @@ def largest_k_values(idx: Tensor, mags: Tensor, k: int, flat: Tensor) -> tuple[T
     kept = largest_k(idx, mags, k)
     return kept, flat.index_select(0, kept)
 
+
+BATCHED_DEVICES = {"cuda"}
+"""Devices where :meth:`ThresholdCounter.prefetch` counts many thresholds per host wait: on a GPU
+each count read back stalls the host (hundreds per step for the threshold searches), on the CPU a
+count is a plain call and the C passes count one threshold per read anyway."""
+
+BISECT_LEVELS = 8
+"""Levels of a bisection's subtree :func:`bisect_thresholds` prefetches in one batch (255 thresholds)."""
 
 SAMPLE_LINE = 16
 """float32 elements per 64-byte cache line: the sample reads whole lines, so it costs the lines
@@ -184,10 +198,28 @@ def sampled_value(s: Tensor, fraction: float, absolute: bool = False) -> float:
         if value is not None:
             return value
     v = s.abs() if absolute else s
+    if v.device.type in BATCHED_DEVICES:  # one host wait: a NaN ranks lowest (a hint may come out -inf)
+        return float(torch.topk(torch.nan_to_num(v, nan=-math.inf, posinf=math.inf, neginf=-math.inf), r, sorted=False).values.min())
     v = v[~torch.isnan(v)]  # a NaN in the sample says nothing about where the numbers lie
     if v.numel() == 0:
         return math.nan
     return float(torch.topk(v, min(r, v.numel()), sorted=False).values.min())
+
+
+def bisect_thresholds(left: float, right: float, base: float, span: float, levels: int) -> list[float]:
+    """The thresholds ``base + mid * span`` a bisection of ``[left, right]`` (``mid`` the interval's
+    midpoint, halved either way) may visit in its next ``levels`` steps, computed as the search
+    computes them (the midpoints are dyadic, so exact): what :meth:`ThresholdCounter.prefetch` takes."""
+    out: list[float] = []
+    frontier = [(left, right)]
+    for _ in range(max(0, levels)):
+        nxt = []
+        for lo, hi in frontier:
+            mid = 0.5 * (lo + hi)
+            out.append(base + mid * span)
+            nxt += [(lo, mid), (mid, hi)]
+        frontier = nxt
+    return out
 
 
 class Magnitudes:
@@ -201,6 +233,7 @@ class Magnitudes:
         search counts on ``flat`` with absolute answers (:meth:`search_counter`): one write of the
         tensor less."""
         self.flat = flat
+        self._together: list[float] | None = None
         fast = flat.dtype == torch.float32 and flat.numel() and _native.usable(flat)
         if fast and not write:
             stats = _native.abs_stats(flat, None)
@@ -224,16 +257,33 @@ class Magnitudes:
         assert self.a is not None  # the stats are known whenever a was not written
         return self.a
 
+    def _read_together(self) -> list[float] | None:
+        """max, min and mean read back at once where :data:`BATCHED_DEVICES` makes each read a host
+        wait (the same reductions, so the same values as one by one)."""
+        a = self.written()
+        if a.device.type not in BATCHED_DEVICES:
+            return None
+        if self._together is None:
+            self._together = torch.stack([a.max(), a.min(), a.mean()]).tolist()
+        return self._together
+
     def max(self) -> float:
-        return self._stats.max if self._stats is not None else float(self.written().max())
+        if self._stats is not None:
+            return self._stats.max
+        both = self._read_together()
+        return both[0] if both is not None else float(self.written().max())
 
     def min(self) -> float:
-        return self._stats.min if self._stats is not None else float(self.written().min())
+        if self._stats is not None:
+            return self._stats.min
+        both = self._read_together()
+        return both[1] if both is not None else float(self.written().min())
 
     def mean(self) -> float:
         if self._stats is not None and self._stats.mean is not None:
             return self._stats.mean
-        return float(self.written().mean())
+        both = self._read_together()
+        return both[2] if both is not None else float(self.written().mean())
 
     def argmax(self) -> Tensor:
         """The first position of the largest magnitude, as a one-element int64 tensor."""
@@ -296,6 +346,11 @@ class ThresholdCounter:
         self.nan_kept = False  # the kept set holds NaNs too (compact(keep_nan=True))
         self._kept_counter: Callable[[float], int] | None = None  # over ``vals``, bound by adopt()
         self._full_counter: Callable[[float], int] | None = None  # over ``a``, bound on first use
+        # float32 only: torch compares other floating dtypes with a scalar in their op-math type
+        self.batched = a.device.type in BATCHED_DEVICES and a.dtype == torch.float32
+        self._counts: dict[float, int] = {}  # prefetched counts by threshold
+        self.reads = 0  # counts read back one by one or in a batch: a host wait each on a GPU
+        self._sorted: dict[str, Tensor] = {}  # ascending kept values / a, for prefetch's searchsorted
 
     @property
     def mask(self) -> Tensor:
@@ -340,8 +395,49 @@ class ThresholdCounter:
         its counts go through a function bound here once (searches count dozens of thresholds)."""
         self.idx, self.vals, self.floor = idx, vals, floor
         self._kept_counter = _native.counter(vals, self._kept_mode) if self.native else None
+        self._sorted.pop("kept", None)
+
+    def prefetch(self, thrs: list[float]) -> None:
+        """Count ``thrs`` in one batch where :data:`BATCHED_DEVICES` says host waits are dear: the
+        kept values (or, before any compaction, ``a``) sorted once, every count one ``searchsorted``,
+        all read back together. The counts are exact (the same float32 comparisons as :meth:`count`),
+        so a search that prefetches the thresholds it may visit takes the same path. Thresholds
+        below the kept floor, and sets holding a NaN, stay with :meth:`count`."""
+        if not self.batched:
+            return
+        todo = list(dict.fromkeys(t for t in thrs if t not in self._counts and math.isfinite(t)))
+        if self.floor is not None:
+            todo = [t for t in todo if self.covers(t)]
+            key, src = "kept", self.vals
+            if self.nan_kept:
+                return
+        else:
+            key, src = "full", self.a.abs() if self.prefix else self.a
+        if not todo or src is None:
+            return
+        ordered = self._sorted.get(key)
+        if ordered is None:
+            ordered = self._sorted[key] = torch.sort(src.reshape(-1)).values
+        n = ordered.numel()
+        q = torch.tensor(todo, dtype=ordered.dtype, device=ordered.device)  # rounded as torch rounds a scalar
+        below = torch.searchsorted(ordered, q, right=self.strict)  # elements not passing each threshold
+        nan_last = torch.isnan(ordered[-1:]).to(below.dtype) if n else below.new_zeros(1)
+        got = torch.cat([n - below, nan_last]).tolist()  # the one host wait
+        self.reads += 1
+        if got[-1]:  # a NaN sorts last and would pass every searchsorted bound: count one by one
+            self.batched = False
+            return
+        self._counts.update(zip(todo, got[:-1]))
+
+    def known(self, thr: float) -> bool:
+        """Whether :meth:`prefetch` already counted ``thr``."""
+        return thr in self._counts
 
     def count(self, thr: float) -> int:
+        known = self._counts.get(thr)
+        if known is not None:
+            return known
+        self.reads += 1
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
             if self._kept_counter is not None:  # the kept values are magnitudes when absolute

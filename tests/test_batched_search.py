@@ -1,0 +1,178 @@
+"""The threshold searches' batched counts (``ThresholdCounter.prefetch``, used where each count read
+back is a host wait: on a GPU): every searched threshold, and so every selection, is bitwise the
+one-by-one search's, with far fewer reads. Run on the CPU by listing it in ``BATCHED_DEVICES``."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from adacomp.compressors import sparse
+from adacomp.compressors.gaussiank import GaussianKCompressor, adjust, adjust_thresholds
+from adacomp.compressors.mstopk import MSTopkCompressor
+from adacomp.compressors.redsync import RedSyncCompressor
+from adacomp.compressors.sparse import Magnitudes, ThresholdCounter, bisect_thresholds
+from adacomp.compressors.workspace import Workspace
+
+
+def _tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for n in (3_000, 70_000, 300_000):  # below and above the 2^16 compaction size
+        normal = torch.randn(n, generator=g)
+        out += [(f"normal{n}", normal),
+                (f"laplace{n}", torch.distributions.Laplace(0.0, 1.0).sample((n,))),
+                (f"student{n}", torch.distributions.StudentT(2.0).sample((n,))),
+                (f"ties{n}", torch.round(normal * 4) / 4),  # many equal magnitudes at every threshold
+                (f"sparse{n}", normal * (torch.rand(n, generator=g) < 0.02))]  # mostly exact zeros
+    return out
+
+
+TENSORS = _tensors()
+
+
+def _search(kind: str, flat: torch.Tensor, density: float) -> tuple[float, int]:
+    """The searched threshold and the counter's reads, as the compressor's select() runs it."""
+    ws = Workspace()
+    k = max(1, int(flat.numel() * density))
+    if kind == "gaussiank":
+        c = GaussianKCompressor(density)
+        counter = ThresholdCounter.for_search(flat.abs(), True, density, ws)
+        return c.threshold(flat.abs(), flat, k, counter), counter.reads
+    m = Magnitudes(flat, ws)
+    strict = kind == "redsync"
+    counter = m.search_counter(strict, density, ws)
+    if kind == "mstopk":
+        return MSTopkCompressor(density).threshold(m.written() if m.a is not None else flat, k, counter,
+                                                   m.max(), m.mean()), counter.reads
+    return RedSyncCompressor(density).threshold(m.a if m.a is not None else flat, k, counter,
+                                                m.max(), m.mean()), counter.reads
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C passes", "torch"])
+@pytest.mark.parametrize("kind", ["mstopk", "redsync", "gaussiank"])
+def test_batched_search_takes_the_same_path_with_fewer_reads(kind: str, native: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADACOMP_NATIVE", "1" if native else "0")
+    one_by_one, batched = 0, 0
+    for name, flat in TENSORS:
+        for density in (0.001, 0.01, 0.1):
+            monkeypatch.setattr(sparse, "BATCHED_DEVICES", set())
+            thr, reads = _search(kind, flat, density)
+            monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+            thr_b, reads_b = _search(kind, flat, density)
+            assert thr_b == thr, (name, density)
+            one_by_one, batched = one_by_one + reads, batched + reads_b
+    if kind == "gaussiank":  # five corrections at most: one batch covers them all
+        assert batched <= one_by_one
+    else:  # 20-25 bisection steps in batches of 8 levels
+        assert batched * 2 < one_by_one, (batched, one_by_one)
+
+
+@pytest.mark.parametrize("kind", ["mstopk", "redsync", "gaussiank"])
+def test_batched_selection_is_bitwise(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the compressors' own select() (their Magnitudes read back together, the samples
+    ranking a NaN lowest): the same indices."""
+    from adacomp.compressors import get
+    flat = TENSORS[7][1]
+    for batched in (set(), {"cpu"}):
+        monkeypatch.setattr(sparse, "BATCHED_DEVICES", batched)
+        got = get(kind, density=0.01).select(flat, "w")
+        if not batched:
+            ref = got
+    assert torch.equal(got, ref)
+
+
+def test_prefetch_counts_equal_the_comparisons_at_float32_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thresholds a hair either side of a stored value (doubles that round onto it in float32), -0.0,
+    +-inf, and a kept set: ``>=`` and ``>`` counts as torch's comparisons give them."""
+    monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+    a = torch.tensor([0.0, -0.0, 1.0, 1.0, 0.1, 2.5, math.inf, 3.0, 0.1], dtype=torch.float32).abs()
+    v = float(torch.tensor(0.1, dtype=torch.float32))
+    thrs = [0.0, -0.0, v, math.nextafter(v, 1), math.nextafter(v, -1), 0.1, 1.0, 2.9999999999, math.inf, 10.0]
+    for strict in (False, True):
+        for floor in (None, 0.05):
+            counter = ThresholdCounter(a, strict, Workspace())
+            if floor is not None:
+                counter.compact(floor)
+            counter.prefetch(thrs)
+            for t in thrs:
+                want = int((a > t).sum()) if strict else int((a >= t).sum())
+                assert counter.count(t) == want, (strict, floor, t)
+
+
+def test_a_nan_turns_batching_off_and_counts_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+    a = torch.tensor([1.0, math.nan, 3.0, 0.5])
+    counter = ThresholdCounter(a, False, Workspace())
+    counter.prefetch([0.7, 2.0])
+    assert not counter.batched and not counter.known(0.7)
+    assert counter.count(0.7) == 2 and counter.count(2.0) == 1
+
+
+def test_the_enumerated_thresholds_are_the_ones_the_searches_compute() -> None:
+    """Every path of a bisection / of Gaussian-k's corrections passes only thresholds the
+    enumeration listed (the same doubles, so prefetched counts are found)."""
+    base, span, levels = 0.37, 1.9, 6
+    listed = set(bisect_thresholds(0.0, 1.0, base, span, levels))
+    for path in range(1 << levels):
+        lo, hi = 0.0, 1.0
+        for bit in range(levels):
+            mid = 0.5 * (lo + hi)
+            assert base + mid * span in listed
+            lo, hi = (mid, hi) if path >> bit & 1 else (lo, mid)
+    listed = set(adjust_thresholds(0.8, None, None, 5))
+    assert len(listed) == 31
+    for path in range(1 << 5):
+        state: tuple[float, float | None, float | None] = (0.8, None, None)
+        for bit in range(5):
+            assert state[0] in listed
+            state = adjust(*state, bool(path >> bit & 1))
+
+
+def test_largest_k_with_one_host_wait_is_the_canonical_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ties at the k-th magnitude to the lowest indices, NaN above every number: the device-side
+    tie fill picks what the one-by-one path picks."""
+    from adacomp.compressors.sparse import largest_k
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        n = int(torch.randint(10, 5000, (1,), generator=g))
+        mags = torch.round(torch.rand(n, generator=g) * 8) / 8  # heavy ties
+        if trial % 3 == 0:
+            mags[torch.randint(n, (3,), generator=g)] = math.nan
+        idx = torch.sort(torch.randperm(4 * n, generator=g)[:n]).values
+        for k in (1, n // 7 + 1, n // 2, n - 1):
+            monkeypatch.setattr(sparse, "BATCHED_DEVICES", set())
+            ref = largest_k(idx, mags, k)
+            monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+            assert torch.equal(largest_k(idx, mags, k), ref), (trial, k)
+
+
+@pytest.mark.parametrize("method", ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"])
+def test_training_with_batched_counts_is_bitwise(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five steps with error feedback through the optimizer (tensors above and below the 2^16
+    compaction size): the same parameters with the GPU's batched counts as without."""
+    import adacomp
+    from adacomp.backends.base import LocalBackend
+    from adacomp.bench.zoo import arm_config
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+        cfg, _ = arm_config(method)
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                           config={**cfg, "min_numel": 0}, backend=LocalBackend())
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            opt.zero_grad()
+            x, y = torch.randn(32, 512, generator=g), torch.randint(0, 10, (32,), generator=g)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        opt.remove_hooks()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    monkeypatch.setattr(sparse, "BATCHED_DEVICES", set())
+    ref = run()
+    monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+    assert torch.equal(run(), ref)
