@@ -179,15 +179,16 @@ class _Gradients:
 
 
 def _native_reduce_scatter() -> Any:
-    """torch.distributed's single-tensor reduce-scatter: ``reduce_scatter_single`` from torch 2.12
-    (which deprecates the old name), ``reduce_scatter_tensor`` before (the lent GPU's torch 2.11)."""
+    """torch.distributed's single-tensor reduce-scatter: ``reduce_scatter_single`` since the rename in
+    pytorch/pytorch#186123 (torch 2.13 here; the old name is its alias), ``reduce_scatter_tensor`` only
+    before it (the lent GPU's torch 2.11, where every adacomp FSDP2 test failed on this name)."""
     import torch.distributed as dist
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _param_groups(module: Any) -> list[Any]:
-    """A unit's FSDP param groups: a list from torch 2.12 (``_fsdp_param_groups``; per-parameter
-    meshes can make several), one optional ``_fsdp_param_group`` before."""
+    """A unit's FSDP param groups: a list in torch 2.13 (``_fsdp_param_groups``; per-parameter
+    meshes can make several), one optional ``_fsdp_param_group`` in older releases."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
