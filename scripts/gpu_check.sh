@@ -6,7 +6,8 @@
 #   3. then, on a quiet host: one training step per method (`adacomp bench gpu_step`, with host-wait sites
 #      and the heaviest kernels), the same through the DDP hook on NCCL (`--front hook`), and optionally
 #      the compressors against the memory floor (COMP=1).
-# Results go to ${OUT:-gpu_out}/: run.log (tests, benches), suite.log, the benches' JSON / markdown.
+# Results go to ${OUT:-gpu_out}/: run.log (tests, benches), suite.log, failures.log (each failure's
+# traceback as it happens: a suite cut off by SUITE_S prints no summary), the benches' JSON / markdown.
 # SUITE_S bounds the suite, BENCH_S each bench (seconds); SKIP_SUITE=1 leaves the suite out, SKIP_BENCH=1
 # the benches (STEP=0 / HOOK=0 one of them); TESTS_FILE=f runs the test ids listed in f (one per line)
 # instead of the whole suite; CUDA_K selects CUDA tests (pytest -k, default "cuda or device").
@@ -26,7 +27,7 @@ stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 if [ "${SKIP_SUITE:-0}" != 1 ] && [ "$CORES" -ge 8 ]; then
     LIST=${TESTS_FILE:-$(mktemp)}
     [ -n "${TESTS_FILE:-}" ] || ls tests/test_*.py | grep -v test_cuda.py > "$LIST"
-    ( OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 pin 2-$((CORES - 1)) timeout "${SUITE_S:-300}" xargs -d '\n' -a "$LIST" \
+    ( ADACOMP_FAIL_LOG=$OUT/failures.log OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 pin 2-$((CORES - 1)) timeout "${SUITE_S:-300}" xargs -d '\n' -a "$LIST" \
         python3 -m pytest -v -p no:cacheprovider -n $((CORES - 2)) --dist worksteal --timeout "${TEST_S:-240}" \
         -rfE --deselect tests/test_architecture.py::test_package_type_checks > "$OUT/suite.log" 2>&1
       echo "suite rc $?" >> "$OUT/suite.log" ) &

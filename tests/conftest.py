@@ -4,6 +4,7 @@ runs the single-process tests only. ``make test`` runs everything. Marked here, 
 does, so a new multi-process test cannot be forgotten."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if spawns(Path(str(item.fspath))):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """``ADACOMP_FAIL_LOG=file``: each failure's report appended to ``file`` as it happens (with
+    xdist, on the controller), so a run cut off by a time limit (a lent GPU's lease) keeps the
+    tracebacks pytest would only print at the end."""
+    path = os.environ.get("ADACOMP_FAIL_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 @pytest.fixture(params=["avx2", "baseline"])
