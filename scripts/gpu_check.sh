@@ -39,7 +39,11 @@ fi
     echo "cuda tests rc $?"
 } >> "$OUT/run.log" 2>&1
 wait
-stamp "suite done" >> "$OUT/run.log"
+# a suite cut off by `timeout` leaves its xdist workers and their gloo ranks running: end them all,
+# so the benches below get the quiet host they are meant to (the load average goes in the log)
+pkill -9 -f "pytest" 2>/dev/null; pkill -9 -f "tests/_dist|torch.distributed.run|adacomp.tools.cli run" 2>/dev/null
+sleep 2
+stamp "suite done; load average $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/run.log"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     {
         if [ "${STEP:-1}" = 1 ]; then
