@@ -1,6 +1,6 @@
 """The threshold searches' batched counts (``ThresholdCounter.prefetch``, used where each count read
 back is a host wait: on a GPU): every searched threshold, and so every selection, is bitwise the
-one-by-one search's, with far fewer reads. Run on the CPU by listing it in ``BATCHED_DEVICES``."""
+one-by-one search's, with far fewer reads. Run on the CPU with ``adacomp.devices.EMULATE``."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from adacomp.compressors import sparse
+from adacomp import devices
 from adacomp.compressors.gaussiank import GaussianKCompressor, adjust, adjust_thresholds
 from adacomp.compressors.mstopk import MSTopkCompressor
 from adacomp.compressors.redsync import RedSyncCompressor
@@ -58,9 +58,9 @@ def test_batched_search_takes_the_same_path_with_fewer_reads(kind: str, native: 
     one_by_one, batched = 0, 0
     for name, flat in TENSORS:
         for density in (0.001, 0.01, 0.1):
-            monkeypatch.setattr(sparse, "BATCHED_DEVICES", set())
+            monkeypatch.setattr(devices, "EMULATE", False)
             thr, reads = _search(kind, flat, density)
-            monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+            monkeypatch.setattr(devices, "EMULATE", True)
             thr_b, reads_b = _search(kind, flat, density)
             assert thr_b == thr, (name, density)
             one_by_one, batched = one_by_one + reads, batched + reads_b
@@ -76,8 +76,8 @@ def test_batched_selection_is_bitwise(kind: str, monkeypatch: pytest.MonkeyPatch
     ranking a NaN lowest): the same indices."""
     from adacomp.compressors import get
     flat = TENSORS[7][1]
-    for batched in (set(), {"cpu"}):
-        monkeypatch.setattr(sparse, "BATCHED_DEVICES", batched)
+    for batched in (False, True):
+        monkeypatch.setattr(devices, "EMULATE", batched)
         got = get(kind, density=0.01).select(flat, "w")
         if not batched:
             ref = got
@@ -87,7 +87,7 @@ def test_batched_selection_is_bitwise(kind: str, monkeypatch: pytest.MonkeyPatch
 def test_prefetch_counts_equal_the_comparisons_at_float32_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Thresholds a hair either side of a stored value (doubles that round onto it in float32), -0.0,
     +-inf, and a kept set: ``>=`` and ``>`` counts as torch's comparisons give them."""
-    monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+    monkeypatch.setattr(devices, "EMULATE", True)
     a = torch.tensor([0.0, -0.0, 1.0, 1.0, 0.1, 2.5, math.inf, 3.0, 0.1], dtype=torch.float32).abs()
     v = float(torch.tensor(0.1, dtype=torch.float32))
     thrs = [0.0, -0.0, v, math.nextafter(v, 1), math.nextafter(v, -1), 0.1, 1.0, 2.9999999999, math.inf, 10.0]
@@ -103,7 +103,7 @@ def test_prefetch_counts_equal_the_comparisons_at_float32_boundaries(monkeypatch
 
 
 def test_a_nan_turns_batching_off_and_counts_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+    monkeypatch.setattr(devices, "EMULATE", True)
     a = torch.tensor([1.0, math.nan, 3.0, 0.5])
     counter = ThresholdCounter(a, False, Workspace())
     counter.prefetch([0.7, 2.0])
@@ -143,9 +143,9 @@ def test_largest_k_with_one_host_wait_is_the_canonical_set(monkeypatch: pytest.M
             mags[torch.randint(n, (3,), generator=g)] = math.nan
         idx = torch.sort(torch.randperm(4 * n, generator=g)[:n]).values
         for k in (1, n // 7 + 1, n // 2, n - 1):
-            monkeypatch.setattr(sparse, "BATCHED_DEVICES", set())
+            monkeypatch.setattr(devices, "EMULATE", False)
             ref = largest_k(idx, mags, k)
-            monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+            monkeypatch.setattr(devices, "EMULATE", True)
             assert torch.equal(largest_k(idx, mags, k), ref), (trial, k)
 
 
@@ -172,7 +172,7 @@ def test_training_with_batched_counts_is_bitwise(method: str, monkeypatch: pytes
         opt.remove_hooks()
         return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
-    monkeypatch.setattr(sparse, "BATCHED_DEVICES", set())
+    monkeypatch.setattr(devices, "EMULATE", False)
     ref = run()
-    monkeypatch.setattr(sparse, "BATCHED_DEVICES", {"cpu"})
+    monkeypatch.setattr(devices, "EMULATE", True)
     assert torch.equal(run(), ref)

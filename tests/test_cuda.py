@@ -142,7 +142,7 @@ def _syncs_per_step(method: str, layers: int) -> int:
 
     for _ in range(warm + 2):
         step()
-    waits = host_waits(step)
+    waits, _ = host_waits(step)  # (count, sites)
     opt.remove_hooks()
     return waits
 

@@ -192,29 +192,30 @@ class Arm:
         DEV.release()
 
 
-def host_waits(step: Callable[[], None]) -> tuple[int, collections.Counter[str]]:
-    """How often one step makes the host wait for the device (torch's sync debug mode; the step's
-    own closing synchronisation included), and where: the innermost adacomp frame of each wait
-    (``module:line function``). Waits inside backward stop the host queueing ahead."""
+def _site() -> str:
+    """The innermost adacomp frame of the current stack (``module:line function``), this file's aside."""
     import traceback
-    import warnings
-    sites: collections.Counter[str] = collections.Counter()
-    n = 0
     here = os.path.abspath(__file__)
     root = os.path.dirname(os.path.dirname(here))
+    for fr in reversed(traceback.extract_stack()):
+        f = os.path.abspath(fr.filename)
+        if f.startswith(root) and f != here:
+            return f"{os.path.relpath(f, os.path.dirname(root))}:{fr.lineno} {fr.name}"
+    return "(outside adacomp)"
+
+
+def host_waits(step: Callable[[], None]) -> tuple[int, collections.Counter[str]]:
+    """How often one step makes the host wait for the device, and where (:func:`_site` of each).
+    On CUDA: torch's sync debug mode (the step's own closing synchronisation included). Elsewhere:
+    :func:`emulated_reads`. Waits inside backward stop the host queueing ahead."""
+    import warnings
+    if not DEV.cuda:
+        return emulated_reads(step)
+    sites: collections.Counter[str] = collections.Counter()
 
     def show(message: Any, *a: Any, **k: Any) -> None:
-        nonlocal n
-        if "synchroniz" not in str(message):
-            return
-        n += 1
-        for fr in reversed(traceback.extract_stack()):
-            f = os.path.abspath(fr.filename)
-            if f.startswith(root) and f != here:
-                sites[f"{os.path.relpath(f, os.path.dirname(root))}:{fr.lineno} {fr.name}"] += 1
-                break
-        else:
-            sites["(outside adacomp)"] += 1
+        if "synchroniz" in str(message):
+            sites[_site()] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -224,7 +225,52 @@ def host_waits(step: Callable[[], None]) -> tuple[int, collections.Counter[str]]
             step()
         finally:
             DEV.sync_debug("default")
-    return n, sites
+    return sum(sites.values()), sites
+
+
+READS = frozenset({"_local_scalar_dense", "nonzero", "argwhere", "masked_select", "_unique2", "unique_dim",
+                   "unique_consecutive", "bincount", "repeat_interleave"})
+"""aten ops that read a result back to the host (``item``, ``float``, ``bool``) or size their output by
+the data: on a device, each one a wait."""
+
+
+def _bool_index(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+def emulated_reads(step: Callable[[], None]) -> tuple[int, collections.Counter[str]]:
+    """The reads of one step that would wait for a device, counted on the host, and where
+    (:func:`_site`): the aten ops of :data:`READS` and indexing by a mask (a dispatch mode, which
+    backward's hooks run under too), and ``Tensor.tolist`` / ``numpy`` (no aten op on the CPU).
+    Run with ``ADACOMP_EMULATE_ACCELERATOR=1 ADACOMP_NATIVE=0`` it counts the accelerators' code
+    path on the CPU. An upper bound: reads of tensors that stay on the host on a GPU count too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    sites: collections.Counter[str] = collections.Counter()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func.overloadpacket.__name__
+            if name in READS or (name in ("index", "index_put", "index_put_") and _bool_index(args[1])):
+                sites[_site()] += 1
+            return func(*args, **(kwargs or {}))
+
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            sites[_site()] += 1
+            return original(self, *a, **k)
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(original))
+    try:
+        with Reads():
+            step()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return sum(sites.values()), sites
 
 
 def heaviest_kernels(step: Callable[[], None], top: int = 12) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp import devices
 from adacomp.compressors import _native
 from adacomp.compressors.sparse import TINY, Workspace, nonzero_1d
 
@@ -59,7 +60,7 @@ def row_topk(mag: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def fast_eligible(tensor: Tensor) -> bool:
     """The CPU speed-ups apply (CUDA keeps the plain torch.topk calls; float64 would round in |x|)."""
-    return tensor.device.type == "cpu" and tensor.dtype in FAST_DTYPES
+    return not devices.reads_wait(tensor) and tensor.dtype in FAST_DTYPES
 
 
 class Candidates(NamedTuple):

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from adacomp import devices
 from adacomp.compressors.base import Payload, register
 from adacomp.compressors._rowtopk import fast_eligible, fast_row_topk, matrix_shape, row_topk
 from adacomp.compressors.sparse import SparseCompressor, SparseCtx, k_for, nonzero_1d
@@ -261,7 +262,7 @@ class ADTopkTCompressor(ADTopkCompressor):
         """Ascending indices of |flat| > thr. On CPU float32 |flat| and the mask go to scratch and
         the mask is read word by word (same float32 compare as the plain expression); other dtypes
         keep the plain expression, which compares in their own precision."""
-        if not self.fast_cpu or flat.device.type != "cpu" or flat.dtype != torch.float32:
+        if not self.fast_cpu or devices.reads_wait(flat) or flat.dtype != torch.float32:
             return torch.nonzero(flat.abs() > thr).view(-1)
         ws = self._workspace()
         mask = torch.gt(ws.magnitudes(flat), thr, out=ws.scratch("mask", flat.numel(), torch.bool, flat.device))

@@ -75,6 +75,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp import devices
 from adacomp.compressors import _native
 from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits
 from adacomp.compressors.base import Compressor, Payload, register
@@ -172,7 +173,7 @@ def chunk_select(body: Tensor, k: int) -> tuple[Tensor, Tensor]:
         if got is not None:
             return got
     mags = body.abs()
-    if body.device.type != "cpu":  # one device selection, no host round trip; ties as torch breaks them
+    if devices.reads_wait(body):  # one device selection, no host round trip; ties as torch breaks them
         idx = torch.topk(mags, k, dim=1, sorted=False).indices.sort(dim=1).values
     else:
         mags = nan_as_largest(mags)

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp import devices
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors import _native
 from adacomp.compressors._bitpack import decode, pack_bits
@@ -79,7 +80,7 @@ class EFSignSGDCompressor(Compressor):
         c: SignCtx = ctx
         scale, packed = payload
         if (type(self).decompress is EFSignSGDCompressor.decompress and c.dtype == torch.float32
-                and scale.dtype == torch.float32 and scale.device.type == "cpu" and tensor.is_contiguous()
+                and scale.dtype == torch.float32 and not devices.reads_wait(scale) and tensor.is_contiguous()
                 and out.is_contiguous()
                 and _native.sign_residual(tensor.view(-1), packed, float(scale), out.view(-1))):
             return out

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp import devices
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload
 from adacomp.compressors.workspace import RECYCLE_MIN_NUMEL, Workspace
@@ -93,7 +94,7 @@ def nonzero_1d(mask: Tensor, expected: float = 1.0) -> Tensor:
     (``expected`` fraction <= 1/32) whole 8-byte words are scanned first: torch's CPU nonzero costs
     about 1 ns per element, and most words of a sparse mask are zero."""
     n = mask.numel()
-    if mask.device.type != "cpu" or expected > 1 / 32 or n % 8 or n < 4096:
+    if devices.reads_wait(mask) or expected > 1 / 32 or n % 8 or n < 4096:
         return torch.nonzero(mask).view(-1)
     words = torch.nonzero(mask.view(torch.int64)).view(-1)
     rc = torch.nonzero(mask.view(-1, 8).index_select(0, words))
@@ -120,7 +121,7 @@ def largest_k(idx: Tensor, mags: Tensor, k: int) -> Tensor:
     only on the values, never on how a selection was computed (a prefilter, a sample, a device)."""
     if idx.numel() <= k:
         return idx
-    if mags.device.type in BATCHED_DEVICES:  # the same set with one host wait (the final index)
+    if devices.reads_wait(mags):  # the same set with one host wait (the final index)
         m = torch.where(torch.isnan(mags), math.inf, mags)
         kth_t = torch.topk(m, k, sorted=False).values.min()
         keep_t, ties = m > kth_t, m == kth_t
@@ -147,11 +148,6 @@ def largest_k_values(idx: Tensor, mags: Tensor, k: int, flat: Tensor) -> tuple[T
     kept = largest_k(idx, mags, k)
     return kept, flat.index_select(0, kept)
 
-
-BATCHED_DEVICES = {"cuda"}
-"""Devices where :meth:`ThresholdCounter.prefetch` counts many thresholds per host wait: on a GPU
-each count read back stalls the host (hundreds per step for the threshold searches), on the CPU a
-count is a plain call and the C passes count one threshold per read anyway."""
 
 BISECT_LEVELS = 8
 """Levels of a bisection's subtree :func:`bisect_thresholds` prefetches in one batch (255 thresholds)."""
@@ -198,7 +194,7 @@ def sampled_value(s: Tensor, fraction: float, absolute: bool = False) -> float:
         if value is not None:
             return value
     v = s.abs() if absolute else s
-    if v.device.type in BATCHED_DEVICES:  # one host wait: a NaN ranks lowest (a hint may come out -inf)
+    if devices.reads_wait(v):  # one host wait: a NaN ranks lowest (a hint may come out -inf)
         return float(torch.topk(torch.nan_to_num(v, nan=-math.inf, posinf=math.inf, neginf=-math.inf), r, sorted=False).values.min())
     v = v[~torch.isnan(v)]  # a NaN in the sample says nothing about where the numbers lie
     if v.numel() == 0:
@@ -258,10 +254,10 @@ class Magnitudes:
         return self.a
 
     def _read_together(self) -> list[float] | None:
-        """max, min and mean read back at once where :data:`BATCHED_DEVICES` makes each read a host
-        wait (the same reductions, so the same values as one by one)."""
+        """max, min and mean read back at once where each read is a host wait
+        (:func:`adacomp.devices.reads_wait`; the same reductions, so the same values as one by one)."""
         a = self.written()
-        if a.device.type not in BATCHED_DEVICES:
+        if not devices.reads_wait(a):
             return None
         if self._together is None:
             self._together = torch.stack([a.max(), a.min(), a.mean()]).tolist()
@@ -347,7 +343,7 @@ class ThresholdCounter:
         self._kept_counter: Callable[[float], int] | None = None  # over ``vals``, bound by adopt()
         self._full_counter: Callable[[float], int] | None = None  # over ``a``, bound on first use
         # float32 only: torch compares other floating dtypes with a scalar in their op-math type
-        self.batched = a.device.type in BATCHED_DEVICES and a.dtype == torch.float32
+        self.batched = devices.reads_wait(a) and a.dtype == torch.float32
         self._counts: dict[float, int] = {}  # prefetched counts by threshold
         self.reads = 0  # counts read back one by one or in a batch: a host wait each on a GPU
         self._sorted: dict[str, Tensor] = {}  # ascending kept values / a, for prefetch's searchsorted
@@ -398,7 +394,7 @@ class ThresholdCounter:
         self._sorted.pop("kept", None)
 
     def prefetch(self, thrs: list[float]) -> None:
-        """Count ``thrs`` in one batch where :data:`BATCHED_DEVICES` says host waits are dear: the
+        """Count ``thrs`` in one batch where a read-back is a host wait (:func:`adacomp.devices.reads_wait`): the
         kept values (or, before any compaction, ``a``) sorted once, every count one ``searchsorted``,
         all read back together. The counts are exact (the same float32 comparisons as :meth:`count`),
         so a search that prefetches the thresholds it may visit takes the same path. Thresholds

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from adacomp import devices
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
@@ -47,7 +48,7 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     if k >= n:
         return torch.arange(n, device=flat.device)
     if (workspace is None or n < PREFILTER_MIN_NUMEL or 4 * k > n or flat.dtype == torch.float64
-            or (flat.device.type != "cpu" and n < GPU_PREFILTER_MIN_NUMEL)):
+            or (devices.reads_wait(flat) and n < GPU_PREFILTER_MIN_NUMEL)):
         # float64 stays exact: the workspace's float32 magnitudes could create ties at the k-th value.
         # On a GPU torch.topk is one radix selection on the device, while the prefilter reads its
         # candidate count back (the host waits for the device): below GPU_PREFILTER_MIN_NUMEL that
@@ -100,7 +101,7 @@ class Candidates(NamedTuple):
 
 def _full_topk(mags: Tensor, k: int) -> Tensor:
     """:func:`largest_k` over every element (``mags``: the magnitudes of the whole tensor)."""
-    if mags.device.type != "cpu":  # one device selection, no host round trip; ties as torch breaks them
+    if devices.reads_wait(mags):  # one device selection, no host round trip; ties as torch breaks them
         return torch.topk(mags, k, sorted=False).indices.sort().values
     return largest_k(torch.arange(mags.numel()), mags, k)
 

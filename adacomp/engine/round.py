@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
+from adacomp import devices
 from adacomp.backends.base import Backend, Handle
 from adacomp.communicators.base import CommEnv
 from adacomp.engine import error_feedback
@@ -121,7 +122,7 @@ class Rounds:
         ahead (issue 33: ~0.1 ms per tensor on an H100). There the sum is kept on the device in
         float64, which no sum of float32 / float16 values overflows (so it is non-finite exactly when
         an element is), and all of them are read at once when the round votes."""
-        if g.device.type != "cpu" or Rounds.defer_on_cpu:
+        if devices.reads_wait(g) or Rounds.defer_on_cpu:
             st.finite_sums.append((name, g.sum(dtype=torch.float64)))
         elif not torch.isfinite(g.sum()) and not torch.isfinite(g).all():
             st.nonfinite.append(name)

@@ -1,0 +1,76 @@
+"""The accelerators' code path on the CPU (``adacomp.devices.EMULATE``, torch path): how often one
+step reads a result back to the host, which on a GPU is a wait for the device each time. A method
+whose reads grow with the number of tensors stalls the host inside backward (issue 33: the H100's
+sync counts, docs/results/cuda.md). Counted by ``adacomp.bench.gpu_step.emulated_reads``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adacomp
+from adacomp import devices
+from adacomp.backends.base import LocalBackend
+from adacomp.bench.gpu_step import emulated_reads
+from adacomp.bench.zoo import arm_config
+
+CONSTANT = ["fp32", "bf16", "topk", "adtopk", "adtopk_i", "powersgd", "acpsgd", "qsgd", "efsignsgd", "artopk",
+            "alltoall", "oktopk"]
+"""Methods whose step reads back a fixed number of times, whatever the number of tensors."""
+PER_TENSOR = {"mstopk": 5, "gaussiank": 5, "redsync": 4, "sidco": 3, "dgc": 4, "randomk": 2}
+"""The threshold searches and Random-k's draws: at most this many reads per compressed tensor."""
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "EMULATE", True)
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")  # the C passes serve CPU memory only
+
+
+def _reads(method: str, layers: int) -> int:
+    cfg, warm = arm_config(method)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(layers)])
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), net.named_parameters(),
+                                       config={**cfg, "min_numel": 0}, backend=LocalBackend())
+    x = torch.randn(8, 128)
+
+    def step() -> None:
+        opt.zero_grad()
+        net(x).square().mean().backward()  # the gradient hooks run in here
+        opt.step()
+
+    for _ in range(warm + 2):
+        step()
+    n, _ = emulated_reads(step)
+    opt.remove_hooks()
+    return n
+
+
+@pytest.mark.parametrize("method", CONSTANT)
+def test_reads_per_step_do_not_grow_with_the_number_of_tensors(method: str, accelerator_path: None) -> None:
+    few, many = _reads(method, 4), _reads(method, 16)
+    assert many == few and many <= 5, (method, few, many)
+
+
+@pytest.mark.parametrize("method", sorted(PER_TENSOR))
+def test_threshold_searches_read_a_few_times_per_tensor(method: str, accelerator_path: None) -> None:
+    few, many = _reads(method, 4), _reads(method, 16)
+    per_tensor = (many - few) / 12
+    assert 0 < per_tensor <= PER_TENSOR[method], (method, few, many)
+
+
+def test_the_counter_sees_reads_in_backward_hooks_and_tolist() -> None:
+    net = torch.nn.Linear(4, 4)
+
+    def hook(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        float(p.grad.sum())  # 1
+        p.grad[p.grad > 0]  # 2: a mask index
+        torch.nonzero(p.grad)  # 3
+        p.grad.tolist()  # 4
+        p.grad[torch.tensor([0, 1])]  # an index tensor: no read
+
+    handle = net.weight.register_post_accumulate_grad_hook(hook)
+    n, sites = emulated_reads(lambda: net(torch.randn(2, 4)).sum().backward())
+    handle.remove()
+    assert n == 4 and list(sites) == ["(outside adacomp)"]
