@@ -16,7 +16,7 @@ from adacomp.bench.zoo import arm_config
 CONSTANT = ["fp32", "bf16", "topk", "adtopk", "adtopk_i", "powersgd", "acpsgd", "qsgd", "efsignsgd", "artopk",
             "alltoall", "oktopk"]
 """Methods whose step reads back a fixed number of times, whatever the number of tensors."""
-PER_TENSOR = {"mstopk": 5, "gaussiank": 5, "redsync": 4, "sidco": 3, "dgc": 4, "randomk": 2}
+PER_TENSOR = {"mstopk": 5, "gaussiank": 5, "redsync": 4, "sidco": 3, "dgc": 4, "randomk": 1}
 """The threshold searches and Random-k's draws: at most this many reads per compressed tensor."""
 
 

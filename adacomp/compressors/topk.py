@@ -212,13 +212,14 @@ def distinct_uniform(n: int, k: int, gen: torch.Generator) -> Tensor:
             break
         more = max(64, int((k - uniq.numel()) * n / max(1, n - uniq.numel()) * 1.05) + 64)
         draws = torch.cat([draws, torch.randint(n, (more,), generator=gen, device=device)])
-    # first draw position of each distinct value; keep the k values that appeared first
-    first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.int64, device=device)
-    first.scatter_reduce_(0, inverse, torch.arange(draws.numel(), device=device), reduce="amin")
     if uniq.numel() == k:
         return uniq
-    cutoff = torch.kthvalue(first, k).values
-    return uniq[first <= cutoff]
+    # first draw position of each distinct value (all different); keep the k values that appeared
+    # first, ascending: a fixed-size selection, so no second read-back on a device
+    first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, inverse, torch.arange(draws.numel(), device=device), reduce="amin")
+    earliest = torch.topk(first, k, largest=False, sorted=False).indices
+    return uniq.index_select(0, earliest.sort().values)
 
 
 class RandomkCtx(NamedTuple):
