@@ -176,3 +176,13 @@ def test_training_with_batched_counts_is_bitwise(method: str, monkeypatch: pytes
     ref = run()
     monkeypatch.setattr(devices, "EMULATE", True)
     assert torch.equal(run(), ref)
+
+
+def test_a_count_between_two_equal_prefetched_counts_needs_no_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "EMULATE", True)
+    a = torch.tensor([0.5, 1.0, 2.0, 3.0])
+    counter = ThresholdCounter(a, False, Workspace())
+    counter.prefetch([1.1, 1.9, 2.5])
+    reads = counter.reads
+    assert counter.known(1.5) and counter.count(1.5) == 2 and counter.reads == reads  # inside (1.1, 1.9)
+    assert not counter.known(2.2) and counter.count(2.2) == 1 and counter.reads == reads + 1  # counts 2 vs 1

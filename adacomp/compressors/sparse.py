@@ -8,6 +8,7 @@ result: they only decide which memory is reused and which elements are re-read.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Any, Callable, ClassVar, NamedTuple
 
@@ -345,6 +346,7 @@ class ThresholdCounter:
         # float32 only: torch compares other floating dtypes with a scalar in their op-math type
         self.batched = devices.reads_wait(a) and a.dtype == torch.float32
         self._counts: dict[float, int] = {}  # prefetched counts by threshold
+        self._known: list[float] = []  # their thresholds, ascending
         self.reads = 0  # counts read back one by one or in a batch: a host wait each on a GPU
         self._sorted: dict[str, Tensor] = {}  # ascending kept values / a, for prefetch's searchsorted
 
@@ -424,13 +426,29 @@ class ThresholdCounter:
             self.batched = False
             return
         self._counts.update(zip(todo, got[:-1]))
+        self._known = sorted(self._counts)
 
     def known(self, thr: float) -> bool:
         """Whether :meth:`prefetch` already counted ``thr``."""
-        return thr in self._counts
+        return self._inferred(thr) is not None
+
+    def _inferred(self, thr: float) -> int | None:
+        """A prefetched count, or one the prefetched counts decide: counts fall as the threshold
+        rises (float32 rounding is monotone too), so a threshold between two counted ones with
+        equal counts has that count. Deep in a bisection the interval lies inside one gap between
+        elements and every later step is answered so, without a read."""
+        got = self._counts.get(thr)
+        if got is not None or not self._known:
+            return got
+        i = bisect.bisect_left(self._known, thr)
+        if 0 < i < len(self._known):
+            lo, hi = self._counts[self._known[i - 1]], self._counts[self._known[i]]
+            if lo == hi:
+                return lo
+        return None
 
     def count(self, thr: float) -> int:
-        known = self._counts.get(thr)
+        known = self._inferred(thr)
         if known is not None:
             return known
         self.reads += 1
