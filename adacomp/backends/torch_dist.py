@@ -198,10 +198,10 @@ class TorchBackend(Backend):
         if self._cpu_served is None:
             from torch.distributed import distributed_c10d as c10d
             pg = self._group if self._group is not None else c10d._get_default_group()
+            backend_for = getattr(pg, "_get_backend", None)  # absent: a torch that cannot say; assume served
             try:
-                pg._get_backend(torch.device("cpu"))
-                self._cpu_served = True
-            except RuntimeError:
+                self._cpu_served = backend_for is None or backend_for(torch.device("cpu")) is not None
+            except RuntimeError:  # "No backend type associated with device type cpu"
                 self._cpu_served = False
         if self._cpu_served:
             return t.device
