@@ -170,7 +170,7 @@ class CastCompressor(Compressor):
     wire_dtype: ClassVar[torch.dtype] = torch.float16
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
-        if self.wire_dtype == torch.bfloat16 and tensor.dtype == torch.float32 and tensor.is_contiguous():
+        if self.wire_dtype == torch.bfloat16 and _native.usable(tensor):  # (no allocation where C cannot run)
             out = self._workspace().output(tensor.shape, tensor.numel(), torch.bfloat16, tensor.device)
             if _native.to_bf16(tensor.view(-1), out.view(-1)):
                 return [out], tensor.dtype
@@ -178,7 +178,7 @@ class CastCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         x = payload[0]
-        if x.dtype == torch.bfloat16 and ctx == torch.float32 and x.is_contiguous():
+        if x.dtype == torch.bfloat16 and ctx == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
             out = self._workspace().output(x.shape, x.numel(), torch.float32, x.device)
             if _native.from_bf16(x.view(-1), out.view(-1)):
                 return out
