@@ -114,13 +114,24 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
     return out.view(-1)[:numel]
 
 
+_BYTE_CODES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def byte_codes(bits: int, device: torch.device) -> Tensor:
+    """(256, 8 / bits) int64: row ``b`` holds the codes packed in byte ``b``, in stream order.
+    Made once per width and device (each decode used to rebuild it: five kernels on a GPU)."""
+    key = (bits, device)
+    codes = _BYTE_CODES.get(key)
+    if codes is None:
+        shifts = bits * torch.arange(8 // bits, device=device)
+        codes = _BYTE_CODES[key] = (torch.arange(256, device=device).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes
+
+
 def byte_table(bits: int, values: Tensor) -> Tensor:
     """(256, 8 / bits) table: row ``b`` holds ``values[code]`` for the codes packed in byte ``b``,
     in stream order. ``values`` has ``2**bits`` entries (the decoded value of each code)."""
-    per = 8 // bits
-    shifts = bits * torch.arange(per, device=values.device)
-    codes = (torch.arange(256, device=values.device).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return values[codes]
+    return values[byte_codes(bits, values.device)]
 
 
 def unpack_table(packed: Tensor, bits: int, numel: int, table: Tensor, out: Tensor) -> Tensor:
@@ -133,8 +144,8 @@ def unpack_table(packed: Tensor, bits: int, numel: int, table: Tensor, out: Tens
     full = numel // per
     if full:
         torch.index_select(table, 0, packed[:full].to(torch.int32), out=flat[:full * per].view(full, per))
-    if full * per < numel:
-        flat[full * per:numel] = table[int(packed[full])][:numel - full * per]
+    if full * per < numel:  # the last byte's row, indexed on the device (no read-back)
+        flat[full * per:numel] = table.index_select(0, packed[full:full + 1].to(torch.int32))[0, :numel - full * per]
     return out
 
 
