@@ -4,6 +4,7 @@ one-by-one search's, with far fewer reads. Run on the CPU with ``adacomp.devices
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from adacomp.compressors.mstopk import MSTopkCompressor
 from adacomp.compressors.redsync import RedSyncCompressor
 from adacomp.compressors.sparse import Magnitudes, ThresholdCounter, bisect_thresholds
 from adacomp.compressors.workspace import Workspace
+from tests._dist import run_workers
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:
@@ -149,33 +151,55 @@ def test_largest_k_with_one_host_wait_is_the_canonical_set(monkeypatch: pytest.M
             assert torch.equal(largest_k(idx, mags, k), ref), (trial, k)
 
 
-@pytest.mark.parametrize("method", ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"])
-def test_training_with_batched_counts_is_bitwise(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Five steps with error feedback through the optimizer (tensors above and below the 2^16
-    compaction size): the same parameters with the GPU's batched counts as without."""
+def _train_both_ways(method: str, front: str) -> bool:
+    """On each of 2 gloo ranks (different data): five steps with error feedback through ``front``,
+    once along the CPU path and once along the accelerators' (batched counts), from one start."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     import adacomp
-    from adacomp.backends.base import LocalBackend
+    import adacomp.ddp
     from adacomp.bench.zoo import arm_config
+    dist.init_process_group("gloo")
+    adacomp.init()  # the optimizer's backend: the group that exists
+    rank = dist.get_rank()
 
     def run() -> torch.Tensor:
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # tensors above and below the 2^16 compaction size
         net = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
-        cfg, _ = arm_config(method)
-        opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
-                                           config={**cfg, "min_numel": 0}, backend=LocalBackend())
-        g = torch.Generator().manual_seed(1)
+        cfg = {**arm_config(method)[0], "min_numel": 0}
+        model: torch.nn.Module = net
+        if front == "hook":
+            model = DDP(net)
+            adacomp.ddp.register(model, cfg, named_parameters=net.named_parameters())
+            opt: Any = torch.optim.SGD(net.parameters(), lr=0.1)
+        else:
+            opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                               config=cfg)
+        g = torch.Generator().manual_seed(1 + rank)
         for _ in range(5):
             opt.zero_grad()
             x, y = torch.randn(32, 512, generator=g), torch.randint(0, 10, (32,), generator=g)
-            torch.nn.functional.cross_entropy(net(x), y).backward()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        opt.remove_hooks()
+        if front == "optimizer":
+            opt.remove_hooks()
         return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
-    monkeypatch.setattr(devices, "EMULATE", False)
+    devices.EMULATE = False
     ref = run()
-    monkeypatch.setattr(devices, "EMULATE", True)
-    assert torch.equal(run(), ref)
+    devices.EMULATE = True
+    same = torch.equal(run(), ref)
+    adacomp.shutdown()
+    return same
+
+
+@pytest.mark.parametrize("front", ["optimizer", "hook"])
+@pytest.mark.parametrize("method", ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"])
+def test_training_with_batched_counts_is_bitwise(method: str, front: str) -> None:
+    """Both front ends, 2 real gloo ranks: the same parameters with the GPU's batched counts as
+    without (the torch path on both sides, as on a GPU)."""
+    assert run_workers(_train_both_ways, 2, method, front, timeout=300, env={"ADACOMP_NATIVE": "0"}) == [True, True]
 
 
 def test_a_count_between_two_equal_prefetched_counts_needs_no_read(monkeypatch: pytest.MonkeyPatch) -> None:

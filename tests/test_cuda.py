@@ -129,22 +129,9 @@ def test_every_method_trains_on_cuda_like_on_cpu(method: str) -> None:
 def _syncs_per_step(method: str, layers: int) -> int:
     """Host waits for the device in one training step (torch's sync debug mode counts them)."""
     from adacomp.bench.gpu_step import host_waits
+    from tests._reads import reads_per_step
     cfg, warm = method_cfg(method)
-    torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(128, 128) for _ in range(layers)]).to(DEV)
-    opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01), m.named_parameters(), config=cfg,
-                                       backend=LocalBackend())
-    x = torch.randn(8, 128, device=DEV)
-    def step() -> None:
-        opt.zero_grad()
-        m(x).square().mean().backward()  # the gradient hooks run in here
-        opt.step()
-
-    for _ in range(warm + 2):
-        step()
-    waits, _ = host_waits(step)  # (count, sites)
-    opt.remove_hooks()
-    return waits
+    return reads_per_step(cfg, warm, layers, DEV, host_waits)
 
 
 @pytest.mark.parametrize("method", ["none", "bf16", "topk", "powersgd", "efsignsgd"])

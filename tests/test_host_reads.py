@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import adacomp
 from adacomp import devices
-from adacomp.backends.base import LocalBackend
 from adacomp.bench.gpu_step import emulated_reads
 from adacomp.bench.zoo import arm_config
+from tests._reads import reads_per_step
 
 CONSTANT = ["fp32", "bf16", "topk", "adtopk", "adtopk_i", "powersgd", "acpsgd", "qsgd", "efsignsgd", "artopk",
             "alltoall", "oktopk"]
@@ -28,22 +27,7 @@ def accelerator_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _reads(method: str, layers: int) -> int:
     cfg, warm = arm_config(method)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(layers)])
-    opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01), net.named_parameters(),
-                                       config={**cfg, "min_numel": 0}, backend=LocalBackend())
-    x = torch.randn(8, 128)
-
-    def step() -> None:
-        opt.zero_grad()
-        net(x).square().mean().backward()  # the gradient hooks run in here
-        opt.step()
-
-    for _ in range(warm + 2):
-        step()
-    n, _ = emulated_reads(step)
-    opt.remove_hooks()
-    return n
+    return reads_per_step({**cfg, "min_numel": 0}, warm, layers, "cpu", emulated_reads)
 
 
 @pytest.mark.parametrize("method", CONSTANT)

@@ -438,7 +438,7 @@ class ThresholdCounter:
         equal counts has that count. Deep in a bisection the interval lies inside one gap between
         elements and every later step is answered so, without a read."""
         got = self._counts.get(thr)
-        if got is not None or not self._known:
+        if got is not None or not self._known or math.isnan(thr):
             return got
         i = bisect.bisect_left(self._known, thr)
         if 0 < i < len(self._known):
