@@ -748,11 +748,12 @@ def test_efsignsgd_payload_is_the_torch_paths(monkeypatch: pytest.MonkeyPatch, o
         assert torch.equal(bits(fs), bits(ss)) and torch.equal(fp, sp)
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "gaussiank", "topk"])
+@pytest.mark.parametrize("name", ["efsignsgd", "gaussiank", "topk", "redsync", "mstopk"])
 def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, monkeypatch: pytest.MonkeyPatch,
                                                                     one_thread: None) -> None:
     """Error feedback's compensation written by the compressor's fused pass (EF-SignSGD's scale and
-    signs, Gaussian-k's mean, Top-k's candidates, read while the sum is written) gives the payloads
+    signs, Gaussian-k's mean, Top-k's candidates, RedSync's and MSTop-k's statistics and search
+    candidates, read while the sum is written) gives the payloads
     and residuals of torch's add and the compressor's own passes, step after step."""
     g = torch.Generator().manual_seed(21)
     grads = [[torch.randn((1 << 17) + 3, generator=g), torch.randn(4000, generator=g)] for _ in range(3)]

@@ -374,6 +374,20 @@ void ac_add_cascade(const float* g, const float* r, float* out, int64_t n, int a
                     float* sum) {
     *sum = ac_cascade_stream(g, r, out, n, absmode, packed);
 }
+/* A compaction riding on another pass: the positions and values passing t (> when strict, else >=),
+   in index order, at most cap written, c counting all. */
+typedef struct {
+    float t;
+    int strict;
+    int64_t* idx;
+    float* vals;
+    int64_t cap, c;
+} ac_sel;
+#define AC_SEL_EMIT(S, AT, VALUE)                                                       \
+    do {                                                                                \
+        if ((S)->c < (S)->cap) { (S)->idx[(S)->c] = (AT); (S)->vals[(S)->c] = (VALUE); } \
+        ++(S)->c;                                                                       \
+    } while (0)
 /* Magnitudes with what a threshold search asks of them, in one pass: out = |x| (the sign bit cleared,
    as torch.abs), their largest and smallest value (stats[0], stats[1]), the first position of the
    largest (*amax) and, for n >= 8, their one-thread torch sum (stats[2], the cascade above): torch's
@@ -382,18 +396,28 @@ void ac_add_cascade(const float* g, const float* r, float* out, int64_t n, int a
    largest value; the first block whose largest beats every earlier one is re-read at the end for the
    first position of the maximum. */
 #if defined(AC_AVX2)
-__attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, float* out, int64_t n, float* mx,
-                                                              float* mn, int64_t* best, int* nan, ac_cascade* cs) {
+__attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, const float* r, float* xs,
+                                                              float* out, int64_t n, float* mx, float* mn,
+                                                              int64_t* best, int* nan, ac_cascade* cs,
+                                                              ac_sel* sel) {
     int64_t i = 0;
+    const __m256 tv = _mm256_set1_ps(sel ? sel->t : 0.0f);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 vmn = _mm256_set1_ps(__builtin_inff()), un = _mm256_setzero_ps();
     float m = *mx;
     float blk[64] __attribute__((aligned(32)));  /* the block's magnitudes for the cascade (out may be streamed) */
     const int stream = out != NULL && n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
+    const int sstream = xs != NULL && n >= AC_STREAM_MIN && ((uintptr_t)xs & 31) == 0;
     for (; i + 64 <= n; i += 64) {
         __m256 bmx = _mm256_setzero_ps();
         for (int q = 0; q < 8; ++q) {
-            const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8 * q));
+            __m256 v = _mm256_loadu_ps(x + i + 8 * q);
+            if (r) {  /* the compensation's sum, written before its magnitude is taken */
+                v = _mm256_add_ps(v, _mm256_loadu_ps(r + i + 8 * q));
+                if (sstream) _mm256_stream_ps(xs + i + 8 * q, v);
+                else _mm256_storeu_ps(xs + i + 8 * q, v);
+            }
+            v = _mm256_andnot_ps(sign, v);
             if (stream) _mm256_stream_ps(out + i + 8 * q, v);
             else if (out) _mm256_storeu_ps(out + i + 8 * q, v);
             _mm256_store_ps(blk + 8 * q, v);
@@ -407,8 +431,21 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, fl
         const float hm = _mm_cvtss_f32(h);
         if (hm > m) { m = hm; *best = i; }
         if (cs) { ac_cascade_row(cs, blk); ac_cascade_row(cs, blk + 32); }
+        if (sel) {
+            uint64_t mk = 0;
+            for (int q = 0; q < 8; ++q) {
+                const __m256 w = _mm256_load_ps(blk + 8 * q);
+                const __m256 p = sel->strict ? _mm256_cmp_ps(w, tv, _CMP_GT_OQ) : _mm256_cmp_ps(w, tv, _CMP_GE_OQ);
+                mk |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);
+            }
+            while (mk) {
+                const int j = __builtin_ctzll(mk);
+                mk &= mk - 1;
+                AC_SEL_EMIT(sel, i + j, blk[j]);
+            }
+        }
     }
-    if (stream) _mm_sfence();
+    if (stream || sstream) _mm_sfence();
     float lanes[8];
     _mm256_storeu_ps(lanes, vmn);
     for (int q = 0; q < 8; ++q) *mn = lanes[q] < *mn ? lanes[q] : *mn;
@@ -417,45 +454,70 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, fl
     return i;
 }
 #endif
-int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* amax) {
-    /* out NULL: the statistics alone, |x| formed again where the cascade needs it (a search that
-       counts on x's magnitudes itself then never writes them) */
+/* x + r (r not NULL: error feedback's compensation, one IEEE add per element as torch.add, written to
+   xs) or x itself, and ac_abs_stats's statistics of its magnitudes; with sel, also the positions and
+   magnitudes passing sel's threshold, as ac_select_abs_gt / ac_select_abs_ge list them. */
+static int abs_stats_of(const float* x, const float* r, float* xs, float* out, int64_t n, float* stats,
+                        int64_t* amax, ac_sel* sel) {
     int64_t i = 0, best = -1, am = -1;
     float mx = -1.0f, mn = __builtin_inff();
     int nan = 0;
     ac_cascade cs;
     ac_cascade_init(&cs, n);
+    const float* src = r ? xs : x;  /* where the values whose magnitudes count are, once written */
 #if defined(AC_AVX2)
     if (use_avx2()) {
-        i = abs_stats_avx2(x, out, n, &mx, &mn, &best, &nan, n >= 8 ? &cs : 0);
-        if (nan) return -1;
+        i = abs_stats_avx2(x, r, xs, out, n, &mx, &mn, &best, &nan, n >= 8 ? &cs : 0, sel);
+        if (nan) {
+            for (; r && i < n; ++i) xs[i] = x[i] + r[i];  /* the sum is whole whatever the statistics */
+            return -1;
+        }
         if (best >= 0)
-            for (am = best; __builtin_fabsf(x[am]) != mx; ++am) {}
+            for (am = best; __builtin_fabsf(src[am]) != mx; ++am) {}
     }
 #endif
     for (; i < n; ++i) {
-        const float v = __builtin_fabsf(x[i]);
+        float s = x[i];
+        if (r) { s = s + r[i]; xs[i] = s; }
+        const float v = __builtin_fabsf(s);
         if (out) out[i] = v;
         if (v != v) nan = 1;
         if (v > mx) { mx = v; am = i; }
         if (v < mn) mn = v;
+        if (sel && (sel->strict ? v > sel->t : v >= sel->t)) AC_SEL_EMIT(sel, i, v);
     }
     if (nan) return -1;
     stats[0] = mx;
     stats[1] = mn;
     *amax = am;
-    if (n >= 8) {  /* the rows the AVX2 loop did not feed, from out (just written: in cache) or x */
+    if (n >= 8) {  /* the rows the AVX2 loop did not feed, from out (just written: in cache) or the values */
         float row[32];
         while (cs.row < cs.rows) {
             if (out) { ac_cascade_row(&cs, out + 32 * cs.row); continue; }
-            for (int t = 0; t < 32; ++t) row[t] = __builtin_fabsf(x[32 * cs.row + t]);
+            for (int t = 0; t < 32; ++t) row[t] = __builtin_fabsf(src[32 * cs.row + t]);
             ac_cascade_row(&cs, row);
         }
         if (!out)
-            for (int64_t t = 32 * cs.rows; t < n; ++t) row[t - 32 * cs.rows] = __builtin_fabsf(x[t]);
+            for (int64_t t = 32 * cs.rows; t < n; ++t) row[t - 32 * cs.rows] = __builtin_fabsf(src[t]);
         stats[2] = ac_cascade_finish(&cs, out ? out + 32 * cs.rows : row, n);
     }
     return 0;
+}
+int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* amax) {
+    /* out NULL: the statistics alone, |x| formed again where the cascade needs it (a search that
+       counts on x's magnitudes itself then never writes them) */
+    return abs_stats_of(x, 0, 0, out, n, stats, amax, 0);
+}
+/* Error feedback's compensation with what RedSync's and MSTop-k's searches read first of its result:
+   sum = g + r (torch.add's bits; sum may be g), the statistics of |sum| ac_abs_stats(sum, NULL) gives
+   and (idx not NULL) the search's candidates, |sum| > t (strict) or >= t, at most cap written: three
+   passes in one.
+   Returns how many passed, or -1 on a NaN (sum is still written in full). */
+int64_t ac_add_abs_stats_select(const float* g, const float* r, float* sum, int64_t n, float* stats, int64_t* amax,
+                                float t, int strict, int64_t* idx, float* vals, int64_t cap) {
+    ac_sel sel = {t, strict, idx, vals, cap, 0};
+    if (abs_stats_of(g, r, sum, 0, n, stats, amax, idx ? &sel : 0) != 0) return -1;  /* idx NULL: no selection */
+    return sel.c;
 }
 /* Gaussian-k's moments and its search's candidates in one read: *sumsq = the sum of the terms
    ((double)x - mean)^2 and the positions and magnitudes of |x| > t as ac_select_abs_gt lists them.
@@ -1980,6 +2042,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sumsq_select_abs_gt.restype = ctypes.c_int64
     lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int, vp]
     lib_.ac_abs_stats.argtypes = [vp, vp, i64, vp, vp]
+    lib_.ac_add_abs_stats_select.restype = ctypes.c_int64
+    lib_.ac_add_abs_stats_select.argtypes = [vp, vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64]
     lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
     lib_.ac_chunk_topk.restype = ctypes.c_int
     lib_.ac_pick_largest.restype = ctypes.c_int
@@ -2171,6 +2235,13 @@ class AbsStats(NamedTuple):
     """torch's mean of the magnitudes where :func:`sums_like_torch` (None otherwise)."""
 
 
+def _stats_of(stats: Tensor, amax: Tensor, n: int) -> AbsStats:
+    """The :class:`AbsStats` a C statistics pass wrote into ``stats`` (max, min, sum) and ``amax``."""
+    mx, mn, total = stats.tolist()
+    mean = mean_from_sum(total, n) if n >= 8 and sums_like_torch() else None
+    return AbsStats(mx, mn, int(amax.item()), mean)
+
+
 def abs_stats(x: Tensor, out: Tensor | None) -> AbsStats | None:
     """``torch.abs(x, out=out)`` and, from the same pass, ``out``'s max, min, argmax (the first
     position of the max) and mean, bitwise torch's; with ``out`` None the statistics of |x| alone
@@ -2183,9 +2254,47 @@ def abs_stats(x: Tensor, out: Tensor | None) -> AbsStats | None:
     if lib.ac_abs_stats(x.data_ptr(), None if out is None else out.data_ptr(), x.numel(), stats.data_ptr(),
                         amax.data_ptr()) != 0:
         return None
-    mx, mn, total = stats.tolist()
-    mean = mean_from_sum(total, x.numel()) if x.numel() >= 8 and sums_like_torch() else None
-    return AbsStats(mx, mn, int(amax.item()), mean)
+    return _stats_of(stats, amax, x.numel())
+
+
+class AddStats(NamedTuple):
+    """What :func:`add_abs_stats` did: ``done`` (the sum is written), the statistics of its
+    magnitudes (None on a NaN) and the candidates passing the threshold (None when not asked, or
+    on a NaN)."""
+    done: bool
+    stats: AbsStats | None = None
+    cands: tuple[Tensor, Tensor] | None = None
+
+
+def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, strict: bool = True,
+                  expected: float = 1.0) -> AddStats:
+    """``torch.add(g, r, out=out)`` (bitwise; ``out`` may be ``g`` when no ``thr``) and, from the same
+    pass, :func:`abs_stats` of ``out`` (nothing else written) and, with a finite ``thr``, the
+    positions and magnitudes of ``|out| > thr`` (``strict``) or ``>= thr`` as :func:`select` lists
+    them in mode ``abs_gt`` / ``abs_ge``: error feedback's compensation with the statistics and the
+    candidates RedSync's and MSTop-k's searches read first. Not ``done`` where this cannot run
+    (nothing written)."""
+    lib = library()
+    n = out.numel()
+    select = thr is not None and math.isfinite(thr)
+    if (lib is None or not (usable(g) and usable(r) and usable(out)) or not g.numel() == r.numel() == n >= 1
+            or (select and out.data_ptr() in (g.data_ptr(), r.data_ptr()))):  # a second try must not add twice
+        return AddStats(False)
+    stats = torch.empty(3, dtype=torch.float32)
+    amax = torch.empty(1, dtype=torch.int64)
+    passed = [0]
+
+    def call(i: int, v: int, cap: int) -> int:
+        passed[0] = int(lib.ac_add_abs_stats_select(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, stats.data_ptr(),
+                                                    amax.data_ptr(), thr if select else 0.0, int(strict), i, v, cap))
+        return max(passed[0], 0)
+
+    cands = _compacted(call, n, expected) if select else None
+    if not select:
+        call(0, 0, 0)
+    if passed[0] < 0:
+        return AddStats(True)
+    return AddStats(True, _stats_of(stats, amax, n), cands)
 
 
 def _std_of(sumsq: float, n: int) -> float:

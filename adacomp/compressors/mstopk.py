@@ -27,7 +27,7 @@ from torch import Tensor
 
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (BISECT_LEVELS, LazyBest, Magnitudes, SparseCompressor, ThresholdCounter,
-                                        bisect_thresholds, k_for)
+                                        bisect_thresholds, compensate_with_stats, k_for)
 
 
 @register("mstopk")
@@ -35,6 +35,8 @@ class MSTopkCompressor(SparseCompressor):
     """Threshold Top-k by ``rounds`` bisection steps between mean and max of |g|."""
 
     fixed_size = False
+    compensate_into = compensate_with_stats  # |g|'s statistics read while error feedback writes g
+    search_strict = False  # its counts are of |g| >= thr
 
     def __init__(self, density: float = 0.01, rounds: int = 25):
         super().__init__(density)
@@ -92,7 +94,7 @@ class MSTopkCompressor(SparseCompressor):
         mean: float | None = None
         m: Magnitudes | None = None
         if flat.dtype == torch.float32:  # |g|'s min, max and mean in one read; |g| is not written where C serves
-            m = Magnitudes(flat, self._workspace(), write=False)
+            m = Magnitudes(flat, self._workspace(), write=False, known=self._kept().take(name, flat))
             lo, hi, mean = m.min(), m.max(), m.mean()
             mag = m.a if m.a is not None else flat  # (threshold reads only the counter, max and mean given)
         else:
@@ -101,7 +103,7 @@ class MSTopkCompressor(SparseCompressor):
             lo, hi = float(lo_t), float(hi_t)
         if hi == lo:  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
             return torch.arange(k, device=flat.device)
-        counter = (m.search_counter(False, self._density, self._workspace()) if m is not None
+        counter = (m.search_counter(self.search_strict, self._density, self._workspace()) if m is not None
                    else ThresholdCounter.for_search(mag, False, self._density, self._workspace()))
         return counter.select(self.threshold(mag, k, counter, hi, mean), self._density)
 

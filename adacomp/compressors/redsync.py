@@ -30,7 +30,7 @@ from torch import Tensor
 
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (BISECT_LEVELS, LazyBest, Magnitudes, SparseCompressor, ThresholdCounter,
-                                        bisect_thresholds, k_for)
+                                        bisect_thresholds, compensate_with_stats, k_for)
 
 
 @register("redsync")
@@ -40,6 +40,9 @@ class RedSyncCompressor(SparseCompressor):
     ``density``: target fraction sent (ADTopk §6 setting 0.01).
     ``max_steps``: most halvings of the search interval (each one is a pass over the tensor).
     """
+
+    compensate_into = compensate_with_stats  # |g|'s statistics read while error feedback writes g
+    search_strict = True  # its counts are of |g| > thr
 
     def __init__(self, density: float = 0.01, max_steps: int = 20):
         super().__init__(density)
@@ -92,8 +95,8 @@ class RedSyncCompressor(SparseCompressor):
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
         # |g|'s max and mean in one read; the counts then read g itself (|g| is not written) where C serves
-        mag = Magnitudes(flat, self._workspace(), write=False)
-        counter = mag.search_counter(True, self._density, self._workspace())
+        mag = Magnitudes(flat, self._workspace(), write=False, known=self._kept().take(name, flat))
+        counter = mag.search_counter(self.search_strict, self._density, self._workspace())
         a = mag.a if mag.a is not None else flat  # (threshold reads only the counter, max and mean given)
         idx = counter.select(self.threshold(a, k, counter, mag.max(), mag.mean()), self._density)
         return idx if idx.numel() else mag.argmax()

@@ -66,6 +66,12 @@ SPARSE_DIV_RATIO = 16
 tensor: a gather + scatter costs ~10x more per element than a dense pass."""
 
 
+SEARCH_FACTOR = 3.0
+"""A threshold search's candidates are what a sampled floor passes at this multiple of its density."""
+SEARCH_COMPACT_MIN = 1 << 16
+"""Tensors from this many elements are compacted before a search (smaller ones are counted whole)."""
+
+
 def divide_touched(acc: Tensor, indices: Tensor, divisor: int) -> Tensor:
     """``acc.div_(divisor)`` for an ``acc`` that is +0.0 outside ``indices`` (a zero buffer that
     sparse payloads were added into), bitwise: 0.0 / d = +0.0, and each touched coordinate gets the
@@ -225,15 +231,17 @@ class Magnitudes:
     bitwise torch's), torch's reductions on demand elsewhere (no compiler, a NaN, other dtypes, a
     sum torch splits across threads)."""
 
-    def __init__(self, flat: Tensor, workspace: Workspace, write: bool = True):
+    def __init__(self, flat: Tensor, workspace: Workspace, write: bool = True, known: object = None):
         """``write=False``: where the C pass serves, |flat| is not written (``a`` is None) and a
         search counts on ``flat`` with absolute answers (:meth:`search_counter`): one write of the
-        tensor less."""
+        tensor less. ``known``: what :func:`compensate_with_stats` found for ``flat`` (the same
+        statistics, from the pass that wrote it), which then needs no read of its own."""
         self.flat = flat
         self._together: list[float] | None = None
         fast = flat.dtype == torch.float32 and flat.numel() and _native.usable(flat)
+        self._known = known if isinstance(known, KnownMagnitudes) else None
         if fast and not write:
-            stats = _native.abs_stats(flat, None)
+            stats = self._known.stats if self._known is not None else _native.abs_stats(flat, None)
             if stats is not None and stats.mean is not None:
                 self._stats: _native.AbsStats | None = stats
                 self.a: Tensor | None = None
@@ -246,6 +254,12 @@ class Magnitudes:
         """:meth:`ThresholdCounter.for_search` on the magnitudes: on ``a``, or on ``flat`` with
         absolute answers where ``a`` was not written."""
         if self.a is None:
+            k = self._known
+            if (k is not None and k.cands is not None and k.strict == strict
+                    and k.expected == min(0.25, SEARCH_FACTOR * density)):  # for_search's compaction, done
+                counter = ThresholdCounter(self.flat, strict, workspace, absolute=True)
+                counter.adopt(k.floor, *k.cands)
+                return counter
             return ThresholdCounter.for_search(self.flat, strict, density, workspace, absolute=True)
         return ThresholdCounter.for_search(self.a, strict, density, workspace)
 
@@ -315,6 +329,37 @@ class LazyBest:
             if err < best_err:
                 best_thr, best_err = thr, err
         return best_thr
+
+
+class KnownMagnitudes(NamedTuple):
+    """What :func:`compensate_with_stats` learnt of a compensated tensor's magnitudes while writing it:
+    the statistics and, where :meth:`ThresholdCounter.for_search` would compact, the candidates it
+    would keep (``floor``, ``cands``) for a search of that strictness and expected share."""
+    stats: _native.AbsStats
+    floor: float
+    cands: tuple[Tensor, Tensor] | None
+    strict: bool
+    expected: float
+
+
+def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+    """``compensate_into`` of the searches that read |g|'s max, min and mean first and then count
+    from candidates (RedSync, MSTop-k; ``comp.search_strict``: whether they count ``> thr``):
+    ``out = g + r`` (error feedback's compensation, torch.add's bits) with those statistics and
+    :meth:`ThresholdCounter.for_search`'s compaction from the same pass (its sampled floor taken
+    from ``g + r`` at the same positions before the sum is written), kept for the
+    :class:`Magnitudes` of ``out``: two reads of the tensor less. False (nothing written) where the
+    C pass cannot run: the caller adds."""
+    flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
+    density = comp.density() or 1.0
+    expected = min(0.25, SEARCH_FACTOR * density)
+    floor = math.nan
+    if flat.numel() >= SEARCH_COMPACT_MIN and _native.usable(gf) and _native.usable(rf):
+        floor = sampled_value(sample_lines(gf, plus=rf), expected, absolute=True)
+    got = _native.add_abs_stats(gf, rf, flat, floor, comp.search_strict, expected)
+    if got.done and got.stats is not None and got.stats.mean is not None:
+        comp._kept().keep(name, flat, KnownMagnitudes(got.stats, floor, got.cands, comp.search_strict, expected))
+    return got.done
 
 
 class ThresholdCounter:
@@ -492,13 +537,13 @@ class ThresholdCounter:
 
     @classmethod
     def for_search(cls, a: Tensor, strict: bool, density: float, workspace: Workspace,
-                   factor: float = 3.0, absolute: bool = False) -> "ThresholdCounter":
+                   factor: float = SEARCH_FACTOR, absolute: bool = False) -> "ThresholdCounter":
         """A counter for a threshold search aiming at ``density``: compacted (on tensors of >= 2^16
         elements) at a value a sample (:func:`sample_value`) says about ``factor * density`` (<= 1/4) passes, so
         the search's counts near its target re-read only those elements. ``absolute``: as the
         constructor's (``a`` signed, every answer about ``|a|``)."""
         counter = cls(a, strict, workspace, absolute=absolute)
-        if a.numel() >= 1 << 16:
+        if a.numel() >= SEARCH_COMPACT_MIN:
             expected = min(0.25, factor * density)
             counter.compact(sample_value(a, expected, absolute=absolute), expected)
         return counter
