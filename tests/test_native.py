@@ -777,6 +777,35 @@ def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, m
         assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
 
 
+@pytest.mark.parametrize("n", [5, 8, 100, 4133, 65_573, (1 << 20) + 37])
+@pytest.mark.parametrize("strict", [True, False])
+def test_compensation_with_search_statistics_is_the_separate_passes(n: int, strict: bool, avx2_switch: str,
+                                                                    one_thread: None) -> None:
+    """RedSync's and MSTop-k's fused first read (``add_abs_stats``): the sum is torch.add's, the
+    statistics are abs_stats' of that sum, the candidates are select's in mode abs_gt / abs_ge (a sum
+    exactly at the threshold, -0.0, a shifted output); a NaN still writes the whole sum."""
+    for shift in (0, 1):
+        g = torch.Generator().manual_seed(n + shift)
+        a, b = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.3
+        a[0] = -0.0
+        a[n // 3], b[n // 3] = 1.25, 0.25  # a sum of exactly 1.5
+        out = torch.full((n + shift,), 7.0)[shift:]
+        got = _native.add_abs_stats(a, b, out, 1.5, strict, 0.1)
+        s = torch.add(a, b)
+        assert got.done and torch.equal(bits(out), bits(s))
+        assert got.stats == _native.abs_stats(s, None) and got.stats.max == float(s.abs().max())
+        idx, vals = _native.select(s, 1.5, "abs_gt" if strict else "abs_ge", 0.1)
+        assert got.cands is not None and torch.equal(got.cands[0], idx) and torch.equal(bits(got.cands[1]), bits(vals))
+        assert (n // 3 in idx.tolist()) == (not strict)
+        out.fill_(7.0)
+        assert _native.add_abs_stats(a, b, out).stats == got.stats  # statistics alone
+        a[n // 2] = math.nan
+        out.fill_(7.0)
+        nan = _native.add_abs_stats(a, b, out, 1.5, strict)
+        assert nan.done and nan.stats is None and nan.cands is None and torch.equal(bits(out), bits(torch.add(a, b)))
+    assert not _native.add_abs_stats(a, b, a, 1.5).done  # an output over an input: a retry would add twice
+
+
 @pytest.mark.parametrize("shift", [0, 1])
 def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
     """Outputs from 2^20 elements are written with non-temporal stores (AVX2, 32-byte aligned; a
