@@ -88,10 +88,32 @@ def test_fast_row_topk_equals_plain_per_row_topk(monkeypatch, kind, shape, split
     idx, fallback_rows = got
     assert idx.dtype == torch.int64 and idx.unique().numel() == idx.numel() == max(k, m)
     assert set(idx.tolist()) == plain_row_selection(x, split, density)
+    assert bool((idx[1:] > idx[:-1]).all())  # ascending: the C sparse mean takes such payloads in one pass
     if kind in ("gauss", "t3", "rowscale"):  # (fp16 rows of 4096 tie now and then)
         assert fallback_rows == 0  # no ties at the row boundaries: the fast path chose everything
     if kind in ("ties", "nan"):
         assert fallback_rows > 0  # ... and here torch.topk's tie / NaN choices were kept
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "nan", "zerocols", "fp16"])
+def test_row_order_statistics_in_c_give_the_sorts_selection(monkeypatch, kind):
+    """Each row's v[q-1], v[q], v[q+1] by quickselects in C (candidates grouped by row) give the same
+    indices, in the same order, with the same fallback rows as the integer sort of all candidates."""
+    monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
+    from adacomp.compressors import _native
+    real, used = _native.row_order_stats, []
+    for shape, split, density in CASES:
+        x = make(kind, shape, seed=len(kind) * 1000 + sum(shape))
+        m, n, rr = adtopk.matrix_shape(x.shape, split)
+        k = max(1, round(density * x.numel()))
+        monkeypatch.setattr(_native, "row_order_stats", lambda *a: used.append(1) or real(*a))
+        fast = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
+        monkeypatch.setattr(_native, "row_order_stats", lambda *a: None)
+        sort = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
+        assert (fast is None) == (sort is None)
+        if fast is not None:
+            assert torch.equal(fast[0], sort[0]) and fast[1] == sort[1], (shape, split, density)
+    assert used or kind == "ties"  # the C path ran (with that many ties every case declines before it)
 
 
 def test_both_candidate_strategies_are_used(monkeypatch):

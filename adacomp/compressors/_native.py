@@ -950,6 +950,35 @@ void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* ke
         __builtin_memcpy(out + i, &kth, sizeof kth);
     }
 }
+/* ADTopk's order statistics of each row's candidates (mag[], grouped by row: row[] non-decreasing),
+   instead of an integer sort of them all: out[3 i + j] = the (q + 2 - j)-th largest magnitude of row i
+   where it has that many candidates, else -1 (j = 0, 1, 2: v[q+1], v[q], v[q-1], 0-based descending),
+   ranked by the magnitudes' bits as that sort ranks them (a NaN above inf). keys: room for the longest
+   row. Returns -1 where the rows are not grouped (the caller sorts). */
+int ac_row_order_stats(const float* mag, const int64_t* row, int64_t nc, int64_t m, int64_t q, uint32_t* keys,
+                       float* out) {
+    for (int64_t i = 0; i < 3 * m; ++i) out[i] = -1.0f;
+    for (int64_t s = 0, e; s < nc; s = e) {
+        const int64_t r0 = row[s];
+        if (r0 < 0 || r0 >= m) return -1;
+        for (e = s + 1; e < nc && row[e] == r0; ++e) {}
+        if (e < nc && row[e] < r0) return -1;
+        const int64_t len = e - s;
+        for (int64_t t = 0; t < len; ++t) {
+            uint32_t u;
+            __builtin_memcpy(&u, mag + s + t, sizeof u);
+            keys[t] = u & 0x7fffffffu;
+        }
+        for (int j = 0; j < 3; ++j) {
+            const int64_t rank = q + 2 - j;
+            if (rank >= 1 && len >= rank) {
+                const uint32_t kth = kth_of_keys(keys, len, rank, NULL);
+                __builtin_memcpy(out + 3 * r0 + j, &kth, sizeof kth);
+            }
+        }
+    }
+    return 0;
+}
 /* ADTopk's candidates row by row while the row is in cache (rows of x, one read from memory): the
    strided block maxima of |x| (ac_row_block_max_abs), their r-th largest as the row's floor (at
    least tiny; infinity and bad[i] = 1 where a maximum is NaN), then the row's |x| >= floor
@@ -2052,6 +2081,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_outer_fma_sub.restype = None
     lib_.ac_outer_fma_sub.argtypes = [vp, vp, vp, i64, i64, i64, vp]
     lib_.ac_row_kth.restype = None
+    lib_.ac_row_order_stats.restype = ctypes.c_int
+    lib_.ac_row_order_stats.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
@@ -2553,6 +2584,22 @@ def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
         if c > limit:
             return idx[:0], vals[:0], c, bad.bool()
         cap = c
+
+
+def row_order_stats(mag: Tensor, row: Tensor, m: int, q: int, n: int) -> Tensor | None:
+    """(m, 3) float32: each row's (q+2)-th, (q+1)-th and q-th largest candidate magnitude (-1 where it
+    has fewer), from ``mag`` grouped by ``row`` (non-decreasing, each row's candidates at most ``n``),
+    ranked by their bits as an integer sort of them would rank them. None where torch must sort (rows
+    not grouped, another layout)."""
+    lib = library()
+    if (lib is None or not usable(mag) or row.dtype != torch.int64 or row.device.type != "cpu"
+            or not row.is_contiguous() or row.numel() != mag.numel() or q < 1):
+        return None
+    keys = torch.empty(max(1, n), dtype=torch.int32)
+    out = torch.empty(m, 3, dtype=torch.float32)
+    if lib.ac_row_order_stats(mag.data_ptr(), row.data_ptr(), mag.numel(), m, q, keys.data_ptr(), out.data_ptr()) != 0:
+        return None
+    return out
 
 
 def row_kth(a: Tensor, r: int) -> Tensor | None:

@@ -178,8 +178,9 @@ def _exact_rows(x3: Tensor, rows: Tensor, q: int, r: int) -> tuple[Tensor | None
 
 
 def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace) -> tuple[Tensor, int] | None:
-    """The flat indices :func:`row_topk` selects on |tensor| (same set), and how many rows fell
-    back to its torch.topk; None where the plain per-row torch.topk is as fast.
+    """The flat indices :func:`row_topk` selects on |tensor| (same set), ascending (what the
+    all-gather's one-pass sparse mean takes), and how many rows fell back to its torch.topk; None
+    where the plain per-row torch.topk is as fast.
 
     Why it is exact. Per row, the (q+1)-th largest of B disjoint block maxima is <= the row's
     (q+1)-th largest |x|, so the elements at or above it (candidates) hold the row's top q + 1 and
@@ -216,13 +217,19 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
         bad[c.row[nan]] = True
     bad |= counts < q1
     good = ~bad
-    # one integer (radix) sort orders each row's candidates by |x|: float bits of x >= 0 are monotone
-    order = torch.sort((c.row << 32) | (c.mag.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)).indices
-    mag = torch.cat([c.mag.index_select(0, order), c.mag.new_full((1,), -1.0)])  # [-1] pads short rows
-    end = torch.cumsum(counts, 0)
-    last = c.flat.numel()
-    v_q1, v_q, v_q0 = (mag.index_select(0, torch.where(counts >= q + 1 + j, end - q - 1 - j, last))
-                       for j in (1, 0, -1))  # v[q+1], v[q], v[q-1] (0-based, descending)
+    # v[q+1], v[q], v[q-1] (0-based, descending) of each row's candidates, -1 where it has too few:
+    # three quickselects per row in C where the candidates come grouped by row, else one integer
+    # (radix) sort of them all by (row, |x|) (float bits of x >= 0 are monotone)
+    stats = _native.row_order_stats(c.mag, c.row, m, q, n) if rr == 1 else None
+    if stats is not None:
+        v_q1, v_q, v_q0 = stats.unbind(1)
+    else:
+        order = torch.sort((c.row << 32) | (c.mag.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)).indices
+        mag = torch.cat([c.mag.index_select(0, order), c.mag.new_full((1,), -1.0)])  # [-1] pads short rows
+        end = torch.cumsum(counts, 0)
+        last = c.flat.numel()
+        v_q1, v_q, v_q0 = (mag.index_select(0, torch.where(counts >= q + 1 + j, end - q - 1 - j, last))
+                           for j in (1, 0, -1))
     x3 = tensor.reshape(m // rr, n, rr)
     rows_a = torch.nonzero(bad).view(-1)
     vq_a, cols_a = _exact_rows(x3, rows_a, q, r)
@@ -235,14 +242,18 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     tied = good & torch.where(extra, v_q <= v_q1, v_q0 <= v_q)
     rows_b = torch.nonzero(tied).view(-1)
     _, cols_b = _exact_rows(x3, rows_b, q, r)
-    rows_g = torch.nonzero(good & ~tied).view(-1)
-    take = q + extra[rows_g].long()  # each row's largest q (+1) sit at the end of its sorted run
-    firsts = torch.repeat_interleave(end[rows_g] - take - (torch.cumsum(take, 0) - take), take)
-    firsts += torch.arange(firsts.numel(), device=firsts.device)
-    chosen = c.flat.index_select(0, order.index_select(0, firsts))
+    # each chosen row's largest q (+1) are its candidates at or above its q-th ((q+1)-th) largest, a
+    # value no other of its candidates reaches (the strict gap above); read in the candidates' own
+    # ascending order, so the payload comes out ascending without a gather by rank
+    chose = good & ~tied  # (a magnitude of inf would pass any threshold: the rows are masked apart)
+    thr = torch.where(extra, v_q, v_q0).index_select(0, c.row)
+    chosen = c.flat[chose.index_select(0, c.row) & (c.mag >= thr)]
     rows_x, cols_x = torch.cat([rows_a, rows_b]), torch.cat([cols_a, cols_b])
     more = extra[rows_x]
     rows_x, cols_x = (torch.cat([rows_x.repeat_interleave(q), rows_x[more]]),
                       torch.cat([cols_x[:, :q].reshape(-1), cols_x[more, q] if r else cols_x[:0, 0]]))
     back = (rows_x // rr) * (n * rr) + cols_x * rr + rows_x % rr
-    return torch.cat([chosen, back]), int(rows_a.numel() + rows_b.numel())
+    out = torch.cat([chosen, back]) if back.numel() else chosen
+    if back.numel():  # rows torch.topk answered: merged into ascending order
+        out = torch.sort(out).values
+    return out, int(rows_a.numel() + rows_b.numel())

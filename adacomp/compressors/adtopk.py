@@ -30,7 +30,8 @@ pass, an integer sort of the candidates, torch.topk kept for NaN / tied rows); t
 uses the prefiltered :func:`~adacomp.compressors.topk.topk_indices`; ADTopk-t's threshold reuse
 compares |x| in a scratch buffer and reads the mask word by word. Every one of them returns the
 same index set as the plain calls (tested against them, ties and NaN included); CUDA tensors and
-float64 keep the plain calls. Index order may differ (payloads are scattered, order-free).
+float64 keep the plain calls. Index order may differ (payloads are scattered, order-free); the fast
+row path's is ascending, which the all-gather's C mean reads in one pass.
 
 All three are biased: pair with ``residual`` memory. ``adtopk`` / ``adtopk_i`` payload sizes depend
 only on the shape and the (shared) step: ``allgather_fast`` fits; ``adtopk_t``'s threshold phase is
