@@ -748,18 +748,20 @@ def test_efsignsgd_payload_is_the_torch_paths(monkeypatch: pytest.MonkeyPatch, o
         assert torch.equal(bits(fs), bits(ss)) and torch.equal(fp, sp)
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "gaussiank", "topk", "redsync", "mstopk"])
+@pytest.mark.parametrize("name", ["efsignsgd", "gaussiank", "topk", "redsync", "mstopk", "sidco"])
 def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, monkeypatch: pytest.MonkeyPatch,
                                                                     one_thread: None) -> None:
     """Error feedback's compensation written by the compressor's fused pass (EF-SignSGD's scale and
     signs, Gaussian-k's mean, Top-k's candidates, RedSync's and MSTop-k's statistics and search
-    candidates, read while the sum is written) gives the payloads
+    candidates, SIDCo-E's mean, read while the sum is written) gives the payloads
     and residuals of torch's add and the compressor's own passes, step after step."""
     g = torch.Generator().manual_seed(21)
     grads = [[torch.randn((1 << 17) + 3, generator=g), torch.randn(4000, generator=g)] for _ in range(3)]
 
     def run() -> list[torch.Tensor]:
-        comp, memory = compressors.get(name, **({} if name == "efsignsgd" else {"density": 0.01})), memories.get("residual")
+        extra = {"stages": 3} if name == "sidco" else {}  # SIDCo: later stages answered from kept candidates
+        comp = compressors.get(name, **({} if name == "efsignsgd" else {"density": 0.01, **extra}))
+        memory = memories.get("residual")
         seen = []
         for step in grads:
             for i, grad in enumerate(step):

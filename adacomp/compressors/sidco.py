@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, k_for
+from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, compensate_with_stats, k_for
 
 _EPS = 1e-12
 STALE_WINDOWS = 10  # a stage count's measured error is forgotten after this many windows
@@ -180,13 +180,24 @@ class SIDCoCompressor(SparseCompressor):
             return  # the target lies between s and nxt and s is the closer one
         st["stages"] = nxt
 
+    search_strict = True  # its counts are of |g| > thr
+
+    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+        """SIDCo-E's first fit reads only |g|'s mean: error feedback's add gives it (and max, argmax)
+        from the same pass (:func:`compensate_with_stats`), and |g| is never written. The other fits
+        read |g| whole (its variance, its logarithms): the caller adds."""
+        return self.distribution == "exponential" and compensate_with_stats(self, g, r, out, name, compact=False)
+
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
-        mag = Magnitudes(flat, self._workspace())  # |g| (and its argmax) in one pass, in a reused buffer
-        a = mag.written()
-        counter = ThresholdCounter(a, True, self._workspace())  # scratch mask; stages' thresholds vary
+        ws = self._workspace()
+        # SIDCo-E reads the mean of |g| and then counts: on g itself with absolute answers where the C
+        # passes serve (|g| not written); the other fits read |g| whole, written in a reused buffer
+        mag = Magnitudes(flat, ws, write=self.distribution != "exponential", known=self._kept().take(name, flat))
+        a = mag.a if mag.a is not None else flat
+        counter = ThresholdCounter(a, True, ws, absolute=mag.a is None)  # scratch mask; stages' thresholds vary
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})
         idx = counter.select(self.threshold(a, int(st["stages"]), counter, mag.mean()), self._density)

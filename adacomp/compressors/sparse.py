@@ -342,19 +342,20 @@ class KnownMagnitudes(NamedTuple):
     expected: float
 
 
-def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: str, compact: bool = True) -> bool:
     """``compensate_into`` of the searches that read |g|'s max, min and mean first and then count
     from candidates (RedSync, MSTop-k; ``comp.search_strict``: whether they count ``> thr``):
     ``out = g + r`` (error feedback's compensation, torch.add's bits) with those statistics and
     :meth:`ThresholdCounter.for_search`'s compaction from the same pass (its sampled floor taken
     from ``g + r`` at the same positions before the sum is written), kept for the
-    :class:`Magnitudes` of ``out``: two reads of the tensor less. False (nothing written) where the
-    C pass cannot run: the caller adds."""
+    :class:`Magnitudes` of ``out``: two reads of the tensor less (one with ``compact`` False: the
+    statistics alone, for SIDCo, whose compaction threshold comes from the mean). False (nothing
+    written) where the C pass cannot run: the caller adds."""
     flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
     density = comp.density() or 1.0
     expected = min(0.25, SEARCH_FACTOR * density)
     floor = math.nan
-    if flat.numel() >= SEARCH_COMPACT_MIN and _native.usable(gf) and _native.usable(rf):
+    if compact and flat.numel() >= SEARCH_COMPACT_MIN and _native.usable(gf) and _native.usable(rf):
         floor = sampled_value(sample_lines(gf, plus=rf), expected, absolute=True)
     got = _native.add_abs_stats(gf, rf, flat, floor, comp.search_strict, expected)
     if got.done and got.stats is not None and got.stats.mean is not None:
