@@ -151,9 +151,11 @@ def test_largest_k_with_one_host_wait_is_the_canonical_set(monkeypatch: pytest.M
             assert torch.equal(largest_k(idx, mags, k), ref), (trial, k)
 
 
-def _train_both_ways(method: str, front: str) -> bool:
+def _train_both_ways(method: str, front: str, switch: str) -> bool:
     """On each of 2 gloo ranks (different data): five steps with error feedback through ``front``,
-    once along the CPU path and once along the accelerators' (batched counts), from one start."""
+    from one start, once each way: ``switch`` "emulate": the CPU path, then the accelerators' (batched
+    counts; torch's ops on both sides); "native": torch's ops, then the fused C passes (error
+    feedback's compensation read by the compressor, the C selections and means)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -186,20 +188,32 @@ def _train_both_ways(method: str, front: str) -> bool:
             opt.remove_hooks()
         return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
+    import os
     devices.EMULATE = False
+    if switch == "native":
+        os.environ["ADACOMP_NATIVE"] = "0"
     ref = run()
-    devices.EMULATE = True
+    if switch == "native":
+        os.environ["ADACOMP_NATIVE"] = "1"
+    else:
+        devices.EMULATE = True
     same = torch.equal(run(), ref)
     adacomp.shutdown()
     return same
 
 
+WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
+        + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk"]])
+
+
 @pytest.mark.parametrize("front", ["optimizer", "hook"])
-@pytest.mark.parametrize("method", ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"])
-def test_training_with_batched_counts_is_bitwise(method: str, front: str) -> None:
+@pytest.mark.parametrize("switch,method", WAYS)
+def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, front: str) -> None:
     """Both front ends, 2 real gloo ranks: the same parameters with the GPU's batched counts as
-    without (the torch path on both sides, as on a GPU)."""
-    assert run_workers(_train_both_ways, 2, method, front, timeout=300, env={"ADACOMP_NATIVE": "0"}) == [True, True]
+    without (the torch path on both sides, as on a GPU), and with the CPU's fused C passes as with
+    torch's ops (the compensation passes that read their sum included)."""
+    env = {"ADACOMP_NATIVE": "0"} if switch == "emulate" else {}
+    assert run_workers(_train_both_ways, 2, method, front, switch, timeout=300, env=env) == [True, True]
 
 
 def test_a_count_between_two_equal_prefetched_counts_needs_no_read(monkeypatch: pytest.MonkeyPatch) -> None:
