@@ -171,6 +171,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
         net = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
         cfg = {**arm_config(method)[0], "min_numel": 0}
         model: torch.nn.Module = net
+        if front == "outer":  # local steps, the pseudo-gradient compressed every second step
+            cfg["local_steps"] = {"every": 2}
         if front == "hook":
             model = DDP(net)
             adacomp.ddp.register(model, cfg, named_parameters=net.named_parameters())
@@ -179,12 +181,12 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
             opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
                                                config=cfg)
         g = torch.Generator().manual_seed(1 + rank)
-        for _ in range(5):
+        for _ in range(6 if front == "outer" else 5):
             opt.zero_grad()
             x, y = torch.randn(32, 512, generator=g), torch.randint(0, 10, (32,), generator=g)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        if front == "optimizer":
+        if front != "hook":
             opt.remove_hooks()
         return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
@@ -206,12 +208,13 @@ WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidc
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk"]])
 
 
-@pytest.mark.parametrize("front", ["optimizer", "hook"])
+@pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])
 @pytest.mark.parametrize("switch,method", WAYS)
 def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, front: str) -> None:
-    """Both front ends, 2 real gloo ranks: the same parameters with the GPU's batched counts as
-    without (the torch path on both sides, as on a GPU), and with the CPU's fused C passes as with
-    torch's ops (the compensation passes that read their sum included)."""
+    """Every front end (optimizer, DDP hook, the outer loop's compressed pseudo-gradient), 2 real gloo
+    ranks: the same parameters with the GPU's batched counts as without (the torch path on both
+    sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
+    passes that read their sum included)."""
     env = {"ADACOMP_NATIVE": "0"} if switch == "emulate" else {}
     assert run_workers(_train_both_ways, 2, method, front, switch, timeout=300, env=env) == [True, True]
 

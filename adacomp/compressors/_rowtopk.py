@@ -253,7 +253,6 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     rows_x, cols_x = (torch.cat([rows_x.repeat_interleave(q), rows_x[more]]),
                       torch.cat([cols_x[:, :q].reshape(-1), cols_x[more, q] if r else cols_x[:0, 0]]))
     back = (rows_x // rr) * (n * rr) + cols_x * rr + rows_x % rr
-    out = torch.cat([chosen, back]) if back.numel() else chosen
     if back.numel():  # rows torch.topk answered: merged into ascending order
-        out = torch.sort(out).values
-    return out, int(rows_a.numel() + rows_b.numel())
+        chosen = torch.sort(torch.cat([chosen, back])).values
+    return chosen, int(rows_a.numel() + rows_b.numel())

@@ -72,6 +72,11 @@ SEARCH_COMPACT_MIN = 1 << 16
 """Tensors from this many elements are compacted before a search (smaller ones are counted whole)."""
 
 
+def search_share(density: float, factor: float = SEARCH_FACTOR) -> float:
+    """The share of a tensor a search's candidate floor aims to keep (at most a quarter)."""
+    return min(0.25, factor * density)
+
+
 def divide_touched(acc: Tensor, indices: Tensor, divisor: int) -> Tensor:
     """``acc.div_(divisor)`` for an ``acc`` that is +0.0 outside ``indices`` (a zero buffer that
     sparse payloads were added into), bitwise: 0.0 / d = +0.0, and each touched coordinate gets the
@@ -256,7 +261,7 @@ class Magnitudes:
         if self.a is None:
             k = self._known
             if (k is not None and k.cands is not None and k.strict == strict
-                    and k.expected == min(0.25, SEARCH_FACTOR * density)):  # for_search's compaction, done
+                    and k.expected == search_share(density)):  # for_search's compaction, done
                 counter = ThresholdCounter(self.flat, strict, workspace, absolute=True)
                 counter.adopt(k.floor, *k.cands)
                 return counter
@@ -353,7 +358,7 @@ def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: st
     written) where the C pass cannot run: the caller adds."""
     flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
     density = comp.density() or 1.0
-    expected = min(0.25, SEARCH_FACTOR * density)
+    expected = search_share(density)
     floor = math.nan
     if compact and flat.numel() >= SEARCH_COMPACT_MIN and _native.usable(gf) and _native.usable(rf):
         floor = sampled_value(sample_lines(gf, plus=rf), expected, absolute=True)
@@ -545,7 +550,7 @@ class ThresholdCounter:
         constructor's (``a`` signed, every answer about ``|a|``)."""
         counter = cls(a, strict, workspace, absolute=absolute)
         if a.numel() >= SEARCH_COMPACT_MIN:
-            expected = min(0.25, factor * density)
+            expected = search_share(density, factor)
             counter.compact(sample_value(a, expected, absolute=absolute), expected)
         return counter
 
