@@ -66,14 +66,14 @@ def test_residual_memory_allocates_nothing_per_step_and_snapshots_stay_valid():
         seen.add(mem.residuals["w"].data_ptr())
     assert len(seen) == 2  # two buffers, alternating
     snap, copy = snaps[-1]
-    assert all(torch.equal(snap[k], copy[k]) for k in copy)  # the last round did not touch its start
+    assert all(torch.equal(snap.stored[k], copy[k]) for k in copy)  # the last round did not touch its start
     mem.restore(snap)
     assert all(torch.equal(mem.residuals[k], copy[k]) for k in copy)
     g = torch.randn(64, 32, generator=gen)
     comp = mem.compensate(g, "w")
     payload, ctx = c.compress(comp, "w")
     mem.update(comp, "w", c, payload, ctx)
-    assert torch.equal(snap["w"], copy["w"])  # the restored residual was read, never written
+    assert torch.equal(snap.stored["w"], copy["w"])  # the restored residual was read, never written
 
 
 @pytest.mark.parametrize("name", ["topk", "gaussiank", "dgc", "redsync", "sidco", "adtopk", "mstopk", "oktopk"])

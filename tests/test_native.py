@@ -15,6 +15,7 @@ The library must build here: CI has a C compiler, so a missing one is a failure,
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -775,6 +776,65 @@ def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, m
     monkeypatch.setenv("ADACOMP_NATIVE", "0")
     slow = run()
     assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
+
+
+@pytest.mark.parametrize("habit", ["none", "rollback", "state_dict", "rescale", "other_compressor"])
+def test_deferred_sign_residual_is_the_written_one(habit: str, avx2_switch: str, monkeypatch: pytest.MonkeyPatch,
+                                                   one_thread: None) -> None:
+    """EF-SignSGD's residual left to the next compensation (its subtraction inside that C pass, the
+    residual never written) gives bitwise the compensated tensors, payloads and residuals of the
+    torch path, which writes it every step; after the first steps no buffer is allocated. A habit
+    in the middle (a rolled-back round, a state_dict read, a loss-scale change, a step through
+    another compressor) sees and keeps the same values."""
+    g = torch.Generator().manual_seed(31)
+    sizes = [(1 << 17) + 3, 4000, 9]
+    grads = [[torch.randn(n, generator=g) * (1 + step) for n in sizes] for step in range(6)]
+    junk = [torch.randn(n, generator=g) * 1e3 for n in sizes]
+
+    def run(native: bool) -> tuple[list[torch.Tensor], int, set[int]]:
+        comp, other = compressors.get("efsignsgd"), compressors.get("topk", density=0.1)
+        memory = memories.get("residual")
+        seen: list[torch.Tensor] = []
+        deferred, buffers = 0, set()
+
+        def one(grads_now: list[torch.Tensor], c: Any = comp, keep: bool = True) -> None:
+            nonlocal deferred
+            for i, grad in enumerate(grads_now):
+                t = memory.compensate(grad.clone(), f"w{i}", compressor=c)
+                if keep:
+                    seen.append(t.clone())
+                    if i == 0:
+                        buffers.add(t.data_ptr())
+                payload, ctx = c.compress(t, f"w{i}")
+                memory.update(t, f"w{i}", c, list(payload), ctx)
+                if keep:
+                    seen.extend(p.clone() for p in payload)
+            deferred += len(memory._owed)
+
+        for step, now in enumerate(grads):
+            one(now, other if (habit == "other_compressor" and step == 3) else comp)
+            if step == 2:
+                if habit == "rollback":
+                    snap = memory.snapshot()
+                    one(junk, keep=False)
+                    memory.restore(snap)
+                elif habit == "state_dict":
+                    seen.extend(memory.state_dict()["residuals"].values())
+                elif habit == "rescale":
+                    memory.rescale(0.5)
+            if step == 1:
+                buffers.clear()  # from here on the two buffers per tensor alternate
+        seen.extend(memory.residuals[f"w{i}"] for i in range(len(sizes)))
+        return seen, deferred, buffers
+
+    fast, deferred, buffers = run(True)
+    assert deferred > 0  # the residual was left to the next pass
+    assert habit != "none" or len(buffers) == 2
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    slow, deferred_slow, _ = run(False)
+    assert deferred_slow == 0 and len(fast) == len(slow)
     for a, b in zip(fast, slow):
         assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
 

@@ -289,8 +289,11 @@ static inline void ac_cascade_row(ac_cascade* c, const float* v) {
    out (may be NULL): v is written there; packed (may be NULL): pack_bits(v >= 0, 1), 4 bytes a row. */
 #if defined(AC_AVX2)
 __attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, const float* x, const float* plus,
-                                                                 float* out, int absmode, uint8_t* packed) {
+                                                                 const uint8_t* owed, float os, float* out,
+                                                                 int absmode, uint8_t* packed) {
     const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    const __m256 oneg = _mm256_set1_ps(-os), opos = _mm256_set1_ps(os);
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const int stream = out && c->rows * 32 >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     __m256 a[4];
     for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(c->acc[0] + 8 * k);
@@ -298,7 +301,14 @@ __attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, 
         for (int k = 0; k < 4; ++k) {
             const int64_t e = 32 * r + 8 * k;
             __m256 v = _mm256_loadu_ps(x + e);
-            if (plus) v = _mm256_add_ps(v, _mm256_loadu_ps(plus + e));
+            if (plus) {
+                __m256 q = _mm256_loadu_ps(plus + e);
+                if (owed) {  /* the residual plus - decoded signs, then the compensation's add */
+                    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(owed[4 * r + k]), bit), bit);
+                    q = _mm256_sub_ps(q, _mm256_blendv_ps(oneg, opos, _mm256_castsi256_ps(on)));
+                }
+                v = _mm256_add_ps(v, q);
+            }
             if (stream) _mm256_stream_ps(out + e, v);
             else if (out) _mm256_storeu_ps(out + e, v);
             if (packed) packed[4 * r + k] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ));
@@ -332,18 +342,22 @@ static float ac_cascade_finish(ac_cascade* c, const float* rest, int64_t n) {
     return s;
 }
 /* One streaming pass over v = x (+ plus) as ac_cascade_rows_avx2 describes, all n >= 8 elements:
-   returns the cascade sum of v (|v| when absmode). */
-static float ac_cascade_stream(const float* x, const float* plus, float* out, int64_t n, int absmode,
-                               uint8_t* packed) {
+   returns the cascade sum of v (|v| when absmode). owed (may be NULL; needs plus): plus stands for
+   plus - (bit ? os : -os), bit i of owed (EF-SignSGD's residual not yet subtracted), one IEEE
+   subtraction per element before the add, as ac_sign_residual then torch.add would do. */
+static float ac_cascade_stream(const float* x, const float* plus, const uint8_t* owed, float os, float* out,
+                               int64_t n, int absmode, uint8_t* packed) {
     ac_cascade c;
     float buf[32], vals[32];
+    const float otab[2] = {-os, os};
     ac_cascade_init(&c, n);
-    AVX2_FIRST(ac_cascade_rows_avx2(&c, x, plus, out, absmode, packed))
+    AVX2_FIRST(ac_cascade_rows_avx2(&c, x, plus, owed, os, out, absmode, packed))
     const int64_t done = 32 * c.rows;
     for (int64_t r = c.row; r <= c.rows; ++r) {  /* the rows left, then the rest (< 32 elements) */
         const int64_t e0 = 32 * r, len = r < c.rows ? 32 : n - done;
         for (int64_t l = 0; l < len; ++l) {
-            const float v = plus ? x[e0 + l] + plus[e0 + l] : x[e0 + l];
+            const int64_t i = e0 + l;
+            const float v = plus ? x[i] + (owed ? plus[i] - otab[(owed[i >> 3] >> (i & 7)) & 1] : plus[i]) : x[i];
             vals[l] = v;
             buf[l] = absmode ? __builtin_fabsf(v) : v;
             if (out) out[e0 + l] = v;
@@ -360,19 +374,26 @@ static float ac_cascade_stream(const float* x, const float* plus, float* out, in
 }
 /* torch.sum (absmode 0) or torch.abs(x).sum() (absmode 1) of n >= 8 elements, as above. */
 float ac_cascade_sum(const float* x, int64_t n, int absmode) {
-    return ac_cascade_stream(x, 0, 0, n, absmode, 0);
+    return ac_cascade_stream(x, 0, 0, 0.0f, 0, n, absmode, 0);
 }
 /* EF-SignSGD's scale and signs in one read: *sum = torch.abs(x).sum() (the cascade above; n >= 8)
    and packed = pack_bits(x >= 0, 1) (ac_pack_nonneg's bytes), no magnitudes written. */
 void ac_abs_sum_pack(const float* x, int64_t n, uint8_t* packed, float* sum) {
-    *sum = ac_cascade_stream(x, 0, 0, n, 1, packed);
+    *sum = ac_cascade_stream(x, 0, 0, 0.0f, 0, n, 1, packed);
 }
 /* Error feedback's compensation with a reduction of its result in the same pass: out = g + r (one
    IEEE add per element, as torch.add; out may be g), *sum = the cascade sum of out (of |out| when
    absmode), packed (may be NULL) = pack_bits(out >= 0, 1). n >= 8. */
 void ac_add_cascade(const float* g, const float* r, float* out, int64_t n, int absmode, uint8_t* packed,
                     float* sum) {
-    *sum = ac_cascade_stream(g, r, out, n, absmode, packed);
+    *sum = ac_cascade_stream(g, r, 0, 0.0f, out, n, absmode, packed);
+}
+/* The same with error feedback's residual still owed as base - (bit ? s : -s) (EF-SignSGD's, bit i
+   of owed): out = g + (base - decoded), the subtraction ac_sign_residual would have written and
+   torch.add's add, in one pass that reads the signs instead of writing and re-reading a residual. */
+void ac_add_owed_cascade(const float* g, const float* base, const uint8_t* owed, float s, float* out, int64_t n,
+                         int absmode, uint8_t* packed, float* sum) {
+    *sum = ac_cascade_stream(g, base, owed, s, out, n, absmode, packed);
 }
 /* A compaction riding on another pass: the positions and values passing t (> when strict, else >=),
    in index order, at most cap written, c counting all. */
@@ -2067,6 +2088,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_abs_sum_pack.restype = None
     lib_.ac_add_cascade.restype = None
     lib_.ac_add_cascade.argtypes = [vp, vp, vp, i64, ctypes.c_int, vp, vp]
+    lib_.ac_add_owed_cascade.restype = None
+    lib_.ac_add_owed_cascade.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, ctypes.c_int, vp, vp]
     lib_.ac_abs_sum_pack.argtypes = [vp, i64, vp, vp]
     lib_.ac_sumsq_select_abs_gt.restype = ctypes.c_int64
     lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int, vp]
@@ -2241,19 +2264,29 @@ def abs_mean_signs(x: Tensor) -> tuple[Tensor, Tensor] | None:
     return mean, packed
 
 
-def add_cascade(g: Tensor, r: Tensor, out: Tensor, absolute: bool = False,
-                signs: bool = False) -> tuple[float, Tensor | None] | None:
+def add_cascade(g: Tensor, r: Tensor, out: Tensor, absolute: bool = False, signs: bool = False,
+                owed: tuple[Tensor, float] | None = None) -> tuple[float, Tensor | None] | None:
     """``torch.add(g, r, out=out)`` (bitwise; ``out`` may be ``g``) and, from the same pass, torch's
     one-thread ``float(out.sum())`` (``absolute``: of ``out.abs()``) and, with ``signs``,
     ``pack_bits(out >= 0, 1)``: error feedback's compensation with what the compressor reads of its
-    result. None (nothing written) where this cannot run (see :func:`sums_like_torch`)."""
+    result. ``owed = (packed, s)``: the residual is ``r - decoded`` with ``decoded[i]`` ``+s`` for a
+    set bit i of ``packed`` and ``-s`` otherwise (:func:`sign_residual`'s bits, never written).
+    None (nothing written) where this cannot run (see :func:`sums_like_torch`)."""
     n = out.numel()
     if not (usable(g) and usable(r) and usable(out) and g.numel() == r.numel() == n >= 8 and sums_like_torch()):
         return None
+    if owed is not None and not (_bytes_ok(owed[0]) and owed[0].numel() * 8 >= n):
+        return None
     total = torch.empty(1, dtype=torch.float32)
     packed = torch.empty(-(-n // 8), dtype=torch.uint8) if signs else None
-    library().ac_add_cascade(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, int(absolute),  # type: ignore[union-attr]
-                             packed.data_ptr() if packed is not None else None, total.data_ptr())
+    pk = packed.data_ptr() if packed is not None else None
+    lib = library()
+    assert lib is not None
+    if owed is None:
+        lib.ac_add_cascade(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, int(absolute), pk, total.data_ptr())
+    else:
+        lib.ac_add_owed_cascade(g.data_ptr(), r.data_ptr(), owed[0].data_ptr(), owed[1], out.data_ptr(), n,
+                                int(absolute), pk, total.data_ptr())
     return float(total.item()), packed
 
 

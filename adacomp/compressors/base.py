@@ -99,6 +99,21 @@ class Compressor:
             return out
         return torch.sub(tensor, approx, out=out)
 
+    def defers_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> bool:
+        """True when :meth:`compensate_owed` will add ``tensor - decompress(payload, ctx)`` to the
+        next gradient within its own pass: error feedback then keeps ``tensor`` and the payload
+        instead of writing the residual, one pass over the model fewer per step. ``tensor`` is the
+        memory's own buffer; the payload's tensors must be fresh (never recycled by this
+        compressor). Default False: :meth:`residual` writes it now."""
+        return False
+
+    def compensate_owed(self, g: Tensor, base: Tensor, payload: Payload, ctx: Any, out: Tensor, name: str) -> bool:
+        """``out = g + residual(base, payload, ctx)``, bitwise the residual's subtraction followed by
+        torch's add, without the residual written (see :meth:`defers_residual`); the compressor may
+        read what it needs of the sum in the same pass, as in ``compensate_into``. False (nothing
+        written) where it cannot: the memory writes the residual then."""
+        return False
+
     def next_round(self, round_index: int, mean_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
         """Multi-round methods: given the mean over ranks of round ``round_index - 1``'s payload,
         return this rank's payload (and updated ctx) for round ``round_index``. After the last round

@@ -34,12 +34,20 @@ class EFSignSGDCompressor(Compressor):
     additive = False
     fused_mean = True
     fixed_size = True
+    residual_in_place = True
+    """:meth:`residual` is elementwise, so it may overwrite its input: error feedback compensates
+    into a buffer of its own (the gradient stays raw) and keeps it, which lets the residual be
+    deferred to the next compensation (:meth:`defers_residual`)."""
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """``out = g + r`` (error feedback's compensation, torch.add's bits) with the scale and signs
         of ``out`` from the same pass, kept for :meth:`compress` of ``out``: the compressor reads
         nothing more. False (nothing written) where the fused pass cannot run: the caller adds."""
-        got = _native.add_cascade(g.reshape(-1), r.reshape(-1), out.reshape(-1), absolute=True, signs=True)
+        return self._keep(_native.add_cascade(g.reshape(-1), r.reshape(-1), out.reshape(-1), absolute=True,
+                                              signs=True), out, name)
+
+    def _keep(self, got: tuple[float, Tensor | None] | None, out: Tensor, name: str) -> bool:
+        """Keep the scale and signs a fused compensation found for :meth:`compress` of ``out``."""
         if got is None:
             return False
         total, packed = got
@@ -47,6 +55,27 @@ class EFSignSGDCompressor(Compressor):
         if bool(torch.isfinite(scale)) and packed is not None:  # else compress asks torch (a NaN's bits)
             self._kept().keep(name, out.reshape(-1), [scale, packed])
         return True
+
+    def _c_residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> bool:
+        """Whether :meth:`residual` takes its C pass (:func:`_native.sign_residual`'s bits)."""
+        c: SignCtx = ctx
+        scale = payload[0]
+        return (type(self).decompress is EFSignSGDCompressor.decompress and c.dtype == torch.float32
+                and scale.dtype == torch.float32 and not devices.reads_wait(scale) and tensor.is_contiguous()
+                and out.is_contiguous())
+
+    def defers_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> bool:
+        """Keep ``p`` and the signs, subtract ``p - decoded`` inside the next compensation's pass
+        (:meth:`compensate_owed`): residual's own read and write of the model are saved. Only where
+        both the residual and that pass run in C (the same subtraction either way)."""
+        return (isinstance(ctx, SignCtx) and len(payload) == 2 and self._c_residual(tensor, payload, ctx, tensor)
+                and tensor.numel() == ctx.numel >= 8 and _native.usable(tensor) and _native.sums_like_torch())
+
+    def compensate_owed(self, g: Tensor, base: Tensor, payload: Payload, ctx: Any, out: Tensor, name: str) -> bool:
+        """``out = g + (base - decoded signs)`` with this step's scale and signs from the same pass."""
+        got = _native.add_cascade(g.reshape(-1), base.reshape(-1), out.reshape(-1), absolute=True, signs=True,
+                                  owed=(payload[1], float(payload[0])))
+        return self._keep(got, out, name)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         """|p| and the sign mask go to reused scratch (no page faults on fresh multi-MB tensors);
@@ -77,11 +106,8 @@ class EFSignSGDCompressor(Compressor):
     def residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
         """``tensor - decompress(payload)`` in one C pass (no decoded tensor written and read back),
         bitwise the generic path's."""
-        c: SignCtx = ctx
         scale, packed = payload
-        if (type(self).decompress is EFSignSGDCompressor.decompress and c.dtype == torch.float32
-                and scale.dtype == torch.float32 and not devices.reads_wait(scale) and tensor.is_contiguous()
-                and out.is_contiguous()
+        if (self._c_residual(tensor, payload, ctx, out)
                 and _native.sign_residual(tensor.view(-1), packed, float(scale), out.view(-1))):
             return out
         return super().residual(tensor, payload, ctx, out)

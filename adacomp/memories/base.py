@@ -5,7 +5,8 @@ per tensor name and checkpointable.
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -101,6 +102,26 @@ class Memory:
                                       "loss scale; implement rescale()")
 
 
+@dataclass(frozen=True)
+class Owed:
+    """A residual not yet written: ``compressor.residual(base, payload, ctx)`` of the base tensor
+    :class:`ResidualMemory` stores under the same name. The compressor subtracts it inside the next
+    compensation's pass (``compensate_owed``); anything else that reads the residual has it written
+    first."""
+
+    compressor: Any
+    payload: list[Tensor]
+    ctx: Any
+
+
+class Snapshot(NamedTuple):
+    """:meth:`ResidualMemory.snapshot`: references to the stored tensors (residuals, or the bases
+    of deferred ones) and the deferred residuals."""
+
+    stored: dict[str, Tensor]
+    owed: dict[str, Owed]
+
+
 def fits(buf: Tensor | None, like: Tensor) -> bool:
     """``buf`` can stand in for a tensor like ``like`` (same shape, dtype and device)."""
     return (buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
@@ -173,12 +194,33 @@ class ResidualMemory(Memory):
             raise ValueError(f"gamma must be > 0, got {gamma}")
         self.beta = float(beta)
         self.gamma = float(gamma)
-        self.residuals: dict[str, Tensor] = {}
+        self._stored: dict[str, Tensor] = {}  # the residual, or the base of a deferred one (_owed)
+        self._owed: dict[str, Owed] = {}
         self._spare: dict[str, Tensor] = {}  # the other buffer of each pair: next update writes it
+
+    @property
+    def residuals(self) -> dict[str, Tensor]:
+        """Every residual as a tensor, per name: a deferred one is written now (into a new tensor;
+        its base stays as a snapshot may hold it)."""
+        for name in list(self._owed):
+            self._settle(name)
+        return self._stored
+
+    @residuals.setter
+    def residuals(self, value: dict[str, Tensor]) -> None:
+        self._stored = value
+        self._owed = {}
+
+    def _settle(self, name: str) -> Tensor:
+        """Write the residual deferred for ``name`` (see :class:`Owed`) into a new tensor."""
+        owed = self._owed.pop(name)
+        base = self._stored[name]
+        self._stored[name] = owed.compressor.residual(base, owed.payload, owed.ctx, torch.empty_like(base))
+        return self._stored[name]
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
                    whole: bool = True) -> Tensor:
-        r = self.residuals.get(name)
+        r = self._stored.get(name)
         if self.gamma != 1.0:
             tensor.mul_(self.gamma)
         if r is None:
@@ -186,13 +228,21 @@ class ResidualMemory(Memory):
         if r.shape != tensor.shape:
             raise ValueError(f"residual for {name!r} has shape {tuple(r.shape)} but the gradient has "
                              f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
-        if getattr(compressor, "residual_in_place", False):
+        in_place = getattr(compressor, "residual_in_place", False)
+        owed = self._owed.get(name)
+        if owed is not None and not (in_place and whole and self.beta == 1.0 and owed.compressor is compressor):
+            r, owed = self._settle(name), None
+        if in_place:
             # the same add as below, into the buffer update() will keep (see the class docstring);
             # ``tensor`` stays the raw gradient on every step, first ones and resumed ones included,
             # so whoever reads it later (L-GreCo's accumulators) sees the same thing on every path
             kept = self._spare.get(name)
             spare = kept if kept is not None and fits(kept, tensor) and kept is not r else torch.empty_like(tensor)
             self._spare[name] = spare
+            if owed is not None:  # the residual's subtraction inside the compensation's pass
+                if owed.compressor.compensate_owed(tensor, r, owed.payload, owed.ctx, spare, name):
+                    return spare
+                r = self._settle(name)
             if self.beta != 1.0:
                 return torch.add(tensor, r, alpha=self.beta, out=spare)
             # a compressor may write the sum itself and select from it in the same pass (Top-k)
@@ -212,33 +262,43 @@ class ResidualMemory(Memory):
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         out = self._spare.pop(name, None)
+        self._owed.pop(name, None)
         if out is not None and out is tensor and getattr(compressor, "residual_in_place", False):
-            pass  # compensate() wrote into the spare buffer: the residual is made there in place
-        elif (not fits(out, tensor)
-              or out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()):  # type: ignore[union-attr]
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        assert out is not None
-        compressor.residual(tensor, payload, ctx, out)
-        old = self.residuals.get(name)
-        self.residuals[name] = out
+            # compensate() wrote into the spare buffer: the residual is made there in place, or
+            # left to the next compensation's pass where the compressor can subtract it there
+            defers = getattr(compressor, "defers_residual", None)
+            if defers is not None and defers(tensor, payload, ctx):
+                self._owed[name] = Owed(compressor, payload, ctx)
+            else:
+                compressor.residual(tensor, payload, ctx, out)
+        else:
+            if (not fits(out, tensor)
+                    or out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()):  # type: ignore[union-attr]
+                out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            assert out is not None
+            compressor.residual(tensor, payload, ctx, out)
+        old = self._stored.get(name)
+        self._stored[name] = out
         if old is not None and old.shape == out.shape:
             self._spare[name] = old
 
     def reset(self, name: str | None = None) -> None:
         if name is None:
-            self.residuals.clear()
+            self._stored.clear()
+            self._owed.clear()
             self._spare.clear()
         else:
-            self.residuals.pop(name, None)
+            self._stored.pop(name, None)
+            self._owed.pop(name, None)
             self._spare.pop(name, None)
 
     def snapshot(self) -> Any:
-        # update never writes a stored residual (it writes the spare buffer), so references are a
-        # faithful snapshot at no copy cost.
-        return dict(self.residuals)
+        # update never writes a stored residual or the base of a deferred one (it writes the spare
+        # buffer), so references are a faithful snapshot at no copy cost.
+        return Snapshot(dict(self._stored), dict(self._owed))
 
     def restore(self, snap: Any) -> None:
-        self.residuals = dict(snap)
+        self._stored, self._owed = dict(snap.stored), dict(snap.owed)
         self._spare.clear()  # a spare may be a restored residual now
 
     def rescale(self, factor: float) -> None:
