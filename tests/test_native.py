@@ -780,59 +780,75 @@ def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, m
         assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
 
 
-@pytest.mark.parametrize("habit", ["none", "rollback", "state_dict", "rescale", "other_compressor"])
-def test_deferred_sign_residual_is_the_written_one(habit: str, avx2_switch: str, monkeypatch: pytest.MonkeyPatch,
-                                                   one_thread: None) -> None:
-    """EF-SignSGD's residual left to the next compensation (its subtraction inside that C pass, the
-    residual never written) gives bitwise the compensated tensors, payloads and residuals of the
-    torch path, which writes it every step; after the first steps no buffer is allocated. A habit
-    in the middle (a rolled-back round, a state_dict read, a loss-scale change, a step through
-    another compressor) sees and keeps the same values."""
-    g = torch.Generator().manual_seed(31)
-    sizes = [(1 << 17) + 3, 4000, 9]
-    grads = [[torch.randn(n, generator=g) * (1 + step) for n in sizes] for step in range(6)]
-    junk = [torch.randn(n, generator=g) * 1e3 for n in sizes]
+DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
+            "powersgd": ({"rank": 4}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
+            "acpsgd": ({"rank": 3}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000])}
+"""method -> (parameters, communicator, another compressor it takes, gradient shapes)"""
 
-    def run(native: bool) -> tuple[list[torch.Tensor], int, set[int]]:
-        comp, other = compressors.get("efsignsgd"), compressors.get("topk", density=0.1)
+
+@pytest.mark.parametrize("habit", ["none", "rollback", "state_dict", "rescale", "other_compressor"])
+@pytest.mark.parametrize("method", sorted(DEFERRED))
+def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_switch: str, one_thread: None) -> None:
+    """A residual left to the next compensation (EF-SignSGD's decoded signs, PowerSGD's and
+    ACP-SGD's P Q^T, subtracted inside that C pass, never written) gives bitwise the compensated
+    tensors, outputs and residuals of the same run with the residual written every step, through
+    the real communicator; after the first steps no buffer is allocated. A habit in the middle (a
+    rolled-back round, a state_dict read, a loss-scale change, a step through another compressor)
+    sees and keeps the same values. (The C passes themselves are checked against torch's
+    operations in the tests above.)"""
+    from adacomp.backends.base import LocalBackend
+    from adacomp.communicators import get as get_communicator
+    from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.error_feedback import exchange
+    from adacomp.engine.metrics import StepStats
+    params, comm_name, other_name, shapes = DEFERRED[method]
+    g = torch.Generator().manual_seed(31)
+    grads = [[torch.randn(s, generator=g) * (1 + step) for s in shapes] for step in range(6)]
+    junk = [torch.randn(s, generator=g) * 1e3 for s in shapes]
+
+    def run(defer: bool) -> tuple[list[torch.Tensor], int, set[int]]:
+        comp, other = compressors.get(method, **params), compressors.get(other_name, density=0.1)
+        if not defer:
+            comp.defer_residual = lambda *args: None  # the residual written at every update
+        comm, env = get_communicator(comm_name), CommEnv(LocalBackend(), StepStats())
         memory = memories.get("residual")
         seen: list[torch.Tensor] = []
         deferred, buffers = 0, set()
 
         def one(grads_now: list[torch.Tensor], c: Any = comp, keep: bool = True) -> None:
             nonlocal deferred
-            for i, grad in enumerate(grads_now):
-                t = memory.compensate(grad.clone(), f"w{i}", compressor=c)
-                if keep:
-                    seen.append(t.clone())
-                    if i == 0:
-                        buffers.add(t.data_ptr())
-                payload, ctx = c.compress(t, f"w{i}")
-                memory.update(t, f"w{i}", c, list(payload), ctx)
-                if keep:
-                    seen.extend(p.clone() for p in payload)
+            entries = [Entry(f"w{i}", memory.compensate(grad.clone(), f"w{i}", compressor=c), c, memory)
+                       for i, grad in enumerate(grads_now)]
+            if keep:
+                seen.extend(e.tensor.clone() for e in entries)
+                buffers.add(entries[0].tensor.data_ptr())
+            outs = exchange(comm, entries, env)
+            if keep:
+                seen.extend(o.clone() for o in outs)
             deferred += len(memory._owed)
+            c.on_step(getattr(c, "step", 0) + 1)
 
         for step, now in enumerate(grads):
             one(now, other if (habit == "other_compressor" and step == 3) else comp)
             if step == 2:
                 if habit == "rollback":
                     snap = memory.snapshot()
+                    state = comp.state_dict()
                     one(junk, keep=False)
                     memory.restore(snap)
+                    comp.load_state_dict(state)
                 elif habit == "state_dict":
                     seen.extend(memory.state_dict()["residuals"].values())
                 elif habit == "rescale":
                     memory.rescale(0.5)
             if step == 1:
                 buffers.clear()  # from here on the two buffers per tensor alternate
-        seen.extend(memory.residuals[f"w{i}"] for i in range(len(sizes)))
+        seen.extend(memory.residuals[f"w{i}"] for i in range(len(shapes)))
         return seen, deferred, buffers
 
     fast, deferred, buffers = run(True)
     assert deferred > 0  # the residual was left to the next pass
     assert habit != "none" or len(buffers) == 2
-    monkeypatch.setenv("ADACOMP_NATIVE", "0")
     slow, deferred_slow, _ = run(False)
     assert deferred_slow == 0 and len(fast) == len(slow)
     for a, b in zip(fast, slow):
@@ -1025,11 +1041,14 @@ def test_large_table_mean_equals_torch_decode_sum_divide(width: int, size: int, 
     assert torch.equal(bits(out), bits(want / world))
 
 
-@pytest.mark.parametrize("n,m,r", [(512, 4608, 4), (2048, 512, 1), (300, 1025, 8), (7, 1100, 9), (3, 5, 2)])
-def test_residual_of_a_product_formed_in_registers(n: int, m: int, r: int) -> None:
+@pytest.mark.parametrize("n,m,r", [(512, 4608, 4), (2048, 512, 1), (300, 1025, 8), (7, 1100, 9), (3, 5, 2),
+                                   (1030, 1100, 4), (257, 4104, 3), (1024, 2056, 10)])
+def test_residual_of_a_product_formed_in_registers(n: int, m: int, r: int, avx2_switch: str) -> None:
     """``a - P Q^T`` with the products formed again and never written equals torch.sub of ``a`` and
     the written product (signed zeros, infinities and NaN in ``a``), and the low-rank helper gives
-    the reference path's bits whichever way it takes."""
+    the reference path's bits whichever way it takes. With AVX2, wide matrices past 2^20 elements
+    take the four-row loop (rows and columns left over, streamed and plain stores, ranks past 8);
+    the baseline takes the column chunks."""
     from adacomp.compressors._lowrank import residual_of_product
     from adacomp.compressors.workspace import Workspace
     g = torch.Generator().manual_seed(n + m + r)

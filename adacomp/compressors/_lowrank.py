@@ -8,13 +8,13 @@ orthogonalisation, the seeded initial factors and the step counter.
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from adacomp.compressors import _native
-from adacomp.compressors.base import Compressor
+from adacomp.compressors.base import Compressor, Payload
 from adacomp.compressors.workspace import Workspace
 
 
@@ -122,9 +122,17 @@ def outer_product(p: Tensor, q: Tensor, workspace: Workspace) -> Tensor:
     return _exact_or_reference(_layout("pq", p, q), blocked, lambda: p @ q.t(), (p, q))
 
 
-FUSED_SUB_MAX_RANK, FUSED_SUB_MAX_COLS = 8, 8192
-"""Where :func:`residual_of_product` forms the products in registers: ranks it unrolls, rows whose
-chunk of Q^T stays in cache (VGG-16's fc6, 25088 columns, is faster through the written product)."""
+FUSED_SUB_MAX_RANK = 8
+"""Where :func:`residual_of_product` forms the products in registers: ranks it unrolls (every width:
+wide matrices past the caches, VGG-16's fc6 with 25088 columns, take C's four-row loop, 0.28 ns per
+element against 0.49 through the written product)."""
+
+
+def fuses_residual(p: Tensor, q: Tensor) -> bool:
+    """Whether :func:`outer_product` of ``p``, ``q`` takes the C fma chains (seen to give torch's
+    bits for this layout), so the residual can form the products again in registers."""
+    return (p.device.type == "cpu" and p.shape[0] * q.shape[0] >= OUTER_MIN_NUMEL and p.shape[1] <= FUSED_SUB_MAX_RANK
+            and bool(_EXACT.get(_layout("pq", p, q))))
 
 
 def residual_of_product(a: Tensor, p: Tensor, q: Tensor, out: Tensor, workspace: Workspace) -> Tensor:
@@ -132,12 +140,17 @@ def residual_of_product(a: Tensor, p: Tensor, q: Tensor, out: Tensor, workspace:
     where :func:`outer_product` takes the C fma chains for this layout (seen to give torch's bits),
     the products are formed again in registers and never written (error feedback of a rank-r
     approximation that is not needed otherwise: one write and one read of the model less)."""
-    n, m = p.shape[0], q.shape[0]
-    if (p.device.type == "cpu" and n * m >= OUTER_MIN_NUMEL and p.shape[1] <= FUSED_SUB_MAX_RANK
-            and m <= FUSED_SUB_MAX_COLS and _EXACT.get(_layout("pq", p, q))
-            and _native.outer_fma_sub(a, p, q, out)):
+    if fuses_residual(p, q) and _native.outer_fma_sub(a, p, q, out):
         return out
     return torch.sub(a, outer_product(p, q, workspace), out=out)
+
+
+class FactorsOwed(NamedTuple):
+    """A low-rank residual ``base - p @ q.t()`` left to the next compensation (copies of the factors:
+    the originals may be views of a communication buffer)."""
+
+    p: Tensor
+    q: Tensor
 
 
 def orthogonalize(x: Tensor, epsilon: float = 0.0) -> Tensor:
@@ -191,6 +204,42 @@ class LowRankCompressor(Compressor):
     additive = True
     fixed_size = True
     sparse = False
+    residual_in_place = True
+    """The residual is elementwise in the compensated tensor, so it may overwrite it: error feedback
+    compensates into a buffer of its own and keeps it, which lets the residual be left to the next
+    compensation (:meth:`defer_residual`)."""
+
+    def _residual_factors(self, payload: Payload, ctx: Any) -> tuple[Tensor, Tensor] | None:
+        """(P, Q) with ``residual = tensor - P Q^T`` for this payload, or None (a dense tensor)."""
+        return None
+
+    def defer_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> Any:
+        """Keep the compensated matrix and copies of the factors; the next compensation subtracts
+        ``P Q^T`` formed in registers (the fma chains the written product has, then torch's add):
+        the residual's read and write of the model are saved. Only where that chain is the
+        product's own (:func:`fuses_residual`)."""
+        factors = self._residual_factors(payload, ctx)
+        if factors is None or not _native.usable(tensor):
+            return None
+        p, q = factors
+        if p.shape[0] * q.shape[0] != tensor.numel() or not fuses_residual(p, q):
+            return None
+        return FactorsOwed(p.detach().contiguous().clone(), q.detach().contiguous().clone())
+
+    def owed_residual(self, base: Tensor, token: Any, out: Tensor) -> Tensor:
+        """The chains themselves (they were the product's bits when deferred; the copies' layout is
+        another key), torch's product only where the library is gone since."""
+        n, m = token.p.shape[0], token.q.shape[0]
+        if not _native.outer_fma_sub(base.view(n, m), token.p, token.q, out.view(n, m)):
+            residual_of_product(base.view(n, m), token.p, token.q, out.view(n, m), self._workspace())
+        return out
+
+    def compensate_owed(self, g: Tensor, base: Tensor, token: Any, out: Tensor, name: str) -> bool:
+        """``out = g + (base - P Q^T)`` in one C pass (:func:`_native.outer_fma_sub` with ``g``)."""
+        n, m = token.p.shape[0], token.q.shape[0]
+        if g.numel() != n * m or not g.is_contiguous():
+            return False
+        return _native.outer_fma_sub(base.view(n, m), token.p, token.q, out.view(n, m), g=g.view(n, m))
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, start_iter: int = 0,
                  orthogonalization_epsilon: float = 0.0, seed: int = 0):

@@ -122,6 +122,13 @@ class ACPSGDCompressor(LowRankCompressor):
         residual_of_product(tensor.reshape(n, m), p, q, out.view(n, m), self._workspace())
         return out
 
+    def _residual_factors(self, payload: Payload, ctx: Any) -> tuple[Tensor, Tensor] | None:
+        """(P, Q) of this rank's own factor, as :meth:`residual` takes them."""
+        c: ACPSGDCtx = ctx
+        if not isinstance(c, ACPSGDCtx) or c.kind == "dense":
+            return None
+        return self._factors(payload, c)
+
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         """Bytes per step averaged over a P-step and a Q-step: ``(n + m) r / 2`` elements, so one
         fusion plan serves both kinds of step (the paper plans P and Q buffers separately, §IV-B)."""

@@ -99,19 +99,24 @@ class Compressor:
             return out
         return torch.sub(tensor, approx, out=out)
 
-    def defers_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> bool:
-        """True when :meth:`compensate_owed` will add ``tensor - decompress(payload, ctx)`` to the
-        next gradient within its own pass: error feedback then keeps ``tensor`` and the payload
-        instead of writing the residual, one pass over the model fewer per step. ``tensor`` is the
-        memory's own buffer; the payload's tensors must be fresh (never recycled by this
-        compressor). Default False: :meth:`residual` writes it now."""
-        return False
+    def defer_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> Any:
+        """A token standing for ``residual(tensor, payload, ctx)`` where :meth:`compensate_owed` will
+        add it to the next gradient within its own pass: error feedback then keeps ``tensor`` (its
+        own buffer) and the token instead of writing the residual, one pass over the model fewer per
+        step. The token must not share memory that anything rewrites (copy small factors). Default
+        None: :meth:`residual` writes it now."""
+        return None
 
-    def compensate_owed(self, g: Tensor, base: Tensor, payload: Payload, ctx: Any, out: Tensor, name: str) -> bool:
-        """``out = g + residual(base, payload, ctx)``, bitwise the residual's subtraction followed by
-        torch's add, without the residual written (see :meth:`defers_residual`); the compressor may
-        read what it needs of the sum in the same pass, as in ``compensate_into``. False (nothing
-        written) where it cannot: the memory writes the residual then."""
+    def owed_residual(self, base: Tensor, token: Any, out: Tensor) -> Tensor:
+        """Write the residual a :meth:`defer_residual` token stands for into ``out`` (bitwise what
+        :meth:`residual` would have written then): a reader of the residual needs it as a tensor."""
+        raise NotImplementedError(f"{type(self).__name__} defers no residual")
+
+    def compensate_owed(self, g: Tensor, base: Tensor, token: Any, out: Tensor, name: str) -> bool:
+        """``out = g + owed_residual(base, token)``, bitwise the residual's operations followed by
+        torch's add, without the residual written; the compressor may read what it needs of the sum
+        in the same pass, as in ``compensate_into``. False (nothing written) where it cannot: the
+        memory writes the residual then."""
         return False
 
     def next_round(self, round_index: int, mean_payload: Payload, ctx: Any) -> tuple[Payload, Any]:

@@ -37,7 +37,7 @@ class EFSignSGDCompressor(Compressor):
     residual_in_place = True
     """:meth:`residual` is elementwise, so it may overwrite its input: error feedback compensates
     into a buffer of its own (the gradient stays raw) and keeps it, which lets the residual be
-    deferred to the next compensation (:meth:`defers_residual`)."""
+    deferred to the next compensation (:meth:`defer_residual`)."""
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """``out = g + r`` (error feedback's compensation, torch.add's bits) with the scale and signs
@@ -64,17 +64,24 @@ class EFSignSGDCompressor(Compressor):
                 and scale.dtype == torch.float32 and not devices.reads_wait(scale) and tensor.is_contiguous()
                 and out.is_contiguous())
 
-    def defers_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> bool:
+    def defer_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> Any:
         """Keep ``p`` and the signs, subtract ``p - decoded`` inside the next compensation's pass
         (:meth:`compensate_owed`): residual's own read and write of the model are saved. Only where
-        both the residual and that pass run in C (the same subtraction either way)."""
-        return (isinstance(ctx, SignCtx) and len(payload) == 2 and self._c_residual(tensor, payload, ctx, tensor)
-                and tensor.numel() == ctx.numel >= 8 and _native.usable(tensor) and _native.sums_like_torch())
+        both the residual and that pass run in C (the same subtraction either way). The payload's
+        tensors are this step's own (never recycled)."""
+        if (isinstance(ctx, SignCtx) and len(payload) == 2 and self._c_residual(tensor, payload, ctx, tensor)
+                and tensor.numel() == ctx.numel >= 8 and _native.usable(tensor) and _native.sums_like_torch()):
+            return (payload, ctx)
+        return None
 
-    def compensate_owed(self, g: Tensor, base: Tensor, payload: Payload, ctx: Any, out: Tensor, name: str) -> bool:
+    def owed_residual(self, base: Tensor, token: Any, out: Tensor) -> Tensor:
+        return self.residual(base, token[0], token[1], out)
+
+    def compensate_owed(self, g: Tensor, base: Tensor, token: Any, out: Tensor, name: str) -> bool:
         """``out = g + (base - decoded signs)`` with this step's scale and signs from the same pass."""
+        scale, packed = token[0]
         got = _native.add_cascade(g.reshape(-1), base.reshape(-1), out.reshape(-1), absolute=True, signs=True,
-                                  owed=(payload[1], float(payload[0])))
+                                  owed=(packed, float(scale)))
         return self._keep(got, out, name)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:

@@ -104,6 +104,13 @@ class PowerSGDCompressor(LowRankCompressor):
         c.approx = (q, out)
         return out
 
+    def _residual_factors(self, payload: Payload, ctx: Any) -> tuple[Tensor, Tensor] | None:
+        """(P_hat, Q_mean): the residual is against the mean approximation every rank applies."""
+        c: PowerSGDCtx = ctx
+        if not isinstance(c, PowerSGDCtx) or c.dense or c.p_hat is None or len(payload) != 1:
+            return None
+        return c.p_hat, payload[0]
+
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         if not self.compresses(shape):
             return int(torch.Size(shape).numel()) * itemsize

@@ -104,14 +104,13 @@ class Memory:
 
 @dataclass(frozen=True)
 class Owed:
-    """A residual not yet written: ``compressor.residual(base, payload, ctx)`` of the base tensor
-    :class:`ResidualMemory` stores under the same name. The compressor subtracts it inside the next
-    compensation's pass (``compensate_owed``); anything else that reads the residual has it written
-    first."""
+    """A residual not yet written: what ``compressor.owed_residual(base, token)`` writes, of the base
+    tensor :class:`ResidualMemory` stores under the same name (``Compressor.defer_residual``). The
+    compressor adds it inside the next compensation's pass (``compensate_owed``); anything else
+    that reads the residual has it written first."""
 
     compressor: Any
-    payload: list[Tensor]
-    ctx: Any
+    token: Any
 
 
 class Snapshot(NamedTuple):
@@ -215,7 +214,7 @@ class ResidualMemory(Memory):
         """Write the residual deferred for ``name`` (see :class:`Owed`) into a new tensor."""
         owed = self._owed.pop(name)
         base = self._stored[name]
-        self._stored[name] = owed.compressor.residual(base, owed.payload, owed.ctx, torch.empty_like(base))
+        self._stored[name] = owed.compressor.owed_residual(base, owed.token, torch.empty_like(base))
         return self._stored[name]
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
@@ -240,7 +239,7 @@ class ResidualMemory(Memory):
             spare = kept if kept is not None and fits(kept, tensor) and kept is not r else torch.empty_like(tensor)
             self._spare[name] = spare
             if owed is not None:  # the residual's subtraction inside the compensation's pass
-                if owed.compressor.compensate_owed(tensor, r, owed.payload, owed.ctx, spare, name):
+                if owed.compressor.compensate_owed(tensor, r, owed.token, spare, name):
                     return spare
                 r = self._settle(name)
             if self.beta != 1.0:
@@ -266,9 +265,10 @@ class ResidualMemory(Memory):
         if out is not None and out is tensor and getattr(compressor, "residual_in_place", False):
             # compensate() wrote into the spare buffer: the residual is made there in place, or
             # left to the next compensation's pass where the compressor can subtract it there
-            defers = getattr(compressor, "defers_residual", None)
-            if defers is not None and defers(tensor, payload, ctx):
-                self._owed[name] = Owed(compressor, payload, ctx)
+            defer = getattr(compressor, "defer_residual", None)
+            token = defer(tensor, payload, ctx) if defer is not None else None
+            if token is not None:
+                self._owed[name] = Owed(compressor, token)
             else:
                 compressor.residual(tensor, payload, ctx, out)
         else:
