@@ -205,7 +205,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
-        + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk"]])
+        + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
+                                   "powersgd", "acpsgd"]])
 
 
 @pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])
@@ -214,7 +215,8 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     """Every front end (optimizer, DDP hook, the outer loop's compressed pseudo-gradient), 2 real gloo
     ranks: the same parameters with the GPU's batched counts as without (the torch path on both
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
-    passes that read their sum included)."""
+    passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
+    signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass)."""
     env = {"ADACOMP_NATIVE": "0"} if switch == "emulate" else {}
     assert run_workers(_train_both_ways, 2, method, front, switch, timeout=300, env=env) == [True, True]
 

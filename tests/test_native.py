@@ -780,6 +780,28 @@ def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, m
         assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
 
 
+@pytest.mark.parametrize("n,m,r0,r", [(37, 101, 4, 4), (64, 576, 4, 2), (2304, 768, 4, 3), (1001, 2053, 3, 8),
+                                      (9, 1100, 8, 1), (16, 8, 9, 5), (600, 2048, 4, 4)])
+def test_owed_compensation_with_product_is_the_two_passes(n: int, m: int, r0: int, r: int) -> None:
+    """``g + (a - P0 Q0^T)`` and its product with Q from one pass (:func:`_native.owed_mm`) are
+    bitwise the compensation (:func:`_native.outer_fma_sub` with g) followed by :func:`_native.mm_seq`:
+    rows and columns left over, ranks 1-8, factors of another rank, signed zeros, inf and NaN."""
+    gen = torch.Generator().manual_seed(n * m + r)
+    p0, q0 = torch.randn(n, r0, generator=gen), torch.randn(m, r0, generator=gen)
+    a, g, q = torch.randn(n, m, generator=gen), torch.randn(n, m, generator=gen), torch.randn(m, r, generator=gen)
+    a.view(-1)[:3] = torch.tensor([-0.0, float("inf"), float("nan")])
+    g.view(-1)[:2] = torch.tensor([0.0, -0.0])
+    want_out = torch.empty(n, m)
+    assert _native.outer_fma_sub(a, p0, q0, want_out, g=g)
+    want = _native.mm_seq(want_out, q)
+    out = torch.empty(n, m)
+    got = _native.owed_mm(g, a, p0, q0, out, q)
+    if got is None:  # no AVX2 + FMA here: the caller runs the two passes
+        assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+        return
+    assert want is not None and torch.equal(bits(out), bits(want_out)) and torch.equal(bits(got), bits(want))
+
+
 DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
             "powersgd": ({"rank": 4}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
             "acpsgd": ({"rank": 3}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000])}
@@ -788,14 +810,15 @@ DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
 
 @pytest.mark.parametrize("habit", ["none", "rollback", "state_dict", "rescale", "other_compressor"])
 @pytest.mark.parametrize("method", sorted(DEFERRED))
-def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_switch: str, one_thread: None) -> None:
+def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_switch: str, one_thread: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A residual left to the next compensation (EF-SignSGD's decoded signs, PowerSGD's and
     ACP-SGD's P Q^T, subtracted inside that C pass, never written) gives bitwise the compensated
     tensors, outputs and residuals of the same run with the residual written every step, through
     the real communicator; after the first steps no buffer is allocated. A habit in the middle (a
     rolled-back round, a state_dict read, a loss-scale change, a step through another compressor)
     sees and keeps the same values. (The C passes themselves are checked against torch's
-    operations in the tests above.)"""
+    operations in the tests above.) PowerSGD's first product comes from that pass too (with AVX2)."""
     from adacomp.backends.base import LocalBackend
     from adacomp.communicators import get as get_communicator
     from adacomp.communicators.base import CommEnv, Entry
@@ -846,8 +869,13 @@ def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_swit
         seen.extend(memory.residuals[f"w{i}"] for i in range(len(shapes)))
         return seen, deferred, buffers
 
+    fused = []
+    owed_mm = _native.owed_mm
+    monkeypatch.setattr(_native, "owed_mm", lambda *args: fused.append(owed_mm(*args)) or fused[-1])
     fast, deferred, buffers = run(True)
     assert deferred > 0  # the residual was left to the next pass
+    if method == "powersgd" and avx2_switch == "avx2" and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        assert any(p is not None for p in fused)  # and round 0's product came from the same pass
     assert habit != "none" or len(buffers) == 2
     slow, deferred_slow, _ = run(False)
     assert deferred_slow == 0 and len(fast) == len(slow)

@@ -58,7 +58,9 @@ def _exact_or_reference(key: tuple, fast: Any, reference: Any, inputs: tuple[Ten
 
 
 def _layout(tag: str, *ts: Tensor) -> tuple:
-    return (tag, torch.get_num_threads()) + tuple(
+    """The key of a product's decision: its inputs' layout, the thread count and whether the C
+    library serves (the fast path is another kernel without it)."""
+    return (tag, torch.get_num_threads(), _native.library() is not None) + tuple(
         (tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 64) for t in ts)
 
 
@@ -143,6 +145,19 @@ def residual_of_product(a: Tensor, p: Tensor, q: Tensor, out: Tensor, workspace:
     if fuses_residual(p, q) and _native.outer_fma_sub(a, p, q, out):
         return out
     return torch.sub(a, outer_product(p, q, workspace), out=out)
+
+
+def owed_with_product(g: Tensor, base: Tensor, token: "FactorsOwed", out: Tensor, q: Tensor) -> Tensor | None:
+    """``out = g + (base - P Q^T)`` (the owed residual, as ``compensate_owed``) and, from the same
+    pass, ``product(out, q)`` where that product takes the C sums for this layout (seen to give
+    torch's bits): the compensated matrix is not read again for the first product. None (nothing
+    written) where it cannot: the caller compensates and multiplies apart."""
+    n, m = token.p.shape[0], token.q.shape[0]
+    matrix = out.view(n, m)
+    if (q.dim() != 2 or q.shape[0] != m or q.shape[1] < 2 or not q.is_contiguous() or g.numel() != n * m
+            or not g.is_contiguous() or not _EXACT.get(_layout("mq", matrix, q))):
+        return None
+    return _native.owed_mm(g.view(n, m), base.view(n, m), token.p, token.q, matrix, q)
 
 
 class FactorsOwed(NamedTuple):

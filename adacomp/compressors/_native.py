@@ -1450,6 +1450,90 @@ void ac_outer_fma_sub(const float* p, const float* qt, const float* a, const flo
 #endif
     (g ? outer_sw_add : outer_sw_sub)(p, qt, a, g, n, m, r, out);
 }
+/* A low-rank compressor's owed compensation and its first product in one pass over the rows:
+   out = g + (a - P0 Q0^T) (ac_outer_fma_sub with g: the fmaf chain over r0 from +0, one subtraction,
+   one addition) and P = out Q (ac_mm_seq: every output summed from +0 along its row, product then
+   addition, terms in column order), bitwise the two calls one after the other, without reading out
+   back. Eight rows at a time, eight columns a vector: each vector of Q0^T is loaded once for the
+   eight rows (independent fma chains), the eight row vectors are written to out (streamed where
+   aligned and large) and, still in registers, transposed into the eight rows' sums as ac_mm_seq's
+   AVX2 loop does. Rows left over (n % 8) take the scalar forms. Returns -1 where it cannot run (no
+   AVX2 + FMA, or r outside 1..8): the caller runs the two passes. */
+#if defined(AC_AVX2)
+#define OWED_MM_AVX2(R)                                                                 \
+__attribute__((target("avx2,fma"))) static void owed_mm_avx2_##R(const float* p0, const float* qt0, int64_t r0, \
+        const float* a, const float* g, int64_t n, int64_t m, float* out, const float* Q, float* P, int64_t* done) { \
+    const int stream = n * m >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0 && (m & 7) == 0; \
+    int64_t i = 0;                                                                      \
+    for (; i + 8 <= n; i += 8) {                                                        \
+        __m256 acc[R], v[8];                                                            \
+        for (int j = 0; j < (R); ++j) acc[j] = _mm256_setzero_ps();                     \
+        const float* pr = p0 + i * r0;                                                  \
+        int64_t c = 0;                                                                  \
+        for (; c + 8 <= m; c += 8) {                                                    \
+            for (int u = 0; u < 8; ++u) v[u] = _mm256_setzero_ps();                     \
+            for (int64_t k = 0; k < r0; ++k) {                                          \
+                const __m256 qk = _mm256_loadu_ps(qt0 + k * m + c);                     \
+                for (int u = 0; u < 8; ++u) v[u] = _mm256_fmadd_ps(_mm256_set1_ps(pr[u * r0 + k]), qk, v[u]); \
+            }                                                                           \
+            for (int u = 0; u < 8; ++u) {                                               \
+                const int64_t e = (i + u) * m + c;                                      \
+                v[u] = _mm256_add_ps(_mm256_loadu_ps(g + e), _mm256_sub_ps(_mm256_loadu_ps(a + e), v[u])); \
+                if (stream) _mm256_stream_ps(out + e, v[u]);                            \
+                else _mm256_storeu_ps(out + e, v[u]);                                   \
+            }                                                                           \
+            transpose8(v);                                                              \
+            for (int t = 0; t < 8; ++t) { MM_SEQ_TERM(v[t], c + t, R) }                 \
+        }                                                                               \
+        for (; c < m; ++c) {                                                            \
+            float col[8];                                                               \
+            for (int u = 0; u < 8; ++u) {                                               \
+                const int64_t e = (i + u) * m + c;                                      \
+                float ch = 0.0f;                                                        \
+                for (int64_t k = 0; k < r0; ++k) ch = __builtin_fmaf(pr[u * r0 + k], qt0[k * m + c], ch); \
+                col[u] = out[e] = g[e] + (a[e] - ch);                                   \
+            }                                                                           \
+            const __m256 cv = _mm256_loadu_ps(col);                                     \
+            MM_SEQ_TERM(cv, c, R)                                                       \
+        }                                                                               \
+        float t[R][8];                                                                  \
+        for (int j = 0; j < (R); ++j) _mm256_storeu_ps(t[j], acc[j]);                   \
+        for (int l = 0; l < 8; ++l)                                                     \
+            for (int j = 0; j < (R); ++j) P[(i + l) * (R) + j] = t[j][l];               \
+    }                                                                                   \
+    if (stream) _mm_sfence();                                                           \
+    *done = i;                                                                          \
+}
+OWED_MM_AVX2(1) OWED_MM_AVX2(2) OWED_MM_AVX2(3) OWED_MM_AVX2(4)
+OWED_MM_AVX2(5) OWED_MM_AVX2(6) OWED_MM_AVX2(7) OWED_MM_AVX2(8)
+#define OWED_MM_CALL(R) owed_mm_avx2_##R(p0, qt0, r0, a, g, n, m, out, Q, P, &i)
+#endif
+int ac_owed_mm(const float* p0, const float* qt0, int64_t r0, const float* a, const float* g, int64_t n, int64_t m,
+               float* out, const float* Q, int64_t r, float* P) {
+    int64_t i = 0;
+#if defined(AC_AVX2)
+    if (r < 1 || r > 8 || !use_avx2() || !__builtin_cpu_supports("fma")) return -1;
+    switch (r) { AC_RANK_CASES(OWED_MM_CALL) default: return -1; }
+    for (; i < n; ++i) {  /* the rows left: the scalar forms of both passes */
+        const float* pi = p0 + i * r0;
+        for (int64_t c = 0; c < m; ++c) {
+            float ch = 0.0f;
+            for (int64_t k = 0; k < r0; ++k) ch = __builtin_fmaf(pi[k], qt0[k * m + c], ch);
+            out[i * m + c] = g[i * m + c] + (a[i * m + c] - ch);
+        }
+        const float* mi = out + i * m;
+        for (int64_t j = 0; j < r; ++j) {
+            float acc = 0.0f;
+            for (int64_t c = 0; c < m; ++c) acc = acc + mi[c] * Q[c * r + j];
+            P[i * r + j] = acc;
+        }
+    }
+    return 0;
+#else
+    (void)p0; (void)qt0; (void)r0; (void)a; (void)g; (void)n; (void)m; (void)out; (void)Q; (void)r; (void)P; (void)i;
+    return -1;
+#endif
+}
 /* Random-k's sample: the first k distinct values of draws (each in [0, n)) in draw order, written
    ascending; returns how many distinct values were found (< k: every draw was used). A bitmap of
    n bits (zeroed by the caller) replaces torch.unique's sort. -1 on a draw outside [0, n). */
@@ -2166,6 +2250,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean.restype = ctypes.c_int
     lib_.ac_outer_fma_sub.restype = None
     lib_.ac_outer_fma_sub.argtypes = [vp, vp, vp, vp, i64, i64, i64, vp]
+    lib_.ac_owed_mm.restype = ctypes.c_int
+    lib_.ac_owed_mm.argtypes = [vp, vp, i64, vp, vp, i64, i64, vp, vp, i64, vp]
     lib_.ac_row_kth.restype = None
     lib_.ac_row_order_stats.restype = ctypes.c_int
     lib_.ac_row_order_stats.argtypes = [vp, vp, i64, i64, i64, vp, vp]
@@ -2773,6 +2859,29 @@ def outer_fma_sub(a: Tensor, p: Tensor, q: Tensor, out: Tensor, g: Tensor | None
     lib.ac_outer_fma_sub(pc.data_ptr(), qt.data_ptr(), a.data_ptr(), None if g is None else g.data_ptr(),
                          shape[0], shape[1], p.shape[1], out.data_ptr())
     return True
+
+
+def owed_mm(g: Tensor, a: Tensor, p0: Tensor, q0: Tensor, out: Tensor, q: Tensor) -> Tensor | None:
+    """``out = g + (a - p0 @ q0.t())`` (:func:`outer_fma_sub` with ``g``) and, from the same pass,
+    ``out @ q`` as :func:`mm_seq` forms it (n x m matrices, factors with r <= 8 columns): a low-rank
+    compressor's compensation and its first product, the matrix read back from cache. None (nothing
+    written) where it cannot run."""
+    lib = library()
+    shape = (p0.shape[0], q0.shape[0]) if p0.dim() == 2 and q0.dim() == 2 else None
+    if (lib is None or shape is None or p0.shape[1] != q0.shape[1] or not _f32_cpu(p0)
+            or not _f32_cpu(q0) or not all(usable(t) and tuple(t.shape) == shape for t in (g, a, out))
+            or not _seq_inputs(out, q) or q.shape[0] != shape[1]):
+        return None
+    pc, qt0, qc = p0.contiguous(), q0.t().contiguous(), q.contiguous()
+    prod = torch.empty(shape[0], q.shape[1], dtype=torch.float32)
+    if lib.ac_owed_mm(pc.data_ptr(), qt0.data_ptr(), p0.shape[1], a.data_ptr(), g.data_ptr(), shape[0], shape[1],
+                      out.data_ptr(), qc.data_ptr(), q.shape[1], prod.data_ptr()) != 0:
+        return None
+    return prod
+
+
+def _f32_cpu(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 def sample_lines(a: Tensor, b: Tensor | None, lines: int, m: int) -> Tensor | None:

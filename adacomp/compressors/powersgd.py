@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors._lowrank import (LowRankCompressor, as_matrix_shape, orthogonalize, outer_product,
-                                          product, transposed_product)
+                                          owed_with_product, product, transposed_product)
 from adacomp.compressors.base import Payload, register
 
 
@@ -72,8 +72,21 @@ class PowerSGDCompressor(LowRankCompressor):
         q = self.q.get(name)
         if q is None or tuple(q.shape) != (m, r):
             q = self.initial_factor(name, "q", m, r, tensor)
-        p = product(matrix, q.to(device=tensor.device, dtype=tensor.dtype))
+        kept = self._kept().take(name, matrix)  # round 0's product from the compensation's pass
+        p = kept if isinstance(kept, Tensor) else product(matrix, q.to(device=tensor.device, dtype=tensor.dtype))
         return [p], PowerSGDCtx(name, tensor.shape, dense=False, matrix=matrix)
+
+    def compensate_owed(self, g: Tensor, base: Tensor, token: Any, out: Tensor, name: str) -> bool:
+        """The owed compensation with round 0's ``P = M Q`` from the same pass (kept for
+        :meth:`compress`), where ``Q`` is the warm start :meth:`compress` will take."""
+        q = self.q.get(name)
+        if (q is not None and not self.warming_up() and self.compresses(g.shape)
+                and tuple(q.shape) == (token.q.shape[0], self.matrix_rank(g.shape))):
+            p = owed_with_product(g, base, token, out, q)
+            if p is not None:
+                self._kept().keep(name, out.view(token.p.shape[0], token.q.shape[0]), p)
+                return True
+        return super().compensate_owed(g, base, token, out, name)
 
     def next_round(self, round_index: int, mean_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
         if round_index != 1:
