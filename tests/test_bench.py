@@ -267,6 +267,14 @@ def test_cost_floor_report_before_and_after(tmp_path):
     _run([*BENCH, "cost", "report-floor", "--after", "a.json", "--before", "a.json", "--out", "floor.md"], tmp_path)
     md = (tmp_path / "floor.md").read_text()
     assert "split10 before x floor" in md and "split10 x floor" in md and "| topk |" in md and "| qsgd |" in md
+    # several runs: each cell the median run's figures with the range (made-up ratios 1, 2, 4 per cell)
+    for i, scale in enumerate((1.0, 2.0, 4.0)):
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"rows": [
+            {**r, "step_s": r["floor_s"] * scale * (2.0 if r["method"] == "qsgd" else 1.0)} for r in rows]}))
+    _run([*BENCH, "cost", "report-floor", "--after", "r2.json,r0.json,r1.json", "--out", "median.md"], tmp_path)
+    md = (tmp_path / "median.md").read_text()
+    assert "median of 3 runs" in md
+    assert "| topk |" in md and "2.0x (1.0-4.0)" in md and "4.0x ✗ (2.0-8.0)" in md
 
 
 def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):

@@ -339,11 +339,28 @@ def _floor_rows(path: str) -> dict[tuple[str, str], dict]:
     return {(r["model"], r["method"]): r for r in json.loads(Path(path).read_text())["rows"] if "floor_s" in r}
 
 
+def _ratio(row: dict) -> float:
+    return row["step_s"] / row["floor_s"]
+
+
+def _median_rows(paths: list[str]) -> tuple[dict[tuple[str, str], dict], dict[tuple[str, str], list[float]]]:
+    """Per cell, the row of the median step / floor over the runs in ``paths`` (cells move by up to
+    ~40 % between runs on this machine, so one run decides little), and every run's ratio."""
+    runs = [_floor_rows(p) for p in paths]
+    rows, ratios = {}, {}
+    for key in dict.fromkeys(k for run in runs for k in run):
+        cells = sorted((run[key] for run in runs if key in run), key=_ratio)
+        rows[key], ratios[key] = cells[(len(cells) - 1) // 2], [_ratio(c) for c in cells]
+    return rows, ratios
+
+
 def report_floor(args: argparse.Namespace) -> None:
     """docs/results/compress_floor.md: each cell's step over its memory floor, measured in the same
-    cell; with ``--before``, the same ratio of an earlier run beside it."""
-    after = json.loads(Path(args.after).read_text())
-    rows = _floor_rows(args.after)
+    cell; with ``--before``, the same ratio of an earlier run beside it. ``--after`` may name several
+    runs (comma-separated): each cell then shows the median run's figures and the range."""
+    paths = [p for p in args.after.split(",") if p]
+    after = json.loads(Path(paths[0]).read_text())
+    rows, ratios = _median_rows(paths)
     before = _floor_rows(args.before) if args.before else {}
     methods = [m for m in METHODS if any(k[1] == m for k in rows)]
     models = [m for m in MODELS if any(k[0] == m for k in rows)]
@@ -358,6 +375,8 @@ def report_floor(args: argparse.Namespace) -> None:
         f"{after.get('load', 0):.1f}). **x floor** = median step / median floor; goal (issue 32) <= 3x for "
         "sparsifiers and quantisers, <= 5x for low-rank. Error feedback alone reads the gradient and the residual "
         "and writes both back, so the goal asks for fused single passes."
+        + (f" Each cell is the median of {len(paths)} runs of the same command (by x floor; its range in "
+           "brackets)." if len(paths) > 1 else "")
         + (f" **before x floor**: the same ratio from `{args.before}` (its own floors)." if before else ""), "",
         "| method | " + " | ".join(f"{m} {c}" for m in models for c in per_model) + " | goal |",
         "|---|" + "---:|" * (len(per_model) * len(models)) + "---:|"]
@@ -370,9 +389,11 @@ def report_floor(args: argparse.Namespace) -> None:
             if r is None:
                 cells += ["", "", ""]
                 continue
-            x = r["step_s"] / r["floor_s"]
+            x = _ratio(r)
             mark = "" if x <= GOAL.get(meth, 3.0) else " ✗"
-            cells += [f"{1e3 * r['step_s']:.0f}", f"{1e3 * r['floor_s']:.1f}", f"{x:.1f}x{mark}"]
+            spread = ratios[(model, meth)]
+            span = f" ({spread[0]:.1f}-{spread[-1]:.1f})" if len(spread) > 1 else ""
+            cells += [f"{1e3 * r['step_s']:.0f}", f"{1e3 * r['floor_s']:.1f}", f"{x:.1f}x{mark}{span}"]
         lines.append(f"| {meth} | " + " | ".join(cells) + f" | {GOAL.get(meth, 3.0):.0f}x |")
     if args.note:
         lines += ["", args.note]
@@ -404,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--models", default=",".join(MODELS))
     w.add_argument("--threads", type=int, default=1)
     f = sub.add_parser("report-floor", help="write compress_floor.md from a run's JSON")
-    f.add_argument("--after", required=True)
+    f.add_argument("--after", required=True, help="a run's JSON, or several comma-separated (each cell: their median)")
     f.add_argument("--before", help="an earlier run's JSON: its ratio goes beside each model's")
     f.add_argument("--out", default=f"{RESULTS}/compress_floor.md")
     f.add_argument("--note", default="", help="a paragraph on the run's conditions")
