@@ -1267,6 +1267,14 @@ __attribute__((target("avx2"))) static inline void transpose8(__m256* v) {
 #define MM_SEQ_TERM(COL, C, R)                                                          \
     for (int j = 0; j < (R); ++j)                                                       \
         acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps((COL), _mm256_set1_ps(Q[(C) * (R) + j])));
+/* the eight rows' sums (lane l of acc[j]: row i + l, column j) into P, row-major n x R */
+#define MM_SEQ_STORE(R)                                                                 \
+    {                                                                                   \
+        float t[R][8];                                                                  \
+        for (int j = 0; j < (R); ++j) _mm256_storeu_ps(t[j], acc[j]);                   \
+        for (int l = 0; l < 8; ++l)                                                     \
+            for (int j = 0; j < (R); ++j) P[(i + l) * (R) + j] = t[j][l];               \
+    }
 #define MM_SEQ_AVX2(R)                                                                  \
 __attribute__((target("avx2"))) static void mm_seq_avx2_##R(const float* M, int64_t n, int64_t m, \
                                                            const float* Q, float* P, int64_t* done) { \
@@ -1290,10 +1298,7 @@ __attribute__((target("avx2"))) static void mm_seq_avx2_##R(const float* M, int6
                                               b[6 * m], b[7 * m]);                      \
             MM_SEQ_TERM(col, c, R)                                                      \
         }                                                                               \
-        float t[R][8];                                                                  \
-        for (int j = 0; j < (R); ++j) _mm256_storeu_ps(t[j], acc[j]);                   \
-        for (int l = 0; l < 8; ++l)                                                     \
-            for (int j = 0; j < (R); ++j) P[(i + l) * (R) + j] = t[j][l];               \
+        MM_SEQ_STORE(R)                                                                 \
     }                                                                                   \
     *done = i;                                                                          \
 }
@@ -1496,10 +1501,7 @@ __attribute__((target("avx2,fma"))) static void owed_mm_avx2_##R(const float* p0
             const __m256 cv = _mm256_loadu_ps(col);                                     \
             MM_SEQ_TERM(cv, c, R)                                                       \
         }                                                                               \
-        float t[R][8];                                                                  \
-        for (int j = 0; j < (R); ++j) _mm256_storeu_ps(t[j], acc[j]);                   \
-        for (int l = 0; l < 8; ++l)                                                     \
-            for (int j = 0; j < (R); ++j) P[(i + l) * (R) + j] = t[j][l];               \
+        MM_SEQ_STORE(R)                                                                 \
     }                                                                                   \
     if (stream) _mm_sfence();                                                           \
     *done = i;                                                                          \
