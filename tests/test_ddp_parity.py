@@ -293,7 +293,7 @@ def _resume_worker(cfg: dict) -> tuple[bool, bool]:
     return equal(full.params(), resumed.params()), any("plain torch" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("method", ["topk", "powersgd"])
+@pytest.mark.parametrize("method", ["topk", "powersgd", "efsignsgd"])
 def test_resume_of_a_rerouted_run_is_bitwise(method: str) -> None:
     for r, (same, warned) in enumerate(run_workers(_resume_worker, 2, COMPRESSED[method], timeout=600)):
         assert same, r

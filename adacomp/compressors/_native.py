@@ -2870,20 +2870,16 @@ def owed_mm(g: Tensor, a: Tensor, p0: Tensor, q0: Tensor, out: Tensor, q: Tensor
     written) where it cannot run."""
     lib = library()
     shape = (p0.shape[0], q0.shape[0]) if p0.dim() == 2 and q0.dim() == 2 else None
-    if (lib is None or shape is None or p0.shape[1] != q0.shape[1] or not _f32_cpu(p0)
-            or not _f32_cpu(q0) or not all(usable(t) and tuple(t.shape) == shape for t in (g, a, out))
+    if (lib is None or shape is None or p0.shape[1] != q0.shape[1] or not _cpu_contiguous(p0, torch.float32)
+            or not _cpu_contiguous(q0, torch.float32) or not all(usable(t) and tuple(t.shape) == shape for t in (g, a, out))
             or not _seq_inputs(out, q) or q.shape[0] != shape[1]):
         return None
-    pc, qt0, qc = p0.contiguous(), q0.t().contiguous(), q.contiguous()
+    qt0, qc = q0.t().contiguous(), q.contiguous()
     prod = torch.empty(shape[0], q.shape[1], dtype=torch.float32)
-    if lib.ac_owed_mm(pc.data_ptr(), qt0.data_ptr(), p0.shape[1], a.data_ptr(), g.data_ptr(), shape[0], shape[1],
+    if lib.ac_owed_mm(p0.data_ptr(), qt0.data_ptr(), p0.shape[1], a.data_ptr(), g.data_ptr(), shape[0], shape[1],
                       out.data_ptr(), qc.data_ptr(), q.shape[1], prod.data_ptr()) != 0:
         return None
     return prod
-
-
-def _f32_cpu(t: Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 def sample_lines(a: Tensor, b: Tensor | None, lines: int, m: int) -> Tensor | None:
