@@ -13,6 +13,7 @@ from adacomp import devices
 from adacomp.compressors.gaussiank import GaussianKCompressor, adjust, adjust_thresholds
 from adacomp.compressors.mstopk import MSTopkCompressor
 from adacomp.compressors.redsync import RedSyncCompressor
+from adacomp.compressors import sparse
 from adacomp.compressors.sparse import Magnitudes, ThresholdCounter, bisect_thresholds
 from adacomp.compressors.workspace import Workspace
 from tests._dist import run_workers
@@ -32,6 +33,13 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 TENSORS = _tensors()
+
+
+@pytest.fixture(params=["sort", "bucket"])
+def counts_way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way :data:`adacomp.compressors.sparse.BATCHED_COUNTS` counts a batch: the same counts."""
+    monkeypatch.setattr(sparse, "BATCHED_COUNTS", request.param)
+    return str(request.param)
 
 
 def _search(kind: str, flat: torch.Tensor, density: float) -> tuple[float, int]:
@@ -54,7 +62,7 @@ def _search(kind: str, flat: torch.Tensor, density: float) -> tuple[float, int]:
 
 @pytest.mark.parametrize("native", [True, False], ids=["C passes", "torch"])
 @pytest.mark.parametrize("kind", ["mstopk", "redsync", "gaussiank"])
-def test_batched_search_takes_the_same_path_with_fewer_reads(kind: str, native: bool,
+def test_batched_search_takes_the_same_path_with_fewer_reads(kind: str, native: bool, counts_way: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ADACOMP_NATIVE", "1" if native else "0")
     one_by_one, batched = 0, 0
@@ -73,7 +81,7 @@ def test_batched_search_takes_the_same_path_with_fewer_reads(kind: str, native: 
 
 
 @pytest.mark.parametrize("kind", ["mstopk", "redsync", "gaussiank"])
-def test_batched_selection_is_bitwise(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batched_selection_is_bitwise(kind: str, counts_way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the compressors' own select() (their Magnitudes read back together, the samples
     ranking a NaN lowest): the same indices."""
     from adacomp.compressors import get
@@ -86,7 +94,7 @@ def test_batched_selection_is_bitwise(kind: str, monkeypatch: pytest.MonkeyPatch
     assert torch.equal(got, ref)
 
 
-def test_prefetch_counts_equal_the_comparisons_at_float32_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefetch_counts_equal_the_comparisons_at_float32_boundaries(counts_way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Thresholds a hair either side of a stored value (doubles that round onto it in float32), -0.0,
     +-inf, and a kept set: ``>=`` and ``>`` counts as torch's comparisons give them."""
     monkeypatch.setattr(devices, "EMULATE", True)
@@ -104,7 +112,7 @@ def test_prefetch_counts_equal_the_comparisons_at_float32_boundaries(monkeypatch
                 assert counter.count(t) == want, (strict, floor, t)
 
 
-def test_a_nan_turns_batching_off_and_counts_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_nan_turns_batching_off_and_counts_stay_exact(counts_way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "EMULATE", True)
     a = torch.tensor([1.0, math.nan, 3.0, 0.5])
     counter = ThresholdCounter(a, False, Workspace())
@@ -205,6 +213,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
+        + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
                                    "powersgd", "acpsgd"]])
 
@@ -217,11 +226,13 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
     signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass)."""
-    env = {"ADACOMP_NATIVE": "0"} if switch == "emulate" else {}
+    env = {"ADACOMP_NATIVE": "0"} if switch.startswith("emulate") else {}
+    if switch == "emulate-bucket":  # the batches counted by bucketize and a histogram, no sort
+        env["ADACOMP_BATCHED_COUNTS"] = "bucket"
     assert run_workers(_train_both_ways, 2, method, front, switch, timeout=300, env=env) == [True, True]
 
 
-def test_a_count_between_two_equal_prefetched_counts_needs_no_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_count_between_two_equal_prefetched_counts_needs_no_read(counts_way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "EMULATE", True)
     a = torch.tensor([0.5, 1.0, 2.0, 3.0])
     counter = ThresholdCounter(a, False, Workspace())
@@ -229,3 +240,19 @@ def test_a_count_between_two_equal_prefetched_counts_needs_no_read(monkeypatch: 
     reads = counter.reads
     assert counter.known(1.5) and counter.count(1.5) == 2 and counter.reads == reads  # inside (1.1, 1.9)
     assert not counter.known(2.2) and counter.count(2.2) == 1 and counter.reads == reads + 1  # counts 2 vs 1
+
+
+def test_batched_counts_off_reads_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "EMULATE", True)
+    monkeypatch.setattr(sparse, "BATCHED_COUNTS", "off")
+    counter = ThresholdCounter(torch.tensor([0.5, 1.0, 2.0, 3.0]), False, Workspace())
+    counter.prefetch([1.1, 1.9, 2.5])
+    assert counter.reads == 0 and not counter.known(1.5) and counter.count(1.5) == 2 and counter.reads == 1
+
+
+def test_an_unknown_batched_counts_way_is_an_error_naming_the_choices() -> None:
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "-c", "import adacomp.compressors.sparse"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "ADACOMP_BATCHED_COUNTS": "radix"})
+    assert got.returncode != 0 and "ADACOMP_BATCHED_COUNTS='radix'" in got.stderr and "'bucket'" in got.stderr

@@ -297,3 +297,31 @@ def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):
     assert "| topk |  | 1.10x (10%) |" in main and "1.30x" not in main
     assert "resnet50 (batch 2)" in short and "| topk | 1.30x (10%) ✗ |" in short and "| qsgd | 1.20x (10%, 12.5% B) |" in short
     assert "Above the bar: resnet50: topk." in short and "cmd resnet50 2" in short
+
+
+def test_gpu_step_arms_with_knobs_on_the_devices_path(tmp_path, monkeypatch):
+    """``adacomp bench gpu_step`` (its CPU check of the GPU's code path): ``method@knob=value`` arms
+    run in one process beside the method, the knob changes what it claims (counting one by one
+    reads back more often; fusion compresses whole buckets), and an unknown knob names the choices."""
+    import json
+    from adacomp import devices
+    from adacomp.bench import gpu_step
+    from adacomp.compressors import sparse
+    monkeypatch.setattr(devices, "EMULATE", True)
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    small = json.dumps({"image_size": 32, "classes": 10, "blocks": [1, 1, 1, 1]})
+    assert gpu_step.main(["--device", "cpu", "--models", "resnet50", "--batch", "2", "--model-args", small,
+                          "--methods", "mstopk", "mstopk@counts=off,upload=pageable", "mstopk@counts=bucket",
+                          "topk@fuse=1", "--rounds", "1", "--warmup", "1", "--steps", "1",
+                          "--out-dir", str(tmp_path)]) == 0
+    assert sparse.BATCHED_COUNTS == "sort" and devices.PINNED_UPLOAD  # restored after each arm
+    rows = {r["method"]: r for r in json.loads((tmp_path / "gpu_step.json").read_text())["rows"]}
+    assert set(rows) == {"plain", "mstopk", "mstopk@counts=off,upload=pageable", "mstopk@counts=bucket", "topk@fuse=1"}
+    assert rows["mstopk@counts=off,upload=pageable"]["host_waits"] > 2 * rows["mstopk"]["host_waits"] > 0
+    assert rows["mstopk@counts=bucket"]["host_waits"] == rows["mstopk"]["host_waits"]
+    assert all(r["compression"] > 1 for m, r in rows.items() if m != "plain")
+    with pytest.raises(SystemExit):
+        gpu_step.main(["--device", "cpu", "--methods", "topk@counts=radix"])
+    assert gpu_step.parse_arm("topk@fuse=1,counts=off") == ("topk", {"fuse": "1", "counts": "off"})
+    with pytest.raises(ValueError, match="choose one of"):
+        gpu_step.parse_arm("topk@speed=max")

@@ -144,6 +144,39 @@ def test_host_waits_for_the_device_do_not_grow_with_the_number_of_tensors(method
     assert many <= few, (method, few, many)
 
 
+@pytest.mark.parametrize("kind", ["mstopk", "redsync", "gaussiank"])
+def test_every_way_of_counting_a_batch_selects_the_same_on_the_device(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threshold searches' batched counts (sorted, bucketed, one by one; thresholds uploaded
+    pinned or pageable): the same selection on the device, and batching waits less than counting one
+    by one. Pinned uploads wait no more than pageable ones."""
+    from adacomp import devices
+    from adacomp.bench.gpu_step import host_waits
+    from adacomp.compressors import get, sparse
+    monkeypatch.setattr(devices, "EMULATE", DEV != "cuda")  # on the CPU check: the device's path
+    g = torch.Generator().manual_seed(5)
+    flats = [torch.randn(n, generator=g).to(DEV) for n in (5_000, 200_000)]
+    flats.append(torch.round(flats[1] * 4) / 4)  # ties at every threshold
+    got: dict[tuple[str, bool], list[torch.Tensor]] = {}
+    waits: dict[tuple[str, bool], int] = {}
+    for way in ("off", "sort", "bucket"):
+        for pinned in (True, False):
+            monkeypatch.setattr(sparse, "BATCHED_COUNTS", way)
+            monkeypatch.setattr(devices, "PINNED_UPLOAD", pinned)
+            out: list[torch.Tensor] = []
+            if DEV == "cuda":
+                waits[way, pinned], _ = host_waits(lambda: out.extend(get(kind, density=0.01).select(f, "w")
+                                                                      for f in flats))
+            else:
+                out = [get(kind, density=0.01).select(f, "w") for f in flats]
+            got[way, pinned] = out
+    ref = got["off", True]
+    for key, out in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, ref)), key
+    if DEV == "cuda":
+        assert waits["sort", True] < waits["off", True] and waits["bucket", True] < waits["off", True], waits
+        assert waits["sort", True] <= waits["sort", False], waits
+
+
 def test_error_feedback_residual_stays_on_the_device_and_equals_the_cpu_one() -> None:
     from adacomp.memories import get as memory
     from adacomp import compressors

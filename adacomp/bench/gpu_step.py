@@ -50,6 +50,62 @@ OFFLOAD = {"compressor": {"name": "topk", "density": 0.01}, "memory": {"name": "
 """ByteComp's "compress on CPU" (§4.2, Alg. 2) for every tensor: Top-k 1 % with residuals on the host."""
 
 
+KNOBS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "counts": ("module", "adacomp.compressors.sparse:BATCHED_COUNTS", {v: v for v in ("sort", "bucket", "off")}),
+    "upload": ("module", "adacomp.devices:PINNED_UPLOAD", {"pinned": True, "pageable": False}),
+    "fuse": ("config", "fusion.fuse_before_compress", {"1": True, "0": False}),
+}
+"""What an arm ``method@knob=value[,knob=value]`` changes for its rounds only (an A/B in one process):
+a module setting, restored after the round, or a config key."""
+
+
+def parse_arm(name: str) -> tuple[str, dict[str, Any]]:
+    """``"mstopk@counts=off"`` -> ``("mstopk", {"counts": "off"})``; unknown knobs or values name the choices."""
+    method, _, spec = name.partition("@")
+    knobs: dict[str, Any] = {}
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key not in KNOBS:
+            raise ValueError(f"arm {name!r}: unknown knob {key!r}; choose one of {sorted(KNOBS)}")
+        if value not in KNOBS[key][2]:
+            raise ValueError(f"arm {name!r}: {key}={value!r}; choose one of {sorted(KNOBS[key][2])}")
+        knobs[key] = value
+    return method, knobs
+
+
+class _Knobs:
+    """Sets an arm's module knobs for the duration of a ``with`` block."""
+
+    def __init__(self, knobs: dict[str, Any]):
+        self.knobs = knobs
+        self.saved: dict[tuple[Any, str], Any] = {}
+
+    def __enter__(self) -> None:
+        import importlib
+        for key, value in self.knobs.items():
+            kind, where, values = KNOBS[key]
+            if kind == "module":
+                mod, attr = where.split(":")
+                m = importlib.import_module(mod)
+                self.saved[(m, attr)] = getattr(m, attr)
+                setattr(m, attr, values[value])
+
+    def __exit__(self, *exc: Any) -> None:
+        for (m, attr), value in self.saved.items():
+            setattr(m, attr, value)
+
+
+def apply_config_knobs(cfg: dict[str, Any], knobs: dict[str, Any]) -> None:
+    for key, value in knobs.items():
+        kind, where, values = KNOBS[key]
+        if kind == "config":
+            *path, last = where.split(".")
+            node = cfg
+            for p in path:
+                node = node.setdefault(p, {})
+            node[last] = values[value]
+
+
 HOOK_SKIP = {"offload", "localsgd", "diloco_topk", "sparseloco"}
 """Not per-step DDP hook methods: offload is the optimizer's host path, local steps the outer loop's."""
 
@@ -112,8 +168,10 @@ class Arm:
         self.name, self.model, self.data, self.args = name, model, data, args
         self.cfg: dict[str, Any] | None = None
         self.warm = 0
-        if name not in ("plain", "bf16_torch"):
-            self.cfg, self.warm = arm_config(name, args.every)
+        method, self.knobs = parse_arm(name)
+        if method not in ("plain", "bf16_torch"):
+            self.cfg, self.warm = arm_config(method, args.every)
+            apply_config_knobs(self.cfg, self.knobs)
         self.local = self.cfg is not None and "local_steps" in self.cfg
         self.times: list[float] = []
         self.held: list[int] = []
@@ -150,6 +208,10 @@ class Arm:
         return getattr(self._state if self._state is not None else opt, "last_stats", None)
 
     def round(self, base_held: int) -> None:
+        with _Knobs(self.knobs):
+            self._round(base_held)
+
+    def _round(self, base_held: int) -> None:
         args = self.args
         model, opt, close = self._ddp() if args.front == "hook" else self._optimizer()
         amp = DEV.autocast(args.amp)
@@ -324,7 +386,7 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
     DEV.sync()
     DEV.release()
     base_held = DEV.held()  # parameters, gradients, the batch
-    methods = [m for m in args.methods if m not in HOOK_SKIP] if args.front == "hook" else args.methods
+    methods = [m for m in args.methods if parse_arm(m)[0] not in HOOK_SKIP] if args.front == "hook" else args.methods
     baselines = ["plain", "bf16_torch"] if args.front == "hook" and DEV.cuda else ["plain"]  # NCCL only
     arms = {a: Arm(a, model, data, args) for a in [*baselines, *methods]}
     order = list(arms)
@@ -337,7 +399,7 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             continue
         if not arm.ratio:
             raise RuntimeError(f"gpu_step: {a} recorded no synchronisation on {name}")
-        if not arm.local and a != "bytecomp" and statistics.median(arm.ratio) <= 1.0:
+        if not arm.local and parse_arm(a)[0] != "bytecomp" and statistics.median(arm.ratio) <= 1.0:
             raise RuntimeError(f"gpu_step: {a} sent dense bytes on {name} (ratio {statistics.median(arm.ratio):.2f})")
     plain = arms["plain"]
     p_ms = 1e3 * statistics.median(plain.times)
@@ -401,7 +463,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="adacomp bench gpu_step", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(BATCH), choices=list(BATCH))
-    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS,
+                    help="arms; method@knob=value[,...] runs a method with a setting changed, for an A/B in one "
+                         f"process (knobs: {', '.join(f'{k}={{{chr(124).join(v[2])}}}' for k, v in KNOBS.items())})")
     ap.add_argument("--batch", type=int, default=0, help="0: the model's default in BATCH")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
@@ -416,6 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--model-args", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for m in args.methods:
+        try:
+            parse_arm(m)
+        except ValueError as e:
+            ap.error(str(e))
     global DEV
     DEV = _Device(args.device)
     if DEV.cuda and not torch.cuda.is_available():

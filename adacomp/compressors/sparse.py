@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
@@ -160,6 +161,11 @@ def largest_k_values(idx: Tensor, mags: Tensor, k: int, flat: Tensor) -> tuple[T
     kept = largest_k(idx, mags, k)
     return kept, flat.index_select(0, kept)
 
+
+BATCHED_COUNTS = os.environ.get("ADACOMP_BATCHED_COUNTS", "sort")
+"""How :meth:`ThresholdCounter.prefetch` counts a batch where reads wait (``ADACOMP_BATCHED_COUNTS``):
+``sort`` (the set sorted once, a ``searchsorted`` per batch), ``bucket`` (a ``bucketize`` and a
+histogram per batch, no sort) or ``off`` (every count read back on its own). Same counts either way."""
 
 BISECT_LEVELS = 8
 """Levels of a bisection's subtree :func:`bisect_thresholds` prefetches in one batch (255 thresholds)."""
@@ -447,14 +453,14 @@ class ThresholdCounter:
         self._sorted.pop("kept", None)
 
     def prefetch(self, thrs: list[float]) -> None:
-        """Count ``thrs`` in one batch where a read-back is a host wait (:func:`adacomp.devices.reads_wait`): the
-        kept values (or, before any compaction, ``a``) sorted once, every count one ``searchsorted``,
-        all read back together. The counts are exact (the same float32 comparisons as :meth:`count`),
+        """Count ``thrs`` in one batch where a read-back is a host wait (:func:`adacomp.devices.reads_wait`):
+        over the kept values (or, before any compaction, ``a``) by the :data:`BATCHED_COUNTS` way, all
+        read back together. The counts are exact (the same float32 comparisons as :meth:`count`),
         so a search that prefetches the thresholds it may visit takes the same path. Thresholds
         below the kept floor, and sets holding a NaN, stay with :meth:`count`."""
-        if not self.batched:
+        if not self.batched or BATCHED_COUNTS == "off":
             return
-        todo = list(dict.fromkeys(t for t in thrs if t not in self._counts and math.isfinite(t)))
+        todo = sorted(set(t for t in thrs if t not in self._counts and math.isfinite(t)))
         if self.floor is not None:
             todo = [t for t in todo if self.covers(t)]
             key, src = "kept", self.vals
@@ -464,20 +470,37 @@ class ThresholdCounter:
             key, src = "full", self.a.abs() if self.prefix else self.a
         if not todo or src is None:
             return
-        ordered = self._sorted.get(key)
-        if ordered is None:
-            ordered = self._sorted[key] = torch.sort(src.reshape(-1)).values
-        n = ordered.numel()
-        q = torch.tensor(todo, dtype=ordered.dtype, device=ordered.device)  # rounded as torch rounds a scalar
-        below = torch.searchsorted(ordered, q, right=self.strict)  # elements not passing each threshold
-        nan_last = torch.isnan(ordered[-1:]).to(below.dtype) if n else below.new_zeros(1)
-        got = torch.cat([n - below, nan_last]).tolist()  # the one host wait
+        q = devices.upload(todo, src.dtype, src.device)  # ascending; rounded as torch rounds a scalar
+        got = _BATCH_COUNTS[BATCHED_COUNTS](self, key, src.reshape(-1), q).tolist()  # the one host wait
         self.reads += 1
-        if got[-1]:  # a NaN sorts last and would pass every searchsorted bound: count one by one
+        if got[-1]:  # a NaN passes no comparison but would pass a sorted bound: count one by one
             self.batched = False
             return
+        # torch rounds each threshold to float32: two close ones may be one value (same count)
         self._counts.update(zip(todo, got[:-1]))
         self._known = sorted(self._counts)
+
+    def _sorted_counts(self, key: str, src: Tensor, q: Tensor) -> Tensor:
+        """``src`` sorted once per set (kept for the search's later batches), one ``searchsorted``:
+        the counts passing each of ``q``, then whether ``src`` holds a NaN (it sorts last)."""
+        ordered = self._sorted.get(key)
+        if ordered is None:
+            ordered = self._sorted[key] = torch.sort(src).values
+        n = ordered.numel()
+        below = torch.searchsorted(ordered, q, right=self.strict)  # elements not passing each threshold
+        nan_last = torch.isnan(ordered[-1:]).to(below.dtype) if n else below.new_zeros(1)
+        return torch.cat([n - below, nan_last])
+
+    def _bucket_counts(self, key: str, src: Tensor, q: Tensor) -> Tensor:
+        """No sort: each element's number of thresholds passed (``bucketize`` against the ascending
+        ``q``), a histogram of those, and its suffix sums: the counts passing each of ``q``, then
+        ``src``'s NaN count. Passes over ``src``, where the sort reorders it."""
+        passed = torch.bucketize(src, q, right=not self.strict)  # strict: q[j] < x; else q[j] <= x
+        t = q.numel()
+        hist = torch.zeros(t + 1, dtype=torch.int64, device=src.device)
+        hist.index_add_(0, passed, torch.ones(1, dtype=torch.int64, device=src.device).expand(passed.numel()))
+        passing = hist.flip(0).cumsum(0).flip(0)[1:]  # passing q[j] = passed more than j thresholds
+        return torch.cat([passing, torch.isnan(src).sum().reshape(1)])
 
     def known(self, thr: float) -> bool:
         """Whether :meth:`prefetch` already counted ``thr``."""
@@ -624,3 +647,9 @@ class SparseCompressor(Compressor):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self._density})"
+
+
+_BATCH_COUNTS: dict[str, Callable[[ThresholdCounter, str, Tensor, Tensor], Tensor]] = {
+    "sort": ThresholdCounter._sorted_counts, "bucket": ThresholdCounter._bucket_counts}
+if BATCHED_COUNTS not in (*_BATCH_COUNTS, "off"):
+    raise ValueError(f"ADACOMP_BATCHED_COUNTS={BATCHED_COUNTS!r}: choose one of {[*_BATCH_COUNTS, 'off']}")
