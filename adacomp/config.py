@@ -42,11 +42,12 @@ class FusionConfig:
     limit is scaled by the compression rate (ACP-SGD §IV-B), so compressed buckets span as many
     layers as dense ones and keep overlapping backward; otherwise compressed bytes count against
     ``bucket_mb`` (fewer, larger collectives). ``fuse_before_compress`` compresses each bucket's
-    flattened gradient as one tensor."""
+    flattened gradient as one tensor; unset, only where that changes no bit (elementwise
+    compressors: the casts), ``false`` never."""
 
     bucket_mb: float = field(default=25.0, metadata={"min": 0.0})
     compressed_buffer: bool = True
-    fuse_before_compress: bool = False
+    fuse_before_compress: bool | None = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ from adacomp import devices
 from adacomp.compressors.gaussiank import GaussianKCompressor, adjust, adjust_thresholds
 from adacomp.compressors.mstopk import MSTopkCompressor
 from adacomp.compressors.redsync import RedSyncCompressor
-from adacomp.compressors import sparse
+from adacomp.compressors import registry as _registry, sparse
 from adacomp.compressors.sparse import Magnitudes, ThresholdCounter, bisect_thresholds
 from adacomp.compressors.workspace import Workspace
 from tests._dist import run_workers
@@ -33,6 +33,10 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 TENSORS = _tensors()
+
+
+def get_cls(kind: str) -> Any:
+    return _registry.cls(kind)
 
 
 @pytest.fixture(params=["sort", "bucket"])
@@ -240,6 +244,22 @@ def test_a_count_between_two_equal_prefetched_counts_needs_no_read(counts_way: s
     reads = counter.reads
     assert counter.known(1.5) and counter.count(1.5) == 2 and counter.reads == reads  # inside (1.1, 1.9)
     assert not counter.known(2.2) and counter.count(2.2) == 1 and counter.reads == reads + 1  # counts 2 vs 1
+
+
+@pytest.mark.parametrize("kind", ["mstopk", "redsync", "gaussiank"])
+def test_auto_batches_only_where_the_compressor_asks(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` (the default): MSTop-k's searches batch their counts, RedSync's and Gaussian-k's
+    count one by one (``batch_counts``, measured on an H100); the thresholds are the same."""
+    monkeypatch.setattr(devices, "EMULATE", True)
+    flat = TENSORS[7][1]
+    got = {}
+    for way in ("auto", "off", "sort"):
+        monkeypatch.setattr(sparse, "BATCHED_COUNTS", way)
+        got[way] = _search(kind, flat, 0.01)
+    assert got["auto"][0] == got["off"][0] == got["sort"][0]
+    batched = get_cls(kind).batch_counts
+    assert batched == (kind == "mstopk")
+    assert got["auto"][1] == (got["sort"][1] if batched else got["off"][1]), got
 
 
 def test_batched_counts_off_reads_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -314,7 +314,7 @@ def test_gpu_step_arms_with_knobs_on_the_devices_path(tmp_path, monkeypatch):
                           "--methods", "mstopk", "mstopk@counts=off,upload=pageable", "mstopk@counts=bucket",
                           "topk@fuse=1", "--rounds", "1", "--warmup", "1", "--steps", "1",
                           "--out-dir", str(tmp_path)]) == 0
-    assert sparse.BATCHED_COUNTS == "sort" and devices.PINNED_UPLOAD  # restored after each arm
+    assert sparse.BATCHED_COUNTS == "auto" and devices.PINNED_UPLOAD  # restored after each arm
     rows = {r["method"]: r for r in json.loads((tmp_path / "gpu_step.json").read_text())["rows"]}
     assert set(rows) == {"plain", "mstopk", "mstopk@counts=off,upload=pageable", "mstopk@counts=bucket", "topk@fuse=1"}
     assert rows["mstopk@counts=off,upload=pageable"]["host_waits"] > 2 * rows["mstopk"]["host_waits"] > 0

@@ -51,7 +51,7 @@ OFFLOAD = {"compressor": {"name": "topk", "density": 0.01}, "memory": {"name": "
 
 
 KNOBS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "counts": ("module", "adacomp.compressors.sparse:BATCHED_COUNTS", {v: v for v in ("sort", "bucket", "off")}),
+    "counts": ("module", "adacomp.compressors.sparse:BATCHED_COUNTS", {v: v for v in ("auto", "sort", "bucket", "off")}),
     "upload": ("module", "adacomp.devices:PINNED_UPLOAD", {"pinned": True, "pageable": False}),
     "fuse": ("config", "fusion.fuse_before_compress", {"1": True, "0": False}),
 }

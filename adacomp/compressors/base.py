@@ -47,6 +47,10 @@ class Compressor:
       feedback (unbiased ones such as qsgd get no memory by default).
     * ``granularity``: ``"tensor"`` compresses each parameter's gradient, ``"bucket"`` compresses the
       flattened gradient of a whole fusion bucket (gtopk, oktopk: one selection over many layers).
+    * ``elementwise``: each output element depends on its input element only (the casts), so
+      compressing a bucket's flattened gradient gives the same bits as compressing each tensor;
+      ``fusion.fuse_before_compress`` left unset then fuses (one call per bucket, not per tensor: on
+      a GPU the per-tensor launches were 2-3x the cast's cost, docs/results/cuda.md).
     """
 
     name: ClassVar[str] = "base"
@@ -56,6 +60,7 @@ class Compressor:
     rounds: ClassVar[int] = 1
     biased: ClassVar[bool] = True
     granularity: ClassVar[str] = "tensor"
+    elementwise: ClassVar[bool] = False
 
     def _workspace(self) -> Workspace:
         """Recycled scratch and output buffers (:class:`Workspace`; CPU): a fresh multi-MB tensor
@@ -187,6 +192,7 @@ class CastCompressor(Compressor):
 
     additive = True
     biased = False
+    elementwise = True
     wire_dtype: ClassVar[torch.dtype] = torch.float16
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:

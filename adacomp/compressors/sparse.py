@@ -162,10 +162,11 @@ def largest_k_values(idx: Tensor, mags: Tensor, k: int, flat: Tensor) -> tuple[T
     return kept, flat.index_select(0, kept)
 
 
-BATCHED_COUNTS = os.environ.get("ADACOMP_BATCHED_COUNTS", "sort")
+BATCHED_COUNTS = os.environ.get("ADACOMP_BATCHED_COUNTS", "auto")
 """How :meth:`ThresholdCounter.prefetch` counts a batch where reads wait (``ADACOMP_BATCHED_COUNTS``):
 ``sort`` (the set sorted once, a ``searchsorted`` per batch), ``bucket`` (a ``bucketize`` and a
-histogram per batch, no sort) or ``off`` (every count read back on its own). Same counts either way."""
+histogram per batch, no sort), ``off`` (every count read back on its own), or ``auto``: ``sort``
+for the compressors whose ``batch_counts`` is set, else ``off``. Same counts every way."""
 
 BISECT_LEVELS = 8
 """Levels of a bisection's subtree :func:`bisect_thresholds` prefetches in one batch (255 thresholds)."""
@@ -452,13 +453,15 @@ class ThresholdCounter:
         self._kept_counter = _native.counter(vals, self._kept_mode) if self.native else None
         self._sorted.pop("kept", None)
 
-    def prefetch(self, thrs: list[float]) -> None:
+    def prefetch(self, thrs: list[float], default: bool = True) -> None:
         """Count ``thrs`` in one batch where a read-back is a host wait (:func:`adacomp.devices.reads_wait`):
         over the kept values (or, before any compaction, ``a``) by the :data:`BATCHED_COUNTS` way, all
         read back together. The counts are exact (the same float32 comparisons as :meth:`count`),
         so a search that prefetches the thresholds it may visit takes the same path. Thresholds
-        below the kept floor, and sets holding a NaN, stay with :meth:`count`."""
-        if not self.batched or BATCHED_COUNTS == "off":
+        below the kept floor, and sets holding a NaN, stay with :meth:`count`. ``default``: whether
+        to batch when :data:`BATCHED_COUNTS` is ``auto`` (the caller's ``batch_counts``)."""
+        way = BATCHED_COUNTS if BATCHED_COUNTS != "auto" else "sort" if default else "off"
+        if not self.batched or way == "off":
             return
         todo = sorted(set(t for t in thrs if t not in self._counts and math.isfinite(t)))
         if self.floor is not None:
@@ -471,7 +474,7 @@ class ThresholdCounter:
         if not todo or src is None:
             return
         q = devices.upload(todo, src.dtype, src.device)  # ascending; rounded as torch rounds a scalar
-        got = _BATCH_COUNTS[BATCHED_COUNTS](self, key, src.reshape(-1), q).tolist()  # the one host wait
+        got = _BATCH_COUNTS[way](self, key, src.reshape(-1), q).tolist()  # the one host wait
         self.reads += 1
         if got[-1]:  # a NaN passes no comparison but would pass a sorted bound: count one by one
             self.batched = False
@@ -607,6 +610,11 @@ class SparseCompressor(Compressor):
     """:meth:`residual` may write ``out`` over ``tensor`` itself (it zeroes the sent coordinates, or
     subtracts a freshly decompressed tensor): error-feedback memory then keeps the compensated
     buffer as the residual instead of copying it (:class:`~adacomp.memories.base.ResidualMemory`)."""
+    batch_counts: ClassVar[bool] = True
+    """Where reads wait (a GPU), a threshold search counts the thresholds it may visit in batches
+    (:meth:`ThresholdCounter.prefetch`) unless ``ADACOMP_BATCHED_COUNTS`` says otherwise. Measured on
+    an H100 (docs/results/cuda.md, fourth lease): it pays for MSTop-k's long bisections and loses
+    for RedSync's and Gaussian-k's short searches, whose waits cost less than the batch's launches."""
 
     def __init__(self, density: float = 0.01):
         self._density = check_density(density)
@@ -651,5 +659,5 @@ class SparseCompressor(Compressor):
 
 _BATCH_COUNTS: dict[str, Callable[[ThresholdCounter, str, Tensor, Tensor], Tensor]] = {
     "sort": ThresholdCounter._sorted_counts, "bucket": ThresholdCounter._bucket_counts}
-if BATCHED_COUNTS not in (*_BATCH_COUNTS, "off"):
-    raise ValueError(f"ADACOMP_BATCHED_COUNTS={BATCHED_COUNTS!r}: choose one of {[*_BATCH_COUNTS, 'off']}")
+if BATCHED_COUNTS not in ("auto", *_BATCH_COUNTS, "off"):
+    raise ValueError(f"ADACOMP_BATCHED_COUNTS={BATCHED_COUNTS!r}: choose one of {['auto', *_BATCH_COUNTS, 'off']}")

@@ -41,7 +41,7 @@ from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.optimizer_state import ComponentState
 from adacomp.engine.round import RoundState, Rounds, per_parameter, poisoned
-from adacomp.engine.routes import Bucket, RouteTable, fused_key
+from adacomp.engine.routes import Bucket, RouteTable, fused_key, fuses_before_compress
 
 
 @dataclass
@@ -94,6 +94,9 @@ class HookState:
             if p.requires_grad:
                 self.table.ensure(n, p)
         self._fused_state: dict[str, Any] = {}  # loaded before its DDP bucket was first seen
+        # members (name, numel) of each fused bucket this state has seen, in flat order: DDP
+        # regroups its buckets after the first step, and a new bucket takes its members' state
+        self._members: dict[str, list[tuple[str, int]]] = {}
         self.loss_scale = LossScale(grad_scaler)
         self.rounds = Rounds(self.table, lambda: self.backend, self.config.nonfinite, self.loss_scale,
                              warn_unfollowed_scale=True)
@@ -170,9 +173,12 @@ class HookState:
         for key, (names, gs) in by_route.items():
             route = self.table.routes[key]
             b = Bucket(index, names, route, route.communicator)
-            if compressors.registry.cls(route.compressor.name).granularity == "bucket" or \
-                    (self.config.fusion.fuse_before_compress and route.compressor.name != "none"):
+            if fuses_before_compress(self.config, route.compressor.name):
                 b.fused_key = fused_key(key, names)
+                if b.fused_key not in self._members:
+                    self._members[b.fused_key] = [(n, g.numel()) for n, g in zip(names, gs)]
+                if not route.memory.holds(b.fused_key):
+                    self._regroup(route.memory, b.fused_key)
                 if b.fused_key not in fused:
                     c = compressors.get(route.compressor.name, **route.compressor.params)
                     if b.fused_key in self._fused_state:
@@ -181,6 +187,30 @@ class HookState:
                 b.fused_compressor = fused[b.fused_key]
             out.append(_Group(b, gs))
         return out
+
+    def _regroup(self, memory: Any, key: str) -> None:
+        """``key``'s state from the slices its members hold in other fused buckets (DDP's rebuilt
+        buckets group and order the parameters differently from its first ones)."""
+        where: dict[str, tuple[str, int, int]] = {}
+        for other, members in self._members.items():
+            if other != key and memory.holds(other):
+                off = 0
+                for n, numel in members:
+                    where.setdefault(n, (other, off, numel))
+                    off += numel
+        pieces = [(where[n][0], where[n][1], numel) if n in where and where[n][2] == numel else (None, 0, numel)
+                  for n, numel in self._members[key]]
+        if any(old is not None for old, _, _ in pieces):
+            memory.regroup(key, pieces)
+
+    def _drop_unused_buckets(self, used: set[str]) -> None:
+        """After a round that stood: the fused buckets it did not use (DDP's first-step buckets)
+        leave every memory and their compressors go; their members' state lives on in ``used``."""
+        for key in [k for k in self._members if k not in used]:
+            for route in self.table.routes.values():
+                route.memory.reset(key)
+            self.table.outside_fused.pop(key, None)
+            del self._members[key]
 
     def __call__(self, bucket: Any) -> torch.futures.Future:
         try:
@@ -231,6 +261,7 @@ class HookState:
         self.last_stats = st.stats
         if vote.nonfinite:
             return  # rolled back: the optimizer skips this step (GradScaler, or `nonfinite: skip`)
+        self._drop_unused_buckets({g.bucket.fused_key for w in waiting for g in w.groups if g.bucket.fused_key})
         self.steps += 1
         for c in self.table.unique_compressors():
             c.on_step(self.steps)

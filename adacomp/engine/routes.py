@@ -30,6 +30,17 @@ _ALLREDUCE = ComponentSpec("allreduce")
 Specs = tuple[ComponentSpec, ComponentSpec, ComponentSpec, bool]
 
 
+def fuses_before_compress(config: Config, compressor: str) -> bool:
+    """Whether a bucket of ``compressor``'s route is compressed as one flattened tensor: bucket
+    granularity always; the others where ``fusion.fuse_before_compress`` says so, and, left unset,
+    the elementwise ones (same bits either way). ``none`` leaves fusing to its communicator."""
+    cls = compressors.registry.cls(compressor)
+    if cls.granularity == "bucket":
+        return True
+    fuse = config.fusion.fuse_before_compress
+    return compressor != "none" and (cls.elementwise if fuse is None else fuse)
+
+
 @dataclass
 class Route:
     """How one parameter's gradient travels: specs plus the live memory / communicator."""
@@ -216,9 +227,7 @@ class RouteTable:
         for i, names in enumerate(plan):
             route = self.route_of[names[0]]
             b = Bucket(i, names, route, route.communicator)
-            comp_cls = compressors.registry.cls(route.compressor.name)
-            if comp_cls.granularity == "bucket" or (self.config.fusion.fuse_before_compress
-                                                    and route.compressor.name != "none"):
+            if fuses_before_compress(self.config, route.compressor.name):
                 b.fused_key = fused_key(route.key, names)
                 b.fused_compressor = old_fused.get(b.fused_key) or compressors.get(
                     route.compressor.name, **route.compressor.params)

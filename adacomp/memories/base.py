@@ -50,6 +50,27 @@ class Memory:
     def reset(self, name: str | None = None) -> None:
         """Drop stored state (all names when ``name`` is None), e.g. when a tensor's route changes."""
 
+    def holds(self, name: str) -> bool:
+        """Whether state is kept under ``name`` (without settling or copying it)."""
+        return False
+
+    def regroup(self, name: str, pieces: list[tuple[str | None, int, int]]) -> None:
+        """Give the fused bucket ``name`` the state its members had in other buckets: ``pieces``,
+        in the new bucket's order, are ``(old key, offset, numel)`` slices of those buckets' flat
+        state (``None``: a member with none, zeros). DDP regroups its buckets after the first step,
+        and each member's error must carry on as it would unfused. Old keys stay (a rolled-back
+        round may need them) until the caller resets them."""
+        state = self.state_dict()
+        for section in self.owed_keys:
+            per_key = state.get(section, {})
+            parts = [None if old is None or old not in per_key else per_key[old].reshape(-1)[off:off + n]
+                     for old, off, n in pieces]
+            like = next((p for p in parts if p is not None), None)
+            if like is not None:
+                per_key[name] = torch.cat([like.new_zeros(n) if p is None else p
+                                           for p, (_, _, n) in zip(parts, pieces)])
+        self.load_state_dict(state)
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -281,6 +302,9 @@ class ResidualMemory(Memory):
         self._stored[name] = out
         if old is not None and old.shape == out.shape:
             self._spare[name] = old
+
+    def holds(self, name: str) -> bool:
+        return name in self._stored or name in self._owed
 
     def reset(self, name: str | None = None) -> None:
         if name is None:

@@ -118,6 +118,9 @@ class DGCMemory(Memory):
         self.velocity, self.accumulated = dict(snap[0]), dict(snap[1])
         self.__dict__["_spare_u"], self.__dict__["_spare"] = {}, {}  # a spare may be a restored tensor now
 
+    def holds(self, name: str) -> bool:
+        return name in self.velocity or name in self.accumulated
+
     def reset(self, name: str | None = None) -> None:
         if name is None:
             self.velocity.clear()

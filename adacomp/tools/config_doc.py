@@ -19,7 +19,7 @@ KEY_DOCS: dict[str, str] = {
     "fusion": "Tensor fusion.",
     "fusion.bucket_mb": "Bucket size in MiB; 0 sends each tensor on its own.",
     "fusion.compressed_buffer": "Scale the bucket size by each route's compression rate (ACP-SGD §IV-B): compressed buckets span as many layers as dense ones, keeping overlap with backward. `false`: compressed bytes count against `bucket_mb`.",
-    "fusion.fuse_before_compress": "Compress each bucket's flattened gradient as one tensor (global selection per bucket).",
+    "fusion.fuse_before_compress": "Compress each bucket's flattened gradient as one tensor (global selection per bucket). Unset: only elementwise compressors (bf16, fp16), whose bits do not change; false: never.",
     "policy": "Adaptive policy deciding compression between steps.",
     "layers": "Per-parameter overrides; the first entry whose `match` (fnmatch on the parameter name) fits wins.",
     "layers[].match": "fnmatch pattern on parameter names, e.g. `*.bias`.",

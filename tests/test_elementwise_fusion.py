@@ -1,0 +1,96 @@
+"""Elementwise compressors (bf16, fp16) compress each fusion bucket as one flattened tensor unless
+``fusion.fuse_before_compress: false``: one call per bucket instead of one per tensor (on an H100
+the per-tensor launches cost 2-3x the casts themselves, docs/results/cuda.md), and the same bits,
+since every output element depends on its own input element only. Real gloo ranks, every front end."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from adacomp.backends.base import LocalBackend
+from adacomp.config import load
+from adacomp.engine.routes import fuses_before_compress
+from tests._dist import run_workers
+
+
+@pytest.mark.parametrize("compressor,setting,fused", [
+    ("bf16", None, True), ("fp16", None, True), ("bf16", False, False), ("topk", None, False),
+    ("topk", True, True), ("none", None, False), ("none", True, False), ("gtopk", False, True)])
+def test_which_routes_fuse(compressor: str, setting: bool | None, fused: bool) -> None:
+    fusion = {} if setting is None else {"fuse_before_compress": setting}
+    comm = "allreduce" if compressor in ("bf16", "fp16", "none") else "allgather"
+    cfg = load({"compressor": {"name": compressor}, "communicator": {"name": comm}, "fusion": fusion})
+    assert fuses_before_compress(cfg, compressor) is fused
+
+
+def test_the_optimizer_fuses_bf16_buckets_by_default() -> None:
+    import adacomp
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    for fusion, fused in (({}, True), ({"fuse_before_compress": False}, False)):
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                           config={"compressor": {"name": "bf16"}, "min_numel": 0, "fusion": fusion},
+                                           backend=LocalBackend())
+        net(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        assert all(opt.is_fused(n) is fused for n, _ in net.named_parameters()), fusion
+        opt.remove_hooks()
+
+
+def _train(compressor: str, memory: str, front: str) -> bool:
+    """Two gloo ranks, different data: five steps (six inner steps of the outer loop) through
+    ``front`` with the bucket fused (the default) and with ``fuse_before_compress: false``. With
+    residuals through the hook this also checks that DDP's rebuilt buckets (after step one, other
+    members in another order) take over the first buckets' residuals, which then leave the memory."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import adacomp
+    import adacomp.ddp
+    dist.init_process_group("gloo")
+    adacomp.init()
+    rank = dist.get_rank()
+
+    def run(fusion: dict[str, Any]) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10))
+        cfg: dict[str, Any] = {"compressor": {"name": compressor}, "memory": {"name": memory},
+                               "communicator": {"name": "allreduce"}, "min_numel": 0,
+                               "fusion": {"bucket_mb": 0.01, **fusion}}  # two buckets
+        model: torch.nn.Module = net
+        if front == "outer":
+            cfg["local_steps"] = {"every": 2}
+        if front == "hook":
+            model = DDP(net, bucket_cap_mb=0.01)
+            state = adacomp.ddp.register(model, cfg, named_parameters=net.named_parameters())
+            opt: Any = torch.optim.SGD(net.parameters(), lr=0.1)
+        else:
+            opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                               config=cfg)
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(6 if front == "outer" else 5):
+            opt.zero_grad()
+            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        if front != "hook":
+            opt.remove_hooks()
+        elif memory != "none" and not fusion:  # DDP's first-step buckets gave their state to the rebuilt ones
+            mem = next(iter(state.table.routes.values())).memory
+            held = set(mem.state_dict()["residuals"])
+            assert held == set(state._members) and len(held) >= 1, (held, state._members)
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    fused, apart = run({}), run({"fuse_before_compress": False})
+    torch.manual_seed(0)
+    start = torch.cat([p.detach().reshape(-1) for p in torch.nn.Sequential(
+        torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10)).parameters()])
+    adacomp.shutdown()
+    return bool(torch.equal(fused, apart) and not torch.equal(fused, start))
+
+
+@pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])
+@pytest.mark.parametrize("compressor,memory", [("bf16", "none"), ("fp16", "residual")])
+def test_fused_casts_train_bitwise_as_per_tensor_casts(compressor: str, memory: str, front: str) -> None:
+    assert run_workers(_train, 2, compressor, memory, front, timeout=300) == [True, True]
