@@ -17,6 +17,7 @@ from adacomp.compressors import registry as _registry, sparse
 from adacomp.compressors.sparse import Magnitudes, ThresholdCounter, bisect_thresholds
 from adacomp.compressors.workspace import Workspace
 from tests._dist import run_workers
+from tests._fronts import flat_params, train_through
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:
@@ -169,10 +170,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     counts; torch's ops on both sides); "native": torch's ops, then the fused C passes (error
     feedback's compensation read by the compressor, the C selections and means)."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import adacomp
-    import adacomp.ddp
     from adacomp.bench.zoo import arm_config
     dist.init_process_group("gloo")
     adacomp.init()  # the optimizer's backend: the group that exists
@@ -181,26 +180,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     def run() -> torch.Tensor:
         torch.manual_seed(0)  # tensors above and below the 2^16 compaction size
         net = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
-        cfg = {**arm_config(method)[0], "min_numel": 0}
-        model: torch.nn.Module = net
-        if front == "outer":  # local steps, the pseudo-gradient compressed every second step
-            cfg["local_steps"] = {"every": 2}
-        if front == "hook":
-            model = DDP(net)
-            adacomp.ddp.register(model, cfg, named_parameters=net.named_parameters())
-            opt: Any = torch.optim.SGD(net.parameters(), lr=0.1)
-        else:
-            opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
-                                               config=cfg)
-        g = torch.Generator().manual_seed(1 + rank)
-        for _ in range(6 if front == "outer" else 5):
-            opt.zero_grad()
-            x, y = torch.randn(32, 512, generator=g), torch.randint(0, 10, (32,), generator=g)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        if front != "hook":
-            opt.remove_hooks()
-        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        train_through(front, net, {**arm_config(method)[0], "min_numel": 0}, rank, 32)
+        return flat_params(net)
 
     import os
     devices.EMULATE = False

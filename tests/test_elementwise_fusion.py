@@ -13,6 +13,7 @@ from adacomp.backends.base import LocalBackend
 from adacomp.config import load
 from adacomp.engine.routes import fuses_before_compress
 from tests._dist import run_workers
+from tests._fronts import flat_params, train_through
 
 
 @pytest.mark.parametrize("compressor,setting,fused", [
@@ -44,10 +45,8 @@ def _train(compressor: str, memory: str, front: str) -> bool:
     residuals through the hook this also checks that DDP's rebuilt buckets (after step one, other
     members in another order) take over the first buckets' residuals, which then leave the memory."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import adacomp
-    import adacomp.ddp
     dist.init_process_group("gloo")
     adacomp.init()
     rank = dist.get_rank()
@@ -58,34 +57,16 @@ def _train(compressor: str, memory: str, front: str) -> bool:
         cfg: dict[str, Any] = {"compressor": {"name": compressor}, "memory": {"name": memory},
                                "communicator": {"name": "allreduce"}, "min_numel": 0,
                                "fusion": {"bucket_mb": 0.01, **fusion}}  # two buckets
-        model: torch.nn.Module = net
-        if front == "outer":
-            cfg["local_steps"] = {"every": 2}
-        if front == "hook":
-            model = DDP(net, bucket_cap_mb=0.01)
-            state = adacomp.ddp.register(model, cfg, named_parameters=net.named_parameters())
-            opt: Any = torch.optim.SGD(net.parameters(), lr=0.1)
-        else:
-            opt = adacomp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
-                                               config=cfg)
-        g = torch.Generator().manual_seed(1 + rank)
-        for _ in range(6 if front == "outer" else 5):
-            opt.zero_grad()
-            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        if front != "hook":
-            opt.remove_hooks()
-        elif memory != "none" and not fusion:  # DDP's first-step buckets gave their state to the rebuilt ones
+        state = train_through(front, net, cfg, rank, 16, {"bucket_cap_mb": 0.01})
+        if state is not None and memory != "none" and not fusion:  # DDP's first buckets gave their state on
             mem = next(iter(state.table.routes.values())).memory
             held = set(mem.state_dict()["residuals"])
             assert held == set(state._members) and len(held) >= 1, (held, state._members)
-        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        return flat_params(net)
 
     fused, apart = run({}), run({"fuse_before_compress": False})
     torch.manual_seed(0)
-    start = torch.cat([p.detach().reshape(-1) for p in torch.nn.Sequential(
-        torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10)).parameters()])
+    start = flat_params(torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10)))
     adacomp.shutdown()
     return bool(torch.equal(fused, apart) and not torch.equal(fused, start))
 
