@@ -75,3 +75,26 @@ def _train(compressor: str, memory: str, front: str) -> bool:
 @pytest.mark.parametrize("compressor,memory", [("bf16", "none"), ("fp16", "residual")])
 def test_fused_casts_train_bitwise_as_per_tensor_casts(compressor: str, memory: str, front: str) -> None:
     assert run_workers(_train, 2, compressor, memory, front, timeout=300) == [True, True]
+
+
+@pytest.mark.parametrize("memory,way", [("residual", "live"), ("residual", "state_dict"), ("dgc", "live")])
+def test_regroup_gathers_the_members_slices_and_leaves_a_snapshot_alone(memory: str, way: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP's rebuilt bucket [b, c, a] from the first buckets [a, b] and [c]: each member's slice, zeros
+    for a member nobody held; a snapshot taken before still restores the old layout."""
+    from adacomp.memories import get
+    mem = get(memory)
+    if way == "state_dict":  # the generic path a memory without live dicts takes
+        monkeypatch.setattr(type(mem), "_live", lambda self, pieces: None)
+    sections = ("velocity", "accumulated") if memory == "dgc" else ("residuals",)
+    old = {"ab": torch.arange(5.0), "c": torch.arange(10.0, 13.0)}  # a: 0-1, b: 2-4; c: 10-12
+    mem.load_state_dict({s: {k: v * (i + 1) for k, v in old.items()} for i, s in enumerate(sections)})
+    snap = mem.snapshot()
+    assert mem.holds("ab") and not mem.holds("bca")
+    mem.regroup("bca", [("ab", 2, 3), ("c", 0, 3), ("ab", 0, 2), (None, 0, 2)])
+    state = mem.state_dict()
+    for i, s in enumerate(sections):
+        want = torch.tensor([2.0, 3, 4, 10, 11, 12, 0, 1, 0, 0]) * (i + 1)
+        assert torch.equal(state[s]["bca"], want), (s, state[s]["bca"])
+    mem.restore(snap)
+    assert not mem.holds("bca") and mem.holds("ab") and mem.holds("c")

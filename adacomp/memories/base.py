@@ -60,16 +60,18 @@ class Memory:
         state (``None``: a member with none, zeros). DDP regroups its buckets after the first step,
         and each member's error must carry on as it would unfused. Old keys stay (a rolled-back
         round may need them) until the caller resets them."""
+        live = self._live(pieces)
+        if live is not None:  # the stored dicts themselves: no copy of the other buckets
+            _gather(live, name, pieces)
+            return
         state = self.state_dict()
-        for section in self.owed_keys:
-            per_key = state.get(section, {})
-            parts = [None if old is None or old not in per_key else per_key[old].reshape(-1)[off:off + n]
-                     for old, off, n in pieces]
-            like = next((p for p in parts if p is not None), None)
-            if like is not None:
-                per_key[name] = torch.cat([like.new_zeros(n) if p is None else p
-                                           for p, (_, _, n) in zip(parts, pieces)])
+        _gather([state.setdefault(section, {}) for section in self.owed_keys], name, pieces)
         self.load_state_dict(state)
+
+    def _live(self, pieces: list[tuple[str | None, int, int]]) -> list[dict[str, Tensor]] | None:
+        """The dicts of :data:`owed_keys` as stored, ready for :meth:`regroup` to add a key to
+        (a snapshot holds copies of them); None: go through ``state_dict``."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -140,6 +142,16 @@ class Snapshot(NamedTuple):
 
     stored: dict[str, Tensor]
     owed: dict[str, Owed]
+
+
+def _gather(sections: list[dict[str, Tensor]], name: str, pieces: list[tuple[str | None, int, int]]) -> None:
+    """:meth:`Memory.regroup` on each per-key dict: ``name`` = the pieces' slices concatenated."""
+    for per_key in sections:
+        parts = [None if old is None or old not in per_key else per_key[old].reshape(-1)[off:off + n]
+                 for old, off, n in pieces]
+        like = next((p for p in parts if p is not None), None)
+        if like is not None:
+            per_key[name] = torch.cat([like.new_zeros(n) if p is None else p for p, (_, _, n) in zip(parts, pieces)])
 
 
 def fits(buf: Tensor | None, like: Tensor) -> bool:
@@ -305,6 +317,11 @@ class ResidualMemory(Memory):
 
     def holds(self, name: str) -> bool:
         return name in self._stored or name in self._owed
+
+    def _live(self, pieces: list[tuple[str | None, int, int]]) -> list[dict[str, Tensor]] | None:
+        for old in {old for old, _, _ in pieces if old is not None and old in self._owed}:
+            self._settle(old)  # into a new tensor: a snapshot's references stay as they were
+        return [self._stored]
 
     def reset(self, name: str | None = None) -> None:
         if name is None:

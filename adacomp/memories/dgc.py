@@ -121,6 +121,9 @@ class DGCMemory(Memory):
     def holds(self, name: str) -> bool:
         return name in self.velocity or name in self.accumulated
 
+    def _live(self, pieces: list[tuple[str | None, int, int]]) -> list[dict[str, Tensor]] | None:
+        return [self.velocity, self.accumulated]
+
     def reset(self, name: str | None = None) -> None:
         if name is None:
             self.velocity.clear()
