@@ -98,3 +98,50 @@ def test_regroup_gathers_the_members_slices_and_leaves_a_snapshot_alone(memory: 
         assert torch.equal(state[s]["bca"], want), (s, state[s]["bca"])
     mem.restore(snap)
     assert not mem.holds("bca") and mem.holds("ab") and mem.holds("c")
+
+
+def _resume_through_the_hook() -> bool:
+    """Six hook steps of fp16 with residuals (fused by default) against three, the hook's state and
+    the parameters saved, a fresh DDP model and hook loading them, and three more: the same
+    parameters (the resumed DDP regroups its buckets again after its first step)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import adacomp
+    import adacomp.ddp
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = {"compressor": {"name": "fp16"}, "memory": {"name": "residual"}, "communicator": {"name": "allreduce"},
+           "min_numel": 0, "fusion": {"bucket_mb": 0.01}}
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10))
+
+    def steps(m: torch.nn.Module, state: Any, n: int, start: int) -> Any:
+        ddp = DDP(m, bucket_cap_mb=0.01)
+        hook = adacomp.ddp.register(ddp, cfg, named_parameters=m.named_parameters())
+        if state is not None:
+            hook.load_state_dict(state)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for s in range(start, start + n):
+            g = torch.Generator().manual_seed(100 * rank + s)
+            opt.zero_grad()
+            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        return hook.state_dict()
+
+    whole = net()
+    steps(whole, None, 6, 0)
+    half = net()
+    saved = steps(half, None, 3, 0)
+    assert saved["fused_members"], saved.keys()
+    again = net()
+    again.load_state_dict(half.state_dict())
+    steps(again, saved, 3, 3)
+    return bool(torch.equal(flat_params(again), flat_params(whole)))
+
+
+def test_a_resumed_hook_regroups_its_fused_buckets_as_the_uninterrupted_one() -> None:
+    assert run_workers(_resume_through_the_hook, 2, timeout=300) == [True, True]

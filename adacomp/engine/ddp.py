@@ -109,7 +109,10 @@ class HookState:
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return self.io.adacomp_state_dict(include_policy=False)
+        out = self.io.adacomp_state_dict(include_policy=False)
+        if self._members:  # a resumed hook's first (DDP's unbuilt) buckets regroup from these
+            out["fused_members"] = {k: [[n, c] for n, c in m] for k, m in self._members.items()}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back residuals, thresholds and factors. Needs ``named_parameters`` at ``hook()``
@@ -125,6 +128,7 @@ class HookState:
             self.table.outside_fused[k.removeprefix("compressor/")].load_state_dict(fused.pop(k))
         self.io.load_adacomp_state_dict({**state, "components": comps})
         self._fused_state = {k.removeprefix("compressor/"): v for k, v in fused.items()}
+        self._members = {k: [(str(n), int(c)) for n, c in m] for k, m in state.get("fused_members", {}).items()}
 
     # the names adacomp.checkpoint.PerRank and DistributedOptimizer use for the compression state
     adacomp_state_dict = state_dict
