@@ -23,6 +23,9 @@ COMPRESSED = {
     # its residual is left to the next compensation's pass (memories.base.Owed) on these small tensors too
     "efsignsgd": {"compressor": {"name": "efsignsgd"}, "memory": {"name": "residual"},
                   "communicator": {"name": "allgather"}, "min_numel": 0},
+    # a cast compresses each bucket as one flat tensor by default (Compressor.elementwise), with residuals
+    "bf16": {"compressor": {"name": "bf16"}, "memory": {"name": "residual"}, "communicator": {"name": "allreduce"},
+             "min_numel": 0},
 }
 NONE = {"compressor": {"name": "none"}, "communicator": {"name": "allreduce"}, "fusion": {"bucket_mb": 0.004}}
 
