@@ -118,6 +118,51 @@ def test_pack_unpack_roundtrip_keeps_dtypes_and_alignment():
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_aggregate_gathered_in_one_c_call_is_bitwise_the_per_entry_path(world: int, monkeypatch) -> None:
+    """A bucket's sparse means from one C call over the gathered bytes (and its payloads packed by one
+    C copy) equal, bit for bit, the per-entry torch path: Top-k entries of several sizes, one whose
+    positions a rank sent descending (refused by C, averaged by torch), a QSGD entry (decompressed),
+    a rank that sent nothing, and ranks whose layouts differ (the variable-size allgather)."""
+    from adacomp.communicators import allgather as ag
+    from adacomp.communicators.base import Entry
+    from adacomp.compressors.workspace import Workspace
+    topk, qsgd = compressors.get("topk", density=0.05), compressors.get("qsgd")
+    shapes = [(40, 30), (5000,), (300,), (1 << 18,)]
+    ranks = []
+    for r in range(world):
+        xs = [torch.randn(*sh, generator=gen(10 * r + i)) * (0 if (r, i) == (world - 1, 2) else 1)
+              for i, sh in enumerate(shapes)]
+        es = [Entry(f"t{i}", x, qsgd if i == 2 else topk, memories.get("none")) for i, x in enumerate(xs)]
+        for e in es:
+            e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
+        if r == world - 1:  # descending positions (with their values): C refuses, torch still adds them
+            es[1].payload = [es[1].payload[0].flip(0), es[1].payload[1].flip(0)]
+        ranks.append(es)
+    counts = [len(e.payload) for e in ranks[0]]
+    bufs, segs = [], []
+    for es in ranks:
+        ts = [q for e in es for q in e.payload]
+        sg, total = layout(ts)
+        bufs.append(pack(ts, sg, total, torch.device("cpu")))
+        segs.append(sg)
+    gathered = torch.cat(bufs)
+    starts = [sum(b.numel() for b in bufs[:r]) for r in range(world)]
+    calls: list = []
+    real = ag._native.sparse_means_packed
+    monkeypatch.setattr(ag._native, "sparse_means_packed", lambda *a: calls.append(real(*a)) or calls[-1])
+    got = ag.aggregate_gathered(ranks[0], counts, gathered, segs, starts, Workspace())
+    assert calls == [[True, False, True]]  # one call for the three Top-k entries; C refused the descending
+    want = ag.aggregate_gathered(ranks[0], counts, gathered, segs, starts, None)  # no workspace: torch per entry
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    monkeypatch.setattr(ag._native, "copy_many", lambda *a: False)  # torch's slice copies
+    for es, b in zip(ranks, bufs):
+        ts = [q for e in es for q in e.payload]
+        sg, total = layout(ts)
+        assert torch.equal(pack(ts, sg, total, torch.device("cpu")), b)
+
+
 def test_what_fits_is_named():
     assert fits(compressors.get("topk")) == ["allgather", "allgather_fast"]
     assert fits(compressors.get("mstopk")) == ["allgather"]
