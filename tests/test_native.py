@@ -487,6 +487,38 @@ def test_pick_largest_equals_largest_k_and_gather(m: int, k: int) -> None:
     assert _native.pick_largest(mags, idx, k, flat) is None
 
 
+@pytest.mark.parametrize("keys", ["narrow", "span_4095", "span_4096", "span_4097", "zero_to_inf", "equal",
+                                  "two_values", "subnormal"])
+def test_radix_select_over_the_keys_own_range(keys: str, avx2_switch: str) -> None:
+    """The r-th largest by a first digit over the keys' own range (their minimum subtracted, at most
+    4096 bins) equals torch's, wherever that range ends: a prefilter's candidates just above their
+    floor, spans at and around 4096 patterns, 0 to inf, all equal, two values, subnormals."""
+    from adacomp.compressors.sparse import largest_k
+    g = torch.Generator().manual_seed(len(keys))
+    base = torch.tensor(4.5).view(torch.int32)
+    if keys == "narrow":
+        a = 4.5 + torch.rand(20000, generator=g) * 0.7
+    elif keys.startswith("span_"):
+        a = (base + torch.randint(0, int(keys[5:]) + 1, (9000,), generator=g, dtype=torch.int32)).view(torch.float32)
+        a[:2] = torch.stack([base, base + int(keys[5:])]).view(torch.float32)  # both ends of the span
+    elif keys == "zero_to_inf":
+        a = torch.randn(5000, generator=g).abs()
+        a[:2] = torch.tensor([0.0, float("inf")])
+    elif keys == "equal":
+        a = torch.full((3000,), 2.0)
+    elif keys == "two_values":
+        a = torch.where(torch.rand(3000, generator=g) < 0.3, 1.0, 3.0)
+    else:
+        a = torch.randint(1, 100, (3000,), generator=g, dtype=torch.int32).view(torch.float32)
+    for r in (1, 2, 47, 49, a.numel() // 3, a.numel() - 1, a.numel()):
+        assert _native.rth_largest_strided(a, 1, r) == float(torch.topk(a, r).values.min())
+    k = a.numel() * 3 // 4
+    got = _native.pick_largest(a, None, k, None)
+    assert got is not None
+    want = largest_k(torch.arange(a.numel()), a, k)
+    assert torch.equal(got[0], want) and torch.equal(bits(got[1]), bits(a[want]))
+
+
 def test_zero_at_equals_index_fill() -> None:
     g = torch.Generator().manual_seed(3)
     out = torch.randn(5000, generator=g)
