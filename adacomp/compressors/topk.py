@@ -99,17 +99,6 @@ class Candidates(NamedTuple):
     vals: Tensor
 
 
-class Picked(NamedTuple):
-    """Top-k's payload itself, picked (:func:`_native.pick_largest`) inside the compensation's pass
-    while what it reads was still in cache: on ResNet-50 the same C pick took ~3x longer from
-    :meth:`TopkCompressor.compress`, after the rest of the bucket had been compensated. ``k``: the
-    count it was picked for (a density changed since makes it stale)."""
-
-    k: int
-    idx: Tensor
-    vals: Tensor
-
-
 def _full_topk(mags: Tensor, k: int) -> Tensor:
     """:func:`largest_k` over every element (``mags``: the magnitudes of the whole tensor)."""
     if devices.reads_wait(mags):  # one device selection, no host round trip; ties as torch breaks them
@@ -132,41 +121,27 @@ class TopkCompressor(SparseCompressor):
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """``out = g + r`` (error feedback's compensation, bitwise ``torch.add``) with the Top-k
-        prefilter's compaction in the same pass and the payload picked from those candidates right
-        after (:class:`Picked`), kept for :meth:`pick` of ``out``: one read of the compensated tensor
-        less, and the pick reads candidates still in cache. The floor comes from the same sample of
-        ``g + r`` that :func:`topk_indices` would read from ``out``, so the candidates, and the
-        payload, are the same. A tensor too small to prefilter is added by torch and picked whole
-        while it is in cache. False (nothing written) where neither runs: the caller adds."""
+        prefilter's compaction in the same pass, kept for :meth:`select` of ``out``: one read of the
+        compensated tensor less. The floor comes from the same sample of ``g + r`` that
+        :func:`topk_indices` would read from ``out``, so the candidates, and the payload, are the
+        same. False (nothing written) where the prefilter would not run: the caller adds."""
         flat = out.reshape(-1)
         n = flat.numel()
         k = k_for(n, self._density)
-        if not (_native.usable(g) and _native.usable(r) and g.numel() == r.numel() == n):
+        if not (prefilters(flat, k) and _native.usable(g) and _native.usable(r) and g.numel() == r.numel() == n):
             return False
-        if not prefilters(flat, k):
-            if not 1 <= k < n:
-                return False
-            torch.add(g.reshape(-1), r.reshape(-1), out=flat)
-            got = _native.pick_largest(flat, None, k, None)
-            if got is not None:
-                self._kept().keep(name, flat, Picked(k, *got))
-            return True
         expected = _expected(k, n)
         floor = max(sampled_value(sample_lines(g.reshape(-1), plus=r.reshape(-1)), expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
         idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
-        got = _native.pick_largest(vals, idx, k, None) if vals.numel() >= k else None
-        self._kept().keep(name, flat, Candidates(idx, vals) if got is None else Picked(k, *got))
+        self._kept().keep(name, flat, Candidates(idx, vals))
         return True
 
-    def _prepared(self, flat: Tensor, name: str, k: int) -> Candidates | Picked | None:
-        """What :meth:`compensate_into` found for ``flat``, if ``flat`` is unchanged since: the payload
-        picked for this k, or candidates that hold k (what :func:`topk_indices`' first attempt would
-        find)."""
+    def _prepared(self, flat: Tensor, name: str, k: int) -> Candidates | None:
+        """The candidates :meth:`compensate_into` found for ``flat``, if ``flat`` is unchanged since
+        and they hold k (what :func:`topk_indices`' first attempt would find)."""
         c = self._kept().take(name, flat)
-        if isinstance(c, Picked) and c.k == k:
-            return c
         if isinstance(c, Candidates) and c.vals.numel() >= k and prefilters(flat, k):
             return c
         return None
@@ -174,15 +149,11 @@ class TopkCompressor(SparseCompressor):
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
         c = self._prepared(flat, name, k)
-        if isinstance(c, Picked):
-            return c.idx
         return largest_k(c.idx, c.vals.abs(), k) if c is not None else topk_indices(flat, k, self._workspace())
 
     def pick(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor]:
         k = k_for(flat.numel(), self._density)
         c = self._prepared(flat, name, k)
-        if isinstance(c, Picked):
-            return c.idx, c.vals
         if c is not None:  # the candidates carry their signed values: no gather from flat
             got = _native.pick_largest(c.vals, c.idx, k, None)
             if got is not None:
