@@ -92,6 +92,31 @@ def check_allgather(b, r: int, n: int) -> None:
         raise AssertionError("allgather_sizes")
 
 
+def check_allgather_into(b, r: int, n: int) -> None:
+    """``allgather_async(..., out=buf)``: the same result whether or not the backend gathers into the
+    caller's buffer; gloo (equal rows) and MPI (any rows) do, so a communicator's reused receive
+    buffer is really reused; a buffer too small or of another dtype is left alone."""
+    into = b.name in ("torch", "mpi")
+    equal = torch.full((2, 2), float(r) + 0.5)
+    want = torch.cat([torch.full((2, 2), float(k) + 0.5) for k in range(n)])
+    buf = torch.full((4 * n + 3,), float("nan"))
+    got = b.allgather_async(equal, sizes=[2] * n, out=buf).wait()
+    _close(got, want, "allgather into a buffer, equal rows")
+    if into and got.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+        raise AssertionError(f"{b.name}: equal rows were not gathered into the caller's buffer")
+    vary = torch.cat([_rows(k) for k in range(n)])
+    buf = torch.full((vary.numel() + 1,), float("nan"))
+    got = b.allgather_async(_rows(r), sizes=[k + 1 for k in range(n)], out=buf).wait()
+    _close(got, vary, "allgather into a buffer, varying rows")
+    if b.name == "mpi" and got.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+        raise AssertionError("mpi: varying rows were not gathered into the caller's buffer")
+    for bad in (torch.empty(3), torch.empty(4 * n, dtype=torch.float64)):  # too small, another dtype
+        got = b.allgather_async(equal, sizes=[2] * n, out=bad).wait()
+        _close(got, want, f"allgather refusing a buffer of {bad.numel()} {bad.dtype}")
+        if got.untyped_storage().data_ptr() == bad.untyped_storage().data_ptr():
+            raise AssertionError(f"{b.name}: gathered into a buffer that cannot hold the result")
+
+
 def check_broadcast(b, r: int, n: int) -> None:
     for root in range(n):
         t = torch.full((3, 4), float(r * 10 + 1))
@@ -299,8 +324,8 @@ def main(argv: list[str]) -> int:
         raise AssertionError(f"expected a multi-process launch, got size {n}")
     if b.name != argv[0] or not 0 <= b.local_rank() < n:
         raise AssertionError(f"backend 'auto' started {b.name!r} (expected {argv[0]!r}), local_rank {b.local_rank()}")
-    for check in (check_allreduce, check_outstanding, check_allgather, check_alltoall, check_broadcast,
-                  check_objects):
+    for check in (check_allreduce, check_outstanding, check_allgather, check_allgather_into, check_alltoall,
+                  check_broadcast, check_objects):
         check(b, r, n)
     b.barrier()
     b.shutdown()

@@ -163,6 +163,22 @@ def test_aggregate_gathered_in_one_c_call_is_bitwise_the_per_entry_path(world: i
         assert torch.equal(pack(ts, sg, total, torch.device("cpu")), b)
 
 
+def _gloo_gathers() -> int:
+    from adacomp.backends.torch_dist import TorchBackend
+    from tests.backend_worker import check_allgather, check_allgather_into
+    b = TorchBackend(timeout_s=60)
+    check_allgather(b, b.rank(), b.size())
+    check_allgather_into(b, b.rank(), b.size())
+    return b.rank()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_allgather_and_gathering_into_the_callers_buffer(world: int) -> None:
+    """The torch backend's allgather (varying rows, empty ranks, half types) and its ``out`` buffer,
+    as MPI and Horovod run them under mpirun / horovodrun (tests/backend_worker.py)."""
+    assert sorted(run_workers(_gloo_gathers, world, timeout=120)) == list(range(world))
+
+
 def test_what_fits_is_named():
     assert fits(compressors.get("topk")) == ["allgather", "allgather_fast"]
     assert fits(compressors.get("mstopk")) == ["allgather"]

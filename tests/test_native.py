@@ -386,6 +386,26 @@ def test_workspace_recycles_many_outputs_of_one_shape() -> None:
     assert third.data_ptr() not in ptrs  # all twelve still held: a new one
 
 
+def test_workspace_transfer_buffers_follow_the_size_and_are_never_shared() -> None:
+    """Transfer buffers (a bucket's packed payloads, their gather) change size from step to step: a
+    free kept buffer that is large enough comes back, a held one (an in-flight collective's, a view
+    the caller kept) never does, and a free one too small is replaced, not kept beside the new."""
+    from adacomp.compressors.sparse import RECYCLE_MIN_NUMEL, Workspace
+    ws, cpu, n = Workspace(), torch.device("cpu"), RECYCLE_MIN_NUMEL
+    a = ws.transfer("recv", n, torch.uint8, cpu)
+    base = a.data_ptr()
+    del a
+    b = ws.transfer("recv", n + n // 10, torch.uint8, cpu)  # larger, within the headroom: the same buffer
+    assert b.data_ptr() == base and b.numel() == n + n // 10
+    c = ws.transfer("recv", n, torch.uint8, cpu)  # b still held: another buffer
+    assert c.data_ptr() != base
+    del b, c
+    d = ws.transfer("recv", 4 * n, torch.uint8, cpu)  # past both: a new one in place of a free one
+    assert d.data_ptr() != base and len(ws._outputs[("transfer", "recv", torch.uint8)]) == 2
+    assert ws.transfer("send", n, torch.uint8, cpu).data_ptr() != d.data_ptr()  # tags keep apart
+    assert ws.transfer("recv", 100, torch.uint8, cpu).numel() == 100  # small: the heap, not the pool
+
+
 def test_portable_c_paths_equal_the_sse_paths(tmp_path) -> None:
     """Targets without SSE2 (aarch64) compile the scalar loops: built here with ``__SSE2__``
     undefined, they give the same selections, QSGD codes and samples as the SSE2 build."""

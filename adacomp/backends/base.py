@@ -54,8 +54,12 @@ class Backend(ABC):
     """Collectives used by adacomp. All tensor arguments are contiguous.
 
     * ``allreduce_async(t, average)``: element-wise sum (or mean) over ranks; may work in place.
-    * ``allgather_async(t, sizes)``: concatenation along dim 0 of every rank's ``t``; first dims may
-      differ per rank. When ``sizes`` (first dim of each rank) is given the size exchange is skipped.
+    * ``allgather_async(t, sizes, out)``: concatenation along dim 0 of every rank's ``t``; first dims
+      may differ per rank. When ``sizes`` (first dim of each rank) is given the size exchange is
+      skipped. ``out`` (optional): a contiguous buffer of ``t``'s dtype and device, with at least the
+      gathered element count, that the backend may gather into and return a view of (a caller
+      reusing its receive buffer saves a fresh allocation's page faults each step); callers use the
+      returned tensor, whether or not it lives in ``out``.
     * ``broadcast_async(t, root)``: in place.
     * ``alltoall_async(t, splits, recv_splits)``: personalised exchange along dim 0. Rows
       ``t[off_j : off_j + splits[j]]`` go to rank j; the result concatenates, in rank order, the rows
@@ -81,7 +85,7 @@ class Backend(ABC):
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle: ...
 
     @abstractmethod
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle: ...
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle: ...
 
     @abstractmethod
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle: ...
@@ -193,7 +197,7 @@ class LocalBackend(Backend):
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
         return Handle.completed(tensor)
 
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
         return Handle.completed(tensor)
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
@@ -255,6 +259,17 @@ def check_splits(splits: Sequence[int], world: int, what: str) -> list[int]:
     if any(c < 0 for c in counts):
         raise ValueError(f"{what}: expected row counts >= 0, got {counts}")
     return counts
+
+
+def gather_into(out: Tensor | None, like: Tensor, rows: int) -> Tensor | None:
+    """``out``'s first ``rows`` rows shaped as ``like``'s rows, where ``out`` can hold a gather of
+    ``like`` (:meth:`Backend.allgather_async`'s ``out``); None where it cannot."""
+    if out is None or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        return None
+    row = like[0].numel() if like.dim() else 1
+    if like.dim() == 0 or out.numel() < rows * row:
+        return None
+    return out.view(-1)[:rows * row].view((rows,) + tuple(like.shape[1:]))
 
 
 def check_alltoall(tensor: Tensor, splits: Sequence[int], recv_splits: Sequence[int] | None,

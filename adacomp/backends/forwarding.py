@@ -28,8 +28,8 @@ class ForwardingBackend(Backend):
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
         return self.inner.allreduce_async(tensor, average)
 
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
-        return self.inner.allgather_async(tensor, sizes)
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
+        return self.inner.allgather_async(tensor, sizes, out)
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
         return self.inner.broadcast_async(tensor, root)

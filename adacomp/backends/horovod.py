@@ -181,7 +181,7 @@ class HorovodBackend(Backend):
             return tensor
         return self._handle(handle, op, finish)
 
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
         if sizes is not None and (len(sizes) != self.size() or sizes[self.rank()] != tensor.shape[0]):
             raise ValueError(f"sizes={sizes} does not match a world of {self.size()} with "
                              f"{tensor.shape[0]} rows on rank {self.rank()}; pass the true first dims or None")

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits, split_offsets
+from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits, gather_into, split_offsets
 from adacomp.errors import CommunicationError
 
 try:
@@ -54,14 +54,16 @@ def _require_contiguous(tensor: Tensor, op: str) -> None:
                          "call .contiguous() first (the result is written in place)")
 
 
-def _host_buffers(tensor: Tensor, out_rows: int) -> tuple[int, Any, Tensor, Any]:
+def _host_buffers(tensor: Tensor, out_rows: int, into: Tensor | None = None) -> tuple[int, Any, Tensor, Any]:
     """(elements per row, flat numpy view of the tensor on the host, the host output tensor of
-    ``out_rows`` rows, its flat numpy view). Half / bool travel as same-width integers."""
+    ``out_rows`` rows (a view of ``into`` where it can hold them: :func:`gather_into`), its flat
+    numpy view). Half / bool travel as same-width integers."""
     row = 1
     for d in tensor.shape[1:]:
         row *= int(d)
     send = tensor.detach().cpu()
-    out = torch.empty((out_rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    reuse = gather_into(into, send, out_rows) if tensor.dim() else None
+    out = reuse if reuse is not None else torch.empty((out_rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
     bits = _BITS_VIEW.get(tensor.dtype)
     send_arr = (send.view(bits) if bits else send).numpy().reshape(-1)
     recv_arr = (out.view(bits) if bits else out).numpy().reshape(-1)
@@ -158,7 +160,7 @@ class MPIBackend(Backend):
             return tensor
         return self._handle(request, "allreduce", finish)
 
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
         _require_contiguous(tensor, "allgather_async")
         if sizes is None:
             sizes = self.allgather_sizes(int(tensor.shape[0]))
@@ -168,7 +170,7 @@ class MPIBackend(Backend):
         if sizes[self._rank] != tensor.shape[0]:
             raise ValueError(f"sizes[{self._rank}]={sizes[self._rank]} but this rank's tensor has "
                              f"{tensor.shape[0]} rows; pass the true first dims or sizes=None")
-        row, send_arr, out, recv_arr = _host_buffers(tensor, sum(sizes))
+        row, send_arr, got, recv_arr = _host_buffers(tensor, sum(sizes), out)
         if all(s == sizes[0] for s in sizes):
             start = lambda: self._comm.Iallgather(send_arr, recv_arr)  # noqa: E731
         else:
@@ -180,7 +182,7 @@ class MPIBackend(Backend):
 
         def finish() -> Tensor:
             _ = (send_arr, recv_arr)  # keep both MPI buffers alive until completion
-            return out if device.type == "cpu" else out.to(device)
+            return got if device.type == "cpu" else got.to(device)
         return self._handle(request, "allgather", finish)
 
     def allgather_sizes(self, n: int) -> list[int]:

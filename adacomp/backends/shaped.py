@@ -172,8 +172,8 @@ class ShapedBackend(ForwardingBackend):
     def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
         return self._delayed("allreduce", _nbytes(tensor), lambda: self.inner.allreduce_async(tensor, average))
 
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
-        return self._delayed("allgather", _nbytes(tensor), lambda: self.inner.allgather_async(tensor, sizes))
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
+        return self._delayed("allgather", _nbytes(tensor), lambda: self.inner.allgather_async(tensor, sizes, out))
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
         return self._delayed("broadcast", _nbytes(tensor), lambda: self.inner.broadcast_async(tensor, root))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits
+from adacomp.backends.base import Backend, Handle, check_alltoall, check_splits, gather_into
 
 
 # gloo and NCCL have no int16. Collectives that only move bytes (allgather, broadcast, alltoall)
@@ -229,13 +229,24 @@ class TorchBackend(Backend):
             return tensor
         return Handle(wait, work.is_completed)
 
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
         if sizes is None:
             sizes = self.allgather_sizes(int(tensor.shape[0]))
         if len(sizes) != self._size:
             raise ValueError(f"sizes has {len(sizes)} entries for a world of {self._size}")
         rows = max(sizes)
-        padded = _bits(_pad_rows(self._staged(tensor.contiguous()), rows))
+        staged = self._staged(tensor.contiguous())
+        equal = all(s == rows for s in sizes) and staged.device == tensor.device and staged.dtype not in _BITS
+        into = gather_into(out, staged, rows * self._size) if equal else None
+        if into is not None:  # one gather straight into the caller's buffer
+            dest: Tensor = into
+            direct = dist.all_gather_into_tensor(dest, staged, group=self._group, async_op=True)
+
+            def wait_into() -> Tensor:
+                direct.wait()
+                return dest
+            return Handle(wait_into, direct.is_completed)
+        padded = _bits(_pad_rows(staged, rows))
         outs = [torch.empty_like(padded) for _ in range(self._size)]
         work = dist.all_gather(outs, padded, group=self._group, async_op=True)
 

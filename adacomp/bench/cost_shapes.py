@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp.backends.base import Backend, Handle
+from adacomp.backends.base import Backend, Handle, gather_into
 
 
 def resnet50() -> list[tuple[str, tuple[int, ...]]]:
@@ -108,7 +108,10 @@ class MirrorBackend(Backend):
         # method page faults that no collective costs (the peers' equal payloads average to this one)
         return Handle.completed(tensor if average else tensor.mul_(self.world))
 
-    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None) -> Handle:
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
+        into = gather_into(out, tensor, self.world * tensor.shape[0]) if tensor.dim() else None
+        if into is not None:  # where the real backends gather into the caller's buffer (torch, mpi)
+            return Handle.completed(torch.cat([tensor] * self.world, out=into))
         return Handle.completed(torch.cat([tensor] * self.world))
 
     def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:

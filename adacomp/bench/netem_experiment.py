@@ -80,11 +80,12 @@ class RecordingBackend(ForwardingBackend):
             return self.inner.allreduce(tensor, average)
         return self.allreduce_async(tensor, average).wait()
 
-    def allgather_async(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> Handle:
+    def allgather_async(self, tensor: torch.Tensor, sizes: list[int] | None = None,
+                        out: torch.Tensor | None = None) -> Handle:
         row = tensor.numel() // max(1, tensor.shape[0]) if tensor.dim() else 1
         n = sum(sizes) / len(sizes) * row if sizes else tensor.numel()  # mean bytes per rank
         self.events.append(("allgather", float(n * tensor.element_size())))
-        return self.inner.allgather_async(tensor, sizes)
+        return self.inner.allgather_async(tensor, sizes, out)
 
     def alltoall_async(self, tensor: torch.Tensor, splits: list[int],
                        recv_splits: list[int] | None = None) -> Handle:

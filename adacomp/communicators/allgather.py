@@ -78,13 +78,18 @@ def layout(tensors: list[Tensor], numels: list[int] | None = None) -> tuple[list
     return segs, off
 
 
-def pack(tensors: list[Tensor], segs: list[Segment], total: int, device: torch.device) -> Tensor:
-    """``tensors``' bytes at their segments' offsets of one zeroed buffer (padding stays zero). On
-    the CPU one C call copies them all (a slice assignment per tensor cost ~5 us each)."""
-    buf = torch.zeros(total, dtype=torch.uint8, device=device)
+def pack(tensors: list[Tensor], segs: list[Segment], total: int, device: torch.device,
+         ws: Workspace | None = None) -> Tensor:
+    """``tensors``' bytes at their segments' offsets of one buffer whose padding is zero. On the CPU
+    one C call copies them all and zeroes the rest (a slice assignment per tensor cost ~5 us each),
+    into ``ws``'s reused send buffer where given (:meth:`Workspace.transfer`)."""
     sent = [(t, s) for t, s in zip(tensors, segs) if s.numel]
-    if buf.device.type == "cpu" and _native.copy_many(buf, [t for t, _ in sent], [s.offset for _, s in sent]):
-        return buf
+    if device.type == "cpu":
+        buf = (torch.empty(total, dtype=torch.uint8) if ws is None
+               else ws.transfer("send", total, torch.uint8, device))
+        if _native.copy_many(buf, [t for t, _ in sent], [s.offset for _, s in sent]):
+            return buf
+    buf = torch.zeros(total, dtype=torch.uint8, device=device)
     for t, s in sent:
         buf[s.offset:s.offset + s.nbytes] = t.detach().contiguous().reshape(-1).view(torch.uint8)
     return buf
@@ -234,25 +239,28 @@ def exchange_counts(tensors: list[Tensor], backend: Backend) -> Handle:
     return backend.allgather_async(mine, sizes=[len(tensors)] * backend.size())
 
 
-def launch_gather(tensors: list[Tensor], buf: Tensor, numels: Handle,
-                  backend: Backend) -> tuple[Handle, list[list[Segment]], list[int]]:
+def launch_gather(tensors: list[Tensor], buf: Tensor, numels: Handle, backend: Backend,
+                  ws: Workspace | None = None) -> tuple[Handle, list[list[Segment]], list[int]]:
     """Wait for the count exchange ``numels`` and launch the allgather of ``buf`` (``tensors``
     packed by :func:`pack` in this rank's layout). Returns the handle, every rank's segments and
     every rank's byte total (for :func:`aggregate_gathered`)."""
-    return gather_known(tensors, buf, numels.wait().view(backend.size(), -1).tolist(), backend)
+    return gather_known(tensors, buf, numels.wait().view(backend.size(), -1).tolist(), backend, ws)
 
 
-def gather_known(tensors: list[Tensor], buf: Tensor, counts: list[list[int]],
-                 backend: Backend) -> tuple[Handle, list[list[Segment]], list[int]]:
+def gather_known(tensors: list[Tensor], buf: Tensor, counts: list[list[int]], backend: Backend,
+                 ws: Workspace | None = None) -> tuple[Handle, list[list[Segment]], list[int]]:
     """Launch the allgather of ``buf`` (``tensors`` packed in this rank's layout) when every
-    rank's element counts are known (``counts[r]``: rank r's, per tensor)."""
+    rank's element counts are known (``counts[r]``: rank r's, per tensor), into ``ws``'s reused
+    receive buffer where given."""
     segs, totals = [], []
     for r in range(backend.size()):
         s, tot = layout(tensors, counts[r])
         segs.append(s)
         totals.append(tot)
-    handle = Handle.completed(buf) if max(totals) == 0 else backend.allgather_async(buf, sizes=totals)
-    return handle, segs, totals
+    if max(totals) == 0:
+        return Handle.completed(buf), segs, totals
+    out = None if ws is None else ws.transfer("recv", sum(totals), buf.dtype, buf.device)
+    return backend.allgather_async(buf, sizes=totals, out=out), segs, totals
 
 
 def gather_payloads(tensors: list[Tensor], backend: Backend,
@@ -306,7 +314,7 @@ class AllgatherCommunicator(Communicator):
         queue = self._queue(env)
         for q in queue:
             assert q.packed is not None and q.numels is not None  # set by start()
-            q.handle, q.segs, q.totals = launch_gather(q.tensors, q.packed, q.numels, env.backend)
+            q.handle, q.segs, q.totals = launch_gather(q.tensors, q.packed, q.numels, env.backend, _workspace(self))
             q.packed = q.numels = None
             q.tensors = []
         queue.clear()
@@ -318,7 +326,8 @@ class AllgatherCommunicator(Communicator):
         with env.stats.timing("comm"):
             self._launch_queued(env)  # earlier buckets first: their count exchanges are older
             segs, total = layout(tensors)
-            packed = pack(tensors, segs, total, entries[0].tensor.device)  # payload buffers may be reused later
+            # copied now: payload buffers may be reused later
+            packed = pack(tensors, segs, total, entries[0].tensor.device, _workspace(self))
             pending = _Pending(entries, counts, None, [], [], tensors, packed, exchange_counts(tensors, env.backend))
         self._queue(env).append(pending)
         return pending
@@ -356,8 +365,11 @@ class AllgatherFastCommunicator(Communicator):
         world = env.backend.size()
         with env.stats.timing("comm"):
             segs, total = layout(tensors)
-            buf = pack(tensors, segs, total, entries[0].tensor.device)
-            handle = env.backend.allgather_async(buf, sizes=[total] * world) if total else Handle.completed(buf)
+            ws = _workspace(self)
+            buf = pack(tensors, segs, total, entries[0].tensor.device, ws)
+            handle = (env.backend.allgather_async(buf, sizes=[total] * world,
+                                                  out=ws.transfer("recv", world * total, buf.dtype, buf.device))
+                      if total else Handle.completed(buf))
         return _Pending(entries, counts, handle, [segs], [total] * world)
 
     def finish(self, pending: Any, env: CommEnv) -> list[Tensor]:

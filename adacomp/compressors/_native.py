@@ -1217,10 +1217,18 @@ void ac_sparse_mean_many(int64_t m, float* const* outs, const int64_t* ns, int w
         status[i] = ac_sparse_mean(outs[i], ns[i], world, ip, vp, counts + i * world, pos, divisor);
     }
 }
-/* Payload tensors into the send buffer at their segments' offsets (adacomp.communicators.allgather.pack):
-   one call instead of a slice assignment per tensor. */
-void ac_copy_many(uint8_t* buf, int64_t m, const void* const* src, const int64_t* off, const int64_t* nbytes) {
-    for (int64_t i = 0; i < m; ++i) __builtin_memcpy(buf + off[i], src[i], (size_t)nbytes[i]);
+/* Payload tensors into the send buffer of `total` bytes at their segments' offsets (ascending), every
+   byte between and after them zeroed (adacomp.communicators.allgather.pack): one call instead of a
+   zero fill and a slice assignment per tensor. */
+void ac_copy_many(uint8_t* buf, int64_t total, int64_t m, const void* const* src, const int64_t* off,
+                  const int64_t* nbytes) {
+    int64_t end = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        if (off[i] > end) __builtin_memset(buf + end, 0, (size_t)(off[i] - end));
+        if (nbytes[i] > 0) __builtin_memcpy(buf + off[i], src[i], (size_t)nbytes[i]);
+        end = off[i] + nbytes[i];
+    }
+    if (total > end) __builtin_memset(buf + end, 0, (size_t)(total - end));
 }
 /* The sample of adacomp.compressors.sparse.sample_lines: m runs of 16 floats starting at the lines
    j * lines / m (integer division) of a, or of a + b (one IEEE add, as torch.add) when b is given. */
@@ -2340,7 +2348,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean_many.restype = None
     lib_.ac_sparse_mean_many.argtypes = [i64, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, vp]
     lib_.ac_copy_many.restype = None
-    lib_.ac_copy_many.argtypes = [vp, i64, vp, vp, vp]
+    lib_.ac_copy_many.argtypes = [vp, i64, i64, vp, vp, vp]
     lib_.ac_zero_at.restype = ctypes.c_int
     lib_.ac_outer_fma.restype = None
     lib_.ac_outer_fma.argtypes = [vp, vp, i64, i64, i64, vp]
@@ -2851,16 +2859,19 @@ def sparse_means_packed(buf: Tensor, outs: list[Tensor], idx_off: list[int], val
 
 def copy_many(buf: Tensor, tensors: list[Tensor], offsets: list[int]) -> bool:
     """Each of ``tensors`` (contiguous, on the CPU) copied byte for byte into the uint8 ``buf`` at its
-    offset, in one C call; False (nothing written) where torch must copy."""
+    offset (ascending, not overlapping), every other byte of ``buf`` zeroed, in one C call; False
+    (nothing written) where torch must copy."""
     lib = library()
     if lib is None or buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous():
         return False
     sizes = [t.numel() * t.element_size() for t in tensors]
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) or \
-            any(o < 0 or o + n > buf.numel() for o, n in zip(offsets, sizes)):
+    ends = [o + n for o, n in zip(offsets, sizes)]
+    if (any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or any(o < e for o, e in zip(offsets[1:], ends)) or (offsets and offsets[0] < 0)
+            or any(e > buf.numel() for e in ends)):
         return False
     m = len(tensors)
-    lib.ac_copy_many(buf.data_ptr(), m, (ctypes.c_void_p * m)(*[t.data_ptr() for t in tensors]),
+    lib.ac_copy_many(buf.data_ptr(), buf.numel(), m, (ctypes.c_void_p * m)(*[t.data_ptr() for t in tensors]),
                      (ctypes.c_int64 * m)(*offsets), (ctypes.c_int64 * m)(*sizes))
     return True
 

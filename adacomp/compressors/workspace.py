@@ -74,6 +74,30 @@ class Workspace:
         buf, _ = self._recycled(("empty", numel, dtype), numel, dtype, device)
         return buf.view(shape)
 
+    def transfer(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An uninitialised flat buffer of ``numel`` elements for a transfer whose size changes from
+        call to call (a bucket's packed payloads, their gather), with :meth:`zeros`' recycling rule:
+        a kept buffer of at least ``numel`` elements that nobody else holds (in-flight collectives
+        and the caller's views hold theirs), else a fresh one with 1/8 headroom, kept in place of a
+        free one too small or beside the busy ones (up to ``POOL_MAX``). Why: the fresh multi-MB
+        buffers of each step page-faulted on alternate steps (glibc returns and re-maps them):
+        VGG-16's Top-k spent ~20 ms of a ~70 ms step in those faults every other step."""
+        if device.type != "cpu" or numel < RECYCLE_MIN_NUMEL:
+            return torch.empty(numel, dtype=dtype, device=device)
+        pool = self._outputs.setdefault(("transfer", tag, dtype), [])
+        free = [b for b in pool if _storage_users(b) == 1]
+        fits_ = [b for b in free if b.numel() >= numel]
+        if fits_:
+            return min(fits_, key=Tensor.numel)[:numel]
+        buf = torch.empty(numel + numel // 8, dtype=dtype, device=device)
+        if _storage_users(buf) is not None:
+            if free:
+                pool.remove(free[0])  # too small for what comes now
+            elif len(pool) >= self.POOL_MAX:
+                pool.pop(0)
+            pool.append(buf)
+        return buf[:numel]
+
     def magnitudes(self, flat: Tensor) -> Tensor:
         """|flat| as float32 in a scratch buffer (one pass, no allocation after the first call)."""
         a = self.scratch("abs", flat.numel(), torch.float32, flat.device)
