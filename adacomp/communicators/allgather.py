@@ -27,7 +27,7 @@ and their AllgatherFast also gathers dense tensors; here dense tensors belong on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor
@@ -145,41 +145,72 @@ def _payload_view(gathered: Tensor, at: int, seg: Segment) -> Tensor:
     return gathered[at + seg.offset:at + seg.offset + seg.nbytes].view(seg.dtype).reshape(seg.shape_for(seg.numel))
 
 
+def _sparse_batch(e: Entry, segs: list[list[Segment]], j: int) -> bool:
+    """Whether one C call may average entry ``e`` (first segment ``j``) as sparse values + positions."""
+    return (e.compressor.sparse and segs[0][j].dtype == torch.float32 and segs[0][j + 1].dtype == torch.int64
+            and e.tensor.dtype == torch.float32 and all(s[j].numel == s[j + 1].numel for s in segs))
+
+
+def _signs_batch(e: Entry, segs: list[list[Segment]], j: int) -> bool:
+    """Whether one C call may average entry ``e`` as EF-SignSGD's scale + packed signs."""
+    n = e.tensor.numel()
+    return (len(segs) >= 2 and e.compressor.packed_mean() == "signs" and e.tensor.dtype == torch.float32
+            and getattr(e.ctx, "dtype", None) == torch.float32 and getattr(e.ctx, "numel", None) == n
+            and all(s[j].dtype == torch.float32 and s[j].numel == 1 and s[j + 1].dtype == torch.uint8
+                    and s[j + 1].numel * 8 >= n for s in segs))
+
+
+def _sparse_means(gathered: Tensor, outs: list[Tensor], first: list[int], segs: list[list[Segment]],
+                  starts: list[int]) -> list[bool]:
+    idx_off = [starts[r] + segs[r][j + 1].offset for j in first for r in range(len(segs))]
+    val_off = [starts[r] + segs[r][j].offset for j in first for r in range(len(segs))]
+    numels = [segs[r][j].numel for j in first for r in range(len(segs))]
+    done = _native.sparse_means_packed(gathered, outs, idx_off, val_off, numels, len(segs))
+    return done if done is not None else [False] * len(outs)
+
+
+def _sign_means(gathered: Tensor, outs: list[Tensor], first: list[int], segs: list[list[Segment]],
+                starts: list[int]) -> list[bool]:
+    scale_off = [starts[r] + segs[r][j].offset for j in first for r in range(len(segs))]
+    bits_off = [starts[r] + segs[r][j + 1].offset for j in first for r in range(len(segs))]
+    return [_native.sign_means_packed(gathered, outs, scale_off, bits_off)] * len(outs)
+
+
+# payload layouts one C call averages for a whole bucket: (which entries it takes, the call)
+_PACKED_MEANS: dict[str, tuple[Callable[[Entry, list[list[Segment]], int], bool],
+                               Callable[[Tensor, list[Tensor], list[int], list[list[Segment]], list[int]],
+                                        list[bool]]]] = {
+    "sparse": (_sparse_batch, _sparse_means), "signs": (_signs_batch, _sign_means)}
+
+
 def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor, segs: list[list[Segment]],
                        starts: list[int], ws: Workspace | None = None) -> list[Tensor]:
     """Every entry's mean over the ranks, from the payloads where they lie in the gathered bytes:
     rank r's buffer starts at byte ``starts[r]`` in ``segs[r]``'s layout, entry i owning ``counts[i]``
-    segments. The canonical sparse entries (float32 values and as many int64 positions, a float32
-    CPU tensor) are averaged by one C call for the whole bucket, reading the bytes in place
-    (:func:`_native.sparse_means_packed`); the rest, and any the C pass refuses, from views of the
-    bytes: sparse ones by :func:`_mean_sparse`, the others decompressed (:func:`_mean_decompressed`).
-    Bitwise the same either way."""
+    segments. Entries of a layout in :data:`_PACKED_MEANS` (canonical sparse payloads: float32 values
+    and as many int64 positions; EF-SignSGD's scale and signs) on the CPU are averaged by one C call
+    per layout for the whole bucket, reading the bytes in place (no views per tensor and rank: those
+    and the per-entry calls cost ~20-35 us a tensor, more than the C work on ResNet-50's small
+    tensors); the rest, and any the C pass refuses, from views of the bytes: sparse ones by
+    :func:`_mean_sparse`, the others by :func:`_mean_decompressed`. Bitwise the same either way."""
     world = len(segs)
     out: list[Tensor | None] = [None] * len(entries)
-    batch: list[int] = []
-    idx_off: list[int] = []
-    val_off: list[int] = []
-    numels: list[int] = []
+    batches: dict[str, list[tuple[int, int]]] = {}
     j = 0
     for i, (e, c) in enumerate(zip(entries, counts)):
-        if (ws is not None and e.compressor.sparse and c == 2 and e.tensor.dtype == torch.float32
-                and e.tensor.device.type == "cpu" and segs[0][j].dtype == torch.float32
-                and segs[0][j + 1].dtype == torch.int64
-                and all(segs[r][j].numel == segs[r][j + 1].numel for r in range(world))):
-            batch.append(i)
-            for r in range(world):
-                val_off.append(starts[r] + segs[r][j].offset)
-                idx_off.append(starts[r] + segs[r][j + 1].offset)
-                numels.append(segs[r][j].numel)
+        if ws is not None and c == 2 and e.tensor.device.type == "cpu":
+            kind = next((k for k, (takes, _) in _PACKED_MEANS.items() if takes(e, segs, j)), None)
+            if kind is not None:
+                batches.setdefault(kind, []).append((i, j))
         j += c
-    if batch:
+    for kind, items in batches.items():
         assert ws is not None
         outs = [ws.output(torch.Size([entries[i].tensor.numel()]), entries[i].tensor.numel(), torch.float32,
-                          entries[i].tensor.device) for i in batch]
-        done = _native.sparse_means_packed(gathered, outs, idx_off, val_off, numels, world)
-        for q, i in enumerate(batch):
-            if done is not None and done[q]:
-                out[i] = outs[q].view(entries[i].tensor.shape)
+                          entries[i].tensor.device) for i, _ in items]
+        done = _PACKED_MEANS[kind][1](gathered, outs, [j for _, j in items], segs, starts)
+        for (i, _), o, ok in zip(items, outs, done):
+            if ok:
+                out[i] = o.view(entries[i].tensor.shape)
         del outs
     j = 0
     for i, (e, c) in enumerate(zip(entries, counts)):

@@ -2164,6 +2164,24 @@ AC_CLONES void ac_table_mean(const uint64_t* packed, const uint64_t* tables, int
     }
     free(bt);
 }
+/* ac_table_mean of m EF-SignSGD entries in one call, their payloads read in the gathered bytes at base:
+   rank r's float32 scale s at scale_off[i * world + r] and its 1-bit signs at bits_off[...], decoded
+   through the table (-s, +s) as the compressor's mean_into builds it (the same call, the same bits).
+   pk, tb: world uint64 of scratch; tables: 2 * world floats of scratch. */
+void ac_sign_mean_many(int64_t m, float* const* outs, const int64_t* ns, int world, const uint8_t* base,
+                       const int64_t* scale_off, const int64_t* bits_off, uint64_t* pk, uint64_t* tb, float* tables) {
+    for (int64_t i = 0; i < m; ++i) {
+        for (int r = 0; r < world; ++r) {
+            float s;
+            __builtin_memcpy(&s, base + scale_off[i * world + r], sizeof s);
+            tables[2 * r] = -s;
+            tables[2 * r + 1] = s;
+            pk[r] = (uint64_t)(uintptr_t)(base + bits_off[i * world + r]);
+            tb[r] = (uint64_t)(uintptr_t)(tables + 2 * r);
+        }
+        ac_table_mean(pk, tb, world, ns[i], 1, ns[i], outs[i]);
+    }
+}
 /* torch's CPU generator (the Mersenne Twister MT19937 of CPUGeneratorImpl) worked on the bytes of
    its get_state(): int64 seed @0, int32 left @8, int32 seeded @12, uint64 next @16, uint64
    state[624] @24 (32-bit words). A float32 uniform_ on [0, 1) takes one tempered 32-bit output per
@@ -2347,6 +2365,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_sparse_mean_many.restype = None
     lib_.ac_sparse_mean_many.argtypes = [i64, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, vp]
+    lib_.ac_sign_mean_many.restype = None
+    lib_.ac_sign_mean_many.argtypes = [i64, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp]
     lib_.ac_copy_many.restype = None
     lib_.ac_copy_many.argtypes = [vp, i64, i64, vp, vp, vp]
     lib_.ac_zero_at.restype = ctypes.c_int
@@ -2855,6 +2875,27 @@ def sparse_means_packed(buf: Tensor, outs: list[Tensor], idx_off: list[int], val
                             (ctypes.c_int64 * len(idx_off))(*idx_off), (ctypes.c_int64 * len(val_off))(*val_off),
                             (ctypes.c_int64 * len(counts))(*counts), iptr, vptr, pos, float(divisor), status)
     return [s == 0 for s in status]
+
+
+def sign_means_packed(buf: Tensor, outs: list[Tensor], scale_off: list[int], bits_off: list[int]) -> bool:
+    """EF-SignSGD's :meth:`mean_into` of many outputs in one C call, the payloads read where they lie
+    in the gathered bytes ``buf``: output i takes, for every rank r (``world = len(scale_off) //
+    len(outs)``, at least 2), the float32 scale at byte ``scale_off[i * world + r]`` and the packed
+    signs (one bit an element) at ``bits_off[...]``. False (nothing written) where it cannot run."""
+    lib = library()
+    m = len(outs)
+    if (lib is None or not m or len(scale_off) % m or len(bits_off) != len(scale_off) or buf.dtype != torch.uint8
+            or buf.device.type != "cpu" or not buf.is_contiguous() or not all(usable(o) for o in outs)):
+        return False
+    world, size = len(scale_off) // m, buf.numel()
+    if world < 2 or any(so < 0 or so + 4 > size for so in scale_off) or any(
+            bo < 0 or bo + -(-o.numel() // 8) > size for i, o in enumerate(outs) for bo in bits_off[i * world:(i + 1) * world]):
+        return False
+    lib.ac_sign_mean_many(m, (ctypes.c_void_p * m)(*[o.data_ptr() for o in outs]),
+                          (ctypes.c_int64 * m)(*[o.numel() for o in outs]), world, buf.data_ptr(),
+                          (ctypes.c_int64 * len(scale_off))(*scale_off), (ctypes.c_int64 * len(bits_off))(*bits_off),
+                          (ctypes.c_uint64 * world)(), (ctypes.c_uint64 * world)(), (ctypes.c_float * (2 * world))())
+    return True
 
 
 def copy_many(buf: Tensor, tensors: list[Tensor], offsets: list[int]) -> bool:

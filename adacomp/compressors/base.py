@@ -88,6 +88,13 @@ class Compressor:
     fused_mean: ClassVar[bool] = False
     """True when :meth:`mean_into` may serve (communicators then offer it an output buffer)."""
 
+    def packed_mean(self) -> str | None:
+        """The payload layout whose mean over ranks ``allgather.aggregate_gathered`` may take for a
+        whole bucket in one C call, reading the gathered bytes in place, bitwise :meth:`mean_into`
+        (``"signs"``: a float32 scale and 1-bit signs decoded to -scale / +scale); None (the
+        default): one entry at a time. Sparse payloads are batched by their own rule."""
+        return None
+
     def mean_into(self, payloads: list[Payload], ctx: Any, out: Tensor) -> bool:
         """Optional fused aggregation for communicators that gather payloads which cannot be summed:
         write into flat ``out`` (the tensor's numel, float32) the mean over ranks of

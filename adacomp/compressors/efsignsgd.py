@@ -99,6 +99,9 @@ class EFSignSGDCompressor(Compressor):
             signs = pack_bits(torch.ge(flat, 0, out=ws.scratch("mask", flat.numel(), torch.bool, flat.device)), 1)
         return [scale, signs], SignCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
 
+    def packed_mean(self) -> str | None:
+        return "signs" if type(self).decompress is EFSignSGDCompressor.decompress else None  # a subclass decodes its own way
+
     def mean_into(self, payloads: list[Payload], ctx: Any, out: Tensor) -> bool:
         """Every rank's decoded signs (-scale / +scale) summed in rank order and divided by the
         world size in one C pass over ``out``, bitwise :meth:`decompress` of each, ``d0 + d1``,
