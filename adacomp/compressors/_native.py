@@ -2433,9 +2433,9 @@ def why_unavailable() -> str:
 
 
 def usable(a: Tensor) -> bool:
-    """The fused passes serve contiguous float32 CPU tensors only."""
-    return (a.device.type == "cpu" and a.dtype == torch.float32 and a.is_contiguous()
-            and library() is not None)
+    """The fused passes serve contiguous float32 CPU tensors only. (``is_cpu``: ``device.type`` builds
+    a device object, 0.3 us, and this runs ~1000 times a step on a 150-tensor model.)"""
+    return a.is_cpu and a.dtype == torch.float32 and a.is_contiguous() and library() is not None
 
 
 def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -2534,17 +2534,19 @@ def add_cascade(g: Tensor, r: Tensor, out: Tensor, absolute: bool = False, signs
         return None
     if owed is not None and not (_bytes_ok(owed[0]) and owed[0].numel() * 8 >= n):
         return None
-    total = torch.empty(1, dtype=torch.float32)
+    total = _SCRATCH.__dict__.get("total")
+    if total is None:
+        total = _SCRATCH.total = ctypes.c_float()  # read back as a Python float: no tensor and item() per call
     packed = torch.empty(-(-n // 8), dtype=torch.uint8) if signs else None
     pk = packed.data_ptr() if packed is not None else None
     lib = library()
     assert lib is not None
     if owed is None:
-        lib.ac_add_cascade(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, int(absolute), pk, total.data_ptr())
+        lib.ac_add_cascade(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, int(absolute), pk, ctypes.addressof(total))
     else:
         lib.ac_add_owed_cascade(g.data_ptr(), r.data_ptr(), owed[0].data_ptr(), owed[1], out.data_ptr(), n,
-                                int(absolute), pk, total.data_ptr())
-    return float(total.item()), packed
+                                int(absolute), pk, ctypes.addressof(total))
+    return float(total.value), packed
 
 
 class AbsStats(NamedTuple):
@@ -2805,7 +2807,7 @@ def pick_largest(mags: Tensor, idx: Tensor | None, k: int, flat: Tensor | None) 
 
 
 def _cpu_contiguous(t: Tensor, dtype: torch.dtype) -> bool:
-    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    return t.dtype == dtype and t.is_cpu and t.is_contiguous()
 
 
 _SCRATCH = threading.local()
@@ -3158,7 +3160,7 @@ PACK_BITS = (1, 2, 4)
 
 
 def _bytes_ok(t: Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.uint8, torch.bool) and t.is_contiguous()
+    return t.is_cpu and t.dtype in (torch.uint8, torch.bool) and t.is_contiguous()
 
 
 def pack(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor | None:

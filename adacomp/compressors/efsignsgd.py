@@ -2,6 +2,7 @@
 the ByteComp evaluation (bytecomp.txt §5.1)."""
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -52,7 +53,7 @@ class EFSignSGDCompressor(Compressor):
             return False
         total, packed = got
         scale = torch.tensor([total], dtype=torch.float32).div_(out.numel())  # torch's mean from its sum
-        if bool(torch.isfinite(scale)) and packed is not None:  # else compress asks torch (a NaN's bits)
+        if packed is not None and math.isfinite(scale.item()):  # else compress asks torch (a NaN's bits)
             self._kept().keep(name, out.reshape(-1), [scale, packed])
         return True
 
