@@ -180,7 +180,8 @@ def cell(model: str, method: str, steps: int) -> dict:
     if not 0 < sent < dense:  # a cost of a path that compressed nothing would measure the wrong thing
         raise RuntimeError(f"cost cell {model}/{method}: sent {sent} bytes of {dense} dense")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    held = _held_bytes(comp, memory, comm)
+    from adacomp.compressors import _native
+    held = _held_bytes(comp, memory, comm, vars(_native._SCRATCH))  # with the per-thread pools (compaction, keys)
     del cur
     return {"model": model, "method": method, "tensors": len(shapes), "numel": model_bytes // 4,
             "step_s": statistics.median(times), "steps_s": times, "floor_s": statistics.median(floors),
