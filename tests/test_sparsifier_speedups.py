@@ -165,6 +165,43 @@ def test_workspace_keeps_state_dict_unchanged() -> None:
         assert not any("workspace" in str(key) for key in c.state_dict())
 
 
+@pytest.mark.parametrize("kind", ["topk", "gaussiank", "efsignsgd", "sidco"])
+def test_compensation_selects_span_by_span_for_a_communicator_of_parts(kind: str) -> None:
+    """A communicator that compresses a tensor in parts (``alltoall``: ``Communicator.pieces``) lets
+    the compressor select while it writes each part's sum; a part too small for that gets the plain
+    add among parts that take it. The sum, each part's payload and the next residual are bitwise
+    those of the plain add followed by each part's own selection."""
+    from adacomp import communicators, memories
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
+    n = (1 << 17) + 3000  # part 0 takes the fused pass, part 1 (3000 elements) is too small for it
+    spans = [("w/part0", 0, 1 << 17), ("w/part1", 1 << 17, n)]
+    assert communicators.get("alltoall").pieces("w", 10, 3) == [("w/part0", 0, 4), ("w/part1", 4, 7),
+                                                                 ("w/part2", 7, 10)]
+    grads = [torch.randn(n, generator=gen(30 + i)) for i in range(3)]
+    runs = []
+    for pieces in (spans, []):  # [] : nobody said how it is compressed, the plain add
+        comp = compressors.get(kind, density=0.01) if kind != "efsignsgd" else compressors.get(kind)
+        mem = memories.get("residual")
+        out = []
+        for step, g in enumerate(grads):
+            t = mem.compensate(g.clone(), "w", 2, compressor=comp, pieces=pieces)
+            if pieces and step > 0 and (kind == "topk" or _native.sums_like_torch()):
+                kept = comp._kept()  # EF-SignSGD's and SIDCo's passes have no size limit: part 1 too
+                assert "w/part0" in kept and ("w/part1" in kept) == (kind in ("efsignsgd", "sidco"))
+            flat = t.reshape(-1)
+            parts = [comp.compress(flat[lo:hi], key) for key, lo, hi in spans]
+            out.append((t.clone(), [[p.clone() for p in payload] for payload, _ in parts]))
+            for (payload, ctx), (key, lo, hi) in zip(parts, spans):
+                comp.residual(flat[lo:hi], payload, ctx, flat[lo:hi])  # alltoall's joined residual
+            mem.residuals = {"w": t.clone()}
+        runs.append(out)
+    for (t_a, p_a), (t_b, p_b) in zip(*runs):
+        assert torch.equal(t_a, t_b)
+        assert all(torch.equal(x, y) for pa, pb in zip(p_a, p_b) for x, y in zip(pa, pb))
+
+
 def test_topk_compensation_and_prefilter_share_one_pass() -> None:
     """Residual memory lets Top-k write ``g + r`` and collect the prefilter's candidates in the same
     pass (``compensate_into``): the compensated tensor, the payload and the new residual are bitwise
@@ -202,8 +239,8 @@ def test_topk_compensation_and_prefilter_share_one_pass() -> None:
     (vals, idx), _ = comp.compress(t, "w")
     assert torch.equal(idx, topk_indices(t.reshape(-1), idx.numel(), Workspace()))
     mem.update(t, "w", comp, [vals, idx], _)
-    # a communicator that compresses parts (alltoall) asks for the plain add: no selection to waste
+    # a caller that does not say how the result is compressed gets the plain add: no selection to waste
     comp.__dict__.pop("kept", None)
     want = g1 + mem.residuals["w"]
-    assert torch.equal(mem.compensate(g1.clone(), "w", compressor=comp, whole=False), want)
+    assert torch.equal(mem.compensate(g1.clone(), "w", compressor=comp, pieces=[]), want)
     assert "w" not in comp._kept()

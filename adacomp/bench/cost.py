@@ -164,7 +164,8 @@ def cell(model: str, method: str, steps: int) -> dict:
         for bi, b in enumerate(buckets):
             # AR-Topk: even steps make this rank the root (it runs Top-k); see MirrorBackend
             env = CommEnv(backend, cur.stats, step=2 * cur.step, bucket_index=bi)
-            entries = [Entry(n, memory.compensate(cur.fresh[n], n, compressor=comp, whole=comm.whole_tensors),
+            entries = [Entry(n, memory.compensate(cur.fresh[n], n, backend.size(), compressor=comp,
+                                                  pieces=comm.pieces(n, cur.fresh[n].numel(), backend.size())),
                              comp, memory) for n, _ in b]
             cur.outs += exchange(comm, entries, env)
         comp.on_step(cur.step + 1)

@@ -122,7 +122,6 @@ class AlltoallCommunicator(Communicator):
     second compression (see module docstring)."""
 
     offloadable = True
-    whole_tensors = False  # every tensor is compressed as N parts
 
     def __init__(self, feedback: bool = True):
         self.feedback = bool(feedback)
@@ -133,12 +132,16 @@ class AlltoallCommunicator(Communicator):
             raise self.incompatible("alltoall", compressor,
                                     f"it needs {compressor.rounds} communication rounds of summed payloads")
 
+    def pieces(self, name: str, numel: int, world: int) -> list[tuple[str, int, int]]:
+        """Part ``j`` of every tensor is compressed on its own under ``name/part{j}``."""
+        return [(f"{name}/part{j}", lo, hi) for j, (lo, hi) in enumerate(bounds(numel, world))]
+
     # --- stage 1: compress every part (may run on the offload worker: no collective here) -----
     def compress_one(self, e: Entry) -> None:
-        world = self._world
         flat = e.tensor.reshape(-1)
-        spans = bounds(flat.numel(), world)
-        parts = [_compress(e.compressor, flat[lo:hi], f"{e.name}/part{j}") for j, (lo, hi) in enumerate(spans)]
+        pieces = self.pieces(e.name, flat.numel(), self._world)
+        parts = [_compress(e.compressor, flat[lo:hi], key) for key, lo, hi in pieces]
+        spans = [(lo, hi) for _, lo, hi in pieces]
         joined = _Joined(e.compressor, parts, spans, e.tensor)
         e.payload, e.ctx = joined.payload(), joined
         e.report(joined, e.payload, None)
@@ -244,9 +247,10 @@ class AlltoallCommunicator(Communicator):
             divide_touched(acc, torch.cat(touched), world)
         elif copies_left:
             acc.div_(world)
-        if self.feedback:
-            acc = self.second.compensate(acc, e.name, compressor=e.compressor, whole=False)  # compressed as agg{me}
-        part = _compress(e.compressor, acc, f"{e.name}/agg{me}")
+        key = f"{e.name}/agg{me}"
+        if self.feedback:  # kept under the tensor's name; compressed whole under `key`
+            acc = self.second.compensate(acc, e.name, world, compressor=e.compressor, pieces=[(key, 0, acc.numel())])
+        part = _compress(e.compressor, acc, key)
         if self.feedback:  # the engine stores acc minus what the recompressed part reconstructs
             e.also_charge(Charge(self.second, acc, e.name, e.compressor, part.payload, part.ctx))
         return part

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from adacomp.backends.base import Backend
 from adacomp.compressors.base import Compressor
-from adacomp.memories.base import Memory
+from adacomp.memories.base import Memory, Pieces
 from adacomp.errors import IncompatibleComponentsError
 from adacomp.engine.metrics import StepStats
 from adacomp.registry import Registry
@@ -144,9 +144,12 @@ class Communicator:
     #: True when ``start`` compresses every entry with :meth:`precompress` before any collective,
     #: so the optimizer may run that stage on its CPU worker thread and call ``start`` later.
     offloadable: ClassVar[bool] = False
-    #: compresses each entry's tensor whole under its name (False: in parts, ``alltoall``); error
-    #: feedback lets a compressor select while writing the compensated tensor only then
-    whole_tensors: ClassVar[bool] = True
+    def pieces(self, name: str, numel: int, world: int) -> Pieces | None:
+        """How :meth:`compress_one` will compress an entry's flat tensor: ``(key, lo, hi)`` spans,
+        each compressed on its own under ``key``; None (the default) for the whole tensor under its
+        name. Error feedback hands this to the memory, so a compressor may select while it writes
+        the compensated sum (``compensate_into``) of each span it will compress."""
+        return None
 
     def precompress(self, entries: list[Entry], world: int) -> None:
         """Compress every entry not compressed yet. Touches no collective, no memory and no step

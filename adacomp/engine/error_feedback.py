@@ -46,12 +46,13 @@ def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor]
         if used is not None and not any(used):
             return [Entry(b.fused_key, flat, b.fused_compressor, _NO_MEMORY)]
         return [Entry(b.fused_key, mem.compensate(flat, b.fused_key, world, compressor=b.fused_compressor,
-                                                  whole=b.communicator.whole_tensors),
+                                                  pieces=b.communicator.pieces(b.fused_key, flat.numel(), world)),
                       b.fused_compressor, mem)]
     out = []
     for i, (n, g) in enumerate(zip(b.names, grads)):
         m = mem if used is None or used[i] else _NO_MEMORY
-        out.append(Entry(n, m.compensate(g, n, world, compressor=compressors[n], whole=b.communicator.whole_tensors),
+        out.append(Entry(n, m.compensate(g, n, world, compressor=compressors[n],
+                                         pieces=b.communicator.pieces(n, g.numel(), world)),
                          compressors[n], m))
     return out
 

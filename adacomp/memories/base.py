@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -18,6 +18,45 @@ registry: Registry["Memory"] = Registry("memory", "adacomp.memories")
 register = registry.register
 
 
+Pieces = Sequence[tuple[str, int, int]]
+"""``(key, lo, hi)``: flat spans of a compensated tensor that its compressor compresses one by one,
+each under ``key`` (``Communicator.pieces``; ``alltoall``'s parts). An empty sequence: unknown."""
+
+
+def whole_key(name: str, numel: int, pieces: Pieces | None) -> str | None:
+    """The key under which the compressor compresses the whole tensor, or None when it compresses
+    parts of it (or nobody said)."""
+    if pieces is None:
+        return name
+    if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == numel:
+        return pieces[0][0]
+    return None
+
+
+def compensate_fused(compressor: Any, g: Tensor, r: Tensor, out: Tensor, name: str,
+                     pieces: Pieces | None) -> bool:
+    """``out = g + r`` written by the compressor's ``compensate_into`` (which may select while it
+    writes), over the whole tensor or span by span (``pieces``); False, nothing written, where it
+    declines everywhere. A span it declines among spans it takes gets the same add here (in C, so
+    the spans it took keep their version: their kept selections stay valid)."""
+    fused = getattr(compressor, "compensate_into", None)
+    if fused is None:
+        return False
+    key = whole_key(name, out.numel(), pieces)
+    if key is not None:
+        return bool(fused(g, r, out, key))
+    if not pieces:
+        return False
+    gf, rf, of = g.reshape(-1), r.reshape(-1), out.view(-1)
+    took = [hi > lo and bool(fused(gf[lo:hi], rf[lo:hi], of[lo:hi], key)) for key, lo, hi in pieces]
+    if not any(took):
+        return False
+    for (_, lo, hi), done in zip(pieces, took):
+        if not done and hi > lo and not _native.add_into(gf[lo:hi], rf[lo:hi], of[lo:hi]):
+            torch.add(gf[lo:hi], rf[lo:hi], out=of[lo:hi])
+    return True
+
+
 class Memory:
     """Base class. ``compensate`` is called on the raw gradient before compression; ``update`` after
     compression with the payload this rank contributed (or, for multi-round compressors, the mean
@@ -26,15 +65,15 @@ class Memory:
     name: ClassVar[str] = "base"
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
-                   whole: bool = True) -> Tensor:
+                   pieces: Pieces | None = None) -> Tensor:
         """The gradient to compress. May write into ``tensor``: the engine hands over this round's
         gradient, which the averaged one replaces afterwards (a caller that needs ``tensor``
         unchanged passes a copy). ``world``: the size of the group this round averages over (the
         engine passes it; a memory never reads a process-wide context). ``compressor``: the one
         that will compress the result, when the caller knows it (lets a memory pick a cheaper
-        buffer plan for it; the result's values never depend on it). ``whole``: that compressor
-        compresses the result whole under ``name`` (False for a communicator that compresses parts,
-        ``alltoall``): only then may it select while the sum is written. Callers use the returned
+        buffer plan for it; the result's values never depend on it). ``pieces``: how that compressor
+        compresses the result (None: whole, under ``name``; see :data:`Pieces`), so that it may
+        select while the sum is written, span by span. Callers use the returned
         tensor, which need not be ``tensor``, and hand it to :meth:`update`, which may keep it as
         state and rewrite it (no model-size copy per step): a caller that needs the compensated
         values after ``update`` copies them first."""
@@ -189,7 +228,7 @@ class NoneMemory(Memory):
     """No error feedback: what compression drops is lost."""
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
-                   whole: bool = True) -> Tensor:
+                   pieces: Pieces | None = None) -> Tensor:
         return tensor
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
@@ -251,7 +290,7 @@ class ResidualMemory(Memory):
         return self._stored[name]
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
-                   whole: bool = True) -> Tensor:
+                   pieces: Pieces | None = None) -> Tensor:
         r = self._stored.get(name)
         if self.gamma != 1.0:
             tensor.mul_(self.gamma)
@@ -262,7 +301,9 @@ class ResidualMemory(Memory):
                              f"{tuple(tensor.shape)}; call memory.reset({name!r}) after changing the model")
         in_place = getattr(compressor, "residual_in_place", False)
         owed = self._owed.get(name)
-        if owed is not None and not (in_place and whole and self.beta == 1.0 and owed.compressor is compressor):
+        key = whole_key(name, tensor.numel(), pieces)
+        if owed is not None and not (in_place and key is not None and self.beta == 1.0
+                                     and owed.compressor is compressor):
             r, owed = self._settle(name), None
         if in_place:
             # the same add as below, into the buffer update() will keep (see the class docstring);
@@ -272,22 +313,21 @@ class ResidualMemory(Memory):
             spare = kept if kept is not None and fits(kept, tensor) and kept is not r else torch.empty_like(tensor)
             self._spare[name] = spare
             if owed is not None:  # the residual's subtraction inside the compensation's pass
-                if owed.compressor.compensate_owed(tensor, r, owed.token, spare, name):
+                assert key is not None  # checked above
+                if owed.compressor.compensate_owed(tensor, r, owed.token, spare, key):
                     return spare
                 r = self._settle(name)
             if self.beta != 1.0:
                 return torch.add(tensor, r, alpha=self.beta, out=spare)
             # a compressor may write the sum itself and select from it in the same pass (Top-k)
-            fused = getattr(compressor, "compensate_into", None) if whole else None
-            if fused is not None and fused(tensor, r, spare, name):
+            if compensate_fused(compressor, tensor, r, spare, name, pieces):
                 return spare
             if _native.add_into(tensor, r, spare):  # the same add; large buffers written without a read
                 return spare
             return torch.add(tensor, r, out=spare)
         if self.beta == 1.0:
             # a compressor may read what it needs of the sum while it is written (EF-SignSGD's scale)
-            fused = getattr(compressor, "compensate_into", None) if whole else None
-            if fused is not None and fused(tensor, r, tensor, name):
+            if compensate_fused(compressor, tensor, r, tensor, name, pieces):
                 return tensor
             return tensor.add_(r)
         return tensor.add_(r, alpha=self.beta)

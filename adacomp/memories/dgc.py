@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors import _native
-from adacomp.memories.base import Memory, fits, register
+from adacomp.memories.base import Memory, Pieces, fits, register
 
 
 def _buffer_like(buf: Tensor | None, like: Tensor) -> Tensor:
@@ -59,7 +59,7 @@ class DGCMemory(Memory):
         return tensor * (limit / norm) if norm > limit else tensor
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
-                   whole: bool = True) -> Tensor:
+                   pieces: Pieces | None = None) -> Tensor:
         if self.clip_norm > 0.0:
             tensor = self._clip(tensor, world)
         u, v = self.velocity.get(name), self.accumulated.get(name)
