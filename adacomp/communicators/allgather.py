@@ -160,20 +160,24 @@ def _signs_batch(e: Entry, segs: list[list[Segment]], j: int) -> bool:
                     and s[j + 1].numel * 8 >= n for s in segs))
 
 
+def _offsets(first: list[int], q: int, segs: list[list[Segment]], starts: list[int]) -> list[int]:
+    """Byte offsets in the gathered buffer of segment ``q`` of each entry (first segment ``first[i]``),
+    entry-major then rank: the layout the packed C means read."""
+    return [starts[r] + segs[r][j + q].offset for j in first for r in range(len(segs))]
+
+
 def _sparse_means(gathered: Tensor, outs: list[Tensor], first: list[int], segs: list[list[Segment]],
                   starts: list[int]) -> list[bool]:
-    idx_off = [starts[r] + segs[r][j + 1].offset for j in first for r in range(len(segs))]
-    val_off = [starts[r] + segs[r][j].offset for j in first for r in range(len(segs))]
     numels = [segs[r][j].numel for j in first for r in range(len(segs))]
-    done = _native.sparse_means_packed(gathered, outs, idx_off, val_off, numels, len(segs))
+    done = _native.sparse_means_packed(gathered, outs, _offsets(first, 1, segs, starts),
+                                       _offsets(first, 0, segs, starts), numels, len(segs))
     return done if done is not None else [False] * len(outs)
 
 
 def _sign_means(gathered: Tensor, outs: list[Tensor], first: list[int], segs: list[list[Segment]],
                 starts: list[int]) -> list[bool]:
-    scale_off = [starts[r] + segs[r][j].offset for j in first for r in range(len(segs))]
-    bits_off = [starts[r] + segs[r][j + 1].offset for j in first for r in range(len(segs))]
-    return [_native.sign_means_packed(gathered, outs, scale_off, bits_off)] * len(outs)
+    done = _native.sign_means_packed(gathered, outs, _offsets(first, 0, segs, starts), _offsets(first, 1, segs, starts))
+    return [done] * len(outs)
 
 
 # payload layouts one C call averages for a whole bucket: (which entries it takes, the call)
