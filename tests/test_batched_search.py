@@ -200,7 +200,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "powersgd", "acpsgd", "alltoall", "artopk"]])
+                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc"]])
 
 
 @pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])

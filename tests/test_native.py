@@ -968,7 +968,7 @@ def test_compensation_with_search_statistics_is_the_separate_passes(n: int, stri
 def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
     """Outputs from 2^20 elements are written with non-temporal stores (AVX2, 32-byte aligned; a
     shifted output takes the plain loop): the compensation add, Top-k's add with its prefilter, DGC's
-    momentum correction, the magnitudes pass, EF-SignSGD's residual and the compensation that sums
+    momentum correction (and with its candidates), the magnitudes pass, EF-SignSGD's residual and the compensation that sums
     as it writes keep torch's bits."""
     n = (1 << 20) + 37
     g = torch.Generator().manual_seed(shift)
@@ -992,6 +992,11 @@ def test_streamed_outputs_equal_torch(shift: int, avx2_switch: str) -> None:
     assert _native.momentum_accumulate(a, b, c, u_out, v_out, 0.9)
     u_want = torch.mul(a, 0.9).add_(b)
     assert torch.equal(bits(u_out), bits(u_want)) and torch.equal(bits(v_out), bits(torch.add(c, u_want)))
+    u_out, v_out = fresh(), fresh()  # with DGC's candidates from the same pass: |v| >= t, NaN never
+    got = _native.momentum_select(a, b, c, u_out, v_out, 0.9, 2.0, expected=0.1)
+    assert got is not None and torch.equal(bits(u_out), bits(u_want)) and torch.equal(bits(v_out), bits(c + u_want))
+    want = torch.ge((c + u_want).abs(), 2.0)
+    assert torch.equal(got[0], torch.nonzero(want).view(-1)) and torch.equal(bits(got[1]), bits((c + u_want).abs()[want]))
     x = a.clone()
     x[2] = 3.0  # no NaN: the stats answer
     out = fresh()

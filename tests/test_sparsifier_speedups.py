@@ -165,6 +165,45 @@ def test_workspace_keeps_state_dict_unchanged() -> None:
         assert not any("workspace" in str(key) for key in c.state_dict())
 
 
+@pytest.mark.parametrize("hint", ["sampled", "above", "below"])
+def test_dgc_momentum_pass_compacts_the_candidates_of_its_selection(hint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DGC memory's momentum correction lets DGC compact its candidates in the same pass
+    (``accumulate_into``): the velocities, the payloads, the sampling generator and the memory are
+    bitwise those of the separate pass and selection, whatever the floor's hint says (``above``:
+    every threshold below it, read whole; ``below``: far more candidates than the guess)."""
+    from adacomp import memories
+    from adacomp.compressors import _native, dgc
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
+    if hint != "sampled":
+        monkeypatch.setattr(dgc, "sampled_value", lambda *a, **k: 1e30 if hint == "above" else 1e-30)
+    shapes = [(1 << 17,), (300, 700), (5000,)]  # the last is below the fused pass's size
+    grads = [[torch.randn(s, generator=gen(40 + 3 * i + j)) for j, s in enumerate(shapes)] for i in range(4)]
+    runs = []
+    for fused in (True, False):
+        comp, mem = compressors.get("dgc", density=0.01), memories.get("dgc")
+        if not fused:
+            comp.accumulate_into = lambda *a: False
+        out = []
+        for step, gs in enumerate(grads):
+            for j, g in enumerate(gs):
+                name = f"w{j}"
+                t = mem.compensate(g.clone(), name, 2, compressor=comp)
+                if fused and step > 0:
+                    assert (name in comp._kept()) == (g.numel() >= dgc.FUSED_MIN_NUMEL)
+                payload, ctx = comp.compress(t, name)
+                out.append((t.clone(), [p.clone() for p in payload]))
+                mem.update(t, name, comp, payload, ctx)
+        state = mem.state_dict()
+        runs.append((out, {k: {n: v.clone() for n, v in d.items()} for k, d in state.items() if isinstance(d, dict)},
+                     comp.state_dict()["generators"]["cpu"].clone()))
+    (out_a, mem_a, gen_a), (out_b, mem_b, gen_b) = runs
+    for (t_a, p_a), (t_b, p_b) in zip(out_a, out_b):
+        assert torch.equal(t_a, t_b) and all(torch.equal(x, y) for x, y in zip(p_a, p_b))
+    assert mem_a.keys() == mem_b.keys() and all(torch.equal(mem_a[k][n], mem_b[k][n]) for k in mem_a for n in mem_a[k])
+    assert torch.equal(gen_a, gen_b)
+
+
 @pytest.mark.parametrize("kind", ["topk", "gaussiank", "efsignsgd", "sidco"])
 def test_compensation_selects_span_by_span_for_a_communicator_of_parts(kind: str) -> None:
     """A communicator that compresses a tensor in parts (``alltoall``: ``Communicator.pieces``) lets

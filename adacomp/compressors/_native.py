@@ -707,6 +707,56 @@ AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const floa
         v_out[i] = v[i] + t;
     }
 }
+/* The same momentum correction with DGC's candidates from the pass: the positions and magnitudes of
+   the new v passing |v| >= t, ascending (the set ac_select_abs_ge finds over v_out afterwards, one
+   read of v_out less). 64 elements a mask with AVX2, streamed to 32-byte aligned outputs from
+   AC_SELECT_STREAM_MIN elements (the next step reads them from memory anyway). */
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static int64_t momentum_select_avx2(
+        const float* u, const float* g, const float* v, float* u_out, float* v_out, int64_t n, float m, float t,
+        int64_t* idx, float* vals, int64_t cap, int64_t* count, const int stream) {
+    const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
+    float blk[64] __attribute__((aligned(32)));
+    int64_t c = *count, i = 0;
+    for (; i + 64 <= n; i += 64) {
+        uint64_t mask = 0;
+        for (int q = 0; q < 8; ++q) {
+            const int64_t o = i + 8 * q;
+            const __m256 a = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(u + o), mv), _mm256_loadu_ps(g + o));
+            const __m256 w = _mm256_add_ps(_mm256_loadu_ps(v + o), a), b = _mm256_andnot_ps(sign, w);
+            if (stream) { _mm256_stream_ps(u_out + o, a); _mm256_stream_ps(v_out + o, w); }
+            else { _mm256_storeu_ps(u_out + o, a); _mm256_storeu_ps(v_out + o, w); }
+            _mm256_store_ps(blk + 8 * q, b);
+            mask |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(b, tv, _CMP_GE_OQ)) << (8 * q);
+        }
+        AC_EMIT(mask, __builtin_ctzll, i, blk[j])
+    }
+    if (stream) _mm_sfence();
+    *count = c;
+    return i;
+}
+#endif
+int64_t ac_momentum_select_abs_ge(const float* u, const float* g, const float* v, float* u_out, float* v_out,
+                                  int64_t n, float m, float t, int64_t* idx, float* vals, int64_t cap) {
+    int64_t c = 0, i = 0;
+#if defined(AC_AVX2)
+    if (n >= 64 && use_avx2()) {
+        const int aligned = ((uintptr_t)u_out & 31) == 0 && ((uintptr_t)v_out & 31) == 0;
+        i = momentum_select_avx2(u, g, v, u_out, v_out, n, m, t, idx, vals, cap, &c,
+                                 aligned && n >= AC_SELECT_STREAM_MIN);
+    }
+#endif
+    for (; i < n; ++i) {
+        float a = u[i] * m;
+        a = a + g[i];
+        u_out[i] = a;
+        const float w = v[i] + a;
+        v_out[i] = w;
+        const float b = __builtin_fabsf(w);
+        if (b >= t) { if (c < cap) { idx[c] = i; vals[c] = b; } ++c; }
+    }
+    return c;
+}
 /* Counted in blocks into a 32-bit counter, which the compiler vectorises (a 64-bit one it does
    not, on SSE2). */
 #define COUNT_T(NAME, PASS, VAL)                                                        \
@@ -2324,6 +2374,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64]
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
+    lib_.ac_momentum_select_abs_ge.restype = ctypes.c_int64
+    lib_.ac_momentum_select_abs_ge.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float, ctypes.c_float, vp, vp, i64]
     lib_.ac_qsgd_codes.restype = ctypes.c_int
     lib_.ac_qsgd_codes.argtypes = [vp, i64, vp, vp, i64, i64, ctypes.c_float, vp]
     lib_.ac_table_mean.restype = None
@@ -3258,6 +3310,21 @@ def momentum_accumulate(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: T
     library().ac_momentum_accumulate(u.data_ptr(), g.data_ptr(), v.data_ptr(), u_out.data_ptr(),  # type: ignore[union-attr]
                                      v_out.data_ptr(), u.numel(), momentum)
     return True
+
+
+def momentum_select(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: Tensor, momentum: float, thr: float,
+                    expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
+    """:func:`momentum_accumulate` (the same floats) and, from the same pass, what :func:`select` in
+    mode ``abs_ge`` finds over ``v_out``: ascending positions and magnitudes of ``|v_out| >= thr``
+    (DGC's candidates). None (nothing written) where torch must run."""
+    ts = (u, g, v, u_out, v_out)
+    if not all(usable(t) for t in ts) or len({t.numel() for t in ts}) != 1 or len({t.data_ptr() for t in ts}) != 5:
+        return None
+    lib = library()
+    assert lib is not None
+    ptrs, n = [t.data_ptr() for t in ts], u.numel()
+    return _compacted(lambda i, vv, cap: lib.ac_momentum_select_abs_ge(*ptrs, n, momentum, thr, i, vv, cap), n,
+                      expected)
 
 
 _STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) on 64-bit targets (the layout ac_mt_uniform reads)

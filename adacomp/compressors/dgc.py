@@ -26,14 +26,27 @@ Communicators: ``allgather``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
 from adacomp.compressors import _native
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for, largest_k
+from adacomp.compressors.sparse import (TINY, SparseCompressor, ThresholdCounter, k_for, largest_k, sample_lines,
+                                        sampled_value, search_share)
+
+FUSED_MIN_NUMEL = 1 << 16  # below this the separate selection pass costs no more than the fused one's sampling
+HINT_SAMPLE = 1 << 12  # elements of the line sample that places the fused pass's floor
+
+
+class Candidates(NamedTuple):
+    """What :meth:`DGCCompressor.accumulate_into` compacted while it wrote the accumulated velocity:
+    positions and magnitudes of ``|v| >= floor`` (what ``ThresholdCounter.compact(floor)`` keeps)."""
+
+    floor: float
+    idx: Tensor
+    mags: Tensor
 
 WARMUP_EPOCHS = 4  # DGC §3.3: sparsity 75% -> 99.9% over the first four epochs
 
@@ -98,6 +111,33 @@ class DGCCompressor(SparseCompressor):
             self._generators[key] = gen
         return gen
 
+    def accumulate_into(self, u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: Tensor, momentum: float,
+                        name: str) -> bool:
+        """DGC memory's momentum correction (``u_out = u * momentum + g``, ``v_out = v + u_out``: torch's
+        floats) with the candidates of the coming selection from the same pass, kept for
+        :meth:`select` of ``v_out``: one read of the tensor less. Their floor, a value that about
+        3x the density passes in a line sample of the new ``v``, is a speed hint only (the selection's
+        threshold is DGC's own sampled one; below the floor it reads ``v_out`` whole). False (nothing
+        written) where the fused pass cannot run: the memory runs its own."""
+        flat = v_out.reshape(-1)
+        n = flat.numel()
+        density = self.current_density()
+        if n < FUSED_MIN_NUMEL or k_for(n, density) >= n:
+            return False
+        expected = search_share(density)
+        uf, gf, vf = u.reshape(-1), g.reshape(-1), v.reshape(-1)
+        # the new v, about, at 256 lines of each input (the floor aims at 3x the density, so its
+        # noise hardly matters; Top-k's 1024 lines cost more than the read this pass saves here)
+        sample = sample_lines(vf, HINT_SAMPLE, plus=gf).add_(sample_lines(uf, HINT_SAMPLE), alpha=momentum)
+        floor = max(sampled_value(sample, expected, absolute=True), TINY)
+        if not math.isfinite(floor):
+            return False
+        got = _native.momentum_select(uf, gf, vf, u_out.reshape(-1), flat, momentum, floor, expected)
+        if got is None:
+            return False
+        self._kept().keep(name, flat, Candidates(floor, *got))
+        return True
+
     def threshold(self, a: Tensor, density: float, absolute: bool = False) -> float:
         """The k_s-th largest magnitude of a uniform sample (k_s = ceil(samples * density)); ``a``
         holds magnitudes, or signed values when ``absolute``."""
@@ -108,9 +148,13 @@ class DGCCompressor(SparseCompressor):
             sample = a.index_select(0, pick)  # the same values as a[pick], ~4x faster on CPU
         else:
             sample = a
+        k_s = min(samples, max(1, math.ceil(samples * density)))
+        if absolute and _native.usable(sample):  # one radix select in C: the same k_s-th largest |x|
+            value = _native.rth_largest_strided(sample, 1, k_s, absolute=True)
+            if value is not None:  # None on a NaN: torch's answer below
+                return value
         if absolute:
             sample = sample.abs()
-        k_s = min(samples, max(1, math.ceil(samples * density)))
         return float(torch.topk(sample, k_s, sorted=False).values.min())
 
     def select(self, flat: Tensor, name: str) -> Tensor:
@@ -119,12 +163,15 @@ class DGCCompressor(SparseCompressor):
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
         ws = self._workspace()
+        kept = self._kept().take(name, flat)
         # the C passes read |g| with the sign bit cleared (as torch.abs does), so the magnitudes are
         # never written; elsewhere |g| goes to a reused buffer (one pass, no page faults)
         absolute = _native.usable(flat)
         a = flat if absolute else ws.magnitudes(flat)
         thr = self.threshold(a, density, absolute)
         counter = ThresholdCounter(a, strict=False, workspace=ws, absolute=absolute)
+        if isinstance(kept, Candidates) and absolute:  # the momentum pass's compaction: the same answers
+            counter.adopt(kept.floor, kept.idx, kept.mags)
         idx = counter.select(thr, density)
         for _ in range(self.max_adaptation_iters):
             if idx.numel() >= self.compress_lower_bound * k:
@@ -133,7 +180,8 @@ class DGCCompressor(SparseCompressor):
             idx = counter.select(thr, density / self.compress_lower_bound)
         if idx.numel() > self.compress_upper_bound * k:  # the second, exact top-k among candidates
             cand = a.index_select(0, idx)
-            idx = largest_k(idx, cand.abs() if absolute else cand, k)  # canonical: ascending
+            got = _native.pick_largest(cand, idx, k, None) if absolute else None  # one C call, |cand| ranked
+            idx = got[0] if got is not None else largest_k(idx, cand.abs() if absolute else cand, k)  # canonical
         return idx if idx.numel() else (a.abs() if absolute else a).argmax().view(1)
 
     # ----------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors import _native
-from adacomp.memories.base import Memory, Pieces, fits, register
+from adacomp.memories.base import Memory, Pieces, fits, register, whole_key
 
 
 def _buffer_like(buf: Tensor | None, like: Tensor) -> Tensor:
@@ -77,8 +77,14 @@ class DGCMemory(Memory):
         else:
             su = _buffer_like(spare_u.pop(name, None), u)
             sv = _buffer_like(spare_v.pop(name, None), v) if v is not None else None
-            if v is not None and sv is not None and _native.momentum_accumulate(u, tensor, v, su, sv, self.momentum):
-                u_new, v_new = su, sv  # one C pass, the same floats as the two torch lines below
+            # one C pass, the same floats as the two torch lines below; DGC's compressor may compact
+            # its candidates in it (when it compresses the result whole, under `key`)
+            key = whole_key(name, tensor.numel(), pieces)
+            fused = getattr(compressor, "accumulate_into", None) if key is not None else None
+            if v is not None and sv is not None and (
+                    (fused is not None and fused(u, tensor, v, su, sv, self.momentum, key))
+                    or _native.momentum_accumulate(u, tensor, v, su, sv, self.momentum)):
+                u_new, v_new = su, sv
             else:
                 u_new = torch.mul(u, self.momentum, out=su).add_(tensor)
                 v_new = u_new.clone() if v is None else torch.add(v, u_new, out=sv)
