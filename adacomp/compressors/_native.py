@@ -35,7 +35,7 @@ from torch import Tensor
 
 from adacomp.compressors.workspace import Workspace
 
-STREAM_MIN = 1 << 20
+STREAM_MIN = 1 << 16
 """``AC_STREAM_MIN``: outputs from this many elements are written with non-temporal stores."""
 
 MODES = {"ge": 0, "gt": 1, "not_lt": 2}
@@ -69,8 +69,14 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
 /* Outputs of at least AC_STREAM_MIN elements are written with non-temporal stores where the CPU has
    AVX2: their lines are not read first (a plain store to a line not in cache reads it), a third of
    the traffic of a pass that reads two tensors and writes one. The same floats. Such a tensor is
-   read back from memory anyway (past what the caches hold). */
-#define AC_STREAM_MIN (1 << 20)
+   read back from memory anyway (past what the caches hold). From 2^16 (2^20 before): PowerSGD's
+   cost cells, alternating, ResNet-50 39.6 / 39.7 -> 36.5 / 35.4 ms, GPT-2-small 144 / 128 ->
+   121 / 122 ms; EF-SignSGD, DGC, RedSync, Gaussian-k within noise on ResNet-50. */
+#define AC_STREAM_MIN (1 << 16)
+/* The cascade's sum (EF-SignSGD's, Gaussian-k's compensation) streams from 2^20 elements only:
+   Gaussian-k reads it straight back, from the caches up to there (GPT-2-small's Gaussian-k cost cell
+   was 2-3 % slower with it streamed from 2^16, while the other passes' outputs gained). */
+#define AC_CASCADE_STREAM_MIN (1 << 20)
 /* The 16-element test per block is one bit mask (SSE compares where the target has them), so a
    block with no passing element costs no branch per element; passing ones are read off the mask
    in ascending order. NaN: ordered compares fail, so v >= t and v > t are false and !(v < t) true. */
@@ -313,7 +319,7 @@ __attribute__((target("avx2"))) static void ac_cascade_rows_avx2(ac_cascade* c, 
     const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
     const __m256 oneg = _mm256_set1_ps(-os), opos = _mm256_set1_ps(os);
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const int stream = out && c->rows * 32 >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
+    const int stream = out && c->rows * 32 >= AC_CASCADE_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     __m256 a[4];
     for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(c->acc[0] + 8 * k);
     for (int64_t r = c->row; r < c->rows; ++r) {
@@ -1171,8 +1177,10 @@ int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k
 /* Outputs of at least SM_STREAM_MIN elements (past what the caches keep for the reader anyway) are
    built a block at a time in an L1 scratch block and written with non-temporal stores: the output's
    lines are never read first (a plain store reads each line before writing it), so the mean costs
-   one write of the output instead of a read and a write. The same floats either way. */
-#define SM_STREAM_MIN (1 << 18)
+   one write of the output instead of a read and a write. The same floats either way. From 2^16
+   (not 2^18): ResNet-50's Top-k cost cell, alternating, 23.9 / 22.5 ms at 2^18 against 22.1 / 21.1
+   ms at 2^16 (2^14: 21.3 / 23.7 ms); its 2^16-2^18-element outputs were written with a read first. */
+#define SM_STREAM_MIN (1 << 16)
 #if defined(AC_AVX2)
 /* src, src * scale where scaled (every element: an untouched +0 stays +0), or zeros (src NULL) to out */
 __attribute__((target("avx2"))) static void sm_stream(float* out, const float* src, int64_t len, int scaled,
