@@ -165,6 +165,40 @@ def test_workspace_keeps_state_dict_unchanged() -> None:
         assert not any("workspace" in str(key) for key in c.state_dict())
 
 
+@pytest.mark.parametrize("shape,fuses", [((512, 700), True), ((64, 3, 30, 40), True), ((256, 4096), True), ((1 << 18,), False),
+                                         ((100, 90), False)])
+def test_adtopk_compensation_and_row_candidates_share_one_pass(shape: tuple[int, ...], fuses: bool) -> None:
+    """Residual memory lets ADTopk write ``g + r`` row by row inside its row-candidates pass
+    (``compensate_into``; the block-max floor path only): the compensated tensor, the payloads and
+    the residuals are bitwise those of the separate add and selection (also where it declines)."""
+    from adacomp import memories
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
+    grads = [torch.randn(shape, generator=gen(60 + i)) for i in range(4)]
+    grads[2].view(-1)[5] = 0.0  # exact zeros and ties in one row
+    grads[2].view(-1)[6:40] = 1.5
+    runs = []
+    for fused in (True, False):
+        comp, mem = compressors.get("adtopk", density=0.01), memories.get("residual")
+        if not fused:
+            comp.compensate_into = lambda *a: False
+        out = []
+        for step, g in enumerate(grads):
+            t = mem.compensate(g.clone(), "w", 2, compressor=comp)
+            if fused and step > 0:
+                assert ("w" in comp._kept()) == fuses
+            payload, ctx = comp.compress(t, "w")
+            assert "w" not in comp._kept()  # taken by the selection
+            out.append((t.clone(), [p.clone() for p in payload]))
+            mem.update(t, "w", comp, payload, ctx)
+        out.append(mem.residuals["w"].clone())
+        runs.append(out)
+    for a, b in zip(runs[0][:-1], runs[1][:-1]):
+        assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    assert torch.equal(runs[0][-1], runs[1][-1])
+
+
 @pytest.mark.parametrize("hint", ["sampled", "above", "below"])
 def test_dgc_momentum_pass_compacts_the_candidates_of_its_selection(hint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """DGC memory's momentum correction lets DGC compact its candidates in the same pass

@@ -1117,11 +1117,14 @@ int ac_row_order_stats(const float* mag, const int64_t* row, int64_t nc, int64_t
    least tiny; infinity and bad[i] = 1 where a maximum is NaN), then the row's |x| >= floor
    (!(|x| < floor) where columns lie past the last whole block) as ascending flat indices and |x|
    (keys: b of scratch). Returns the count; only the first cap are written. */
-AC_CLONES int64_t ac_row_candidates(const float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny,
-                                    uint32_t* keys, uint8_t* bad, int64_t* idx, float* vals, int64_t cap) {
+AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny,
+                                    uint32_t* keys, uint8_t* bad, int64_t* idx, float* vals, int64_t cap,
+                                    const float* g, const float* plus) {
     RANKED_SCRATCH(b)
     int64_t total = 0;
     for (int64_t i = 0; i < m; ++i) {
+        if (g != NULL)  /* error feedback's compensation x = g + plus (one IEEE add), the row left in cache */
+            for (int64_t j = 0; j < n; ++j) x[i * n + j] = g[i * n + j] + plus[i * n + j];
         block_max_keys((const uint32_t*)(x + i * n), n, b, keys);
         int nan = 0;
         for (int64_t j = 0; j < b; ++j) nan |= keys[j] > 0x7f800000u;
@@ -2379,7 +2382,7 @@ def _load(out: Path) -> ctypes.CDLL:
         fm.restype = None
         fm.argtypes = [vp, i64, i64, vp, i64, vp]
     lib_.ac_row_candidates.restype = ctypes.c_int64
-    lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64]
+    lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64, vp, vp]
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
     lib_.ac_momentum_select_abs_ge.restype = ctypes.c_int64
@@ -2997,18 +3000,22 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
 
 
-def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
-                   limit: int) -> tuple[Tensor, Tensor, int, Tensor] | None:
+def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float, limit: int,
+                   add: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, int, Tensor] | None:
     """ADTopk's candidates of the (m, n) float32 ``x`` row by row in one read: each row's floor is the
     ``r``-th largest of its strided block maxima of |x| (block j: columns j, j + blocks, ... below
     ``blocks * (n // blocks)``; :func:`row_kth`),
     at least ``tiny``, infinity where a maximum is NaN; then :func:`select_rows` of |x| against it
     ("abs_ge", or "abs_not_lt" where ``blocks`` does not divide n). Returns ascending flat indices,
     their |x|, the count (indices and values left empty above ``limit``) and the rows whose floor was
-    NaN; None where torch must answer."""
+    NaN; None where torch must answer. ``add = (g, plus)``: first write ``x = g + plus`` (torch.add's
+    bits; error feedback's compensation), each row just before it is read: one pass over the model less."""
     lib = library()
     if lib is None or x.dim() != 2 or not usable(x) or not 1 <= r <= blocks <= x.shape[1]:
         return None
+    if add is not None and not all(usable(t) and t.numel() == x.numel() and t.data_ptr() != x.data_ptr() for t in add):
+        return None
+    gp, pp = (add[0].data_ptr(), add[1].data_ptr()) if add is not None else (None, None)
     m, n = x.shape
     keys = torch.empty(blocks, dtype=torch.int32)
     bad = torch.empty(m, dtype=torch.uint8)
@@ -3017,7 +3024,7 @@ def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
         idx = torch.empty(cap, dtype=torch.int64)
         vals = torch.empty(cap, dtype=torch.float32)
         c = int(lib.ac_row_candidates(x.data_ptr(), m, n, blocks, r, tiny, keys.data_ptr(), bad.data_ptr(),
-                                      idx.data_ptr(), vals.data_ptr(), cap))
+                                      idx.data_ptr(), vals.data_ptr(), cap, gp, pp))
         if c <= cap:
             return idx[:c], vals[:c], c, bad.bool()
         if c > limit:

@@ -177,7 +177,54 @@ def _exact_rows(x3: Tensor, rows: Tensor, q: int, r: int) -> tuple[Tensor | None
     return vals[:, q], cols
 
 
-def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace) -> tuple[Tensor, int] | None:
+class _Plan(NamedTuple):
+    """How :func:`fast_row_topk` finds a tensor's candidates: per-row need q (+1 in r rows), q1 = q + 1,
+    and the block counts of the contiguous (``gather``) and strided (``blocks``) floors."""
+
+    q: int
+    r: int
+    q1: int
+    gather: int
+    blocks: int
+
+
+def _plan(m: int, n: int, k: int) -> _Plan | None:
+    """None where the plain per-row torch.topk is as fast (see ROW_MIN_NUMEL)."""
+    q, r = divmod(k, m)
+    if q == 0:
+        q, r = 1, 0
+    q1 = q + 1
+    if m * n < ROW_MIN_NUMEL or (m * n < 4 * ROW_MIN_NUMEL and q < 4):
+        return None
+    gather = max(GATHER_BLOCKS, 1 << math.ceil(math.log2(GATHER_RATIO * q1)))
+    blocks = max(32, 1 << math.ceil(math.log2(MASK_RATIO * (q + 2))))
+    return _Plan(q, r, q1, gather, blocks)
+
+
+def _gathers(plan: _Plan, n: int, rr: int) -> bool:
+    """Whether the candidates come from contiguous blocks (:func:`_by_blocks`)."""
+    return rr == 1 and n % plan.gather == 0 and n // plan.gather >= 32
+
+
+def compensated_candidates(g: Tensor, r: Tensor, out: Tensor, m: int, n: int, rr: int,
+                           k: int) -> Candidates | bool:
+    """Error feedback's compensation ``out = g + r`` (torch.add's bits) with the candidates
+    :func:`fast_row_topk` takes from :func:`_by_row_maxima`, in one C pass, each row compensated
+    just before it is read. False where that path would not run (nothing written); True where the
+    sum is written but the candidates are too many (fast_row_topk answers None again then)."""
+    plan = _plan(m, n, k)
+    if plan is None or rr != 1 or _gathers(plan, n, rr) or 2 * plan.blocks > n:
+        return False
+    got = _native.row_candidates(out.view(m, n), plan.q1, plan.blocks, TINY, min(1.0, 1.6 * plan.q1 / n),
+                                 limit=int(CANDIDATE_LIMIT * m * n), add=(g.reshape(m, n), r.reshape(m, n)))
+    if got is None:
+        return False
+    flat, mag, count, bad = got
+    return True if _too_many(count, m * n) else Candidates(flat, mag, flat // n, bad)
+
+
+def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace,
+                  known: Candidates | None = None) -> tuple[Tensor, int] | None:
     """The flat indices :func:`row_topk` selects on |tensor| (same set), ascending (what the
     all-gather's one-pass sparse mean takes), and how many rows fell back to its torch.topk; None
     where the plain per-row torch.topk is as fast.
@@ -193,19 +240,18 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
 
     Cost at 2^24 elements: one |x| pass (none for small q), one block-max pass, one compare pass
     (none for small q) and work on ~1.2-1.6 k candidates, against torch.topk's ~9 ns per element.
+    ``known``: what :func:`compensated_candidates` found for ``tensor`` (unchanged since).
     """
-    q, r = divmod(k, m)
-    if q == 0:
-        q, r = 1, 0
-    q1 = q + 1
-    if m * n < ROW_MIN_NUMEL or (m * n < 4 * ROW_MIN_NUMEL and q < 4):
+    plan = _plan(m, n, k)
+    if plan is None:
         return None
-    gather = max(GATHER_BLOCKS, 1 << math.ceil(math.log2(GATHER_RATIO * q1)))
-    blocks = max(32, 1 << math.ceil(math.log2(MASK_RATIO * (q + 2))))
-    if rr == 1 and n % gather == 0 and n // gather >= 32:
-        c = _by_blocks(tensor.reshape(m, n), m, n, q1, gather)
-    elif 2 * blocks <= n:
-        c = _by_mask(tensor, m, n, rr, q1, blocks, ws)
+    q, r, q1 = plan.q, plan.r, plan.q1
+    if known is not None:
+        c: Candidates | None = known
+    elif _gathers(plan, n, rr):
+        c = _by_blocks(tensor.reshape(m, n), m, n, q1, plan.gather)
+    elif 2 * plan.blocks <= n:
+        c = _by_mask(tensor, m, n, rr, q1, plan.blocks, ws)
     else:
         return None
     if c is None:

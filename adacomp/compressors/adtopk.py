@@ -46,8 +46,10 @@ import torch
 from torch import Tensor
 
 from adacomp import devices
+from adacomp.compressors import _native
 from adacomp.compressors.base import Payload, register
-from adacomp.compressors._rowtopk import fast_eligible, fast_row_topk, matrix_shape, row_topk
+from adacomp.compressors._rowtopk import (Candidates, compensated_candidates, fast_eligible, fast_row_topk,
+                                          matrix_shape, row_topk)
 from adacomp.compressors.sparse import SparseCompressor, SparseCtx, k_for, nonzero_1d
 from adacomp.compressors.topk import topk_indices
 
@@ -87,15 +89,35 @@ class ADTopkCompressor(SparseCompressor):
         numel = int(torch.Size(shape).numel())
         return round(self.effective_density(shape) * numel) * (itemsize + 8)
 
-    def adtopk_indices(self, tensor: Tensor) -> Tensor:
-        """Flat indices chosen by all-dimension Top-k."""
+    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+        """``out = g + r`` (error feedback's compensation, torch.add's bits) with the fast rows'
+        candidates from the same pass, each row compensated just before its block maxima and compare
+        read it (:func:`compensated_candidates`), kept for :meth:`adtopk_indices` of ``out``. False
+        (nothing written) where that path would not run: the caller adds. Only where every call
+        selects all-dimension (the -i / -t variants may take plain Top-k instead)."""
+        if type(self).indices is not ADTopkCompressor.indices or not (self.fast_cpu and fast_eligible(out)):
+            return False
+        m, n, rr = matrix_shape(out.shape, self.split)
+        k = k_for(out.numel(), self._density)
+        if m == 1 or k >= out.numel() or not (_native.usable(g) and _native.usable(r) and _native.usable(out)):
+            return False
+        got = compensated_candidates(g, r, out, m, n, rr, k)
+        if isinstance(got, Candidates):
+            self._kept().keep(name, out.reshape(-1), got)
+        return got is not False
+
+    def adtopk_indices(self, tensor: Tensor, name: str | None = None) -> Tensor:
+        """Flat indices chosen by all-dimension Top-k (``name``: the tensor's, for what its
+        compensation's pass found)."""
         numel = tensor.numel()
         m, n, rr = matrix_shape(tensor.shape, self.split)
         k = k_for(numel, self._density)
+        known = self._kept().take(name, tensor.reshape(-1)) if name is not None else None
         if m == 1:
             return self.topk(tensor, k)
         if self.fast_cpu and fast_eligible(tensor) and k < numel:
-            got = fast_row_topk(tensor, m, n, rr, k, self._workspace())
+            got = fast_row_topk(tensor, m, n, rr, k, self._workspace(),
+                                known if isinstance(known, Candidates) else None)
             if got is not None:
                 return got[0]
         if rr == 1:
@@ -112,7 +134,7 @@ class ADTopkCompressor(SparseCompressor):
         return topk_indices(tensor.reshape(-1), k, self._workspace() if fast else None)
 
     def indices(self, tensor: Tensor, name: str) -> Tensor:
-        return self.adtopk_indices(tensor)
+        return self.adtopk_indices(tensor, name)
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         return self.indices(flat, name)
