@@ -164,6 +164,16 @@ def test_largest_k_with_one_host_wait_is_the_canonical_set(monkeypatch: pytest.M
             assert torch.equal(largest_k(idx, mags, k), ref), (trial, k)
 
 
+def _config(method: str) -> dict:
+    """The zoo's config of ``method``; Chunk-Top-k (SparseLoCo's compressor, not a zoo arm) on the
+    zoo's allgather_fast with residual memory."""
+    from adacomp.bench.zoo import arm_config
+    if method == "chunktopk":
+        base = arm_config("topk")[0]
+        return {**base, "compressor": {"name": "chunktopk", "density": 0.02, "chunk": 256, "bits": 2}, "layers": []}
+    return arm_config(method)[0]
+
+
 def _train_both_ways(method: str, front: str, switch: str) -> bool:
     """On each of 2 gloo ranks (different data): five steps with error feedback through ``front``,
     from one start, once each way: ``switch`` "emulate": the CPU path, then the accelerators' (batched
@@ -172,7 +182,6 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     import torch.distributed as dist
 
     import adacomp
-    from adacomp.bench.zoo import arm_config
     dist.init_process_group("gloo")
     adacomp.init()  # the optimizer's backend: the group that exists
     rank = dist.get_rank()
@@ -180,7 +189,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     def run() -> torch.Tensor:
         torch.manual_seed(0)  # tensors above and below the 2^16 compaction size
         net = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
-        train_through(front, net, {**arm_config(method)[0], "min_numel": 0}, rank, 32)
+        train_through(front, net, {**_config(method), "min_numel": 0}, rank, 32)
         return flat_params(net)
 
     import os
@@ -200,7 +209,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc"]])
+                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk"]])
 
 
 @pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])

@@ -1041,6 +1041,18 @@ def test_chunk_selection_with_and_without_the_avx2_compaction() -> None:
         switch.value = 0
     (pa, va), (pb, vb) = got
     assert torch.equal(pa, pb) and torch.equal(bits(va), bits(vb))
+    # with error feedback's compensation in the same pass: a = g + r written chunk by chunk, the same
+    # selection; a NaN stops the selection (torch answers) but the sum is still written whole
+    r = torch.randn(rows * chunk, generator=g)
+    out = torch.full_like(a, 7.0)
+    fused = _native.chunk_topk(out, rows, chunk, k, add=(a - r, r))
+    assert torch.equal(bits(out), bits((a - r) + r)) and fused is not None
+    assert torch.equal(fused[0], _native.chunk_topk(out.clone(), rows, chunk, k)[0])
+    nan = (a - r).clone()
+    nan[chunk * 30 + 1] = math.nan
+    out.fill_(7.0)
+    assert _native.chunk_topk(out, rows, chunk, k, add=(nan, r)) is None
+    assert torch.equal(bits(out), bits(nan + r))
     mags = a.view(rows, chunk).abs()
     for row in range(rows):
         want = largest_k_positions(mags[row], k)

@@ -165,12 +165,15 @@ def test_workspace_keeps_state_dict_unchanged() -> None:
         assert not any("workspace" in str(key) for key in c.state_dict())
 
 
-@pytest.mark.parametrize("shape,fuses", [((512, 700), True), ((64, 3, 30, 40), True), ((256, 4096), True), ((1 << 18,), False),
-                                         ((100, 90), False)])
-def test_adtopk_compensation_and_row_candidates_share_one_pass(shape: tuple[int, ...], fuses: bool) -> None:
-    """Residual memory lets ADTopk write ``g + r`` row by row inside its row-candidates pass
-    (``compensate_into``; the block-max floor path only): the compensated tensor, the payloads and
-    the residuals are bitwise those of the separate add and selection (also where it declines)."""
+@pytest.mark.parametrize("kind,shape,fuses", [
+    ("adtopk", (512, 700), True), ("adtopk", (64, 3, 30, 40), True), ("adtopk", (256, 4096), True),
+    ("adtopk", (1 << 18,), False), ("adtopk", (100, 90), False),
+    ("chunktopk", (300, 700), True), ("chunktopk", (5 * 4096,), True), ("chunktopk", (3000,), False)])
+def test_compensation_and_block_selection_share_one_pass(kind: str, shape: tuple[int, ...], fuses: bool) -> None:
+    """Residual memory lets ADTopk write ``g + r`` row by row inside its row-candidates pass (the
+    block-max floor path only), and Chunk-Top-k chunk by chunk inside its per-chunk selection
+    (``compensate_into``): the compensated tensor, the payloads and the residuals are bitwise those
+    of the separate add and selection (also where it declines, and with a partial last chunk)."""
     from adacomp import memories
     from adacomp.compressors import _native
     if _native.library() is None:
@@ -180,7 +183,7 @@ def test_adtopk_compensation_and_row_candidates_share_one_pass(shape: tuple[int,
     grads[2].view(-1)[6:40] = 1.5
     runs = []
     for fused in (True, False):
-        comp, mem = compressors.get("adtopk", density=0.01), memories.get("residual")
+        comp, mem = compressors.get(kind, density=0.01), memories.get("residual")
         if not fused:
             comp.compensate_into = lambda *a: False
         out = []

@@ -954,8 +954,8 @@ static int64_t chunk_at_least(const uint32_t* u, int64_t n, uint32_t lo, int64_t
    between k and cap = 4 k + 64 elements: then the k-th is found among those alone (every element
    at or above it passed), else over the whole chunk. keys: chunk + 2 cap uint32 of scratch.
    -1 on a NaN (torch answers). */
-int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys,
-                  int64_t* pos, float* vals) {
+static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys, int64_t* pos,
+                           float* vals, const float* g, const float* plus, int64_t* done) {
     const int64_t cap = 4 * k + 64;
     const int guessing = 2 * cap <= chunk;
     uint32_t* cmag = keys + chunk;
@@ -963,7 +963,10 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
     uint32_t lo = 0;
     float f = 0.875f;
     for (int64_t row = 0; row < rows; ++row) {
-        const float* x = a + row * chunk;
+        float* x = a + row * chunk;
+        if (g != NULL)  /* error feedback's compensation (one IEEE add), the chunk left in cache */
+            for (int64_t j = 0; j < chunk; ++j) x[j] = g[row * chunk + j] + plus[row * chunk + j];
+        *done = row + 1;
         const uint32_t* u = (const uint32_t*)x;
         int64_t* p = pos + row * k;
         float* o = vals + row * k;
@@ -973,7 +976,7 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
         if (c >= k && c <= cap) {
             uint32_t top = 0;
             for (int64_t t = 0; t < c; ++t) top = cmag[t] > top ? cmag[t] : top;
-            if (top > 0x7f800000u) return -1;
+            if (top > 0x7f800000u) return -1;  /* a NaN */
             for (int64_t t = 0; t < c; ++t) keys[t] = cmag[t];
             /* every candidate lies in [lo, top], so they share the bits above the highest bit where
                lo and top differ: the first radix digit starts there (the exponent digit would put
@@ -989,7 +992,7 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
                 ties -= eq;
             }
         } else {
-            if (radix_kth(u, 1, 0x7fffffffu, chunk, k, keys, &kth, &ties) != 0) return -1;
+            if (radix_kth(u, 1, 0x7fffffffu, chunk, k, keys, &kth, &ties) != 0) return -1;  /* a NaN */
             for (int64_t i = 0; i < chunk && w < k; ++i) {
                 const uint32_t v = u[i] & 0x7fffffffu;
                 if (v > kth || (v == kth && ties-- > 0)) { p[w] = i; o[w] = x[i]; ++w; }
@@ -1007,6 +1010,18 @@ int ac_chunk_topk(const float* a, int64_t rows, int64_t chunk, int64_t k, uint32
         }
     }
     return 0;
+}
+/* Per run of `chunk` elements (rows of them) of a: the k largest |x|, ascending positions, ties at the
+   k-th magnitude to the lowest positions (Chunk-Top-k). g not NULL: first a = g + plus, each chunk
+   just before it is read (the compensation's pass and the selection's in one); the sum is written
+   whole even where a NaN stops the selection (-1: torch's path answers). */
+int ac_chunk_topk(float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys, int64_t* pos, float* vals,
+                  const float* g, const float* plus) {
+    int64_t done = 0;
+    const int rc = chunk_topk_rows(a, rows, chunk, k, keys, pos, vals, g, plus, &done);
+    if (g != NULL)
+        for (int64_t i = done * chunk; i < rows * chunk; ++i) a[i] = g[i] + plus[i];
+    return rc;
 }
 /* ADTopk's per-row floor: out[i] = the r-th largest (1-based) of row i of the (rows, b) float32 matrix
    a, whose values are magnitudes (>= 0; a zero's sign is ignored), or NaN where the row holds a NaN:
@@ -2448,7 +2463,7 @@ def _load(out: Path) -> ctypes.CDLL:
         fc.restype = None
         fc.argtypes = [vp, vp, i64]
     lib_.ac_zero_at.argtypes = [vp, i64, vp, i64]
-    lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp]
+    lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp]
     lib_.ac_chunk_decode.restype = ctypes.c_int
     lib_.ac_chunk_quantize.restype = ctypes.c_int
     lib_.ac_chunk_quantize.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp]
@@ -2797,16 +2812,22 @@ def rth_largest_strided(a: Tensor, step: int, r: int, absolute: bool = False) ->
     return float(out.view(torch.float32).item())
 
 
-def chunk_topk(a: Tensor, rows: int, chunk: int, k: int) -> tuple[Tensor, Tensor] | None:
+def chunk_topk(a: Tensor, rows: int, chunk: int, k: int,
+               add: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor] | None:
     """Per run of ``chunk`` elements of contiguous float32 ``a`` (``rows`` runs): the positions
     (``rows x k`` int64, ascending in each row) and values of the k largest ``|a|``, ties at the
-    k-th magnitude to the lowest positions; None where torch's path must answer (a NaN)."""
+    k-th magnitude to the lowest positions; None where torch's path must answer (a NaN). ``add =
+    (g, plus)``: first ``a = g + plus`` (torch.add's bits; error feedback's compensation), each run
+    just before it is read, and written whole even where None is returned."""
     lib = library()
     assert lib is not None and usable(a) and a.numel() >= rows * chunk and 1 <= k <= chunk
+    if add is not None:
+        assert all(usable(t) and t.numel() >= rows * chunk and t.data_ptr() != a.data_ptr() for t in add)
     keys = _keys(chunk + 2 * (4 * k + 64))
     pos = torch.empty(rows, k, dtype=torch.int64)
     vals = torch.empty(rows, k, dtype=torch.float32)
-    if lib.ac_chunk_topk(a.data_ptr(), rows, chunk, k, keys.data_ptr(), pos.data_ptr(), vals.data_ptr()) != 0:
+    if lib.ac_chunk_topk(a.data_ptr(), rows, chunk, k, keys.data_ptr(), pos.data_ptr(), vals.data_ptr(),
+                         *((add[0].data_ptr(), add[1].data_ptr()) if add is not None else (None, None))) != 0:
         return None
     return pos, vals
 

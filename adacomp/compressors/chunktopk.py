@@ -239,9 +239,29 @@ class ChunkTopkCompressor(Compressor):
         return packed_bytes(k, self.bits) + 4 * ctx.chunks + 2 * k
 
     # ------------------------------------------------------------------ compress
+    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+        """``out = g + r`` (error feedback's compensation, torch.add's bits) with every full chunk's
+        selection in the same C pass, each chunk compensated just before it is read, kept for
+        :meth:`compress` of ``out`` (the partial chunk gets the plain add). False (nothing written)
+        where that pass cannot run: the caller adds."""
+        flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
+        ctx = self.layout(out.shape, out.dtype, out.device)
+        if (not ctx.full or not (_native.usable(flat) and _native.usable(gf) and _native.usable(rf))
+                or not gf.numel() == rf.numel() == ctx.numel or flat.data_ptr() in (gf.data_ptr(), rf.data_ptr())):
+            return False
+        body = ctx.full * ctx.chunk
+        if ctx.tail:  # first: a torch write bumps the version the kept selection is checked against
+            if not _native.add_into(gf[body:], rf[body:], flat[body:]):
+                torch.add(gf[body:], rf[body:], out=flat[body:])
+        got = _native.chunk_topk(flat[:body], ctx.full, ctx.chunk, ctx.k_row, add=(gf[:body], rf[:body]))
+        if got is not None:  # None: a NaN (the sum is written; torch's path selects)
+            self._kept().keep(name, flat, got)
+        return True
+
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         ctx = self.layout(tensor.shape, tensor.dtype, tensor.device)
         flat = tensor.reshape(-1)
+        kept = self._kept().take(name, flat)  # the full chunks' selection from the compensation's pass
         idx_parts: list[Tensor] = []
         val_parts: list[Tensor] = []
         runs = []
@@ -249,8 +269,8 @@ class ChunkTopkCompressor(Compressor):
             runs.append((flat[:ctx.full * ctx.chunk].view(ctx.full, ctx.chunk), ctx.k_row))
         if ctx.tail:
             runs.append((flat[ctx.full * ctx.chunk:].view(1, -1), ctx.k_tail))
-        for body, k in runs:
-            idx, vals = chunk_select(body, k)
+        for i, (body, k) in enumerate(runs):
+            idx, vals = kept if i == 0 and ctx.full and isinstance(kept, tuple) else chunk_select(body, k)
             idx_parts.append(idx)
             val_parts.append(vals)
         local = (torch.cat([i.reshape(-1) for i in idx_parts]) if idx_parts
