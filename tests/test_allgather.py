@@ -122,15 +122,16 @@ def test_pack_unpack_roundtrip_keeps_dtypes_and_alignment():
 def test_aggregate_gathered_in_one_c_call_is_bitwise_the_per_entry_path(world: int, monkeypatch) -> None:
     """A bucket's sparse means and EF-SignSGD means, each from one C call over the gathered bytes (and
     its payloads packed by one C copy), equal bit for bit the per-entry paths: Top-k entries of
-    several sizes, one whose positions a rank sent descending (refused by C, averaged by torch), a
-    QSGD entry (decompressed), EF-SignSGD entries (one of 1000 elements: a partial sign byte), a rank
+    several sizes, one whose positions a rank sent descending (refused by C, averaged by torch), QSGD
+    entries, EF-SignSGD entries (one of 1000 elements: a partial sign byte), a rank
     that sent nothing, and ranks whose layouts differ (the variable-size allgather)."""
     from adacomp.communicators import allgather as ag
     from adacomp.communicators.base import Entry
     from adacomp.compressors.workspace import Workspace
     topk, qsgd, signs = compressors.get("topk", density=0.05), compressors.get("qsgd"), compressors.get("efsignsgd")
-    shapes = [(40, 30), (5000,), (300,), (1 << 18,), (1000,), (64, 64)]
-    which = [topk, topk, qsgd, topk, signs, signs]
+    qsgd2 = compressors.get("qsgd", bits=4, bucket_size=100)
+    shapes = [(40, 30), (5000,), (300,), (1 << 18,), (1000,), (64, 64), (1037,)]
+    which = [topk, topk, qsgd, topk, signs, signs, qsgd2]
     ranks = []
     for r in range(world):
         xs = [torch.randn(*sh, generator=gen(10 * r + i)) * (0 if (r, i) == (world - 1, 2) else 1)
@@ -151,13 +152,15 @@ def test_aggregate_gathered_in_one_c_call_is_bitwise_the_per_entry_path(world: i
     gathered = torch.cat(bufs)
     starts = [sum(b.numel() for b in bufs[:r]) for r in range(world)]
     calls: list = []
-    real, real_signs = ag._native.sparse_means_packed, ag._native.sign_means_packed
+    real, real_signs, real_q = ag._native.sparse_means_packed, ag._native.sign_means_packed, ag._native.qsgd_means_packed
     monkeypatch.setattr(ag._native, "sparse_means_packed", lambda *a: calls.append(real(*a)) or calls[-1])
     monkeypatch.setattr(ag._native, "sign_means_packed", lambda *a: calls.append(real_signs(*a)) or calls[-1])
+    monkeypatch.setattr(ag._native, "qsgd_means_packed", lambda *a: calls.append(("q", real_q(*a))) or calls[-1][1])
     got = ag.aggregate_gathered(ranks[0], counts, gathered, segs, starts, Workspace())
     # one call for the three Top-k entries (C refused the descending one), one for the two EF-SignSGD
-    # entries (averaged one entry at a time in a world of one, as mean_into is)
-    assert calls == [[True, False, True]] + ([True] if world > 1 else [])
+    # entries, one for the two QSGD ones (one bucket, and buckets of 100 with a partial
+    # last one; a rank that sent zeros); a world of one averages one entry at a time, as mean_into does
+    assert calls == [[True, False, True]] + ([("q", True), True] if world > 1 else [])
     want = ag.aggregate_gathered(ranks[0], counts, gathered, segs, starts, None)  # no workspace: torch per entry
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))

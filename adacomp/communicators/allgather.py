@@ -166,25 +166,44 @@ def _offsets(first: list[int], q: int, segs: list[list[Segment]], starts: list[i
     return [starts[r] + segs[r][j + q].offset for j in first for r in range(len(segs))]
 
 
-def _sparse_means(gathered: Tensor, outs: list[Tensor], first: list[int], segs: list[list[Segment]],
-                  starts: list[int]) -> list[bool]:
+def _qsgd_batch(e: Entry, segs: list[list[Segment]], j: int) -> bool:
+    """Whether one C call may average entry ``e`` as QSGD's bucket norms + packed codes."""
+    c = e.ctx
+    if not (len(segs) >= 2 and e.compressor.packed_mean() == "qsgd" and e.tensor.dtype == torch.float32
+            and getattr(c, "dtype", None) == torch.float32 and getattr(c, "numel", None) == e.tensor.numel()):
+        return False
+    nb = -(-c.numel // c.bucket_size)
+    return all(s[j].dtype == torch.float32 and s[j].numel == nb and s[j + 1].dtype == torch.uint8
+               and s[j + 1].numel * 8 >= c.numel * c.bits for s in segs)
+
+
+def _sparse_means(gathered: Tensor, outs: list[Tensor], entries: list[Entry], first: list[int],
+                  segs: list[list[Segment]], starts: list[int]) -> list[bool]:
     numels = [segs[r][j].numel for j in first for r in range(len(segs))]
     done = _native.sparse_means_packed(gathered, outs, _offsets(first, 1, segs, starts),
                                        _offsets(first, 0, segs, starts), numels, len(segs))
     return done if done is not None else [False] * len(outs)
 
 
-def _sign_means(gathered: Tensor, outs: list[Tensor], first: list[int], segs: list[list[Segment]],
-                starts: list[int]) -> list[bool]:
+def _sign_means(gathered: Tensor, outs: list[Tensor], entries: list[Entry], first: list[int],
+                segs: list[list[Segment]], starts: list[int]) -> list[bool]:
     done = _native.sign_means_packed(gathered, outs, _offsets(first, 0, segs, starts), _offsets(first, 1, segs, starts))
+    return [done] * len(outs)
+
+
+def _qsgd_means(gathered: Tensor, outs: list[Tensor], entries: list[Entry], first: list[int],
+                segs: list[list[Segment]], starts: list[int]) -> list[bool]:
+    ctxs = [e.ctx for e in entries]
+    done = _native.qsgd_means_packed(gathered, outs, _offsets(first, 0, segs, starts), _offsets(first, 1, segs, starts),
+                                     [c.bucket_size for c in ctxs], [c.bits for c in ctxs], [c.s for c in ctxs])
     return [done] * len(outs)
 
 
 # payload layouts one C call averages for a whole bucket: (which entries it takes, the call)
 _PACKED_MEANS: dict[str, tuple[Callable[[Entry, list[list[Segment]], int], bool],
-                               Callable[[Tensor, list[Tensor], list[int], list[list[Segment]], list[int]],
+                               Callable[[Tensor, list[Tensor], list[Entry], list[int], list[list[Segment]], list[int]],
                                         list[bool]]]] = {
-    "sparse": (_sparse_batch, _sparse_means), "signs": (_signs_batch, _sign_means)}
+    "sparse": (_sparse_batch, _sparse_means), "signs": (_signs_batch, _sign_means), "qsgd": (_qsgd_batch, _qsgd_means)}
 
 
 def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor, segs: list[list[Segment]],
@@ -192,7 +211,7 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
     """Every entry's mean over the ranks, from the payloads where they lie in the gathered bytes:
     rank r's buffer starts at byte ``starts[r]`` in ``segs[r]``'s layout, entry i owning ``counts[i]``
     segments. Entries of a layout in :data:`_PACKED_MEANS` (canonical sparse payloads: float32 values
-    and as many int64 positions; EF-SignSGD's scale and signs) on the CPU are averaged by one C call
+    and as many int64 positions; EF-SignSGD's scale and signs; QSGD's bucket norms and codes) on the CPU are averaged by one C call
     per layout for the whole bucket, reading the bytes in place (no views per tensor and rank: those
     and the per-entry calls cost ~20-35 us a tensor, more than the C work on ResNet-50's small
     tensors); the rest, and any the C pass refuses, from views of the bytes: sparse ones by
@@ -211,7 +230,7 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
         assert ws is not None
         outs = [ws.output(torch.Size([entries[i].tensor.numel()]), entries[i].tensor.numel(), torch.float32,
                           entries[i].tensor.device) for i, _ in items]
-        done = _PACKED_MEANS[kind][1](gathered, outs, [j for _, j in items], segs, starts)
+        done = _PACKED_MEANS[kind][1](gathered, outs, [entries[i] for i, _ in items], [j for _, j in items], segs, starts)
         for (i, _), o, ok in zip(items, outs, done):
             if ok:
                 out[i] = o.view(entries[i].tensor.shape)

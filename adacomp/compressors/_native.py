@@ -2260,6 +2260,32 @@ void ac_sign_mean_many(int64_t m, float* const* outs, const int64_t* ns, int wor
         ac_table_mean(pk, tb, world, ns[i], 1, ns[i], outs[i]);
     }
 }
+/* QSGD's mean_into for m outputs in one call, the payloads read where they lie in the gathered bytes:
+   output i (ns[i] elements in buckets of sizes[i], bits[i]-bit codes, s[i] levels) takes, for every
+   rank r, the float32 bucket norms at byte norm_off[i * world + r] and the packed codes at
+   code_off[...]; each rank's table holds (norm / s) * (code - s) per bucket and code, float32 as
+   torch's tensor / int and * levels form them, and ac_table_mean decodes and averages. tables:
+   scratch of world * buckets << bits floats for the largest entry. */
+void ac_qsgd_mean_many(int64_t m, float* const* outs, const int64_t* ns, const int64_t* sizes, const int32_t* bits,
+                       const int32_t* s, int world, const uint8_t* base, const int64_t* norm_off,
+                       const int64_t* code_off, uint64_t* pk, uint64_t* tb, float* tables) {
+    for (int64_t i = 0; i < m; ++i) {
+        const int64_t nb = (ns[i] + sizes[i] - 1) / sizes[i], nc = (int64_t)1 << bits[i];
+        const float fs = (float)s[i];
+        for (int r = 0; r < world; ++r) {
+            float* t = tables + (int64_t)r * nb * nc;
+            for (int64_t b = 0; b < nb; ++b) {
+                float norm;
+                __builtin_memcpy(&norm, base + norm_off[i * world + r] + 4 * b, sizeof norm);
+                const float unit = norm / fs;
+                for (int64_t c = 0; c < nc; ++c) t[b * nc + c] = unit * (float)(c - s[i]);
+            }
+            pk[r] = (uint64_t)(uintptr_t)(base + code_off[i * world + r]);
+            tb[r] = (uint64_t)(uintptr_t)t;
+        }
+        ac_table_mean(pk, tb, world, ns[i], bits[i], sizes[i], outs[i]);
+    }
+}
 /* torch's CPU generator (the Mersenne Twister MT19937 of CPUGeneratorImpl) worked on the bytes of
    its get_state(): int64 seed @0, int32 left @8, int32 seeded @12, uint64 next @16, uint64
    state[624] @24 (32-bit words). A float32 uniform_ on [0, 1) takes one tempered 32-bit output per
@@ -2445,6 +2471,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float]
     lib_.ac_sparse_mean_many.restype = None
     lib_.ac_sparse_mean_many.argtypes = [i64, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, vp]
+    lib_.ac_qsgd_mean_many.restype = None
+    lib_.ac_qsgd_mean_many.argtypes = [i64, vp, vp, vp, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp]
     lib_.ac_sign_mean_many.restype = None
     lib_.ac_sign_mean_many.argtypes = [i64, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp]
     lib_.ac_copy_many.restype = None
@@ -2990,6 +3018,34 @@ def sign_means_packed(buf: Tensor, outs: list[Tensor], scale_off: list[int], bit
                           (ctypes.c_int64 * m)(*[o.numel() for o in outs]), world, buf.data_ptr(),
                           (ctypes.c_int64 * len(scale_off))(*scale_off), (ctypes.c_int64 * len(bits_off))(*bits_off),
                           (ctypes.c_uint64 * world)(), (ctypes.c_uint64 * world)(), (ctypes.c_float * (2 * world))())
+    return True
+
+
+def qsgd_means_packed(buf: Tensor, outs: list[Tensor], norm_off: list[int], code_off: list[int], sizes: list[int],
+                      bits: list[int], levels: list[int]) -> bool:
+    """QSGD's :meth:`mean_into` of many outputs in one C call, the payloads read where they lie in
+    the gathered bytes ``buf``: output i (buckets of ``sizes[i]`` elements, ``bits[i]``-bit codes,
+    ``levels[i]`` = s) takes, for every rank r (``world = len(norm_off) // len(outs)``, at least 2),
+    the float32 bucket norms at byte ``norm_off[i * world + r]`` and the packed codes at
+    ``code_off[...]``. False (nothing written) where it cannot run."""
+    lib = library()
+    m = len(outs)
+    if (lib is None or not m or len(norm_off) % m or len(code_off) != len(norm_off) or buf.dtype != torch.uint8
+            or buf.device.type != "cpu" or not buf.is_contiguous() or not all(usable(o) for o in outs)
+            or not len(sizes) == len(bits) == len(levels) == m or any(b not in PACK_BITS for b in bits)):
+        return False
+    world, size = len(norm_off) // m, buf.numel()
+    nbs = [-(-o.numel() // z) for o, z in zip(outs, sizes)]
+    if world < 2 or any(not 0 <= off[i * world + r] <= size - need
+                        for i, o in enumerate(outs) for r in range(world)
+                        for off, need in ((norm_off, 4 * nbs[i]), (code_off, -(-o.numel() * bits[i] // 8)))):
+        return False
+    scratch = torch.empty(world * max(nb << b for nb, b in zip(nbs, bits)), dtype=torch.float32)
+    lib.ac_qsgd_mean_many(m, (ctypes.c_void_p * m)(*[o.data_ptr() for o in outs]),
+                          (ctypes.c_int64 * m)(*[o.numel() for o in outs]), (ctypes.c_int64 * m)(*sizes),
+                          (ctypes.c_int32 * m)(*bits), (ctypes.c_int32 * m)(*levels), world, buf.data_ptr(),
+                          (ctypes.c_int64 * len(norm_off))(*norm_off), (ctypes.c_int64 * len(code_off))(*code_off),
+                          (ctypes.c_uint64 * world)(), (ctypes.c_uint64 * world)(), scratch.data_ptr())
     return True
 
 

@@ -189,6 +189,9 @@ class QSGDCompressor(Compressor):
         # -level where v < 0 (copysign maps v = -0.0 to level -0.0: the same code s)
         codes.copy_(a[:m].copysign_(x).add_(self.s))
 
+    def packed_mean(self) -> str | None:
+        return "qsgd" if type(self).decompress is QSGDCompressor.decompress else None  # a subclass decodes its own way
+
     def mean_into(self, payloads: list[Payload], ctx: Any, out: Tensor) -> bool:
         """Every rank's ``(code - s) * (norm / s)`` summed in rank order and divided by the world
         size in one C pass over ``out`` (bitwise :meth:`decompress` of each, ``d0 + d1``, ``+= d_r``,
