@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -174,23 +176,29 @@ def test_compensation_and_block_selection_share_one_pass(kind: str, shape: tuple
     block-max floor path only), and Chunk-Top-k chunk by chunk inside its per-chunk selection
     (``compensate_into``): the compensated tensor, the payloads and the residuals are bitwise those
     of the separate add and selection (also where it declines, and with a partial last chunk)."""
-    from adacomp import memories
     from adacomp.compressors import _native
     if _native.library() is None:
         pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
     grads = [torch.randn(shape, generator=gen(60 + i)) for i in range(4)]
     grads[2].view(-1)[5] = 0.0  # exact zeros and ties in one row
     grads[2].view(-1)[6:40] = 1.5
+    _fused_and_separate_agree(lambda: compressors.get(kind, density=0.01), grads, fuses)
+
+
+def _fused_and_separate_agree(make: Any, grads: list[torch.Tensor], fuses: bool) -> None:
+    """Residual memory through ``make()``'s compressor with its fused compensation (``compensate_into``)
+    and with the plain add: the compensated tensors, the payloads and the last residual are bitwise
+    equal, and what the fused pass found (where it ran: ``fuses``) the selection took."""
+    from adacomp import memories
     runs = []
     for fused in (True, False):
-        comp, mem = compressors.get(kind, density=0.01), memories.get("residual")
+        comp, mem = make(), memories.get("residual")
         if not fused:
-            comp.compensate_into = lambda *a: False
+            comp.compensate_into = lambda *a: False  # the plain add, then the selection's own read
         out = []
         for step, g in enumerate(grads):
             t = mem.compensate(g.clone(), "w", 2, compressor=comp)
-            if fused and step > 0:
-                assert ("w" in comp._kept()) == fuses
+            assert ("w" in comp._kept()) == (fused and fuses and step > 0)  # step 0: no residual
             payload, ctx = comp.compress(t, "w")
             assert "w" not in comp._kept()  # taken by the selection
             out.append((t.clone(), [p.clone() for p in payload]))
@@ -288,24 +296,7 @@ def test_topk_compensation_and_prefilter_share_one_pass() -> None:
         pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
     shape = (512, 700)
     g0, g1 = torch.randn(shape, generator=gen(20)), torch.randn(shape, generator=gen(21))
-    runs = []
-    for fused in (True, False):
-        comp = compressors.get("topk", density=0.01)
-        if not fused:
-            comp.compensate_into = lambda *a: False  # the plain add, then the selection's own read
-        mem = memories.get("residual")
-        out = []
-        for step, g in enumerate((g0, g1, g0 * 3)):
-            t = mem.compensate(g.clone(), "w", compressor=comp)
-            assert ("w" in comp._kept()) == (fused and step > 0)  # step 0: no residual
-            payload, ctx = comp.compress(t, "w")
-            out.append((t.clone(), [p.clone() for p in payload]))
-            mem.update(t, "w", comp, payload, ctx)
-        out.append(mem.residuals["w"].clone())
-        runs.append(out)
-    for a, b in zip(runs[0][:-1], runs[1][:-1]):
-        assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-    assert torch.equal(runs[0][-1], runs[1][-1])
+    _fused_and_separate_agree(lambda: compressors.get("topk", density=0.01), [g0, g1, g0 * 3], True)
     comp, mem = compressors.get("topk", density=0.01), memories.get("residual")
     t = mem.compensate(g0.clone(), "w", compressor=comp)
     payload, ctx = comp.compress(t, "w")
