@@ -209,7 +209,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk"]])
+                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd"]])
 
 
 @pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])

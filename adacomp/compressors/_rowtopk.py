@@ -111,12 +111,16 @@ def _by_blocks(x: Tensor, m: int, n: int, q1: int, blocks: int) -> Candidates | 
                       hit[:, 0].index_select(0, at // bs), bad)
 
 
-def _by_row_maxima(x: Tensor, q1: int, blocks: int) -> Candidates | None | Literal[False]:
+def _by_row_maxima(x: Tensor, q1: int, blocks: int,
+                   add: tuple[Tensor, Tensor] | None = None) -> Candidates | None | Literal[False]:
     """Contiguous rows of float32 on CPU in one C read of ``x`` and no |x| written: per row, while it
     is in cache, the strided blocks' maxima of |x|, their q1-th largest as the floor (:func:`_floor`'s
-    value), and the compare of |x| with it. False where C cannot run (the torch path answers)."""
+    value), and the compare of |x| with it. False where C cannot run (the torch path answers;
+    nothing written). ``add = (g, r)``: each row of ``x = g + r`` written first (see
+    :func:`_native.row_candidates`)."""
     m, n = x.shape
-    got = _native.row_candidates(x, q1, blocks, TINY, min(1.0, 1.6 * q1 / n), limit=int(CANDIDATE_LIMIT * m * n))
+    got = _native.row_candidates(x, q1, blocks, TINY, min(1.0, 1.6 * q1 / n), limit=int(CANDIDATE_LIMIT * m * n),
+                                 add=add)
     if got is None:
         return False
     flat, mag, count, bad = got
@@ -215,12 +219,8 @@ def compensated_candidates(g: Tensor, r: Tensor, out: Tensor, m: int, n: int, rr
     plan = _plan(m, n, k)
     if plan is None or rr != 1 or _gathers(plan, n, rr) or 2 * plan.blocks > n:
         return False
-    got = _native.row_candidates(out.view(m, n), plan.q1, plan.blocks, TINY, min(1.0, 1.6 * plan.q1 / n),
-                                 limit=int(CANDIDATE_LIMIT * m * n), add=(g.reshape(m, n), r.reshape(m, n)))
-    if got is None:
-        return False
-    flat, mag, count, bad = got
-    return True if _too_many(count, m * n) else Candidates(flat, mag, flat // n, bad)
+    c = _by_row_maxima(out.view(m, n), plan.q1, plan.blocks, add=(g.reshape(m, n), r.reshape(m, n)))
+    return True if c is None else c
 
 
 def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace,
