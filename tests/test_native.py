@@ -404,6 +404,13 @@ def test_workspace_transfer_buffers_follow_the_size_and_are_never_shared() -> No
     assert d.data_ptr() != base and len(ws._outputs[("transfer", "recv", torch.uint8)]) == 2
     assert ws.transfer("send", n, torch.uint8, cpu).data_ptr() != d.data_ptr()  # tags keep apart
     assert ws.transfer("recv", 100, torch.uint8, cpu).numel() == 100  # small: the heap, not the pool
+    # the pool's first buffer held, a later one free and too small: that one is replaced (found by
+    # identity: comparing the buffers' contents raised once the sizes differed)
+    e = ws.transfer("recv", 4 * n, torch.uint8, cpu)  # d still held: a second buffer beside it
+    del e
+    f = ws.transfer("recv", 8 * n, torch.uint8, cpu)
+    pool = ws._outputs[("transfer", "recv", torch.uint8)]
+    assert len(pool) == 2 and any(b.data_ptr() == d.data_ptr() for b in pool) and f.numel() == 8 * n
 
 
 def test_portable_c_paths_equal_the_sse_paths(tmp_path) -> None:

@@ -91,8 +91,8 @@ class Workspace:
             return min(fits_, key=Tensor.numel)[:numel]
         buf = torch.empty(numel + numel // 8, dtype=dtype, device=device)
         if _storage_users(buf) is not None:
-            if free:
-                pool.remove(free[0])  # too small for what comes now
+            if free:  # too small for what comes now; by identity (list.remove would compare tensors)
+                pool[:] = [b for b in pool if b is not free[0]]
             elif len(pool) >= self.POOL_MAX:
                 pool.pop(0)
             pool.append(buf)
