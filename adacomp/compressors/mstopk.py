@@ -37,6 +37,9 @@ class MSTopkCompressor(SparseCompressor):
     fixed_size = False
     compensate_into = compensate_with_stats  # |g|'s statistics read while error feedback writes g
     search_strict = False  # its counts are of |g| >= thr
+    # the closest count to k ends the search next to k: candidates at 1.5 k hold it with a margin for
+    # the sampled floor's noise (3 k cost GPT-2-small's step ~8 % more: a wider compaction, longer counts)
+    search_factor = 1.5
 
     def __init__(self, density: float = 0.01, rounds: int = 25):
         super().__init__(density)
@@ -103,8 +106,9 @@ class MSTopkCompressor(SparseCompressor):
             lo, hi = float(lo_t), float(hi_t)
         if hi == lo:  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
             return torch.arange(k, device=flat.device)
-        counter = (m.search_counter(self.search_strict, self._density, self._workspace()) if m is not None
-                   else ThresholdCounter.for_search(mag, False, self._density, self._workspace()))
+        counter = (m.search_counter(self.search_strict, self._density, self._workspace(), self.search_factor)
+                   if m is not None else
+                   ThresholdCounter.for_search(mag, False, self._density, self._workspace(), self.search_factor))
         return counter.select(self.threshold(mag, k, counter, hi, mean), self._density)
 
     def __repr__(self) -> str:

@@ -98,7 +98,7 @@ class RedSyncCompressor(SparseCompressor):
             return torch.arange(flat.numel(), device=flat.device)
         # |g|'s max and mean in one read; the counts then read g itself (|g| is not written) where C serves
         mag = Magnitudes(flat, self._workspace(), write=False, known=self._kept().take(name, flat))
-        counter = mag.search_counter(self.search_strict, self._density, self._workspace())
+        counter = mag.search_counter(self.search_strict, self._density, self._workspace(), self.search_factor)
         a = mag.a if mag.a is not None else flat  # (threshold reads only the counter, max and mean given)
         idx = counter.select(self.threshold(a, k, counter, mag.max(), mag.mean()), self._density)
         return idx if idx.numel() else mag.argmax()

@@ -262,18 +262,19 @@ class Magnitudes:
         self._stats = _native.abs_stats(flat, a) if fast and _native.usable(a) else None
         self.a = a if self._stats is not None else workspace.magnitudes(flat)
 
-    def search_counter(self, strict: bool, density: float, workspace: Workspace) -> "ThresholdCounter":
+    def search_counter(self, strict: bool, density: float, workspace: Workspace,
+                       factor: float = SEARCH_FACTOR) -> "ThresholdCounter":
         """:meth:`ThresholdCounter.for_search` on the magnitudes: on ``a``, or on ``flat`` with
         absolute answers where ``a`` was not written."""
         if self.a is None:
             k = self._known
             if (k is not None and k.cands is not None and k.strict == strict
-                    and k.expected == search_share(density)):  # for_search's compaction, done
+                    and k.expected == search_share(density, factor)):  # for_search's compaction, done
                 counter = ThresholdCounter(self.flat, strict, workspace, absolute=True)
                 counter.adopt(k.floor, *k.cands)
                 return counter
-            return ThresholdCounter.for_search(self.flat, strict, density, workspace, absolute=True)
-        return ThresholdCounter.for_search(self.a, strict, density, workspace)
+            return ThresholdCounter.for_search(self.flat, strict, density, workspace, factor, absolute=True)
+        return ThresholdCounter.for_search(self.a, strict, density, workspace, factor)
 
     def written(self) -> Tensor:
         """``a``, which the default ``write=True`` always holds."""
@@ -365,7 +366,7 @@ def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: st
     written) where the C pass cannot run: the caller adds."""
     flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
     density = comp.density() or 1.0
-    expected = search_share(density)
+    expected = search_share(density, comp.search_factor)
     floor = math.nan
     if compact and flat.numel() >= SEARCH_COMPACT_MIN and _native.usable(gf) and _native.usable(rf):
         floor = sampled_value(sample_lines(gf, plus=rf), expected, absolute=True)
@@ -615,6 +616,11 @@ class SparseCompressor(Compressor):
     (:meth:`ThresholdCounter.prefetch`) unless ``ADACOMP_BATCHED_COUNTS`` says otherwise. Measured on
     an H100 (docs/results/cuda.md, fourth lease): it pays for MSTop-k's long bisections and loses
     for RedSync's and Gaussian-k's short searches, whose waits cost less than the batch's launches."""
+    search_factor: ClassVar[float] = SEARCH_FACTOR
+    """A threshold search's candidate floor aims at this multiple of the density
+    (:func:`search_share`). The counts are exact whatever it is; a threshold below the floor is
+    counted over the whole tensor, so a search that may end far above k (RedSync's [k, 2k)) keeps
+    the default and one that ends next to k (MSTop-k's closest count) takes less."""
 
     def __init__(self, density: float = 0.01):
         self._density = check_density(density)
