@@ -70,6 +70,68 @@ def test_select_and_count_equal_torch(n: int, mode: str, op, avx2_switch: str) -
         assert _native.count(a, thr, mode) == int(ref.sum())
 
 
+def _blocky(seed: int) -> torch.Tensor:
+    """Signed values whose 64-element blocks pass |x| >= 1 at every count from 0 to 64 (and a NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for passing in [*range(65), 1, 0, 2, 3, 64, 0]:
+        b = (torch.rand(64, generator=g) * 0.9)
+        b[torch.randperm(64, generator=g)[:passing]] += 1.5
+        blocks.append(b * torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0))
+    x = torch.cat(blocks + [torch.rand(37, generator=g) * 2])  # a tail the block loop leaves
+    x[200] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("kernel", ["select_abs_ge", "select_abs_not_lt", "select_gt", "add_select", "add_stats",
+                                    "sumsq", "momentum"])
+def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx2_switch: str) -> None:
+    """The C compactions (their first two per 64-block written without a branch) return the full
+    count and write exactly the first ``cap`` passing positions and values, whatever ``cap``."""
+    import ctypes
+    lib = _native.library()
+    x = _blocky(len(kernel))
+    n = x.numel()
+    r = _blocky(99) * 0.25
+    t = 1.0
+    xf, rf = x.nan_to_num(), r.nan_to_num()  # the statistics and moments passes stop at a NaN
+    zero, out1, out2 = torch.zeros(n), torch.empty(n), torch.empty(n)
+    stats, amax = torch.empty(3), torch.empty(1, dtype=torch.int64)
+    sumsq, used = torch.empty(1, dtype=torch.float64), torch.empty(1, dtype=torch.int32)
+    p = {k: v.data_ptr() for k, v in dict(x=x, r=r, xf=xf, rf=rf, zero=zero, out1=out1, out2=out2, stats=stats,
+                                          amax=amax, sumsq=sumsq, used=used).items()}
+    ct = ctypes.c_float(t)
+    cases = {  # kernel -> (its call on (idx, vals, cap), the reference mask, the reference values)
+        "select_abs_ge": (lambda i, v, c: lib.ac_select_abs_ge(p["x"], n, ct, i, v, c), x.abs() >= t, x.abs()),
+        "select_abs_not_lt": (lambda i, v, c: lib.ac_select_abs_not_lt(p["x"], n, ct, i, v, c), ~(x.abs() < t),
+                              x.abs()),
+        "select_gt": (lambda i, v, c: lib.ac_select_gt(p["x"], n, ct, i, v, c), x > t, x),
+        "add_select": (lambda i, v, c: lib.ac_add_select_abs_not_lt(p["x"], p["r"], p["out1"], n, ct, i, v, c),
+                       ~((x + r).abs() < t), x + r),
+        "add_stats": (lambda i, v, c: lib.ac_add_abs_stats_select(p["xf"], p["rf"], p["out1"], n, p["stats"],
+                                                                  p["amax"], ct, 0, i, v, c),
+                      (xf + rf).abs() >= t, (xf + rf).abs()),
+        "sumsq": (lambda i, v, c: lib.ac_sumsq_select_abs_gt(p["xf"], n, ctypes.c_double(0.0), ct, i, v, c,
+                                                             p["sumsq"], 0, p["used"]), xf.abs() > t, xf.abs()),
+        # DGC's pass with u = 0: u' = 0.9 * 0 + g, v' = r + u'
+        "momentum": (lambda i, v, c: lib.ac_momentum_select_abs_ge(p["zero"], p["x"], p["r"], p["out1"], p["out2"], n,
+                                                                   ctypes.c_float(0.9), ct, i, v, c),
+                     (r + (zero * 0.9 + x)).abs() >= t, (r + (zero * 0.9 + x)).abs()),
+    }
+    call, mask, ref = cases[kernel]
+    want_idx = torch.nonzero(mask).view(-1)
+    total = want_idx.numel()
+    assert total > 100
+    for cap in sorted({0, 1, 2, 3, 63, 64, 65, total - 2, total - 1, total, total + 1, total + 64}):
+        idx = torch.full((max(cap, 1),), -7, dtype=torch.int64)
+        vals = torch.full((max(cap, 1),), -7.0)
+        assert call(idx.data_ptr(), vals.data_ptr(), cap) == total, cap
+        m = min(cap, total)
+        assert torch.equal(idx[:m], want_idx[:m]), cap
+        assert torch.equal(bits(vals[:m]), bits(ref[want_idx[:m]])), cap
+        assert bool((idx[m:cap] == -7).all()) or cap - m <= 2, cap  # past the count: at most the two fast writes
+
+
 @pytest.mark.parametrize("n", [1, 15, 17, 65, 4099, 1 << 18])
 def test_abs_select_and_sample_equal_torch_on_signed_values(n: int, avx2_switch: str) -> None:
     """The prefilters on the signed gradient (Top-k, DGC): ``abs_<mode>`` equals ``<mode>`` on ``|a|``

@@ -100,6 +100,21 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
         if (c < cap) { idx[c] = (AT) + j; vals[c] = (VALUE); }                          \
         ++c;                                                                            \
     }
+/* AC_EMIT for a 64-element block (VALUE readable at every j < 64): the first two passing elements are
+   written without a branch (where fewer pass, the block's last element is written past the count and
+   later overwritten or never read), so the loop, whose exit the branch predictor misses, runs only
+   for blocks with more than two. The same elements, order and count as AC_EMIT. */
+#define AC_EMIT64(M, AT, VALUE)                                                         \
+    if (c + 2 <= cap) {                                                                 \
+        for (int u_ = 0; u_ < 2; ++u_) {                                                \
+            const int j = __builtin_ctzll((M) | (1ULL << 63));                          \
+            idx[c] = (AT) + j;                                                          \
+            vals[c] = (VALUE);                                                          \
+            c += (M) != 0;                                                              \
+            M &= M - 1;                                                                 \
+        }                                                                               \
+    }                                                                                   \
+    AC_EMIT(M, __builtin_ctzll, AT, VALUE)
 /* With AVX2 the mask covers 64 elements (eight 8-lane compares): at the densities a threshold
    search keeps (a few percent) most blocks pass nothing, so the loop over a block's passing
    elements, whose exit the branch predictor misses, runs once per 64 elements instead of per 16.
@@ -119,7 +134,7 @@ __attribute__((target("avx2"))) static int64_t NAME##_avx2(const float* a, int64
         uint64_t m = 0;                                                                 \
         for (int q = 0; q < 8; ++q)                                                     \
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(CMP8(LOAD8(a + i + 8 * q), tv)) << (8 * q); \
-        AC_EMIT(m, __builtin_ctzll, i, VAL(a[i + j]))                                   \
+        AC_EMIT64(m, i, VAL(a[i + j]))                                   \
     }                                                                                   \
     *count = c;                                                                         \
     return i;                                                                           \
@@ -188,7 +203,7 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
                  << (8 * q);
         }
-        AC_EMIT(m, __builtin_ctzll, i, blk[j])
+        AC_EMIT64(m, i, blk[j])
     }
     if (stream) _mm_sfence();
     *count = c;
@@ -434,6 +449,16 @@ typedef struct {
         if ((S)->c < (S)->cap) { (S)->idx[(S)->c] = (AT); (S)->vals[(S)->c] = (VALUE); } \
         ++(S)->c;                                                                       \
     } while (0)
+/* AC_EMIT64 (its first two without a branch) into a selection S, from a 64-element block */
+#define AC_SEL_EMIT64(S, M, AT, VALUE)                                                  \
+    do {                                                                                \
+        int64_t* idx = (S)->idx;                                                        \
+        float* vals = (S)->vals;                                                        \
+        const int64_t cap = (S)->cap;                                                   \
+        int64_t c = (S)->c;                                                             \
+        AC_EMIT64(M, AT, VALUE)                                                         \
+        (S)->c = c;                                                                     \
+    } while (0)
 /* Magnitudes with what a threshold search asks of them, in one pass: out = |x| (the sign bit cleared,
    as torch.abs), their largest and smallest value (stats[0], stats[1]), the first position of the
    largest (*amax) and, for n >= 8, their one-thread torch sum (stats[2], the cascade above): torch's
@@ -484,11 +509,7 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
                 const __m256 p = sel->strict ? _mm256_cmp_ps(w, tv, _CMP_GT_OQ) : _mm256_cmp_ps(w, tv, _CMP_GE_OQ);
                 mk |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);
             }
-            while (mk) {
-                const int j = __builtin_ctzll(mk);
-                mk &= mk - 1;
-                AC_SEL_EMIT(sel, i + j, blk[j]);
-            }
+            AC_SEL_EMIT64(sel, mk, i, blk[j]);
         }
     }
     if (stream || sstream) _mm_sfence();
@@ -605,12 +626,7 @@ __attribute__((target("avx2"))) static int64_t sumsq_select_avx2(const float* x,
                 acc = acc + d * d;
             }
         }
-        while (m) {
-            int j = __builtin_ctzll(m);
-            m &= m - 1;
-            if (c < cap) { idx[c] = i + j; vals[c] = __builtin_fabsf(x[i + j]); }
-            ++c;
-        }
+        AC_EMIT64(m, i, __builtin_fabsf(x[i + j]))
     }
     if (lanes) {
         double v[4];
@@ -735,7 +751,7 @@ __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
             _mm256_store_ps(blk + 8 * q, b);
             mask |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(b, tv, _CMP_GE_OQ)) << (8 * q);
         }
-        AC_EMIT(mask, __builtin_ctzll, i, blk[j])
+        AC_EMIT64(mask, i, blk[j])
     }
     if (stream) _mm_sfence();
     *count = c;
@@ -910,11 +926,10 @@ __attribute__((target("avx2"))) static int64_t chunk_at_least_avx2(const uint32_
             msk |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, below)))
                    << (8 * q);
         }
-        while (msk) {
-            const int j = __builtin_ctzll(msk);
-            msk &= msk - 1;
-            if (c < cap) { mag[c] = u[i + j] & 0x7fffffffu; pos[c] = (int32_t)(i + j); }
-            ++c;
+        {
+            int32_t* idx = pos;  /* AC_EMIT64's names */
+            uint32_t* vals = mag;
+            AC_EMIT64(msk, (int32_t)i, u[i + j] & 0x7fffffffu)
         }
     }
     *count = c;
