@@ -264,9 +264,17 @@ def test_cost_floor_report_before_and_after(tmp_path):
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert {r["method"] for r in rows} == {"topk", "qsgd"}
     assert all(r["floor_s"] > 0 and r["step_s"] > 0 and 0 < r["bytes_ratio"] < 1 for r in rows)
+    # the data-flow minimum, timed beside them: error feedback's add and the output's write for Top-k
+    # (more than the floor's one read and one write), one read and the write for QSGD
+    from adacomp.bench import cost
+    assert set(cost.MINIMUM) == set(cost.METHODS)  # every method has its minimum
+    by = {r["method"]: r for r in rows}
+    assert by["topk"]["minimum"] == ["ef", "write"] and by["qsgd"]["minimum"] == ["read", "write"]
+    assert all(r["minimum_s"] > 0 for r in rows)
     _run([*BENCH, "cost", "report-floor", "--after", "a.json", "--before", "a.json", "--out", "floor.md"], tmp_path)
     md = (tmp_path / "floor.md").read_text()
     assert "split10 before x floor" in md and "split10 x floor" in md and "| topk |" in md and "| qsgd |" in md
+    assert "split10 minimum x floor" in md
     # several runs: each cell the median run's figures with the range (made-up ratios 1, 2, 4 per cell)
     for i, scale in enumerate((1.0, 2.0, 4.0)):
         (tmp_path / f"r{i}.json").write_text(json.dumps({"rows": [
