@@ -1325,8 +1325,16 @@ void ac_copy_many(uint8_t* buf, int64_t total, int64_t m, const void* const* src
 }
 /* The sample of adacomp.compressors.sparse.sample_lines: m runs of 16 floats starting at the lines
    j * lines / m (integer division) of a, or of a + b (one IEEE add, as torch.add) when b is given. */
+/* The lines lie far apart (a tensor's memory, not in cache while a step streams the model): each is
+   prefetched SAMPLE_AHEAD lines before it is read, so many misses are in flight at once. */
+#define SAMPLE_AHEAD 24
 void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, float* out) {
     for (int64_t j = 0; j < m; ++j) {
+        if (j + SAMPLE_AHEAD < m) {
+            const int64_t ahead = (j + SAMPLE_AHEAD) * lines / m * 16;
+            __builtin_prefetch(a + ahead);
+            if (b != NULL) __builtin_prefetch(b + ahead);
+        }
         const int64_t at = j * lines / m * 16;
         if (b != NULL) for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t] + b[at + t];
         else for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t];
