@@ -1247,12 +1247,36 @@ int ac_sparse_mean(float* out, int64_t n, int world, const int64_t* const* idx, 
     stream = n >= SM_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2();
 #endif
     float scratch[SM_BLOCK] __attribute__((aligned(32)));
+    int clean = 0;  /* scratch all +0.0 (the streamed power-of-two path keeps it so between blocks) */
     for (int64_t b0 = 0; b0 < n; b0 += SM_BLOCK) {
         const int64_t b1 = n - b0 < SM_BLOCK ? n : b0 + SM_BLOCK;
         int any = 0;
         for (int r = 0; r < world && !any; ++r) any = pos[r] < counts[r] && idx[r][pos[r]] < b1;
 #if defined(AC_AVX2)
         if (stream && !any) { sm_stream(out + b0, NULL, b1 - b0, 0, 1.0f); continue; }
+        if (stream && pow2) {
+            /* the scratch block is zero before the adds and only the 16-element lines they touched are
+               zeroed again after the product is streamed out: no fill of the whole block each time */
+            if (!clean) { __builtin_memset(scratch, 0, sizeof scratch); clean = 1; }
+            uint64_t lines[SM_BLOCK / 16 / 64] = {0};
+            for (int r = 0; r < world; ++r) {
+                const int64_t* x = idx[r];
+                const float* v = vals[r];
+                int64_t p = pos[r];
+                const int64_t c = counts[r];
+                for (; p < c && x[p] < b1; ++p) {
+                    const int64_t j = x[p] - b0;
+                    scratch[j] += v[p];
+                    lines[j >> 10] |= (uint64_t)1 << ((j >> 4) & 63);
+                }
+                pos[r] = p;
+            }
+            sm_stream(out + b0, scratch, b1 - b0, 1, inv);
+            for (int w = 0; w < SM_BLOCK / 16 / 64; ++w)
+                for (uint64_t m = lines[w]; m; m &= m - 1)
+                    __builtin_memset(scratch + 16 * ((w << 6) + __builtin_ctzll(m)), 0, 16 * sizeof(float));
+            continue;
+        }
 #endif
         float* o = stream ? scratch : out + b0;
         __builtin_memset(o, 0, (size_t)(b1 - b0) * sizeof(float));
