@@ -1117,30 +1117,55 @@ void ac_row_kth(const float* a, int64_t rows, int64_t b, int64_t r, uint32_t* ke
    instead of an integer sort of them all: out[3 i + j] = the (q + 2 - j)-th largest magnitude of row i
    where it has that many candidates, else -1 (j = 0, 1, 2: v[q+1], v[q], v[q-1], 0-based descending),
    ranked by the magnitudes' bits as that sort ranks them (a NaN above inf). keys: room for the longest
-   row. Returns -1 where the rows are not grouped (the caller sorts). */
+   row. Also each row's candidate count (counts[i], torch.bincount's) and whether one is a NaN (nan[i]).
+   Returns -1 where the rows are not grouped (the caller sorts). */
 int ac_row_order_stats(const float* mag, const int64_t* row, int64_t nc, int64_t m, int64_t q, uint32_t* keys,
-                       float* out) {
+                       float* out, int64_t* counts, uint8_t* nan) {
     for (int64_t i = 0; i < 3 * m; ++i) out[i] = -1.0f;
+    for (int64_t i = 0; i < m; ++i) { counts[i] = 0; nan[i] = 0; }
     for (int64_t s = 0, e; s < nc; s = e) {
         const int64_t r0 = row[s];
         if (r0 < 0 || r0 >= m) return -1;
         for (e = s + 1; e < nc && row[e] == r0; ++e) {}
         if (e < nc && row[e] < r0) return -1;
         const int64_t len = e - s;
+        uint32_t top = 0;
         for (int64_t t = 0; t < len; ++t) {
             uint32_t u;
             __builtin_memcpy(&u, mag + s + t, sizeof u);
             keys[t] = u & 0x7fffffffu;
+            top = keys[t] > top ? keys[t] : top;
         }
+        counts[r0] = len;
+        nan[r0] = top > 0x7f800000u;
+        /* the quickselect leaves the rank largest in front: the next (smaller) rank looks only there */
+        int64_t live = len;
         for (int j = 0; j < 3; ++j) {
             const int64_t rank = q + 2 - j;
-            if (rank >= 1 && len >= rank) {
-                const uint32_t kth = kth_of_keys(keys, len, rank, NULL);
+            if (rank >= 1 && live >= rank) {
+                const uint32_t kth = kth_of_keys(keys, live, rank, NULL);
                 __builtin_memcpy(out + 3 * r0 + j, &kth, sizeof kth);
+                live = rank;
             }
         }
     }
     return 0;
+}
+/* ADTopk's last pass over the candidates (ascending positions flat[], their magnitudes mag[] and rows
+   row[] < m): the positions whose row is chosen and whose magnitude reaches the row's threshold, in
+   their order, bitwise torch's flat[chose[row] & (mag >= thr[row])]; every candidate is written at
+   the count, which only the kept ones advance (no branch per candidate). Returns the count, -1 on a
+   row out of range (nothing to trust: the caller's torch path answers). */
+int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row, int64_t nc, int64_t m,
+                      const float* thr, const uint8_t* chose, int64_t* out) {
+    int64_t w = 0;
+    for (int64_t i = 0; i < nc; ++i) {
+        const int64_t r = row[i];
+        if (r < 0 || r >= m) return -1;
+        out[w] = flat[i];
+        w += (chose[r] != 0) & (mag[i] >= thr[r]);
+    }
+    return w;
 }
 /* ADTopk's candidates row by row while the row is in cache (rows of x, one read from memory): the
    strided block maxima of |x| (ac_row_block_max_abs), their r-th largest as the row's floor (at
@@ -2509,7 +2534,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_owed_mm.argtypes = [vp, vp, i64, vp, vp, i64, i64, vp, vp, i64, vp]
     lib_.ac_row_kth.restype = None
     lib_.ac_row_order_stats.restype = ctypes.c_int
-    lib_.ac_row_order_stats.argtypes = [vp, vp, i64, i64, i64, vp, vp]
+    lib_.ac_row_order_stats.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp, vp]
+    lib_.ac_row_chosen.restype = ctypes.c_int64
+    lib_.ac_row_chosen.argtypes = [vp, vp, vp, i64, i64, vp, vp, vp]
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
@@ -3156,20 +3183,48 @@ def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
         cap = c
 
 
-def row_order_stats(mag: Tensor, row: Tensor, m: int, q: int, n: int) -> Tensor | None:
-    """(m, 3) float32: each row's (q+2)-th, (q+1)-th and q-th largest candidate magnitude (-1 where it
+class RowStats(NamedTuple):
+    """:func:`row_order_stats`' answer: (m, 3) order statistics, per-row candidate counts (int64)
+    and whether a row's candidates hold a NaN (bool)."""
+    stats: Tensor
+    counts: Tensor
+    nan: Tensor
+
+
+def row_order_stats(mag: Tensor, row: Tensor, m: int, q: int, n: int) -> RowStats | None:
+    """Each row's (q+2)-th, (q+1)-th and q-th largest candidate magnitude ((m, 3) float32, -1 where it
     has fewer), from ``mag`` grouped by ``row`` (non-decreasing, each row's candidates at most ``n``),
-    ranked by their bits as an integer sort of them would rank them. None where torch must sort (rows
-    not grouped, another layout)."""
+    ranked by their bits as an integer sort of them would rank them; with each row's count
+    (``torch.bincount(row, minlength=m)``) and NaN flag, from the same walk. None where torch must
+    sort (rows not grouped, another layout)."""
     lib = library()
     if (lib is None or not usable(mag) or row.dtype != torch.int64 or row.device.type != "cpu"
             or not row.is_contiguous() or row.numel() != mag.numel() or q < 1):
         return None
     keys = _keys(max(1, n))
     out = torch.empty(m, 3, dtype=torch.float32)
-    if lib.ac_row_order_stats(mag.data_ptr(), row.data_ptr(), mag.numel(), m, q, keys.data_ptr(), out.data_ptr()) != 0:
+    counts = torch.empty(m, dtype=torch.int64)
+    nan = torch.empty(m, dtype=torch.bool)
+    if lib.ac_row_order_stats(mag.data_ptr(), row.data_ptr(), mag.numel(), m, q, keys.data_ptr(), out.data_ptr(),
+                              counts.data_ptr(), nan.data_ptr()) != 0:
         return None
-    return out
+    return RowStats(out, counts, nan)
+
+
+def row_chosen(mag: Tensor, flat: Tensor, row: Tensor, thr: Tensor, chose: Tensor) -> Tensor | None:
+    """``flat[chose[row] & (mag >= thr[row])]`` (ADTopk's kept candidates, in their order) in one C
+    pass instead of two gathers, a compare, an and and a masked select over every candidate. None
+    where torch must answer."""
+    lib = library()
+    nc, m = flat.numel(), thr.numel()
+    if (lib is None or not usable(mag) or not usable(thr) or chose.dtype != torch.bool or not chose.is_contiguous()
+            or chose.numel() != m or any(t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous()
+                                         or t.numel() != nc for t in (flat, row)) or mag.numel() != nc):
+        return None
+    out = torch.empty(nc, dtype=torch.int64)
+    w = int(lib.ac_row_chosen(mag.data_ptr(), flat.data_ptr(), row.data_ptr(), nc, m, thr.data_ptr(),
+                              chose.data_ptr(), out.data_ptr()))
+    return out[:w].clone() if 0 <= w < nc // 2 else (out[:w] if w >= 0 else None)
 
 
 def row_kth(a: Tensor, r: int) -> Tensor | None:

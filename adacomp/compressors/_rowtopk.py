@@ -256,19 +256,24 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
         return None
     if c is None:
         return None
-    counts = torch.bincount(c.row, minlength=m)
+    # v[q+1], v[q], v[q-1] (0-based, descending) of each row's candidates, -1 where it has too few:
+    # three quickselects per row in C where the candidates come grouped by row (with the rows' counts
+    # and NaN flags from the same walk), else one integer (radix) sort of them all by (row, |x|)
+    # (float bits of x >= 0 are monotone)
+    stats = _native.row_order_stats(c.mag, c.row, m, q, n) if rr == 1 else None
     bad = c.bad
-    nan = torch.isnan(c.mag)
-    if bool(nan.any()):
-        bad[c.row[nan]] = True
+    if stats is not None:
+        counts = stats.counts
+        bad |= stats.nan
+    else:
+        counts = torch.bincount(c.row, minlength=m)
+        nan = torch.isnan(c.mag)
+        if bool(nan.any()):
+            bad[c.row[nan]] = True
     bad |= counts < q1
     good = ~bad
-    # v[q+1], v[q], v[q-1] (0-based, descending) of each row's candidates, -1 where it has too few:
-    # three quickselects per row in C where the candidates come grouped by row, else one integer
-    # (radix) sort of them all by (row, |x|) (float bits of x >= 0 are monotone)
-    stats = _native.row_order_stats(c.mag, c.row, m, q, n) if rr == 1 else None
     if stats is not None:
-        v_q1, v_q, v_q0 = stats.unbind(1)
+        v_q1, v_q, v_q0 = stats.stats.unbind(1)
     else:
         order = torch.sort((c.row << 32) | (c.mag.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)).indices
         mag = torch.cat([c.mag.index_select(0, order), c.mag.new_full((1,), -1.0)])  # [-1] pads short rows
@@ -292,8 +297,10 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     # value no other of its candidates reaches (the strict gap above); read in the candidates' own
     # ascending order, so the payload comes out ascending without a gather by rank
     chose = good & ~tied  # (a magnitude of inf would pass any threshold: the rows are masked apart)
-    thr = torch.where(extra, v_q, v_q0).index_select(0, c.row)
-    chosen = c.flat[chose.index_select(0, c.row) & (c.mag >= thr)]
+    row_thr = torch.where(extra, v_q, v_q0)
+    chosen = _native.row_chosen(c.mag, c.flat, c.row, row_thr, chose)
+    if chosen is None:
+        chosen = c.flat[chose.index_select(0, c.row) & (c.mag >= row_thr.index_select(0, c.row))]
     rows_x, cols_x = torch.cat([rows_a, rows_b]), torch.cat([cols_a, cols_b])
     more = extra[rows_x]
     rows_x, cols_x = (torch.cat([rows_x.repeat_interleave(q), rows_x[more]]),
