@@ -1172,15 +1172,39 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
    least tiny; infinity and bad[i] = 1 where a maximum is NaN), then the row's |x| >= floor
    (!(|x| < floor) where columns lie past the last whole block) as ascending flat indices and |x|
    (keys: b of scratch). Returns the count; only the first cap are written. */
+#if defined(AC_AVX2)
+/* src to dst with non-temporal stores where dst is 32-byte aligned (plain stores around it) */
+__attribute__((target("avx2"))) static void stream_run(float* dst, const float* src, int64_t n) {
+    int64_t j = 0;
+    for (; j < n && ((uintptr_t)(dst + j) & 31); ++j) dst[j] = src[j];
+    for (; j + 8 <= n; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+    for (; j < n; ++j) dst[j] = src[j];
+}
+__attribute__((target("avx2"))) static void stream_fence(void) { _mm_sfence(); }
+#endif
+/* With g (error feedback's compensation x = g + plus, one IEEE add, row by row): on large tensors with
+   AVX2 each row's sum is formed in an L1 scratch row, read from there and streamed to x (x's lines
+   are never read first: one read of the tensor less than storing into it); else written into x. */
 AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny,
                                     uint32_t* keys, uint8_t* bad, int64_t* idx, float* vals, int64_t cap,
                                     const float* g, const float* plus) {
     RANKED_SCRATCH(b)
     int64_t total = 0;
+    float* row = NULL;
+#if defined(AC_AVX2)
+    if (g != NULL && m * n >= AC_SELECT_STREAM_MIN && use_avx2())
+        row = (float*)malloc((size_t)n * sizeof(float));
+#endif
     for (int64_t i = 0; i < m; ++i) {
-        if (g != NULL)  /* error feedback's compensation x = g + plus (one IEEE add), the row left in cache */
-            for (int64_t j = 0; j < n; ++j) x[i * n + j] = g[i * n + j] + plus[i * n + j];
-        block_max_keys((const uint32_t*)(x + i * n), n, b, keys);
+        const float* src = x + i * n;
+        if (g != NULL) {
+            float* sum = row != NULL ? row : x + i * n;
+            for (int64_t j = 0; j < n; ++j) sum[j] = g[i * n + j] + plus[i * n + j];
+#if defined(AC_AVX2)
+            if (row != NULL) { stream_run(x + i * n, row, n); src = row; }
+#endif
+        }
+        block_max_keys((const uint32_t*)src, n, b, keys);
         int nan = 0;
         for (int64_t j = 0; j < b; ++j) nan |= keys[j] > 0x7f800000u;
         float t = __builtin_inff();
@@ -1191,12 +1215,15 @@ AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, i
             t = t < tiny ? tiny : t;
         }
         const int64_t at = total < cap ? total : cap;
-        const int64_t c = (n % b == 0 ? ac_select_abs_ge : ac_select_abs_not_lt)(x + i * n, n, t, idx + at, vals + at,
+        const int64_t c = (n % b == 0 ? ac_select_abs_ge : ac_select_abs_not_lt)(src, n, t, idx + at, vals + at,
                                                                                  cap - at);
         const int64_t w = c < cap - at ? c : cap - at;
         for (int64_t j = 0; j < w; ++j) idx[at + j] += i * n;
         total += c;
     }
+#if defined(AC_AVX2)
+    if (row != NULL) { stream_fence(); free(row); }
+#endif
     return total;
 }
 /* Top-k's last step on a prefilter's candidates (adacomp.compressors.sparse.largest_k): of the m
