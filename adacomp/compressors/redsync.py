@@ -44,6 +44,10 @@ class RedSyncCompressor(SparseCompressor):
     compensate_into = compensate_with_stats  # |g|'s statistics read while error feedback writes g
     search_strict = True  # its counts are of |g| > thr
     batch_counts = False  # one by one was faster on an H100 (SparseCompressor.batch_counts)
+    # a threshold below the candidate floor is skipped once the kept set reaches 2k, and the search ends
+    # in [k, 2k): candidates at 2.5 k cover it with the sampled floor's noise to spare (2.25 k began to
+    # cost full counts on GPT-2-small; 3 k: ~4 % slower)
+    search_factor = 2.5
 
     def __init__(self, density: float = 0.01, max_steps: int = 20):
         super().__init__(density)
