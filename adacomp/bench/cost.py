@@ -448,8 +448,9 @@ def report_floor(args: argparse.Namespace) -> None:
         "and writes both back, so the goal asks for fused single passes. **minimum x floor**: the passes the "
         "method's data flow cannot avoid (`MINIMUM` in adacomp/bench/cost.py: error feedback's add, the dense "
         "averaged gradient's write, the extra reads of Gaussian-k's and the low-rank methods' second passes, DGC's "
-        "velocity) timed the same way with the fastest kernels this package has, over the floor: where it is near "
-        "or above the goal, the goal cannot be met by any implementation of that data flow on this machine."
+        "velocity) timed the same way with the fastest kernels this package has, over the floor (below 1x where its "
+        "streamed writes beat the floor's plain stores, which read each line first): where it is near or above the "
+        "goal, the goal cannot be met by any implementation of that data flow on this machine."
         + (f" Each cell is the median of {len(paths)} runs of the same command (by x floor; its range in "
            "brackets)." if len(paths) > 1 else "")
         + (f" **before x floor**: the same ratio from `{args.before}` (its own floors)." if before else ""), "",
