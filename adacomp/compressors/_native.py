@@ -1167,11 +1167,6 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
     }
     return w;
 }
-/* ADTopk's candidates row by row while the row is in cache (rows of x, one read from memory): the
-   strided block maxima of |x| (ac_row_block_max_abs), their r-th largest as the row's floor (at
-   least tiny; infinity and bad[i] = 1 where a maximum is NaN), then the row's |x| >= floor
-   (!(|x| < floor) where columns lie past the last whole block) as ascending flat indices and |x|
-   (keys: b of scratch). Returns the count; only the first cap are written. */
 #if defined(AC_AVX2)
 /* src to dst with non-temporal stores where dst is 32-byte aligned (plain stores around it) */
 __attribute__((target("avx2"))) static void stream_run(float* dst, const float* src, int64_t n) {
@@ -1182,9 +1177,14 @@ __attribute__((target("avx2"))) static void stream_run(float* dst, const float* 
 }
 __attribute__((target("avx2"))) static void stream_fence(void) { _mm_sfence(); }
 #endif
-/* With g (error feedback's compensation x = g + plus, one IEEE add, row by row): on large tensors with
-   AVX2 each row's sum is formed in an L1 scratch row, read from there and streamed to x (x's lines
-   are never read first: one read of the tensor less than storing into it); else written into x. */
+/* ADTopk's candidates row by row while the row is in cache (rows of x, one read from memory): the
+   strided block maxima of |x| (ac_row_block_max_abs), their r-th largest as the row's floor (at
+   least tiny; infinity and bad[i] = 1 where a maximum is NaN), then the row's |x| >= floor
+   (!(|x| < floor) where columns lie past the last whole block) as ascending flat indices and |x|
+   (keys: b of scratch). Returns the count; only the first cap are written. With g, error feedback's
+   compensation x = g + plus (one IEEE add) row by row first: on large tensors with AVX2 each row's
+   sum is formed in an L1 scratch row, read from there and streamed to x (x's lines are never read
+   first: one read of the tensor less than storing into it); else written into x. */
 AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny,
                                     uint32_t* keys, uint8_t* bad, int64_t* idx, float* vals, int64_t cap,
                                     const float* g, const float* plus) {
@@ -1400,8 +1400,8 @@ void ac_copy_many(uint8_t* buf, int64_t total, int64_t m, const void* const* src
     if (total > end) __builtin_memset(buf + end, 0, (size_t)(total - end));
 }
 /* The sample of adacomp.compressors.sparse.sample_lines: m runs of 16 floats starting at the lines
-   j * lines / m (integer division) of a, or of a + b (one IEEE add, as torch.add) when b is given. */
-/* The lines lie far apart (a tensor's memory, not in cache while a step streams the model): each is
+   j * lines / m (integer division) of a, or of a + b (one IEEE add, as torch.add) when b is given.
+   The lines lie far apart (a tensor's memory, not in cache while a step streams the model): each is
    prefetched SAMPLE_AHEAD lines before it is read, so many misses are in flight at once. */
 #define SAMPLE_AHEAD 24
 void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, float* out) {

@@ -619,8 +619,8 @@ class SparseCompressor(Compressor):
     search_factor: ClassVar[float] = SEARCH_FACTOR
     """A threshold search's candidate floor aims at this multiple of the density
     (:func:`search_share`). The counts are exact whatever it is; a threshold below the floor is
-    counted over the whole tensor, so a search that may end far above k (RedSync's [k, 2k)) keeps
-    the default and one that ends next to k (MSTop-k's closest count) takes less."""
+    counted over the whole tensor, so a search that ends next to k takes less (MSTop-k's closest
+    count: 1.5; RedSync's [k, 2k): 2.5) and one whose corrections may range widely keeps the default."""
 
     def __init__(self, density: float = 0.01):
         self._density = check_density(density)
