@@ -211,3 +211,21 @@ def test_large_tensor_takes_the_fast_path_through_the_compressor(monkeypatch):
     assert calls and calls[0] is not None and calls[0][1] == 0
     assert set(idx.tolist()) == plain_row_selection(x, "rows", 0.001)
     assert torch.equal(vals, x.reshape(-1)[idx])
+
+
+@pytest.mark.parametrize("runs", [1, 3, rowtopk.MERGE_RUNS + 5])
+def test_merge_ascending_is_the_sort_of_the_union(runs):
+    """Tied rows' indices spliced into the fast path's ascending payload: the sort of the union,
+    with extra runs at the start, in between and at the end (and past MERGE_RUNS, the sort itself)."""
+    g = gen(runs)
+    pool = torch.randperm(100_000, generator=g)
+    ordered = torch.sort(pool[:5000]).values
+    extra = pool[5000:5000 + 40 * runs]
+    for case in (ordered, ordered[:0], ordered[:1]):
+        for more in (extra, extra[:1], torch.cat([extra, torch.tensor([100_001, 100_002])])):
+            got = rowtopk.merge_ascending(case, more)
+            assert torch.equal(got, torch.sort(torch.cat([case, more])).values)
+    # one tied row of a rows-split matrix: its indices are one run inside the payload
+    row = torch.arange(30_000, 30_200)
+    kept = ordered[(ordered < 30_000) | (ordered >= 30_200)]
+    assert torch.equal(rowtopk.merge_ascending(kept, row.flip(0)), torch.sort(torch.cat([kept, row])).values)

@@ -307,5 +307,32 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
                       torch.cat([cols_x[:, :q].reshape(-1), cols_x[more, q] if r else cols_x[:0, 0]]))
     back = (rows_x // rr) * (n * rr) + cols_x * rr + rows_x % rr
     if back.numel():  # rows torch.topk answered: merged into ascending order
-        chosen = torch.sort(torch.cat([chosen, back])).values
+        chosen = merge_ascending(chosen, back)
     return chosen, int(rows_a.numel() + rows_b.numel())
+
+
+# Above this many runs of ``extra`` between consecutive members of ``ordered`` the slices'
+# concatenation costs more than one sort of the union.
+MERGE_RUNS = 64
+
+
+def merge_ascending(ordered: Tensor, extra: Tensor) -> Tensor:
+    """``torch.sort(torch.cat([ordered, extra])).values`` for an ascending ``ordered`` and a few
+    ``extra`` values none of which is in it: ``extra`` sorted alone, then spliced in where
+    ``searchsorted`` puts it. The indices of a row that torch.topk answered are one run (rows
+    contiguous in memory, none of its indices among ``ordered``), so a tied row costs one copy of
+    the payload instead of a sort of it (VGG-16's fc6: ~1M indices, 50 ms)."""
+    extra = torch.sort(extra).values
+    at = torch.searchsorted(ordered, extra)
+    cuts = torch.nonzero(at[1:] != at[:-1]).view(-1) + 1
+    if cuts.numel() >= MERGE_RUNS:
+        return torch.sort(torch.cat([ordered, extra])).values
+    starts = [0] + cuts.tolist()
+    ends = starts[1:] + [extra.numel()]
+    pos = at.index_select(0, torch.tensor(starts, dtype=torch.long, device=at.device)).tolist()
+    parts, prev = [], 0
+    for lo, hi, p in zip(starts, ends, pos):
+        parts += [ordered[prev:p], extra[lo:hi]]
+        prev = p
+    parts.append(ordered[prev:])
+    return torch.cat(parts)
