@@ -619,6 +619,48 @@ def test_zero_at_equals_index_fill() -> None:
     assert torch.equal(bits(out), bits(before))  # nothing written
 
 
+@pytest.mark.parametrize("m", [0, 1, 255, 256, 257, 40_000])
+def test_take_equals_index_select(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefetched C gather: index_select's bits (NaN, -0.0 and infinities among them) for
+    ascending and shuffled positions; torch's gather (and its IndexError) where C does not run."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(100_000, generator=g)
+    x[::997] = float("nan")
+    x[5::991] = -0.0
+    x[7::983] = float("-inf")
+    calls = []
+    lib = _native.library()
+    assert lib is not None
+    monkeypatch.setattr(_native, "_lib", _Counting(lib, "ac_take", calls))
+    for idx in (_ascending(100_000, m, g), torch.randint(0, 100_000, (m,), generator=g)):
+        got = _native.take(x.view(400, 250), idx)
+        assert torch.equal(bits(got), bits(x.index_select(0, idx)))
+    assert len(calls) == 2  # both from the C gather
+    with pytest.raises(IndexError):
+        _native.take(x, torch.tensor([0, 100_000] + [1] * m))
+    assert len(calls) == 3  # C refused the position, torch raised
+    half = x.half()
+    assert torch.equal(_native.take(half, idx).view(torch.int16), half.index_select(0, idx).view(torch.int16))  # torch
+    assert len(calls) == 3
+
+
+class _Counting:
+    """A library whose ``name`` calls are counted (the others pass through)."""
+
+    def __init__(self, lib, name: str, calls: list) -> None:
+        self._lib, self._name, self._calls = lib, name, calls
+
+    def __getattr__(self, attr: str):
+        f = getattr(self._lib, attr)
+        if attr != self._name:
+            return f
+
+        def counted(*args):
+            self._calls.append(args)
+            return f(*args)
+        return counted
+
+
 @pytest.mark.parametrize("n", [1, 7, 17, 1 << 18, (1 << 18) + 3])
 def test_bf16_casts_equal_torch(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16's payload and its decompressed mean are bitwise torch's ``.to`` both ways (round to

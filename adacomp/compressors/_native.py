@@ -1887,6 +1887,25 @@ int ac_zero_at(float* out, int64_t n, const int64_t* idx, int64_t m) {
     for (int64_t i = 0; i < m; ++i) out[idx[i]] = 0.0f;
     return 0;
 }
+/* out[i] = x[idx[i]] (index_select): a sparse payload's values. Ascending positions ~100 apart
+   (1 % density) miss the cache one by one; the loads are prefetched TAKE_AHEAD positions ahead
+   (VGG-16's fc6 at 1 %: 8.6 ms with torch's gather, 4.5 ms here). -1 on a position outside [0, n)
+   (out partly written: the caller's torch call raises). */
+#define TAKE_AHEAD 256
+int ac_take(const float* x, int64_t n, const int64_t* idx, int64_t m, float* out) {
+    int64_t i = 0;
+    for (; i + TAKE_AHEAD < m; ++i) {
+        const uint64_t p = (uint64_t)idx[i + TAKE_AHEAD];
+        if (p < (uint64_t)n) __builtin_prefetch(x + p, 0, 0);
+        if ((uint64_t)idx[i] >= (uint64_t)n) return -1;
+        out[i] = x[idx[i]];
+    }
+    for (; i < m; ++i) {
+        if ((uint64_t)idx[i] >= (uint64_t)n) return -1;
+        out[i] = x[idx[i]];
+    }
+    return 0;
+}
 /* float32 -> bfloat16 with the rounding of torch's vectorised conversion of a contiguous tensor
    (round to nearest even; every NaN to 0xffff, where torch's scalar path writes 0x7fc0) and back
    (the upper 16 bits, exact). The module checks the first against torch once per process (a torch
@@ -2592,6 +2611,8 @@ def _load(out: Path) -> ctypes.CDLL:
         fc.restype = None
         fc.argtypes = [vp, vp, i64]
     lib_.ac_zero_at.argtypes = [vp, i64, vp, i64]
+    lib_.ac_take.restype = ctypes.c_int
+    lib_.ac_take.argtypes = [vp, i64, vp, i64, vp]
     lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp]
     lib_.ac_chunk_decode.restype = ctypes.c_int
     lib_.ac_chunk_quantize.restype = ctypes.c_int
@@ -3176,6 +3197,20 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
             or not idx.is_contiguous()):
         return False
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
+
+
+def take(x: Tensor, idx: Tensor) -> Tensor:
+    """``x.reshape(-1).index_select(0, idx)`` (a copy: the same bits), in C with the loads prefetched
+    where ``x`` is float32 (:func:`usable`) and ``idx`` a contiguous int64 CPU tensor; torch's
+    gather otherwise, which also raises on a position out of range."""
+    flat = x.reshape(-1)
+    lib = library()
+    if (lib is not None and usable(flat) and idx.dtype == torch.int64 and idx.device.type == "cpu"
+            and idx.dim() == 1 and idx.is_contiguous()):
+        out = torch.empty(idx.numel(), dtype=torch.float32)
+        if lib.ac_take(flat.data_ptr(), flat.numel(), idx.data_ptr(), idx.numel(), out.data_ptr()) == 0:
+            return out
+    return flat.index_select(0, idx)
 
 
 def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float, limit: int,

@@ -143,7 +143,7 @@ class ADTopkCompressor(SparseCompressor):
         flat = tensor.reshape(-1)
         idx = self.indices(tensor, name)
         self.last_density[name] = idx.numel() / max(1, flat.numel())
-        return [flat.index_select(0, idx), idx], SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
+        return [_native.take(flat, idx), idx], SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self._density}, split={self.split!r})"

@@ -179,7 +179,7 @@ class DGCCompressor(SparseCompressor):
             thr *= self.compress_lower_bound
             idx = counter.select(thr, density / self.compress_lower_bound)
         if idx.numel() > self.compress_upper_bound * k:  # the second, exact top-k among candidates
-            cand = a.index_select(0, idx)
+            cand = _native.take(a, idx)
             got = _native.pick_largest(cand, idx, k, None) if absolute else None  # one C call, |cand| ranked
             idx = got[0] if got is not None else largest_k(idx, cand.abs() if absolute else cand, k)  # canonical
         return idx if idx.numel() else (a.abs() if absolute else a).argmax().view(1)

@@ -134,7 +134,7 @@ class GaussianKCompressor(SparseCompressor):
         idx = counter.select(self.threshold(a, signed, k, counter, moments), self._density)
         cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
-            idx = largest_k(idx, a.index_select(0, idx).abs(), cap)
+            idx = largest_k(idx, _native.take(a, idx).abs_(), cap)
         return idx if idx.numel() else (signed.abs() if native else a).argmax().view(1)
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:

@@ -159,7 +159,7 @@ def largest_k_values(idx: Tensor, mags: Tensor, k: int, flat: Tensor) -> tuple[T
         if got is not None:
             return got
     kept = largest_k(idx, mags, k)
-    return kept, flat.index_select(0, kept)
+    return kept, _native.take(flat, kept)
 
 
 BATCHED_COUNTS = os.environ.get("ADACOMP_BATCHED_COUNTS", "auto")
@@ -640,7 +640,7 @@ class SparseCompressor(Compressor):
         """The payload's indices (:meth:`select`) and ``flat``'s values there; a subclass whose
         selection has the values at hand returns them without the gather."""
         idx = self.select(flat, name)
-        return idx, flat.index_select(0, idx)
+        return idx, _native.take(flat, idx)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1)

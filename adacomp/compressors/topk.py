@@ -164,7 +164,7 @@ class TopkCompressor(SparseCompressor):
             if got is not None:
                 return got
         idx = topk_indices(flat, k, self._workspace())
-        return idx, flat.index_select(0, idx)
+        return idx, _native.take(flat, idx)
 
 
 @register("gtopk")
@@ -272,7 +272,7 @@ class RandomkCompressor(Compressor):
         k = k_for(n, self._density)
         idx = distinct_uniform(n, k, self._generator(name, flat.device))
         ctx = RandomkCtx(SparseCtx(tensor.shape, n, tensor.dtype, tensor.device), idx)
-        return [flat.index_select(0, idx)], ctx
+        return [_native.take(flat, idx)], ctx
 
     residual_in_place = True
     """:meth:`residual` zeroes the sent coordinates (as a sparsifier's does), so error feedback may
