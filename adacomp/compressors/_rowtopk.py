@@ -301,6 +301,9 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     chosen = _native.row_chosen(c.mag, c.flat, c.row, row_thr, chose)
     if chosen is None:
         chosen = c.flat[chose.index_select(0, c.row) & (c.mag >= row_thr.index_select(0, c.row))]
+    exact = int(rows_a.numel() + rows_b.numel())
+    if not exact:  # the usual case: every row chosen from its candidates, nothing to splice in
+        return chosen, 0
     rows_x, cols_x = torch.cat([rows_a, rows_b]), torch.cat([cols_a, cols_b])
     more = extra[rows_x]
     rows_x, cols_x = (torch.cat([rows_x.repeat_interleave(q), rows_x[more]]),
@@ -308,7 +311,7 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     back = (rows_x // rr) * (n * rr) + cols_x * rr + rows_x % rr
     if back.numel():  # rows torch.topk answered: merged into ascending order
         chosen = merge_ascending(chosen, back)
-    return chosen, int(rows_a.numel() + rows_b.numel())
+    return chosen, exact
 
 
 # Above this many runs of ``extra`` between consecutive members of ``ordered`` the slices'
