@@ -38,6 +38,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
+@pytest.fixture
+def one_thread():
+    """torch sums on one thread here (with more it splits a sum, and the C cascade declines)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["avx2", "baseline"])
 def avx2_switch(request):
     """Runs a test with the hand-written AVX2 loops, then with the baseline loops (the same where

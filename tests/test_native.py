@@ -110,7 +110,7 @@ def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx
                        ~((x + r).abs() < t), x + r),
         "add_stats": (lambda i, v, c: lib.ac_add_abs_stats_select(p["xf"], p["rf"], p["out1"], n, p["stats"],
                                                                   p["amax"], ct, 0, i, v, c),
-                      (xf + rf).abs() >= t, (xf + rf).abs()),
+                      (xf + rf).abs() >= t, xf + rf),  # the signed sums
         "sumsq": (lambda i, v, c: lib.ac_sumsq_select_abs_gt(p["xf"], n, ctypes.c_double(0.0), ct, i, v, c,
                                                              p["sumsq"], 0, p["used"]), xf.abs() > t, xf.abs()),
         # DGC's pass with u = 0: u' = 0.9 * 0 + g, v' = r + u'
@@ -868,15 +868,6 @@ def test_fused_search_passes_give_the_torch_paths_payloads(name: str, monkeypatc
                                                     bits(b) if b.is_floating_point() else b) for a, b in zip(f, s))
 
 
-@pytest.fixture
-def one_thread():
-    """torch sums on one thread here (with more it splits a sum, and the C cascade declines)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("n", [8, 9, 31, 32, 33, 100, 1000, 4133, 65_573, (1 << 20) + 3])
 def test_cascade_sum_and_ef_sign_scale_equal_torch(n: int, avx2_switch: str, one_thread: None) -> None:
     """torch's one-thread float32 sum (its cascade of 8-lane levels) copied in C: the sum, the sum of
@@ -1052,7 +1043,8 @@ def test_compensation_with_search_statistics_is_the_separate_passes(n: int, stri
                                                                     one_thread: None) -> None:
     """RedSync's and MSTop-k's fused first read (``add_abs_stats``): the sum is torch.add's, the
     statistics are abs_stats' of that sum, the candidates are select's in mode abs_gt / abs_ge (a sum
-    exactly at the threshold, -0.0, a shifted output); a NaN still writes the whole sum."""
+    exactly at the threshold, -0.0, a shifted output) with the signed sums there; a NaN still writes
+    the whole sum."""
     for shift in (0, 1):
         g = torch.Generator().manual_seed(n + shift)
         a, b = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.3
@@ -1064,7 +1056,8 @@ def test_compensation_with_search_statistics_is_the_separate_passes(n: int, stri
         assert got.done and torch.equal(bits(out), bits(s))
         assert got.stats == _native.abs_stats(s, None) and got.stats.max == float(s.abs().max())
         idx, vals = _native.select(s, 1.5, "abs_gt" if strict else "abs_ge", 0.1)
-        assert got.cands is not None and torch.equal(got.cands[0], idx) and torch.equal(bits(got.cands[1]), bits(vals))
+        assert got.cands is not None and torch.equal(got.cands[0], idx) and torch.equal(bits(got.cands[1]), bits(s[idx]))
+        assert torch.equal(bits(got.cands[1].abs()), bits(vals))
         assert (n // 3 in idx.tolist()) == (not strict)
         out.fill_(7.0)
         assert _native.add_abs_stats(a, b, out).stats == got.stats  # statistics alone

@@ -468,3 +468,39 @@ def test_gaussiank_skips_counts_the_kept_set_decides() -> None:
         for density in (0.01, 0.1):
             counter = ThresholdCounter.for_search(x.abs(), True, density, Workspace())
             assert comp.threshold(x.abs(), x, k, counter) == comp.threshold(x.abs(), x, k, None)
+
+
+@pytest.mark.parametrize("name", ["redsync", "mstopk"])
+def test_payload_values_come_from_the_compensations_signed_candidates(name: str, monkeypatch, one_thread) -> None:
+    """Where error feedback's pass kept the search's candidates with their signed sums, RedSync's and
+    MSTop-k's payload values come from them (no gather over the tensor) and are the tensor's own
+    values at the payload's positions, bit for bit: on normal and tied data, over steps."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.sparse import ThresholdCounter
+    if _native.library() is None:
+        pytest.skip("no C compiler: the candidates come from the torch path, which gathers")
+    picked: list[bool] = []
+    orig = ThresholdCounter.pick
+
+    def counted(self, thr, expected=1.0):
+        got = orig(self, thr, expected)
+        picked.append(got is not None)
+        return got
+    monkeypatch.setattr(ThresholdCounter, "pick", counted)
+    comp, mem = compressors.get(name, density=0.01), memories.get("residual")
+    g = torch.Generator().manual_seed(5)
+    from_candidates = []
+    for step in range(4):
+        grad = torch.randn(1 << 17, generator=g)
+        if step == 2:
+            grad = grad.round()  # many ties at the threshold
+        flat = mem.compensate(grad, "w", 1, compressor=comp)
+        snapshot = flat.clone()
+        picked.clear()
+        payload, ctx = comp.compress(flat, "w")
+        from_candidates.append(picked == [True])
+        vals, idx = payload
+        assert torch.equal(vals.view(torch.int32), snapshot[idx].view(torch.int32)), step
+        assert torch.equal(idx, comp.select(snapshot.clone(), "other")), step  # the plain path's selection
+        mem.update(flat, "w", comp, payload, ctx)
+    assert from_candidates == [False, True, True, True]  # from the first compensated step on

@@ -477,6 +477,7 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
     __m256 vmn = _mm256_set1_ps(__builtin_inff()), un = _mm256_setzero_ps();
     float m = *mx;
     float blk[64] __attribute__((aligned(32)));  /* the block's magnitudes for the cascade (out may be streamed) */
+    float sgn[64] __attribute__((aligned(32)));  /* the block's signed values, which a selection emits */
     const int stream = out != NULL && n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     const int sstream = xs != NULL && n >= AC_STREAM_MIN && ((uintptr_t)xs & 31) == 0;
     for (; i + 64 <= n; i += 64) {
@@ -488,6 +489,7 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
                 if (sstream) _mm256_stream_ps(xs + i + 8 * q, v);
                 else _mm256_storeu_ps(xs + i + 8 * q, v);
             }
+            if (sel) _mm256_store_ps(sgn + 8 * q, v);
             v = _mm256_andnot_ps(sign, v);
             if (stream) _mm256_stream_ps(out + i + 8 * q, v);
             else if (out) _mm256_storeu_ps(out + i + 8 * q, v);
@@ -509,7 +511,7 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
                 const __m256 p = sel->strict ? _mm256_cmp_ps(w, tv, _CMP_GT_OQ) : _mm256_cmp_ps(w, tv, _CMP_GE_OQ);
                 mk |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);
             }
-            AC_SEL_EMIT64(sel, mk, i, blk[j]);
+            AC_SEL_EMIT64(sel, mk, i, sgn[j]);
         }
     }
     if (stream || sstream) _mm_sfence();
@@ -522,8 +524,9 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
 }
 #endif
 /* x + r (r not NULL: error feedback's compensation, one IEEE add per element as torch.add, written to
-   xs) or x itself, and ac_abs_stats's statistics of its magnitudes; with sel, also the positions and
-   magnitudes passing sel's threshold, as ac_select_abs_gt / ac_select_abs_ge list them. */
+   xs) or x itself, and ac_abs_stats's statistics of its magnitudes; with sel, also the positions
+   ac_select_abs_gt / ac_select_abs_ge list, with the signed values there (a payload's values come
+   from them, not from a gather over the tensor). */
 static int abs_stats_of(const float* x, const float* r, float* xs, float* out, int64_t n, float* stats,
                         int64_t* amax, ac_sel* sel) {
     int64_t i = 0, best = -1, am = -1;
@@ -551,7 +554,7 @@ static int abs_stats_of(const float* x, const float* r, float* xs, float* out, i
         if (v != v) nan = 1;
         if (v > mx) { mx = v; am = i; }
         if (v < mn) mn = v;
-        if (sel && (sel->strict ? v > sel->t : v >= sel->t)) AC_SEL_EMIT(sel, i, v);
+        if (sel && (sel->strict ? v > sel->t : v >= sel->t)) AC_SEL_EMIT(sel, i, s);
     }
     if (nan) return -1;
     stats[0] = mx;
@@ -577,8 +580,8 @@ int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* a
 }
 /* Error feedback's compensation with what RedSync's and MSTop-k's searches read first of its result:
    sum = g + r (torch.add's bits; sum may be g), the statistics of |sum| ac_abs_stats(sum, NULL) gives
-   and (idx not NULL) the search's candidates, |sum| > t (strict) or >= t, at most cap written: three
-   passes in one.
+   and (idx not NULL) the search's candidates, |sum| > t (strict) or >= t, with their signed sums, at
+   most cap written: three passes in one.
    Returns how many passed, or -1 on a NaN (sum is still written in full). */
 int64_t ac_add_abs_stats_select(const float* g, const float* r, float* sum, int64_t n, float* stats, int64_t* amax,
                                 float t, int strict, int64_t* idx, float* vals, int64_t cap) {
@@ -2812,8 +2815,8 @@ def abs_stats(x: Tensor, out: Tensor | None) -> AbsStats | None:
 
 class AddStats(NamedTuple):
     """What :func:`add_abs_stats` did: ``done`` (the sum is written), the statistics of its
-    magnitudes (None on a NaN) and the candidates passing the threshold (None when not asked, or
-    on a NaN)."""
+    magnitudes (None on a NaN) and the candidates passing the threshold: their positions and signed
+    values (None when not asked, or on a NaN)."""
     done: bool
     stats: AbsStats | None = None
     cands: tuple[Tensor, Tensor] | None = None
@@ -2823,8 +2826,9 @@ def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, s
                   expected: float = 1.0) -> AddStats:
     """``torch.add(g, r, out=out)`` (bitwise; ``out`` may be ``g`` when no ``thr``) and, from the same
     pass, :func:`abs_stats` of ``out`` (nothing else written) and, with a finite ``thr``, the
-    positions and magnitudes of ``|out| > thr`` (``strict``) or ``>= thr`` as :func:`select` lists
-    them in mode ``abs_gt`` / ``abs_ge``: error feedback's compensation with the statistics and the
+    positions of ``|out| > thr`` (``strict``) or ``>= thr`` as :func:`select` lists them in mode
+    ``abs_gt`` / ``abs_ge``, with ``out``'s signed values there (not select's magnitudes, so that a
+    payload takes its values from them): error feedback's compensation with the statistics and the
     candidates RedSync's and MSTop-k's searches read first. Not ``done`` where this cannot run
     (nothing written)."""
     lib = library()

@@ -89,10 +89,15 @@ class MSTopkCompressor(SparseCompressor):
         return seen.best(hi_val)
 
     def select(self, flat: Tensor, name: str) -> Tensor:
+        return self.choose(flat, name)[0]
+
+    def choose(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor | None]:
+        """The selection, with its values where the search's candidates carry them (the
+        compensation's pass kept the signed sums: :meth:`ThresholdCounter.pick`)."""
         n = flat.numel()
         k = k_for(n, self._density)
         if k >= n:
-            return torch.arange(n, device=flat.device)
+            return torch.arange(n, device=flat.device), None
         # other dtypes keep comparing in their own
         mean: float | None = None
         m: Magnitudes | None = None
@@ -105,11 +110,13 @@ class MSTopkCompressor(SparseCompressor):
             lo_t, hi_t = torch.aminmax(mag)
             lo, hi = float(lo_t), float(hi_t)
         if hi == lo:  # all magnitudes tie (e.g. a zero gradient): no threshold separates k
-            return torch.arange(k, device=flat.device)
+            return torch.arange(k, device=flat.device), None
         counter = (m.search_counter(self.search_strict, self._density, self._workspace(), self.search_factor)
                    if m is not None else
                    ThresholdCounter.for_search(mag, False, self._density, self._workspace(), self.search_factor))
-        return counter.select(self.threshold(mag, k, counter, hi, mean), self._density)
+        thr = self.threshold(mag, k, counter, hi, mean)
+        got = counter.pick(thr, self._density)
+        return got if got is not None else (counter.select(thr, self._density), None)
 
     def __repr__(self) -> str:
         return f"MSTopkCompressor(density={self._density}, rounds={self.search_rounds})"

@@ -97,15 +97,24 @@ class RedSyncCompressor(SparseCompressor):
         return seen.best(base)
 
     def select(self, flat: Tensor, name: str) -> Tensor:
+        return self.choose(flat, name)[0]
+
+    def choose(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor | None]:
+        """The selection, with its values where the search's candidates carry them (the
+        compensation's pass kept the signed sums: :meth:`ThresholdCounter.pick`)."""
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
-            return torch.arange(flat.numel(), device=flat.device)
+            return torch.arange(flat.numel(), device=flat.device), None
         # |g|'s max and mean in one read; the counts then read g itself (|g| is not written) where C serves
         mag = Magnitudes(flat, self._workspace(), write=False, known=self._kept().take(name, flat))
         counter = mag.search_counter(self.search_strict, self._density, self._workspace(), self.search_factor)
         a = mag.a if mag.a is not None else flat  # (threshold reads only the counter, max and mean given)
-        idx = counter.select(self.threshold(a, k, counter, mag.max(), mag.mean()), self._density)
-        return idx if idx.numel() else mag.argmax()
+        thr = self.threshold(a, k, counter, mag.max(), mag.mean())
+        got = counter.pick(thr, self._density)
+        if got is not None and got[0].numel():
+            return got
+        idx = counter.select(thr, self._density)
+        return (idx, None) if idx.numel() else (mag.argmax(), None)
 
     def __repr__(self) -> str:
         return f"RedSyncCompressor(density={self._density}, max_steps={self.max_steps})"

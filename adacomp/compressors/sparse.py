@@ -271,7 +271,7 @@ class Magnitudes:
             if (k is not None and k.cands is not None and k.strict == strict
                     and k.expected == search_share(density, factor)):  # for_search's compaction, done
                 counter = ThresholdCounter(self.flat, strict, workspace, absolute=True)
-                counter.adopt(k.floor, *k.cands)
+                counter.adopt(k.floor, *k.cands, signed=True)  # compensate_with_stats keeps the signed sums
                 return counter
             return ThresholdCounter.for_search(self.flat, strict, density, workspace, factor, absolute=True)
         return ThresholdCounter.for_search(self.a, strict, density, workspace, factor)
@@ -350,7 +350,7 @@ class KnownMagnitudes(NamedTuple):
     would keep (``floor``, ``cands``) for a search of that strictness and expected share."""
     stats: _native.AbsStats
     floor: float
-    cands: tuple[Tensor, Tensor] | None
+    cands: tuple[Tensor, Tensor] | None  # positions and signed values
     strict: bool
     expected: float
 
@@ -399,6 +399,7 @@ class ThresholdCounter:
         self.floor: float | None = None
         self.idx: Tensor | None = None
         self.vals: Tensor | None = None
+        self.signed = False  # the kept values are the signed elements (adopt(signed=True)), not magnitudes
         self.nan_kept = False  # the kept set holds NaNs too (compact(keep_nan=True))
         self._kept_counter: Callable[[float], int] | None = None  # over ``vals``, bound by adopt()
         self._full_counter: Callable[[float], int] | None = None  # over ``a``, bound on first use
@@ -424,8 +425,14 @@ class ThresholdCounter:
 
     @property
     def _kept_mode(self) -> str:
-        """The comparison on the kept values, which are magnitudes already when ``absolute``."""
-        return "gt" if self.strict else "ge"
+        """The comparison on the kept values, which are magnitudes already when ``absolute`` (unless
+        they were adopted signed)."""
+        return ("abs_" if self.signed else "") + ("gt" if self.strict else "ge")
+
+    def _kept_magnitudes(self) -> Tensor:
+        """The kept values as the counts compare them (torch's paths)."""
+        assert self.vals is not None
+        return self.vals.abs() if self.signed else self.vals
 
     def covers(self, thr: float) -> bool:
         return self.floor is not None and thr >= self.floor
@@ -447,9 +454,14 @@ class ThresholdCounter:
         idx = nonzero_1d(mask, expected)
         self.adopt(floor, idx, self.a.index_select(0, idx))
 
-    def adopt(self, floor: float, idx: Tensor, vals: Tensor) -> None:
+    def adopt(self, floor: float, idx: Tensor, vals: Tensor, signed: bool = False) -> None:
         """Keep a candidate set a fused pass compacted at ``floor`` (what :meth:`compact` would keep);
-        its counts go through a function bound here once (searches count dozens of thresholds)."""
+        its counts go through a function bound here once (searches count dozens of thresholds).
+        ``signed``: ``vals`` are the elements themselves (an ``absolute`` counter compares their
+        magnitudes), so :meth:`pick` gives a payload's values without a gather over ``a``."""
+        self.signed = signed and self.prefix == "abs_" and self.native
+        if signed and not self.signed:
+            raise ValueError("ThresholdCounter.adopt(signed=True) needs an absolute counter on the fused C passes")
         self.idx, self.vals, self.floor = idx, vals, floor
         self._kept_counter = _native.counter(vals, self._kept_mode) if self.native else None
         self._sorted.pop("kept", None)
@@ -467,7 +479,7 @@ class ThresholdCounter:
         todo = sorted(set(t for t in thrs if t not in self._counts and math.isfinite(t)))
         if self.floor is not None:
             todo = [t for t in todo if self.covers(t)]
-            key, src = "kept", self.vals
+            key, src = "kept", self._kept_magnitudes()
             if self.nan_kept:
                 return
         else:
@@ -532,9 +544,9 @@ class ThresholdCounter:
         self.reads += 1
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
-            if self._kept_counter is not None:  # the kept values are magnitudes when absolute
+            if self._kept_counter is not None:  # (bound to the kept values' own mode)
                 return self._kept_counter(thr)
-            return int(torch.count_nonzero(self._cmp(self.vals, thr)))
+            return int(torch.count_nonzero(self._cmp(self._kept_magnitudes(), thr)))
         if self.native:
             if self._full_counter is None:
                 self._full_counter = _native.counter(self.a, self.mode)
@@ -563,10 +575,21 @@ class ThresholdCounter:
                 share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
                 at = _native.select(self.vals, thr, self._kept_mode, share)[0]
                 return self.idx.index_select(0, at)
-            return self.idx[self._cmp(self.vals, thr)]
+            return self.idx[self._cmp(self._kept_magnitudes(), thr)]
         if self.native:
             return _native.select(self.a, thr, self.mode, expected)[0]
         return nonzero_1d(self._cmp(self.a, thr, out=self.mask), expected)
+
+    def pick(self, thr: float, expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
+        """:meth:`select` with the signed values there, from the kept set where it was adopted signed
+        and covers ``thr`` (a gather over candidates in cache instead of one over the tensor, which its
+        compensation streamed past the caches); None otherwise (the caller gathers)."""
+        if not (self.signed and self.covers(thr)):
+            return None
+        assert self.idx is not None and self.vals is not None  # adopted
+        share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+        at = _native.select(self.vals, thr, self._kept_mode, share)[0]
+        return self.idx.index_select(0, at), _native.take(self.vals, at)
 
     @classmethod
     def for_search(cls, a: Tensor, strict: bool, density: float, workspace: Workspace,
@@ -586,8 +609,9 @@ class ThresholdCounter:
         if self.covers(thr):
             assert self.vals is not None  # set with floor by compact()
             if self.native and _native.usable(self.vals):
-                return _native.select(self.vals, thr, self._kept_mode)[1]
-            return self.vals[self._cmp(self.vals, thr)]
+                return _native.select(self.vals, thr, self._kept_mode)[1]  # magnitudes in either mode
+            kept = self._kept_magnitudes()
+            return kept[self._cmp(kept, thr)]
         if self.native:
             return _native.select(self.a, thr, self.mode)[1]
         return self.a[self._cmp(self.a, thr, out=self.mask)]
@@ -636,11 +660,16 @@ class SparseCompressor(Compressor):
         """Indices (into ``flat``) of the elements to send."""
         raise NotImplementedError(f"{type(self).__name__} must implement select()")
 
+    def choose(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor | None]:
+        """:meth:`select`'s indices and, where the selection has them at hand, ``flat``'s values
+        there (None: :meth:`pick` gathers them)."""
+        return self.select(flat, name), None
+
     def pick(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor]:
-        """The payload's indices (:meth:`select`) and ``flat``'s values there; a subclass whose
-        selection has the values at hand returns them without the gather."""
-        idx = self.select(flat, name)
-        return idx, _native.take(flat, idx)
+        """The payload's indices and ``flat``'s values there, gathered where :meth:`choose` did not
+        give them."""
+        idx, vals = self.choose(flat, name)
+        return idx, vals if vals is not None else _native.take(flat, idx)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1)
