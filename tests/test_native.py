@@ -112,7 +112,7 @@ def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx
                                                                   p["amax"], ct, 0, i, v, c),
                       (xf + rf).abs() >= t, xf + rf),  # the signed sums
         "sumsq": (lambda i, v, c: lib.ac_sumsq_select_abs_gt(p["xf"], n, ctypes.c_double(0.0), ct, i, v, c,
-                                                             p["sumsq"], 0, p["used"]), xf.abs() > t, xf.abs()),
+                                                             p["sumsq"], 0, p["used"]), xf.abs() > t, xf),
         # DGC's pass with u = 0: u' = 0.9 * 0 + g, v' = r + u'
         "momentum": (lambda i, v, c: lib.ac_momentum_select_abs_ge(p["zero"], p["x"], p["r"], p["out1"], p["out2"], n,
                                                                    ctypes.c_float(0.9), ct, i, v, c),
@@ -794,8 +794,8 @@ def test_magnitudes_fall_back_to_torch_on_nan_and_other_dtypes() -> None:
 
 @pytest.mark.parametrize("n", [2, 63, 65, 70_001, 1 << 20])
 def test_std_select_equals_torch_std_and_select(n: int, avx2_switch: str) -> None:
-    """Gaussian-k's fused read: torch.std's bits (its one-thread sum) and select's abs_gt candidates;
-    with more threads torch sums in parts, so the fused read declines."""
+    """Gaussian-k's fused read: torch.std's bits (its one-thread sum) and select's abs_gt candidates
+    with their signed values; with more threads torch sums in parts, so the fused read declines."""
     g = torch.Generator().manual_seed(n)
     threads = torch.get_num_threads()
     try:
@@ -812,7 +812,7 @@ def test_std_select_equals_torch_std_and_select(n: int, avx2_switch: str) -> Non
             std, idx, vals = got
             assert str(std) == str(float(x.std())), case  # NaN compares by its text
             ref = x.abs() > 0.015
-            assert torch.equal(idx, torch.nonzero(ref).view(-1)) and torch.equal(bits(vals), bits(x.abs()[ref]))
+            assert torch.equal(idx, torch.nonzero(ref).view(-1)) and torch.equal(bits(vals), bits(x[ref]))
         torch.set_num_threads(2)
         assert _native.std_select(torch.randn(n, generator=g), 0.0, 1.0) is None
     finally:

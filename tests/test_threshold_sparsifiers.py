@@ -470,10 +470,11 @@ def test_gaussiank_skips_counts_the_kept_set_decides() -> None:
             assert comp.threshold(x.abs(), x, k, counter) == comp.threshold(x.abs(), x, k, None)
 
 
-@pytest.mark.parametrize("name", ["redsync", "mstopk"])
-def test_payload_values_come_from_the_compensations_signed_candidates(name: str, monkeypatch, one_thread) -> None:
-    """Where error feedback's pass kept the search's candidates with their signed sums, RedSync's and
-    MSTop-k's payload values come from them (no gather over the tensor) and are the tensor's own
+@pytest.mark.parametrize("name", ["redsync", "mstopk", "gaussiank"])
+def test_payload_values_come_from_the_signed_candidates(name: str, monkeypatch, one_thread) -> None:
+    """Where a fused pass kept the search's candidates with their signed values (error feedback's
+    for RedSync and MSTop-k, the moments' read for Gaussian-k, which runs on uncompensated steps
+    too), the payload's values come from them (no gather over the tensor) and are the tensor's own
     values at the payload's positions, bit for bit: on normal and tied data, over steps."""
     from adacomp.compressors import _native
     from adacomp.compressors.sparse import ThresholdCounter
@@ -503,4 +504,5 @@ def test_payload_values_come_from_the_compensations_signed_candidates(name: str,
         assert torch.equal(vals.view(torch.int32), snapshot[idx].view(torch.int32)), step
         assert torch.equal(idx, comp.select(snapshot.clone(), "other")), step  # the plain path's selection
         mem.update(flat, "w", comp, payload, ctx)
-    assert from_candidates == [False, True, True, True]  # from the first compensated step on
+    # RedSync and MSTop-k from the first compensated step on
+    assert from_candidates == [name == "gaussiank", True, True, True]

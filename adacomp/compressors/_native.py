@@ -590,7 +590,8 @@ int64_t ac_add_abs_stats_select(const float* g, const float* r, float* sum, int6
     return sel.c;
 }
 /* Gaussian-k's moments and its search's candidates in one read: *sumsq = the sum of the terms
-   ((double)x - mean)^2 and the positions and magnitudes of |x| > t as ac_select_abs_gt lists them.
+   ((double)x - mean)^2 and the positions of |x| > t as ac_select_abs_gt lists them, with the signed x
+   there (the payload's values).
    torch.std sums those terms in index order, one dependent double add after another (latency-bound:
    ~0.5 ns an element). With lanes != 0 and AVX2 the same terms are summed in 16 double lanes (each
    in index order, then the lanes in a fixed tree; the tail of up to 63 terms last): *lanes_used = 1
@@ -629,7 +630,7 @@ __attribute__((target("avx2"))) static int64_t sumsq_select_avx2(const float* x,
                 acc = acc + d * d;
             }
         }
-        AC_EMIT64(m, i, __builtin_fabsf(x[i + j]))
+        AC_EMIT64(m, i, x[i + j])
     }
     if (lanes) {
         double v[4];
@@ -655,8 +656,7 @@ int64_t ac_sumsq_select_abs_gt(const float* x, int64_t n, double mean, float t, 
     for (; i < n; ++i) {
         const double d = (double)x[i] - mean;
         acc = acc + d * d;
-        const float v = __builtin_fabsf(x[i]);
-        if (v > t) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }
+        if (__builtin_fabsf(x[i]) > t) { if (c < cap) { idx[c] = i; vals[c] = x[i]; } ++c; }
     }
     *sumsq = acc;
     return c;
@@ -2875,8 +2875,8 @@ def std_if_decided(lanes_sum: float, n: int) -> float | None:
 
 
 def std_select(x: Tensor, mean: float, thr: float, expected: float = 1.0) -> tuple[float, Tensor, Tensor] | None:
-    """``float(x.std())`` given ``mean = float(x.mean())``, with the positions and magnitudes of
-    ``|x| > thr`` (:func:`select` in mode ``abs_gt``) from the same read: torch's bits where torch sums
+    """``float(x.std())`` given ``mean = float(x.mean())``, with the positions of ``|x| > thr``
+    (:func:`select` in mode ``abs_gt``) and the signed values there from the same read: torch's bits where torch sums
     on one thread (it splits the sum across threads otherwise: None, and torch answers).
 
     torch's sum of the squared deviations is one chain of dependent double adds; here the same terms

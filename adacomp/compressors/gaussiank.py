@@ -122,20 +122,29 @@ class GaussianKCompressor(SparseCompressor):
         return thr
 
     def select(self, flat: Tensor, name: str) -> Tensor:
+        return self.choose(flat, name)[0]
+
+    def choose(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor | None]:
+        """The selection, with its values where the candidates of the moments' read carry them
+        (float32 ``flat``: ``signed`` is ``flat`` itself)."""
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
-            return torch.arange(flat.numel(), device=flat.device)
+            return torch.arange(flat.numel(), device=flat.device), None
         signed = flat.float()
         # the C passes read |g| with the sign bit cleared, so the magnitudes are never written;
         # elsewhere |g| goes to a reused buffer (one pass, no page faults)
         native = _native.usable(signed)
         a = signed if native else self._workspace().magnitudes(flat)
         counter, moments = self._search(a, native, name)
-        idx = counter.select(self.threshold(a, signed, k, counter, moments), self._density)
+        thr = self.threshold(a, signed, k, counter, moments)
+        got = counter.pick(thr, self._density) if signed is flat else None
+        idx, vals = got if got is not None else (counter.select(thr, self._density), None)
         cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
-            idx = largest_k(idx, _native.take(a, idx).abs_(), cap)
-        return idx if idx.numel() else (signed.abs() if native else a).argmax().view(1)
+            idx, vals = largest_k(idx, vals.abs() if vals is not None else _native.take(a, idx).abs_(), cap), None
+        if not idx.numel():
+            return (signed.abs() if native else a).argmax().view(1), None
+        return idx, vals
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """``out = g + r`` (error feedback's compensation, torch.add's bits) with ``out``'s mean from
@@ -166,7 +175,7 @@ class GaussianKCompressor(SparseCompressor):
             if got is not None:
                 std, idx, vals = got
                 counter = ThresholdCounter(a, True, ws, absolute=True)
-                counter.adopt(floor, idx, vals)
+                counter.adopt(floor, idx, vals, signed=True)
                 return counter, (mean, std)
         return ThresholdCounter.for_search(a, True, self._density, ws, absolute=native), None
 
