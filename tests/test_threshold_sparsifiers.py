@@ -470,11 +470,11 @@ def test_gaussiank_skips_counts_the_kept_set_decides() -> None:
             assert comp.threshold(x.abs(), x, k, counter) == comp.threshold(x.abs(), x, k, None)
 
 
-@pytest.mark.parametrize("name", ["redsync", "mstopk", "gaussiank"])
+@pytest.mark.parametrize("name", ["redsync", "mstopk", "gaussiank", "dgc"])
 def test_payload_values_come_from_the_signed_candidates(name: str, monkeypatch, one_thread) -> None:
     """Where a fused pass kept the search's candidates with their signed values (error feedback's
     for RedSync and MSTop-k, the moments' read for Gaussian-k, which runs on uncompensated steps
-    too), the payload's values come from them (no gather over the tensor) and are the tensor's own
+    too, DGC's momentum correction), the payload's values come from them (no gather over the tensor) and are the tensor's own
     values at the payload's positions, bit for bit: on normal and tied data, over steps."""
     from adacomp.compressors import _native
     from adacomp.compressors.sparse import ThresholdCounter
@@ -488,7 +488,8 @@ def test_payload_values_come_from_the_signed_candidates(name: str, monkeypatch, 
         picked.append(got is not None)
         return got
     monkeypatch.setattr(ThresholdCounter, "pick", counted)
-    comp, mem = compressors.get(name, density=0.01), memories.get("residual")
+    comp, mem = compressors.get(name, density=0.01), memories.get("dgc" if name == "dgc" else "residual")
+    twin = compressors.get(name, density=0.01)  # selects on copies, without candidates (DGC: same draws)
     g = torch.Generator().manual_seed(5)
     from_candidates = []
     for step in range(4):
@@ -502,7 +503,7 @@ def test_payload_values_come_from_the_signed_candidates(name: str, monkeypatch, 
         from_candidates.append(picked == [True])
         vals, idx = payload
         assert torch.equal(vals.view(torch.int32), snapshot[idx].view(torch.int32)), step
-        assert torch.equal(idx, comp.select(snapshot.clone(), "other")), step  # the plain path's selection
+        assert torch.equal(idx, twin.select(snapshot.clone(), "w")), step  # the plain path's selection
         mem.update(flat, "w", comp, payload, ctx)
-    # RedSync and MSTop-k from the first compensated step on
-    assert from_candidates == [name == "gaussiank", True, True, True]
+    # RedSync, MSTop-k and DGC from the first compensated step on
+    assert from_candidates == [name == "gaussiank", True, True, True], from_candidates

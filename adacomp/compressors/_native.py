@@ -732,8 +732,8 @@ AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const floa
         v_out[i] = v[i] + t;
     }
 }
-/* The same momentum correction with DGC's candidates from the pass: the positions and magnitudes of
-   the new v passing |v| >= t, ascending (the set ac_select_abs_ge finds over v_out afterwards, one
+/* The same momentum correction with DGC's candidates from the pass: the positions of the new v
+   passing |v| >= t, with the signed v there (the payload's values), ascending (the set ac_select_abs_ge finds over v_out afterwards, one
    read of v_out less). 64 elements a mask with AVX2, streamed to 32-byte aligned outputs from
    AC_SELECT_STREAM_MIN elements (the next step reads them from memory anyway). */
 #if defined(AC_AVX2)
@@ -741,7 +741,7 @@ __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
         const float* u, const float* g, const float* v, float* u_out, float* v_out, int64_t n, float m, float t,
         int64_t* idx, float* vals, int64_t cap, int64_t* count, const int stream) {
     const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
-    float blk[64] __attribute__((aligned(32)));
+    float blk[64] __attribute__((aligned(32)));  /* the block's signed v */
     int64_t c = *count, i = 0;
     for (; i + 64 <= n; i += 64) {
         uint64_t mask = 0;
@@ -751,7 +751,7 @@ __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
             const __m256 w = _mm256_add_ps(_mm256_loadu_ps(v + o), a), b = _mm256_andnot_ps(sign, w);
             if (stream) { _mm256_stream_ps(u_out + o, a); _mm256_stream_ps(v_out + o, w); }
             else { _mm256_storeu_ps(u_out + o, a); _mm256_storeu_ps(v_out + o, w); }
-            _mm256_store_ps(blk + 8 * q, b);
+            _mm256_store_ps(blk + 8 * q, w);
             mask |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(b, tv, _CMP_GE_OQ)) << (8 * q);
         }
         AC_EMIT64(mask, i, blk[j])
@@ -777,8 +777,7 @@ int64_t ac_momentum_select_abs_ge(const float* u, const float* g, const float* v
         u_out[i] = a;
         const float w = v[i] + a;
         v_out[i] = w;
-        const float b = __builtin_fabsf(w);
-        if (b >= t) { if (c < cap) { idx[c] = i; vals[c] = b; } ++c; }
+        if (__builtin_fabsf(w) >= t) { if (c < cap) { idx[c] = i; vals[c] = w; } ++c; }
     }
     return c;
 }
@@ -3575,8 +3574,8 @@ def momentum_accumulate(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: T
 def momentum_select(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: Tensor, momentum: float, thr: float,
                     expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
     """:func:`momentum_accumulate` (the same floats) and, from the same pass, what :func:`select` in
-    mode ``abs_ge`` finds over ``v_out``: ascending positions and magnitudes of ``|v_out| >= thr``
-    (DGC's candidates). None (nothing written) where torch must run."""
+    mode ``abs_ge`` finds over ``v_out``: ascending positions of ``|v_out| >= thr`` with the signed
+    values there (DGC's candidates; select would give magnitudes). None (nothing written) where torch must run."""
     ts = (u, g, v, u_out, v_out)
     if not all(usable(t) for t in ts) or len({t.numel() for t in ts}) != 1 or len({t.data_ptr() for t in ts}) != 5:
         return None

@@ -42,11 +42,12 @@ HINT_SAMPLE = 1 << 12  # elements of the line sample that places the fused pass'
 
 class Candidates(NamedTuple):
     """What :meth:`DGCCompressor.accumulate_into` compacted while it wrote the accumulated velocity:
-    positions and magnitudes of ``|v| >= floor`` (what ``ThresholdCounter.compact(floor)`` keeps)."""
+    positions of ``|v| >= floor`` (what ``ThresholdCounter.compact(floor)`` keeps) and the signed v
+    there (the payload's values)."""
 
     floor: float
     idx: Tensor
-    mags: Tensor
+    vals: Tensor
 
 WARMUP_EPOCHS = 4  # DGC §3.3: sparsity 75% -> 99.9% over the first four epochs
 
@@ -158,10 +159,15 @@ class DGCCompressor(SparseCompressor):
         return float(torch.topk(sample, k_s, sorted=False).values.min())
 
     def select(self, flat: Tensor, name: str) -> Tensor:
+        return self.choose(flat, name)[0]
+
+    def choose(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor | None]:
+        """The selection, with its values where the momentum pass's candidates or the second top-k's
+        gather carry them."""
         density = self.current_density()
         k = k_for(flat.numel(), density)
         if k >= flat.numel():
-            return torch.arange(flat.numel(), device=flat.device)
+            return torch.arange(flat.numel(), device=flat.device), None
         ws = self._workspace()
         kept = self._kept().take(name, flat)
         # the C passes read |g| with the sign bit cleared (as torch.abs does), so the magnitudes are
@@ -171,18 +177,25 @@ class DGCCompressor(SparseCompressor):
         thr = self.threshold(a, density, absolute)
         counter = ThresholdCounter(a, strict=False, workspace=ws, absolute=absolute)
         if isinstance(kept, Candidates) and absolute:  # the momentum pass's compaction: the same answers
-            counter.adopt(kept.floor, kept.idx, kept.mags)
-        idx = counter.select(thr, density)
+            counter.adopt(kept.floor, kept.idx, kept.vals, signed=True)
+
+        def chosen(t: float, share: float) -> tuple[Tensor, Tensor | None]:
+            got = counter.pick(t, share)
+            return got if got is not None else (counter.select(t, share), None)
+        idx, vals = chosen(thr, density)
         for _ in range(self.max_adaptation_iters):
             if idx.numel() >= self.compress_lower_bound * k:
                 break
             thr *= self.compress_lower_bound
-            idx = counter.select(thr, density / self.compress_lower_bound)
+            idx, vals = chosen(thr, density / self.compress_lower_bound)
         if idx.numel() > self.compress_upper_bound * k:  # the second, exact top-k among candidates
-            cand = _native.take(a, idx)
+            cand = vals if vals is not None else _native.take(a, idx)  # signed where absolute
             got = _native.pick_largest(cand, idx, k, None) if absolute else None  # one C call, |cand| ranked
-            idx = got[0] if got is not None else largest_k(idx, cand.abs() if absolute else cand, k)  # canonical
-        return idx if idx.numel() else (a.abs() if absolute else a).argmax().view(1)
+            # (absolute: a is flat, so the picked candidates' own values are the payload's)
+            idx, vals = got if got is not None else (largest_k(idx, cand.abs() if absolute else cand, k), None)
+        if not idx.numel():
+            return (a.abs() if absolute else a).argmax().view(1), None
+        return idx, vals
 
     # ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
