@@ -572,9 +572,7 @@ class ThresholdCounter:
         if self.covers(thr):
             assert self.idx is not None and self.vals is not None  # set with floor by compact()
             if self.native and _native.usable(self.vals):  # one C pass over the kept values, no bool mask
-                share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
-                at = _native.select(self.vals, thr, self._kept_mode, share)[0]
-                return self.idx.index_select(0, at)
+                return self.idx.index_select(0, self._kept_at(thr, expected))
             return self.idx[self._cmp(self._kept_magnitudes(), thr)]
         if self.native:
             return _native.select(self.a, thr, self.mode, expected)[0]
@@ -587,9 +585,15 @@ class ThresholdCounter:
         if not (self.signed and self.covers(thr)):
             return None
         assert self.idx is not None and self.vals is not None  # adopted
-        share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
-        at = _native.select(self.vals, thr, self._kept_mode, share)[0]
+        at = self._kept_at(thr, expected)
         return self.idx.index_select(0, at), _native.take(self.vals, at)
+
+    def _kept_at(self, thr: float, expected: float) -> Tensor:
+        """Positions among the kept values passing ``thr`` (one C pass; ``expected``: the share of
+        ``a`` the caller expects, rescaled to the kept set for the output's first guess)."""
+        assert self.vals is not None
+        share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+        return _native.select(self.vals, thr, self._kept_mode, share)[0]
 
     @classmethod
     def for_search(cls, a: Tensor, strict: bool, density: float, workspace: Workspace,
