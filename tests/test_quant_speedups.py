@@ -56,14 +56,18 @@ def test_pack_matches_bit_plane_reference(bits: int, n: int) -> None:
     ((1000,), 4, 512), ((7, 300), 2, 512), ((3, 100003), 3, 100), ((513,), 8, 0), ((2100,), 5, 0),
     ((300, 1000), 4, 70000), ((40, 41), 7, 1), (((1 << 19) + 5,), 4, 512),
 ])
-@pytest.mark.parametrize("path", ["tiles", "blocks"])
+@pytest.mark.parametrize("path", ["tiles", "tiles_torch_norms", "blocks"])
 def test_blockwise_qsgd_equals_whole_tensor_expression(shape, bits, bucket, path, monkeypatch, avx2_switch) -> None:
-    """QSGD's C tile loop (uniforms, codes and packing per L1 tile; bits 2, 4, 8) and its block loop
-    (every other case, or ``path == "blocks"``) both give the whole-tensor expression's norms and
-    packed codes, and leave the generator where it leaves it."""
+    """QSGD's C tile loop (uniforms, codes and packing per L1 tile; bits 2, 4, 8; the bucket norms
+    in the same loop where the bucket is a multiple of torch's vector width, torch's otherwise or
+    with ``path == "tiles_torch_norms"``) and its block loop (every other case, or ``path ==
+    "blocks"``) all give the whole-tensor expression's norms and packed codes, and leave the
+    generator where it leaves it."""
     monkeypatch.setattr(qsgd_mod, "CHUNK", 4096)  # many blocks, buckets above and below a block
     if path == "blocks":
-        monkeypatch.setattr(qsgd_mod._native, "qsgd_compress", lambda *a: False)
+        monkeypatch.setattr(qsgd_mod._native, "qsgd_compress", lambda *a, **k: False)
+    if path == "tiles_torch_norms":
+        monkeypatch.setattr(qsgd_mod._native, "norm_lanes", lambda: 0)
     x = torch.randn(shape, generator=gen(1))
     x.view(-1)[::97] = 0.0
     x.view(-1)[1::101] = -0.0
@@ -93,13 +97,37 @@ def test_qsgd_tile_loop_refuses_a_nan_without_drawing(bits: int) -> None:
     tiled.compress(y, "w")
     saved = qsgd_mod._native.qsgd_compress
     try:
-        qsgd_mod._native.qsgd_compress = lambda *a: False
+        qsgd_mod._native.qsgd_compress = lambda *a, **k: False
         plain.compress(y, "w")
     finally:
         qsgd_mod._native.qsgd_compress = saved
     a, b = tiled.compress(x, "w")[0], plain.compress(x, "w")[0]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert torch.equal(tiled._gen(x.device).get_state(), plain._gen(x.device).get_state())
+
+
+def test_bucket_norms_equal_torch_norms() -> None:
+    """The C bucket norms (QSGD's fused loop) equal torch's ``view(-1, size).norm(dim=1)`` bitwise on
+    this torch (its AVX2 or AVX-512 kernel: found, not assumed away), at every scale, with a partial
+    zero-padded last bucket, infinities and a bucket of zeros, and on a GPT-2-sized matrix."""
+    from adacomp.compressors import _native
+    lib, lanes = _native.library(), _native.norm_lanes()
+    if lib is None:
+        pytest.skip(f"no C compiler: {_native._error}")
+    assert lanes in (8, 16), "torch's float32 norm order is no longer the one ac_bucket_norms reproduces"
+    g = gen(7)
+    cases = [(torch.randn(768 * 3072, generator=g), 512), (torch.randn(70000 * 3 + 5, generator=g) * 1e-20, 70000),
+             (torch.rand(1000 * 64 + 17, generator=g) * 3e18, 64), (torch.randn(4096, generator=g), 16)]
+    cases[3][0][100] = float("inf")
+    cases[3][0][200:216] = 0.0
+    for x, size in cases:
+        nb = -(-x.numel() // size)
+        padded = torch.zeros(nb * size)
+        padded[:x.numel()] = x
+        got = torch.empty(nb)
+        assert lib.ac_bucket_norms(x.data_ptr(), x.numel(), size, lanes, got.data_ptr()) == 0
+        assert torch.equal(got, padded.view(nb, size).norm(dim=1))
+    assert lib.ac_bucket_norms(x.data_ptr(), x.numel(), 12, lanes, got.data_ptr()) == -1  # not whole vectors
 
 
 def test_efsignsgd_equals_plain_expressions() -> None:

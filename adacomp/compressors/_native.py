@@ -2458,19 +2458,54 @@ AC_CLONES int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
     mt_store(st, s, left, next);
     return 0;
 }
-/* QSGD's whole compress after the norms, in tiles that stay in L1: each tile's uniforms from the
-   generator state st (in stream order, the padding of the last bucket drawn too), its codes
-   (ac_qsgd_codes) and their packing (ac_pack) into out. Bitwise the block loop of qsgd.py; -1 (st
+/* The l2 norm of one bucket in torch's order for a float32 norm over a contiguous last dimension
+   whose length is a multiple of the vector width: `lanes` accumulators (element j adds its square,
+   rounded, to lane j % lanes), then lane 0 + lane 1 + ... in turn, then the square root. The zero
+   padding of a partial bucket adds +0 to its lanes, which changes nothing, so m may be short. */
+static inline __attribute__((always_inline)) float bucket_norm(const float* x, int64_t m, const int lanes) {
+    float acc[16] = {0};
+    int64_t d = 0;
+    for (; d + lanes <= m; d += lanes)
+        for (int l = 0; l < lanes; ++l) acc[l] += x[d + l] * x[d + l];
+    for (int l = 0; d + l < m; ++l) acc[l] += x[d + l] * x[d + l];
+    float b = acc[0];
+    for (int l = 1; l < lanes; ++l) b += acc[l];
+    return __builtin_sqrtf(b);
+}
+/* norms of the nb buckets of `size` elements starting at bucket b0 of x (n real elements) */
+static void bucket_norms(const float* x, int64_t n, int64_t size, int lanes, int64_t b0, int64_t nb, float* norms) {
+    for (int64_t b = b0; b < b0 + nb; ++b) {
+        const int64_t lo = b * size, m = n - lo < size ? n - lo : size;
+        norms[b] = lanes == 16 ? bucket_norm(x + lo, m, 16) : bucket_norm(x + lo, m, 8);
+    }
+}
+int ac_bucket_norms(const float* x, int64_t n, int64_t size, int lanes, float* norms) {
+    if (size < 1 || size % lanes || (lanes != 8 && lanes != 16)) return -1;
+    bucket_norms(x, n, size, lanes, 0, (n + size - 1) / size, norms);
+    return 0;
+}
+/* QSGD's whole compress, in tiles that stay in L1: each tile's uniforms from the generator state st
+   (in stream order, the padding of the last bucket drawn too), its codes (ac_qsgd_codes) and their
+   packing (ac_pack) into out. With norms (lanes 8 or 16), the bucket norms too, each just before
+   its bucket's first tile (so the codes read the gradient from cache), and safe[b] = norms[b] > 0 ?
+   norms[b] : 1; without, safe holds them already. Bitwise the block loop of qsgd.py; -1 (st
    untouched) on a NaN code or an unreadable state. */
 #define QSGD_TILE 2048
-int ac_qsgd_compress(const float* x, int64_t n, int64_t padded, const float* safe, int64_t size, float s, int bits,
-                     uint8_t* st, uint8_t* out) {
+int ac_qsgd_compress(const float* x, int64_t n, int64_t padded, float* safe, int64_t size, float s, int bits,
+                     uint8_t* st, uint8_t* out, float* norms, int lanes) {
     int32_t left; uint64_t next; uint32_t mt[MT_N];
     float rnd[QSGD_TILE];
     uint8_t codes[QSGD_TILE];
+    int64_t normed = 0;  /* buckets whose norms are done */
+    if (norms && (size % lanes || (lanes != 8 && lanes != 16))) return -1;
     if (mt_load(st, mt, &left, &next)) return -1;
     for (int64_t lo = 0; lo < n; lo += QSGD_TILE) {
         const int64_t m = n - lo < QSGD_TILE ? n - lo : QSGD_TILE;
+        if (norms) {
+            const int64_t upto = (lo + m - 1) / size + 1;
+            bucket_norms(x, n, size, lanes, normed, upto - normed, norms);
+            for (; normed < upto; ++normed) safe[normed] = norms[normed] > 0.0f ? norms[normed] : 1.0f;
+        }
         mt_fill(mt, &left, &next, rnd, m);
         if (ac_qsgd_codes(x + lo, m, rnd, safe, lo, size, s, codes)) return -1;
         if (bits == 8) __builtin_memcpy(out + lo, codes, (size_t)m);
@@ -2555,7 +2590,10 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_qsgd_compress.restype = ctypes.c_int
-    lib_.ac_qsgd_compress.argtypes = [vp, i64, i64, vp, i64, ctypes.c_float, ctypes.c_int, vp, vp]
+    lib_.ac_qsgd_compress.argtypes = [vp, i64, i64, vp, i64, ctypes.c_float, ctypes.c_int, vp, vp, vp,
+                                      ctypes.c_int]
+    lib_.ac_bucket_norms.restype = ctypes.c_int
+    lib_.ac_bucket_norms.argtypes = [vp, i64, i64, ctypes.c_int, vp]
     lib_.ac_add_select_abs_not_lt.restype = ctypes.c_int64
     lib_.ac_abs_stats.restype = ctypes.c_int
     lib_.ac_cascade_sum.restype = ctypes.c_float
@@ -3627,21 +3665,61 @@ def uniform_(out: Tensor, gen: torch.Generator) -> bool:
 
 
 def qsgd_compress(x: Tensor, padded: int, safe: Tensor, size: int, s: int, bits: int, gen: torch.Generator,
-                  out: Tensor) -> bool:
+                  out: Tensor, norms: Tensor | None = None) -> bool:
     """QSGD's codes of the whole 1-D float32 ``x`` packed into ``out`` in one C loop over L1-sized
     tiles (each tile's uniforms drawn from ``gen``, ``padded`` in all, then coded and packed), bitwise
     ``qsgd.py``'s block loop and leaving ``gen`` in its state; False (``gen`` untouched) where that
-    loop must run: a NaN code, another layout, or bits outside 2, 4, 8."""
+    loop must run: a NaN code, another layout, or bits outside 2, 4, 8. With ``norms``, the bucket
+    norms are computed in the same loop into ``norms`` (bitwise torch's, see :func:`norm_lanes`) and
+    ``safe`` is written, not read; False too where this torch's norm order is not known."""
+    lanes = 0
+    if norms is not None:
+        lanes = norm_lanes()
+        if not (lanes and size % lanes == 0 and usable(norms) and norms.numel() == safe.numel()):
+            return False
     if not (bits in (2, 4, 8) and usable(x) and usable(safe) and _bytes_ok(out) and gen.device.type == "cpu"
             and out.numel() == -(-x.numel() * bits // 8) and safe.numel() * size >= padded >= x.numel()
             and _rng_checked()):
         return False
     st = gen.get_state()
     if library().ac_qsgd_compress(x.data_ptr(), x.numel(), padded, safe.data_ptr(), size,  # type: ignore[union-attr]
-                                  float(s), bits, st.data_ptr(), out.data_ptr()) != 0:
+                                  float(s), bits, st.data_ptr(), out.data_ptr(),
+                                  None if norms is None else norms.data_ptr(), lanes) != 0:
         return False
     gen.set_state(st)
     return True
+
+
+_lanes: int | None = None
+
+
+def norm_lanes() -> int:
+    """The accumulator count (8 or 16) with which ``ac_bucket_norms`` equals this torch's
+    ``x.view(-1, size).norm(dim=1)`` bitwise (its vectorised last-dimension loop: one accumulator per
+    vector lane, AVX2's 8 or AVX-512's 16), or 0 where neither does; checked once per process on
+    probes of several scales, sizes and a partial last bucket. Why: QSGD's separate norm pass was
+    a whole extra read of the gradient (~15 % of its step on GPT-2-small, issue 32)."""
+    global _lanes
+    if _lanes is None:
+        _lanes = 0
+        lib = library()
+        g = torch.Generator().manual_seed(20261127)
+        probes = [(torch.randn(37 * size + size // 2, generator=g) * scale, size)
+                  for size in (16, 512, 4096) for scale in (1.0, 1e-19, 1e17)]
+        for lanes in (8, 16):
+            if lib is not None and all(_bucket_norms_agree(lib, x, size, lanes) for x, size in probes):
+                _lanes = lanes
+                break
+    return _lanes
+
+
+def _bucket_norms_agree(lib: ctypes.CDLL, x: Tensor, size: int, lanes: int) -> bool:
+    nb = -(-x.numel() // size)
+    padded = torch.zeros(nb * size)
+    padded[:x.numel()] = x
+    got = torch.empty(nb)
+    return (lib.ac_bucket_norms(x.data_ptr(), x.numel(), size, lanes, got.data_ptr()) == 0
+            and torch.equal(got, padded.view(nb, size).norm(dim=1)))
 
 
 def qsgd_codes(x: Tensor, rnd: Tensor, safe: Tensor, off0: int, size: int, s: int, codes: Tensor) -> bool:

@@ -137,15 +137,20 @@ class QSGDCompressor(Compressor):
         n = src.numel()
         size = max(min(self.bucket_size, n) if self.bucket_size else n, 1)  # a bucket never exceeds the tensor
         nb = self._buckets(n)
-        norms = self._norms(src, n, size, nb)
-        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         gen = self._gen(src.device)
         ws = self._workspace()
         nbytes = packed_bytes(n, self.bits)
         packed = ws.output(torch.Size([nbytes]), nbytes, torch.uint8, src.device)  # recycled once nobody holds it
         ctx = QuantCtx(tensor.shape, n, tensor.dtype, tensor.device, self.bits, self.s, size)
+        if src.device.type == "cpu":
+            norms = torch.empty(nb)
+            if _native.qsgd_compress(src, nb * size, ws.scratch("safe", nb, torch.float32, src.device), size,
+                                     self.s, self.bits, gen, packed, norms=norms):
+                return [norms, packed], ctx  # one C loop over L1 tiles: norms, uniforms, codes, packing
+        norms = self._norms(src, n, size, nb)
+        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
         if _native.qsgd_compress(src, nb * size, safe, size, self.s, self.bits, gen, packed):
-            return [norms, packed], ctx  # one C loop over L1 tiles: uniforms, codes, packing
+            return [norms, packed], ctx  # the same loop with torch's norms
         chunk = CHUNK * max(1, torch.get_num_threads())
         blocks = self._blocks(size, nb, chunk)
         width = max(hi - lo for lo, hi, _ in blocks)
