@@ -839,6 +839,50 @@ def test_std_from_lane_sums_is_torchs_or_undecided(one_thread: None) -> None:
     assert _native.std_if_decided(float("nan"), n) is None and _native.std_if_decided(float("inf"), n) is None
 
 
+def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_thread: None) -> None:
+    """Gaussian-k's one-pass compensation (:func:`_native.add_moments_select`): the sum is torch.add's,
+    the total torch.sum's, the candidates ``nonzero(|sum| > t)`` with the signed sums (also after a
+    short first guess of their number), and the std that :func:`_native.std_from_moments` derives is
+    torch.std's or undecided: never another float32. Decided on centred data; undecided where the
+    mean dwarfs the spread (the bound then straddles roundings), on a std midway between two float32
+    values, and on non-finite sums."""
+    g = torch.Generator().manual_seed(11)
+    decided = cases = 0
+    for n in (64, 1000, 65_537, (1 << 20) + 7, 3_000_001):
+        for shift, scale in ((0.0, 1.0), (0.01, 1e-3), (3.0, 0.5), (1e3, 1e-3)):
+            x, r = torch.randn(n, generator=g) * scale + shift, torch.randn(n, generator=g) * scale * 0.1
+            out = torch.empty(n)
+            t = float((x + r).abs().quantile(0.97)) if n <= 1 << 16 else 2.0 * scale + abs(shift)
+            got = _native.add_moments_select(x, r, out, t, expected=1e-6 if n == 1000 else 0.03)
+            assert got is not None
+            want = x + r
+            assert torch.equal(bits(out), bits(want)) and str(got.total) == str(float(want.sum()))
+            sel = want.abs() > t
+            assert torch.equal(got.idx, torch.nonzero(sel).view(-1)) and torch.equal(bits(got.vals), bits(want[sel]))
+            mean = _native.mean_from_sum(got.total, n)
+            assert mean == float(want.mean())
+            std = _native.std_from_moments(got.squares, got.plain, mean, n)
+            if std is not None:
+                assert str(std) == str(float(want.std())), (n, shift, scale)
+            cases += 1
+            decided += std is not None
+            if shift == 0.0:
+                assert std is not None, n
+            if shift == 1e3:
+                assert std is None, n
+            assert _native.std_in_order(want, mean) == float(want.std())
+    assert decided >= cases // 2
+    n = 1001
+    lo = torch.tensor(0.1, dtype=torch.float32)
+    mid = (float(lo) + float(torch.nextafter(lo, torch.tensor(1.0)))) / 2
+    assert _native.std_from_moments(mid * mid * (n - 1), 0.0, 0.0, n) is None
+    assert _native.std_from_moments(float(lo) ** 2 * (n - 1), 0.0, 0.0, n) == float(lo)
+    assert _native.std_from_moments(float("nan"), 0.0, 0.0, n) is None
+    assert _native.std_from_moments(1.0, float("inf"), 0.0, n) is None
+    same = torch.randn(100)
+    assert _native.add_moments_select(same, torch.randn(100), same, 1.0) is None  # aliasing: the caller adds
+
+
 @pytest.mark.parametrize("name", ["gaussiank", "redsync", "mstopk", "sidco"])
 def test_fused_search_passes_give_the_torch_paths_payloads(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The magnitudes-with-stats pass (RedSync, MSTop-k, SIDCo) and the moments-with-candidates
@@ -903,15 +947,20 @@ def test_efsignsgd_payload_is_the_torch_paths(monkeypatch: pytest.MonkeyPatch, o
         assert torch.equal(bits(fs), bits(ss)) and torch.equal(fp, sp)
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "gaussiank", "topk", "redsync", "mstopk", "sidco"])
+@pytest.mark.parametrize("name", ["efsignsgd", "gaussiank", "gaussiank-undecided", "topk", "redsync", "mstopk",
+                                  "sidco"])
 def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, monkeypatch: pytest.MonkeyPatch,
                                                                     one_thread: None) -> None:
     """Error feedback's compensation written by the compressor's fused pass (EF-SignSGD's scale and
-    signs, Gaussian-k's mean, Top-k's candidates, RedSync's and MSTop-k's statistics and search
-    candidates, SIDCo-E's mean, read while the sum is written) gives the payloads
-    and residuals of torch's add and the compressor's own passes, step after step."""
+    signs, Gaussian-k's mean, std and search candidates, Top-k's candidates, RedSync's and MSTop-k's
+    statistics and search candidates, SIDCo-E's mean, read while the sum is written) gives the payloads
+    and residuals of torch's add and the compressor's own passes, step after step (Gaussian-k also
+    where the lanes' sums leave the std undecided and a read in torch's order answers)."""
     g = torch.Generator().manual_seed(21)
     grads = [[torch.randn((1 << 17) + 3, generator=g), torch.randn(4000, generator=g)] for _ in range(3)]
+    if name.endswith("-undecided"):
+        name = name.split("-")[0]
+        monkeypatch.setattr(_native, "std_from_moments", lambda *a: None)
 
     def run() -> list[torch.Tensor]:
         extra = {"stages": 3} if name == "sidco" else {}  # SIDCo: later stages answered from kept candidates

@@ -661,6 +661,77 @@ int64_t ac_sumsq_select_abs_gt(const float* x, int64_t n, double mean, float t, 
     *sumsq = acc;
     return c;
 }
+/* Gaussian-k's compensation with everything its search reads, in one pass: sum = g + r (torch.add's
+   bits; sum aliases neither), *total = torch's one-thread float32 sum of it (the cascade above),
+   moments[0] and moments[1] = the sums of sum^2 and of sum in 16 double lanes each (a lane is a chain
+   of at most n / 16 + 4 adds, the lanes then added in a fixed tree: the caller bounds the error of
+   that chain length, and of the float32 squares none, exact in double), and the positions of
+   |sum| > t with the signed sums there (ac_select_abs_gt's list, at most cap written). Returns how
+   many passed. n >= 64. Why: the moments' own read of the compensated tensor was half a memory floor
+   of Gaussian-k's step (issue 32); torch.std's sum of squared deviations follows from these two sums
+   within a bound the caller proves, and only where that bound straddles a float32 rounding does a
+   read in torch's order remain. */
+#if defined(AC_AVX2)
+__attribute__((target("avx2"))) static int64_t add_moments_avx2(const float* g, const float* r, float* sum, int64_t n,
+                                                                ac_cascade* cs, ac_sel* sel, double* lanes2,
+                                                                double* lanes1) {
+    int64_t i = 0;
+    const __m256 tv = _mm256_set1_ps(sel->t), sign = _mm256_set1_ps(-0.0f);
+    __m256d q2[4], q1[4];
+    for (int k = 0; k < 4; ++k) { q2[k] = _mm256_setzero_pd(); q1[k] = _mm256_setzero_pd(); }
+    float blk[64] __attribute__((aligned(32)));
+    const int stream = n >= AC_STREAM_MIN && ((uintptr_t)sum & 31) == 0;
+    for (; i + 64 <= n; i += 64) {
+        uint64_t mk = 0;
+        for (int q = 0; q < 8; ++q) {
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
+            if (stream) _mm256_stream_ps(sum + i + 8 * q, v);
+            else _mm256_storeu_ps(sum + i + 8 * q, v);
+            _mm256_store_ps(blk + 8 * q, v);
+            mk |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_GT_OQ))
+                  << (8 * q);
+            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            const int k = 2 * (q & 1);
+            q2[k] = _mm256_add_pd(q2[k], _mm256_mul_pd(lo, lo));
+            q2[k + 1] = _mm256_add_pd(q2[k + 1], _mm256_mul_pd(hi, hi));
+            q1[k] = _mm256_add_pd(q1[k], lo);
+            q1[k + 1] = _mm256_add_pd(q1[k + 1], hi);
+        }
+        ac_cascade_row(cs, blk);
+        ac_cascade_row(cs, blk + 32);
+        AC_SEL_EMIT64(sel, mk, i, blk[j]);
+    }
+    if (stream) _mm_sfence();
+    for (int k = 0; k < 4; ++k) { _mm256_storeu_pd(lanes2 + 4 * k, q2[k]); _mm256_storeu_pd(lanes1 + 4 * k, q1[k]); }
+    return i;
+}
+#endif
+int64_t ac_add_moments_select(const float* g, const float* r, float* sum, int64_t n, float t, int64_t* idx,
+                              float* vals, int64_t cap, float* total, double* moments) {
+    ac_sel sel = {t, 1, idx, vals, cap, 0};
+    ac_cascade cs;
+    double l2[16] = {0}, l1[16] = {0};
+    int64_t i = 0;
+    ac_cascade_init(&cs, n);
+#if defined(AC_AVX2)
+    if (use_avx2()) i = add_moments_avx2(g, r, sum, n, &cs, &sel, l2, l1);
+#endif
+    for (; i < n; ++i) {
+        const float v = g[i] + r[i];
+        sum[i] = v;
+        l2[i & 15] += (double)v * (double)v;
+        l1[i & 15] += (double)v;
+        if (__builtin_fabsf(v) > t) AC_SEL_EMIT(&sel, i, v);
+    }
+    while (cs.row < cs.rows) ac_cascade_row(&cs, sum + 32 * cs.row);  /* just written: in cache */
+    *total = ac_cascade_finish(&cs, sum + 32 * cs.rows, n);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int k = 0; k < w; ++k) { l2[k] += l2[k + w]; l1[k] += l1[k + w]; }
+    moments[0] = l2[0];
+    moments[1] = l1[0];
+    return sel.c;
+}
 /* The same selection with one threshold per row of an (m, n) row-major matrix (ascending flat
    indices): the row-wise prefilter of ADTopk's per-row Top-k. */
 #define SELECT_ROWS(NAME, INNER)                                                        \
@@ -2604,6 +2675,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_add_owed_cascade.restype = None
     lib_.ac_add_owed_cascade.argtypes = [vp, vp, vp, ctypes.c_float, vp, i64, ctypes.c_int, vp, vp]
     lib_.ac_abs_sum_pack.argtypes = [vp, i64, vp, vp]
+    lib_.ac_add_moments_select.restype = ctypes.c_int64
+    lib_.ac_add_moments_select.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64, vp, vp]
     lib_.ac_sumsq_select_abs_gt.restype = ctypes.c_int64
     lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int, vp]
     lib_.ac_abs_stats.argtypes = [vp, vp, i64, vp, vp]
@@ -2945,6 +3018,82 @@ def std_select(x: Tensor, mean: float, thr: float, expected: float = 1.0) -> tup
     lib.ac_sumsq_select_abs_gt(x.data_ptr(), n, mean, thr, idx.data_ptr(), vals.data_ptr(), 0, total.data_ptr(), 0,
                                ctypes.byref(used))  # torch's order (cap 0: the candidates are kept)
     return _std_of(float(total.item()), n), idx, vals
+
+
+class Moments(NamedTuple):
+    """What :func:`add_moments_select` learns in error feedback's pass, besides the sum it writes."""
+    total: float  # torch's one-thread float32 sum of the compensated tensor
+    squares: float  # its sum of squares, in double lanes (within a bound, not torch's bits)
+    plain: float  # its sum, in double lanes
+    idx: Tensor  # the positions of |sum| > t, ascending
+    vals: Tensor  # the signed sums there
+
+
+def add_moments_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 1.0) -> Moments | None:
+    """``torch.add(g, r, out=out)`` (bitwise) and, from the same pass, torch's one-thread
+    ``float(out.sum())``, the sums of ``out ** 2`` and ``out`` in double lanes (for
+    :func:`std_from_moments`) and :func:`select` of ``out`` in mode ``abs_gt`` with the signed values:
+    Gaussian-k's compensation, mean, std and candidates in one read. None (nothing written) where this
+    cannot run: an ``out`` aliasing ``g`` or ``r`` (a short candidate guess runs the pass again)."""
+    n = out.numel()
+    if not (usable(g) and usable(r) and usable(out) and g.numel() == r.numel() == n >= 64 and sums_like_torch()
+            and out.data_ptr() not in (g.data_ptr(), r.data_ptr())):
+        return None
+    lib = library()
+    assert lib is not None
+    total = ctypes.c_float()
+    moments = (ctypes.c_double * 2)()
+    idx, vals = _compacted(lambda i, v, cap: lib.ac_add_moments_select(
+        g.data_ptr(), r.data_ptr(), out.data_ptr(), n, thr, i, v, cap, ctypes.addressof(total),
+        ctypes.addressof(moments)), n, expected)
+    return Moments(float(total.value), float(moments[0]), float(moments[1]), idx, vals)
+
+
+def std_from_moments(squares: float, plain: float, mean: float, n: int) -> float | None:
+    """torch.std's float32 (``correction=1``) of the ``n`` values whose squares and values summed to
+    ``squares`` and ``plain`` in :func:`add_moments_select`'s lanes, given torch's float32 ``mean``
+    of them, where it is proven; None where it is not (then a read in torch's order answers).
+
+    torch sums the terms ``((double)x - mean)^2`` in chains of at most n - 1 adds: its sum T lies
+    within gamma_(n+2) E of the exact E = sum (x - mean)^2 (gamma_3 for the rounded difference and
+    square, gamma_(n-1) for the chain). E = S2 - 2 mean S1 + n mean^2 exactly, with S2 and S1 the
+    exact sums: the lanes' chains (<= n / 16 + 8 adds) put the computed S2 within gamma_c S2 (exact
+    squares, all non-negative) and S1 within gamma_c sum |x| <= gamma_c sqrt(n S2) (Cauchy-Schwarz),
+    and the few roundings of the combination below within 5 u of its terms' magnitudes. Every step
+    from T to the float32 std (division, square root, rounding) is monotone, so where both ends of
+    the interval give one float32, torch's T gives it too. The interval is twice those bounds."""
+    if not (math.isfinite(squares) and math.isfinite(plain) and math.isfinite(mean) and n >= 2):
+        return None
+    u = 2.0 ** -53
+
+    def gamma(k: int) -> float:
+        return k * u / (1 - k * u)
+
+    c = n // 16 + 24
+    e2 = gamma(c) / (1 - gamma(c)) * squares
+    e1 = gamma(c) * math.sqrt(n * (squares + e2))
+    a, b, d = squares, 2.0 * mean * plain, n * mean * mean
+    est = (a - b) + d
+    delta = 2 * (e2 + 2 * abs(mean) * e1 + 5 * u * (abs(a) + abs(b) + abs(d)))
+    t = 2 * gamma(n + 2)
+    lo, hi = (est - delta) * (1 - t), (est + delta) * (1 + t)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    lo_std, hi_std = _std_of(max(0.0, lo), n), _std_of(hi, n)
+    return lo_std if lo_std == hi_std else None
+
+
+def std_in_order(x: Tensor, mean: float) -> float | None:
+    """``float(x.std())`` given ``mean = float(x.mean())``: torch's terms summed in torch's order
+    (one thread; None otherwise, and torch answers)."""
+    lib = library()
+    if lib is None or not usable(x) or x.numel() < 2 or torch.get_num_threads() != 1:
+        return None
+    total = torch.empty(1, dtype=torch.float64)
+    used = ctypes.c_int(0)
+    lib.ac_sumsq_select_abs_gt(x.data_ptr(), x.numel(), mean, math.inf, None, None, 0, total.data_ptr(), 0,
+                               ctypes.byref(used))
+    return _std_of(float(total.item()), x.numel())
 
 
 def _compacted(call: Callable[[int, int, int], int], n: int, expected: float) -> tuple[Tensor, Tensor]:

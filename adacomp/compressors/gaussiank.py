@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,7 +47,7 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (BISECT_LEVELS, SparseCompressor, ThresholdCounter, k_for, largest_k,
-                                        sample_value)
+                                        sample_lines, sample_value, sampled_value)
 
 
 def adjust(thr: float, too_low: float | None, too_high: float | None, too_many: bool
@@ -68,6 +69,17 @@ def adjust_thresholds(thr: float, too_low: float | None, too_high: float | None,
     for too_many in (True, False):
         out += adjust_thresholds(*adjust(thr, too_low, too_high, too_many), levels - 1)
     return out
+
+
+class _Searched(NamedTuple):
+    """What the fused compensation (:func:`_native.add_moments_select`) kept for the search: torch's
+    mean, its std where the lanes' sums proved it (None: a read in torch's order answers), and the
+    candidates above ``floor``."""
+    mean: float
+    std: float | None
+    floor: float
+    idx: Tensor
+    vals: Tensor
 
 
 @register("gaussiank")
@@ -147,27 +159,50 @@ class GaussianKCompressor(SparseCompressor):
         return idx, vals
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
-        """``out = g + r`` (error feedback's compensation, torch.add's bits) with ``out``'s mean from
-        the same pass, kept for :meth:`select` of ``out`` (the moments' read then needs no mean pass
-        before it). False (nothing written) where the fused pass cannot run: the caller adds."""
-        flat = out.reshape(-1)
-        if flat.numel() < 1 << 16:
+        """``out = g + r`` (error feedback's compensation, torch.add's bits) with what the search
+        reads of ``out`` from the same pass, kept for :meth:`select` of ``out``: its mean, and where
+        ``out`` is a buffer of its own, its std (where the lanes' sums prove it) and the candidates
+        above a floor sampled from ``g + r`` before the pass (the one :meth:`_search` samples from
+        ``out``): then the search reads ``out`` no more. False (nothing written) where no fused pass
+        can run: the caller adds."""
+        flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
+        n = flat.numel()
+        if n < 1 << 16:
             return False
-        got = _native.add_cascade(g.reshape(-1), r.reshape(-1), flat)
-        if got is None:
+        floor = sampled_value(sample_lines(gf, plus=rf), self._candidate_share(), absolute=True)
+        if math.isfinite(floor):
+            got = _native.add_moments_select(gf, rf, flat, floor, self._candidate_share())
+            if got is not None:
+                mean = _native.mean_from_sum(got.total, n)
+                if math.isfinite(mean):
+                    std = _native.std_from_moments(got.squares, got.plain, mean, n)
+                    self._kept().keep(name, flat, _Searched(mean, std, floor, got.idx, got.vals))
+                return True
+        summed = _native.add_cascade(gf, rf, flat)
+        if summed is None:
             return False
-        mean = _native.mean_from_sum(got[0], flat.numel())
+        mean = _native.mean_from_sum(summed[0], n)
         if math.isfinite(mean):
             self._kept().keep(name, flat, mean)
         return True
+
+    def _candidate_share(self) -> float:
+        return min(0.25, 3.0 * self._density)  # ThresholdCounter.for_search's target
 
     def _search(self, a: Tensor, native: bool, name: str = "") -> tuple[ThresholdCounter, tuple[float, float] | None]:
         """The search's counter (candidates kept from a sampled floor) and, where one C read serves,
         the moments: the std's sum is a chain of dependent adds, so that read compacts the candidates
         beside it for free (torch's std and a separate compaction pass otherwise)."""
         ws = self._workspace()
-        expected = min(0.25, 3.0 * self._density)  # ThresholdCounter.for_search's target
+        expected = self._candidate_share()
         kept = self._kept().take(name, a)
+        if isinstance(kept, _Searched) and native:  # the compensation's pass read it all
+            std = kept.std if kept.std is not None else _native.std_in_order(a, kept.mean)
+            if std is None:
+                std = float(a.std())
+            counter = ThresholdCounter(a, True, ws, absolute=True)
+            counter.adopt(kept.floor, kept.idx, kept.vals, signed=True)
+            return counter, (kept.mean, std)
         if native and a.numel() >= 1 << 16:
             mean = kept if isinstance(kept, float) else float(a.mean())
             floor = sample_value(a, expected, absolute=True)
