@@ -153,7 +153,11 @@ class GaussianKCompressor(SparseCompressor):
         idx, vals = got if got is not None else (counter.select(thr, self._density), None)
         cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
-            idx, vals = largest_k(idx, vals.abs() if vals is not None else _native.take(a, idx).abs_(), cap), None
+            # the candidates' signed values ranked by magnitude in one C call, the kept ones' values
+            # with them (largest_k's set; torch's path on a NaN or without values)
+            got = _native.pick_largest(vals, idx, cap, None) if vals is not None else None
+            idx, vals = got if got is not None else (
+                largest_k(idx, vals.abs() if vals is not None else _native.take(a, idx).abs_(), cap), None)
         if not idx.numel():
             return (signed.abs() if native else a).argmax().view(1), None
         return idx, vals
