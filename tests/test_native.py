@@ -839,6 +839,23 @@ def test_std_from_lane_sums_is_torchs_or_undecided(one_thread: None) -> None:
     assert _native.std_if_decided(float("nan"), n) is None and _native.std_if_decided(float("inf"), n) is None
 
 
+def test_mean_from_sum_is_torchs_division() -> None:
+    """torch's mean from a float32 sum (``div_`` by the element count) in Python floats: the same bits
+    over many magnitudes (subnormal quotients and overflowing ones), counts above 2^24 that float32
+    rounds, signed zeros, infinities and NaN; and the float32 rounding helper's edges."""
+    g = torch.Generator().manual_seed(3)
+    totals = (torch.randn(400, generator=g) * torch.pow(2.0, torch.randint(-140, 127, (400,), generator=g).float()))
+    totals = [_native.f32(float(t)) for t in totals] + [0.0, -0.0, math.inf, -math.inf, math.nan, 3.4028234663852886e38]
+    for n in (1, 2, 3, 1000, 65_537, 2_359_296, (1 << 24) + 1, 38_597_377, 123_456_789, 1 << 31):
+        for t in totals:
+            want = torch.tensor([t], dtype=torch.float32).div_(n)
+            got = torch.tensor([_native.mean_from_sum(t, n)], dtype=torch.float32)
+            assert torch.equal(bits(got), bits(want)) or (math.isnan(t) and bool(torch.isnan(got))), (t, n)
+    assert _native.f32(3.4028235677973366e38) == math.inf and _native.f32(-1e39) == -math.inf
+    assert _native.f32(3.4028235e38) == float(torch.tensor(3.4028235e38, dtype=torch.float32))
+    assert _native.f32(1e-46) == 0.0 and _native.f32(0.1) == float(torch.tensor(0.1, dtype=torch.float32))
+
+
 def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_thread: None) -> None:
     """Gaussian-k's one-pass compensation (:func:`_native.add_moments_select`): the sum is torch.add's,
     the total torch.sum's, the candidates ``nonzero(|sum| > t)`` with the signed sums (also after a

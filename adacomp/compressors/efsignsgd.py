@@ -52,9 +52,9 @@ class EFSignSGDCompressor(Compressor):
         if got is None:
             return False
         total, packed = got
-        scale = torch.tensor([total], dtype=torch.float32).div_(out.numel())  # torch's mean from its sum
-        if packed is not None and math.isfinite(scale.item()):  # else compress asks torch (a NaN's bits)
-            self._kept().keep(name, out.reshape(-1), [scale, packed])
+        scale = _native.mean_from_sum(total, out.numel())  # torch's mean from its sum
+        if packed is not None and math.isfinite(scale):  # else compress asks torch (a NaN's bits)
+            self._kept().keep(name, out.reshape(-1), [torch.full((1,), scale, dtype=torch.float32), packed])
         return True
 
     def _c_residual(self, tensor: Tensor, payload: Payload, ctx: Any, out: Tensor) -> bool:
