@@ -146,7 +146,7 @@ class DGCCompressor(SparseCompressor):
         samples = min(n, max(math.ceil(n * self.sample_ratio), math.ceil(2.0 / density)))
         if samples < n:
             pick = torch.randint(n, (samples,), generator=self._generator(a.device), device=a.device)
-            sample = a.index_select(0, pick)  # the same values as a[pick], ~4x faster on CPU
+            sample = _native.take(a, pick)  # a[pick]'s values: C with prefetched loads, torch's gather elsewhere
         else:
             sample = a
         k_s = min(samples, max(1, math.ceil(samples * density)))
