@@ -856,7 +856,7 @@ def test_mean_from_sum_is_torchs_division() -> None:
     assert _native.f32(1e-46) == 0.0 and _native.f32(0.1) == float(torch.tensor(0.1, dtype=torch.float32))
 
 
-def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_thread: None) -> None:
+def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_thread: None, avx2_switch: str) -> None:
     """Gaussian-k's one-pass compensation (:func:`_native.add_moments_select`): the sum is torch.add's,
     the total torch.sum's, the candidates ``nonzero(|sum| > t)`` with the signed sums (also after a
     short first guess of their number), and the std that :func:`_native.std_from_moments` derives is
