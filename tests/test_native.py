@@ -839,6 +839,20 @@ def test_std_from_lane_sums_is_torchs_or_undecided(one_thread: None) -> None:
     assert _native.std_if_decided(float("nan"), n) is None and _native.std_if_decided(float("inf"), n) is None
 
 
+def test_a_passing_native_switch_does_not_stick_to_the_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The once-per-process probes (QSGD's norm lanes and generator, the bf16 rounding) answer "no" under
+    ``ADACOMP_NATIVE=0`` without remembering it: once the switch is gone, the C paths are back (a test or
+    a caller that set it for a while left QSGD on torch's norms for the rest of the process)."""
+    if _native.library() is None:
+        pytest.skip(f"no C compiler: {_native._error}")
+    for cache in ("_lanes", "_rng_agrees", "_bf16_agrees"):
+        monkeypatch.setattr(_native, cache, None)
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    assert _native.norm_lanes() == 0 and not _native._rng_checked() and not _native._bf16_checked()
+    monkeypatch.delenv("ADACOMP_NATIVE")
+    assert _native.norm_lanes() in (8, 16) and _native._rng_checked() and _native._bf16_checked()
+
+
 def test_mean_from_sum_is_torchs_division() -> None:
     """torch's mean from a float32 sum (``div_`` by the element count) in Python floats: the same bits
     over many magnitudes (subnormal quotients and overflowing ones), counts above 2^24 that float32

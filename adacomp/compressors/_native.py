@@ -3650,23 +3650,24 @@ def _bf16_checked() -> bool:
     """Whether ac_to_bf16 rounds as this torch's ``.to(torch.bfloat16)`` does (every NaN, infinities,
     subnormals, ties at both parities and random bit patterns): checked once per process."""
     global _bf16_agrees
+    lib = library()
+    if lib is None:  # not cached: ADACOMP_NATIVE=0 may be a passing switch
+        return False
     if _bf16_agrees is None:
-        lib = library()
-        ok = lib is not None
-        if lib is not None:
-            g = torch.Generator().manual_seed(20261126)
-            special = [0x7fc00000, 0xffc00000, 0, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000, 0xffc00000, 0x7f800001, 0xff812345,
-                       0x7fffffff, 0x00000001, 0x807fffff, 0x00008000, 0x00018000, 0x3f808000, 0x3f818000,
-                       0x3f807fff, 0x7f7fffff, 0xff7f8000, 0x7f7f8000]
-            bits_ = torch.cat([torch.tensor(special, dtype=torch.int64),
-                               torch.randint(0, 1 << 32, (1 << 16,), generator=g, dtype=torch.int64),
-                               torch.tensor(special, dtype=torch.int64)])
-            x = bits_.to(torch.int32).view(torch.float32).contiguous()  # low 32 bits of each pattern
-            for n in (x.numel(), 1, 7, 17):  # torch's tail and our scalar loop too
-                part = x[-n:].contiguous()
-                got = torch.empty(n, dtype=torch.bfloat16)
-                lib.ac_to_bf16(part.data_ptr(), got.data_ptr(), n)
-                ok = ok and torch.equal(got.view(torch.int16), part.to(torch.bfloat16).view(torch.int16))
+        ok = True
+        g = torch.Generator().manual_seed(20261126)
+        special = [0x7fc00000, 0xffc00000, 0, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000, 0xffc00000, 0x7f800001, 0xff812345,
+                   0x7fffffff, 0x00000001, 0x807fffff, 0x00008000, 0x00018000, 0x3f808000, 0x3f818000,
+                   0x3f807fff, 0x7f7fffff, 0xff7f8000, 0x7f7f8000]
+        bits_ = torch.cat([torch.tensor(special, dtype=torch.int64),
+                           torch.randint(0, 1 << 32, (1 << 16,), generator=g, dtype=torch.int64),
+                           torch.tensor(special, dtype=torch.int64)])
+        x = bits_.to(torch.int32).view(torch.float32).contiguous()  # low 32 bits of each pattern
+        for n in (x.numel(), 1, 7, 17):  # torch's tail and our scalar loop too
+            part = x[-n:].contiguous()
+            got = torch.empty(n, dtype=torch.bfloat16)
+            lib.ac_to_bf16(part.data_ptr(), got.data_ptr(), n)
+            ok = ok and torch.equal(got.view(torch.int16), part.to(torch.bfloat16).view(torch.int16))
         _bf16_agrees = ok
     return _bf16_agrees
 
@@ -3810,21 +3811,23 @@ def _rng_checked() -> bool:
     """Whether ac_mt_uniform reproduces this torch's ``uniform_`` (numbers and generator state,
     across twists): checked once per process, so a torch whose generator differs keeps its own."""
     global _rng_agrees
+    lib = library()
+    if lib is None:  # not cached: ADACOMP_NATIVE=0 may be a passing switch
+        return False
     if _rng_agrees is None:
-        lib = library()
-        ok = lib is not None
-        if lib is not None:
-            mine, theirs = torch.Generator().manual_seed(20261126), torch.Generator().manual_seed(20261126)
-            for n in (1, 623, 700, 1900, 5):
-                st = mine.get_state()
-                got = torch.empty(n)
-                ok = (ok and st.numel() == _STATE_BYTES
-                      and lib.ac_mt_uniform(st.data_ptr(), got.data_ptr(), n) == 0)
-                if not ok:
-                    break
-                mine.set_state(st)
-                want = torch.empty(n).uniform_(generator=theirs)
-                ok = torch.equal(got, want) and torch.equal(mine.get_state(), theirs.get_state())
+        ok = True
+        mine, theirs = torch.Generator().manual_seed(20261126), torch.Generator().manual_seed(20261126)
+        for n in (1, 623, 700, 1900, 5):
+            st = mine.get_state()
+            got = torch.empty(n)
+            ok = st.numel() == _STATE_BYTES and lib.ac_mt_uniform(st.data_ptr(), got.data_ptr(), n) == 0
+            if not ok:
+                break
+            mine.set_state(st)
+            want = torch.empty(n).uniform_(generator=theirs)
+            ok = torch.equal(got, want) and torch.equal(mine.get_state(), theirs.get_state())
+            if not ok:
+                break
         _rng_agrees = ok
     return _rng_agrees
 
@@ -3878,14 +3881,16 @@ def norm_lanes() -> int:
     probes of several scales, sizes and a partial last bucket. Why: QSGD's separate norm pass was
     a whole extra read of the gradient (~15 % of its step on GPT-2-small, issue 32)."""
     global _lanes
+    lib = library()
+    if lib is None:  # not cached: ADACOMP_NATIVE=0 may be a passing switch
+        return 0
     if _lanes is None:
         _lanes = 0
-        lib = library()
         g = torch.Generator().manual_seed(20261127)
         probes = [(torch.randn(37 * size + size // 2, generator=g) * scale, size)
                   for size in (16, 512, 4096) for scale in (1.0, 1e-19, 1e17)]
         for lanes in (8, 16):
-            if lib is not None and all(_bucket_norms_agree(lib, x, size, lanes) for x, size in probes):
+            if all(_bucket_norms_agree(lib, x, size, lanes) for x, size in probes):
                 _lanes = lanes
                 break
     return _lanes
