@@ -3009,8 +3009,14 @@ def std_if_decided(lanes_sum: float, n: int) -> float | None:
     u, h = 2.0 ** -53, n // 16 + 67
     k = (n - 1) + h  # both chains' lengths: gamma_a + gamma_b <= gamma_(a + b)
     err = 2 * k * u / (1 - k * u) * lanes_sum / (1 - h * u / (1 - h * u))  # 2: slack for the roundings here
-    lo, hi = _std_of(max(0.0, lanes_sum - err), n), _std_of(lanes_sum + err, n)
-    return lo if lo == hi else None
+    return _std_between(lanes_sum - err, lanes_sum + err, n)
+
+
+def _std_between(lo: float, hi: float, n: int) -> float | None:
+    """torch.std's float32 for every sum of squared deviations in [lo, hi] where they all give the
+    same one (division, square root and rounding are monotone, so the ends decide), else None."""
+    a, b = _std_of(max(0.0, lo), n), _std_of(hi, n)
+    return a if a == b else None
 
 
 def std_select(x: Tensor, mean: float, thr: float, expected: float = 1.0) -> tuple[float, Tensor, Tensor] | None:
@@ -3042,11 +3048,10 @@ def std_select(x: Tensor, mean: float, thr: float, expected: float = 1.0) -> tup
     if not used.value:
         return _std_of(fast, n), idx, vals
     std = std_if_decided(fast, n)
-    if std is not None:
-        return std, idx, vals
-    lib.ac_sumsq_select_abs_gt(x.data_ptr(), n, mean, thr, idx.data_ptr(), vals.data_ptr(), 0, total.data_ptr(), 0,
-                               ctypes.byref(used))  # torch's order (cap 0: the candidates are kept)
-    return _std_of(float(total.item()), n), idx, vals
+    if std is None:
+        std = std_in_order(x, mean)  # one thread here, so never None
+    assert std is not None
+    return std, idx, vals
 
 
 class Moments(NamedTuple):
@@ -3108,8 +3113,7 @@ def std_from_moments(squares: float, plain: float, mean: float, n: int) -> float
     lo, hi = (est - delta) * (1 - t), (est + delta) * (1 + t)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return None
-    lo_std, hi_std = _std_of(max(0.0, lo), n), _std_of(hi, n)
-    return lo_std if lo_std == hi_std else None
+    return _std_between(lo, hi, n)
 
 
 def std_in_order(x: Tensor, mean: float) -> float | None:
