@@ -24,9 +24,11 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, env: dict) -> None:
+    # the caller's environment as it is now (a forkserver child starts from the server's)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
-    os.environ.update(env)
     import torch
     torch.set_num_threads(1)
     try:
@@ -47,6 +49,24 @@ def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, 
             pass
 
 
+_CONTEXT: Any = None
+PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.distributed.fsdp"]
+"""What the workers' server imports once: torch, and what a first optimizer (torch._dynamo) and
+adacomp's DDP check (FSDP) import of it, ~4 s a worker on a 2-core machine."""
+
+
+def _context() -> Any:
+    """Workers fork from a server that imported torch once (a spawned worker spent ~3 s of its
+    start importing it, hundreds of times a run). The server imports nothing of adacomp or the
+    tests, and each worker takes the caller's current environment, so what a worker sees is what a
+    spawned one saw, torch's import-time state aside."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(PRELOAD)
+    return _CONTEXT
+
+
 def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0,
                 env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` processes; return the per-rank results in rank order.
@@ -64,10 +84,11 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0,
 
 def _run_workers_once(fn: Callable, world: int, args: tuple, timeout: float,
                       env: dict[str, str] | None) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, env or {}), daemon=True)
+    full_env = {**os.environ, **(env or {})}
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, full_env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -376,20 +376,20 @@ class Watchdog:
 
     def stop(self) -> None:
         """Say goodbye and stop the thread. Rank 0 keeps its store up until every peer said
-        goodbye (at most ``timeout_s``) and for two heartbeats at least, so that peers still
-        working read its goodbye before the store goes and do not take rank 0 for dead."""
+        goodbye (at most ``timeout_s``), so that peers still working read its goodbye before the
+        store goes and do not take rank 0 for dead. Once every peer said it, none is working: a
+        peer sets its stop flag right after its goodbye, so its heartbeat thread takes a store
+        that went for the end, not for a lost rank 0."""
         if self._stop.is_set() or os.getpid() != self._pid:  # a forked child owns no watchdog
             return
         if self.lost is None:  # with a silent store the goodbye could block for good
             with contextlib.suppress(Exception):
                 self._put("bye", self.rank, "1")
         if self.rank == 0 and self.lost is None:
-            linger = time.monotonic() + 2 * self.interval_s
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline and self.lost is None:
                 with contextlib.suppress(Exception):
-                    if self._store.check([self._sign.key(f"bye/{r}") for r in self._peers]) \
-                            and time.monotonic() >= linger:
+                    if self._store.check([self._sign.key(f"bye/{r}") for r in self._peers]):
                         break
                 time.sleep(self.interval_s / 2)
         self._stop.set()
