@@ -265,11 +265,12 @@ def test_cost_floor_report_before_and_after(tmp_path):
     assert {r["method"] for r in rows} == {"topk", "qsgd"}
     assert all(r["floor_s"] > 0 and r["step_s"] > 0 and 0 < r["bytes_ratio"] < 1 for r in rows)
     # the data-flow minimum, timed beside them: error feedback's add and the output's write for Top-k
-    # (more than the floor's one read and one write), one read and the write for QSGD
+    # (more than the floor's one read and one write), one read, the write and the uniform numbers
+    # (torch's generator) for QSGD
     from adacomp.bench import cost
     assert set(cost.MINIMUM) == set(cost.METHODS)  # every method has its minimum
     by = {r["method"]: r for r in rows}
-    assert by["topk"]["minimum"] == ["ef", "write"] and by["qsgd"]["minimum"] == ["read", "write"]
+    assert by["topk"]["minimum"] == ["ef", "write"] and by["qsgd"]["minimum"] == ["read", "write", "rng"]
     assert all(r["minimum_s"] > 0 for r in rows)
     _run([*BENCH, "cost", "report-floor", "--after", "a.json", "--before", "a.json", "--out", "floor.md"], tmp_path)
     md = (tmp_path / "floor.md").read_text()

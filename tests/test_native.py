@@ -552,10 +552,11 @@ def test_sparse_mean_refuses_what_its_torch_path_must_answer(bad: str) -> None:
         assert bool((out == 7.0).all())  # refused before anything was written
 
 
-@pytest.mark.parametrize("m,k", [(1, 1), (50, 7), (5000, 4000), (70000, 600)])
-def test_pick_largest_equals_largest_k_and_gather(m: int, k: int) -> None:
+@pytest.mark.parametrize("m,k", [(1, 1), (50, 7), (5000, 4000), (70000, 600), (8388, 84), (1030, 1)])
+def test_pick_largest_equals_largest_k_and_gather(m: int, k: int, avx2_switch: str) -> None:
     """The C pick of k candidates equals ``largest_k`` (ties at the k-th magnitude to the lowest
-    positions) and the signed values gathered from the tensor; a NaN is left to torch."""
+    positions) and the signed values gathered from the tensor, by the heap (k <= m / 16) and by the
+    radix select; a NaN anywhere (in the heap's first k, or after) is left to torch."""
     from adacomp.compressors.sparse import largest_k
     g = torch.Generator().manual_seed(m + k)
     flat = torch.randn(3 * m, generator=g).round(decimals=1)  # many ties
@@ -574,6 +575,14 @@ def test_pick_largest_equals_largest_k_and_gather(m: int, k: int) -> None:
     assert torch.equal(bits(whole[1]), bits(flat.index_select(0, everything)))
     mags[0] = float("nan")
     assert _native.pick_largest(mags, idx, k, flat) is None
+    for at in (0, k, flat.numel() - 1):  # in the heap's first k, right after, the tail
+        spoiled = flat.clone()
+        spoiled[at] = -float("nan")
+        assert _native.pick_largest(spoiled, None, k, None) is None
+    zeros = torch.zeros(3 * m)  # every magnitude ties (+0 and -0): the lowest k positions
+    zeros[1::2] = -0.0
+    tied = _native.pick_largest(zeros, None, k, None)
+    assert tied is not None and torch.equal(tied[0], torch.arange(k)) and torch.equal(bits(tied[1]), bits(zeros[:k]))
 
 
 @pytest.mark.parametrize("keys", ["narrow", "span_4095", "span_4096", "span_4097", "zero_to_inf", "equal",

@@ -73,15 +73,20 @@ MODELS = ("resnet50", "gpt2_small", "vgg16", "lstm_lm")
 # (Gaussian-k's standard deviation needs the mean first, torch.std's two passes; low-rank methods
 # read the compensated matrix for both products); ``rw``: a read and a write (DGC keeps velocity
 # and momentum: it reads u, g, v and writes u, v). QSGD and bf16 carry no residual: one read (norm
-# and codes fused) and the output's write. ``/2``: over half of every tensor (alltoall's second
+# and codes fused) and the output's write. ``rng``: one uniform number per element from torch's
+# generator (QSGD's stochastic rounding; its payload is bitwise torch's path, so the stream is
+# torch's Mersenne Twister, drawn by the package's AVX2 generator into a cache-resident scratch: the
+# numbers' cost without their write). ``/2``: over half of every tensor (alltoall's second
 # stage: each of the two ranks averages its half, adds that half's error and recompresses it).
+RNG_CHUNK = 1 << 16  # the ``rng`` pass's scratch: 256 KB, resident in L2 while it is refilled
+
 MINIMUM: dict[str, tuple[str, ...]] = {
     **{m: ("ef", "write") for m in ("efsignsgd", "topk", "adtopk", "artopk", "sidco", "gtopk",
                                     "mstopk", "randomk", "redsync", "chunktopk")},
     "alltoall": ("ef", "write", "ef/2", "write/2"),
     "gaussiank": ("ef", "read", "write"),
     "dgc": ("ef", "rw", "write"),
-    "qsgd": ("read", "write"),
+    "qsgd": ("read", "write", "rng"),
     "bf16": ("read", "write"),
     "powersgd": ("ef", "read", "write"),
     "acpsgd": ("ef", "read", "write"),
@@ -249,7 +254,17 @@ def _minimum_passes(names: tuple[str, ...]) -> list[Callable[[torch.Tensor, torc
     def rw(g: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
         torch.abs(r, out=r)  # the floor's own pass, on another tensor
 
-    table = {"ef": ef, "write": write, "read": read, "rw": rw}
+    gen = torch.Generator().manual_seed(0)
+    scratch = torch.empty(RNG_CHUNK)
+
+    def rng(g: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
+        n = g.numel()
+        for lo in range(0, n, RNG_CHUNK):
+            part = scratch[:min(RNG_CHUNK, n - lo)]
+            if not _native.uniform_(part, gen):
+                part.uniform_(generator=gen)
+
+    table = {"ef": ef, "write": write, "read": read, "rw": rw, "rng": rng}
 
     def half(one: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]) -> Callable[..., Any]:
         def run(g: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
@@ -448,7 +463,7 @@ def report_floor(args: argparse.Namespace) -> None:
         "and writes both back, so the goal asks for fused single passes. **minimum x floor**: the passes the "
         "method's data flow cannot avoid (`MINIMUM` in adacomp/bench/cost.py: error feedback's add, the dense "
         "averaged gradient's write, the extra reads of Gaussian-k's and the low-rank methods' second passes, DGC's "
-        "velocity) timed the same way with the fastest kernels this package has, over the floor (below 1x where its "
+        "velocity, QSGD's uniform numbers from torch's generator) timed the same way with the fastest kernels this package has, over the floor (below 1x where its "
         "streamed writes beat the floor's plain stores, which read each line first): where it is near or above the "
         "goal, the goal cannot be met by any implementation of that data flow on this machine."
         + (f" Each cell is the median of {len(paths)} runs of the same command (by x floor; its range in "
