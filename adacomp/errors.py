@@ -26,6 +26,12 @@ class CommunicationError(AdacompError, RuntimeError):
     """A collective failed, timed out, or ranks disagree (config hash, shapes, names)."""
 
 
+class RanksDisagreeError(CommunicationError):
+    """Every rank took part in an exchange that worked and found that they differ (config, model,
+    initial weights): each raises it at once. Not a transport failure, so the watchdog does not
+    wait for a rank to be lost before it is raised."""
+
+
 class NonFiniteGradientError(AdacompError, FloatingPointError):
     """A gradient contains NaN or Inf and ``nonfinite: raise`` is configured."""
 

@@ -298,7 +298,7 @@ def _different_seeds(broadcast: bool, config: dict | None = None) -> str:
                 _loss(m).backward()
                 opt.step()
         except adacomp.CommunicationError as exc:
-            return f"raised: {exc}"
+            return f"raised: {type(exc).__name__}: {exc}"
     ours = [str(w.message) for w in seen if issubclass(w.category, adacomp.InitialWeightsWarning)]
     assert len(ours) <= 1, ours
     return f"warned: {ours[0]}" if ours else "ok"
@@ -316,6 +316,8 @@ def test_different_initial_weights_are_detected_at_first_backward(broadcast: boo
                                                                   outcome: str) -> None:
     for msg in run_workers(_different_seeds, 2, broadcast, config):
         assert msg.split(":")[0] == outcome, msg
+        if outcome == "raised":  # a verdict of every rank, raised at once (no wait for a lost rank)
+            assert msg.startswith("raised: RanksDisagreeError:"), msg
         if outcome != "ok":
             assert "different initial weights" in msg and "broadcast_parameters(model.state_dict(), root_rank=0)" in msg
             assert "[1]" in msg, msg
@@ -323,6 +325,15 @@ def test_different_initial_weights_are_detected_at_first_backward(broadcast: boo
             assert "initial_weights: raise" in msg, msg
         if config and "local_steps" in config and outcome == "raised":
             assert "local steps" in msg, msg
+
+
+def test_a_disagreement_is_no_transport_failure() -> None:
+    """The watchdog explains transport failures by waiting for a lost rank; a verdict every rank
+    reached together must not wait (it did: ~80 s before ``initial_weights: raise`` raised)."""
+    from adacomp.backends import watchdog
+    assert watchdog.is_comm_error(adacomp.CommunicationError("a collective timed out"))
+    assert not watchdog.is_comm_error(adacomp.RanksDisagreeError("ranks [1] hold different initial weights"))
+    assert issubclass(adacomp.RanksDisagreeError, adacomp.CommunicationError)  # callers' handlers still catch it
 
 
 def test_rerouting_keeps_fused_bucket_state_and_trains() -> None:

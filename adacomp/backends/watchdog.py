@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from adacomp.errors import CommunicationError
+from adacomp.errors import CommunicationError, RanksDisagreeError
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when restarted from its last checkpoint
 STALE_FRACTION = 1.0  # a freeze shorter than timeout_s must never end the job
@@ -75,7 +75,11 @@ class Lost:
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """True for the errors transports raise when a peer went away (gloo, c10d, MPI via our backends)."""
+    """True for the errors transports raise when a peer went away (gloo, c10d, MPI via our backends);
+    not for a verdict every rank reached together (:class:`RanksDisagreeError`): explaining that one
+    waited for a lost rank that never comes (~80 s with the default timeout)."""
+    if isinstance(exc, RanksDisagreeError):
+        return False
     if isinstance(exc, CommunicationError):
         return True
     if type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):

@@ -28,7 +28,7 @@ from adacomp import backends, policies
 from adacomp.backends.base import Backend, LocalBackend, broadcast_tensors
 from adacomp.communicators.base import Communicator
 from adacomp.config import ComponentSpec, Config, load
-from adacomp.errors import CommunicationError, ConfigError
+from adacomp.errors import ConfigError, RanksDisagreeError
 from adacomp.engine import hvd_join
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.hvd_keywords import Average, Sum, apply_optimizer_kwargs, is_global
@@ -219,7 +219,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if len(ref["shapes"]) != len(other["shapes"]):
                         diff.insert(0, f"{len(ref['shapes'])} vs {len(other['shapes'])} parameters")
                     detail = f"; first differences (rank 0 vs rank {bad[0]}): {diff}"
-                raise CommunicationError(
+                raise RanksDisagreeError(
                     f"ranks {bad} have a different {'configuration' if what == 'config' else 'model (parameter names/shapes)'} "
                     f"than rank 0{detail}. Every rank must run the same config file and model.")
         return any(d["weights"] != ref["weights"] for d in everyone)
@@ -237,7 +237,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                "Call adacomp.broadcast_parameters(model.state_dict(), root_rank=0) after building the "
                "optimizer (and adacomp.broadcast_optimizer_state(opt, root_rank=0)), or seed every rank alike")
         if strict or self.config.initial_weights == "raise":
-            raise CommunicationError(msg + ("; local steps cannot start from different weights" if strict else ""))
+            raise RanksDisagreeError(msg + ("; local steps cannot start from different weights" if strict else ""))
         warnings.warn(msg + " (config initial_weights: raise makes this an error)", InitialWeightsWarning, stacklevel=2)
 
     # --- host protocol for policies (adacomp.policies.base.Host) ---------------------------------
