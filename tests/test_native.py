@@ -555,8 +555,8 @@ def test_sparse_mean_refuses_what_its_torch_path_must_answer(bad: str) -> None:
 @pytest.mark.parametrize("m,k", [(1, 1), (50, 7), (5000, 4000), (70000, 600), (8388, 84), (1030, 1)])
 def test_pick_largest_equals_largest_k_and_gather(m: int, k: int, avx2_switch: str) -> None:
     """The C pick of k candidates equals ``largest_k`` (ties at the k-th magnitude to the lowest
-    positions) and the signed values gathered from the tensor, by the heap (k <= m / 16) and by the
-    radix select; a NaN anywhere (in the heap's first k, or after) is left to torch."""
+    positions) and the signed values gathered from the tensor, with the AVX2 loops and without; a
+    NaN anywhere (first, k-th, last) is left to torch."""
     from adacomp.compressors.sparse import largest_k
     g = torch.Generator().manual_seed(m + k)
     flat = torch.randn(3 * m, generator=g).round(decimals=1)  # many ties
@@ -575,7 +575,7 @@ def test_pick_largest_equals_largest_k_and_gather(m: int, k: int, avx2_switch: s
     assert torch.equal(bits(whole[1]), bits(flat.index_select(0, everything)))
     mags[0] = float("nan")
     assert _native.pick_largest(mags, idx, k, flat) is None
-    for at in (0, k, flat.numel() - 1):  # in the heap's first k, right after, the tail
+    for at in (0, k, flat.numel() - 1):
         spoiled = flat.clone()
         spoiled[at] = -float("nan")
         assert _native.pick_largest(spoiled, None, k, None) is None

@@ -1300,72 +1300,6 @@ AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, i
 #endif
     return total;
 }
-/* The k-th largest of m magnitudes (keys u[i] & 0x7fffffff) and how many keys equal to it the k
-   largest hold (radix_kth's *ties_rank), for k much smaller than m: a min-heap of the k largest so
-   far, so each key costs one compare with the heap's least once the heap is full (about
-   k ln(m / k) replacements). Every key above the final least is in the heap (a key left out or
-   pushed out was at most the least of its time, which only grows), so the heap's keys equal to
-   its least are the ties to take. A radix select reads a small tensor four times and fills a
-   4096-bin histogram: Top-k of a whole 8388-element tensor (ResNet-50's small layers) took ~9 ns
-   an element that way. -1 on a NaN. h: k uint32 of scratch. */
-#define HEAP_SHARE 16
-static void heap_down(uint32_t* h, int64_t k, int64_t i) {
-    const uint32_t v = h[i];
-    for (;;) {
-        int64_t c = 2 * i + 1;
-        if (c >= k) break;
-        if (c + 1 < k && h[c + 1] < h[c]) ++c;
-        if (h[c] >= v) break;
-        h[i] = h[c];
-        i = c;
-    }
-    h[i] = v;
-}
-#if defined(AC_AVX2)
-/* from i0, the start of the first block of 8 keys (u[i] & 0x7fffffff) holding one of at least lo
-   (1 <= lo < 2^31), or where fewer than 8 keys are left */
-__attribute__((target("avx2"))) static int64_t skip_below_avx2(const uint32_t* u, int64_t i0, int64_t m, uint32_t lo) {
-    const __m256i absm = _mm256_set1_epi32(0x7fffffff), below = _mm256_set1_epi32((int)(lo - 1u));
-    int64_t i = i0;
-    for (; i + 8 <= m; i += 8) {
-        const __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(u + i)), absm);
-        const __m256i hit = _mm256_cmpgt_epi32(v, below);  /* keys below 2^31: a signed compare */
-        if (!_mm256_testz_si256(hit, hit)) break;
-    }
-    return i;
-}
-#endif
-/* from i0, where a key of at least lo may be (a block skipped with AVX2 holds none); i0 itself
-   without AVX2 or for lo 0 */
-static int64_t skip_below(const uint32_t* u, int64_t i0, int64_t m, uint32_t lo) {
-#if defined(AC_AVX2)
-    if (lo > 0 && use_avx2()) return skip_below_avx2(u, i0, m, lo);
-#endif
-    (void)u; (void)m; (void)lo;
-    return i0;
-}
-static int heap_kth(const uint32_t* u, int64_t m, int64_t k, uint32_t* h, uint32_t* kth, int64_t* ties_rank) {
-    int nan = 0;
-    for (int64_t i = 0; i < k; ++i) { h[i] = u[i] & 0x7fffffffu; nan |= h[i] > 0x7f800000u; }
-    if (nan) return -1;
-    for (int64_t i = k / 2; i-- > 0;) heap_down(h, k, i);
-    for (int64_t i = k; i < m;) {
-        /* blocks with no key above the least and no NaN (a NaN's key is above inf's) are skipped */
-        i = skip_below(u, i, m, h[0] < 0x7f800000u ? h[0] + 1u : 0x7f800001u);
-        const int64_t end = i + 8 < m ? i + 8 : m;
-        for (; i < end; ++i) {
-            const uint32_t v = u[i] & 0x7fffffffu;
-            nan |= v > 0x7f800000u;
-            if (v > h[0]) { h[0] = v; heap_down(h, k, 0); }
-        }
-    }
-    if (nan) return -1;
-    int64_t e = 0;
-    for (int64_t j = 0; j < k; ++j) e += h[j] == h[0];
-    *kth = h[0];
-    *ties_rank = e;
-    return 0;
-}
 /* Top-k's last step on a prefilter's candidates (adacomp.compressors.sparse.largest_k): of the m
    candidates at ascending positions cidx with values vals (signed, or magnitudes), the k largest
    |value|, ties at the k-th magnitude to the lowest positions, written as positions and the signed
@@ -1375,22 +1309,16 @@ static int heap_kth(const uint32_t* u, int64_t m, int64_t k, uint32_t* h, uint32
 int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k, const float* flat,
                     uint32_t* keys, int64_t* out_idx, float* out_vals) {
     uint32_t kth; int64_t ties;
-    if (k * HEAP_SHARE <= m ? heap_kth((const uint32_t*)vals, m, k, keys, &kth, &ties) != 0
-                            : radix_kth((const uint32_t*)vals, 1, 0x7fffffffu, m, k, keys, &kth, &ties) != 0)
-        return -1;
+    if (radix_kth((const uint32_t*)vals, 1, 0x7fffffffu, m, k, keys, &kth, &ties) != 0) return -1;
     const uint32_t* u = (const uint32_t*)vals;
     int64_t w = 0;
-    for (int64_t i = 0; i < m && w < k;) {
-        i = skip_below(u, i, m, kth);  /* blocks with no key at or above the k-th */
-        const int64_t end = i + 8 < m ? i + 8 : m;
-        for (; i < end && w < k; ++i) {
-            const uint32_t v = u[i] & 0x7fffffffu;
-            if (v > kth || (v == kth && ties-- > 0)) {
-                const int64_t at = cidx != NULL ? cidx[i] : i;
-                out_idx[w] = at;
-                out_vals[w] = flat != NULL ? flat[at] : vals[i];
-                ++w;
-            }
+    for (int64_t i = 0; i < m && w < k; ++i) {
+        const uint32_t v = u[i] & 0x7fffffffu;
+        if (v > kth || (v == kth && ties-- > 0)) {
+            const int64_t at = cidx != NULL ? cidx[i] : i;
+            out_idx[w] = at;
+            out_vals[w] = flat != NULL ? flat[at] : vals[i];
+            ++w;
         }
     }
     return 0;
