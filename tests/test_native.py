@@ -193,6 +193,19 @@ def test_uniform_equals_torch_numbers_and_generator_state(seed: int) -> None:
     assert torch.equal(mine.get_state(), theirs.get_state())  # a refusal draws nothing
 
 
+def test_uniform_discard_draws_torchs_stream_and_leaves_the_generator() -> None:
+    """The cost benchmark's ``rng`` pass: n numbers of the stream a chunk at a time into one scratch
+    (its last chunk torch's last numbers), the generator itself untouched."""
+    gen = torch.Generator().manual_seed(5)
+    before = gen.get_state()
+    scratch = torch.full((1000,), -1.0)
+    assert _native.uniform_discard(gen, 2500, scratch)
+    want = torch.empty(2500).uniform_(generator=torch.Generator().manual_seed(5))
+    assert torch.equal(bits(scratch[:500]), bits(want[2000:])) and torch.equal(bits(scratch[500:]), bits(want[1500:2000]))
+    assert torch.equal(gen.get_state(), before)
+    assert not _native.uniform_discard(gen, 10, torch.empty(0))
+
+
 @pytest.mark.parametrize("size,off0,m", [(100, 0, 1003), (512, 0, 4096), (1 << 20, 3 << 18, 5000), (7, 0, 3)])
 def test_qsgd_codes_equal_torch_operations(size: int, off0: int, m: int, avx2_switch: str) -> None:
     """The fused QSGD rounding gives the codes of torch's elementwise sequence: -0.0, zeros, a zero

@@ -259,10 +259,9 @@ def _minimum_passes(names: tuple[str, ...]) -> list[Callable[[torch.Tensor, torc
 
     def rng(g: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
         n = g.numel()
-        for lo in range(0, n, RNG_CHUNK):
-            part = scratch[:min(RNG_CHUNK, n - lo)]
-            if not _native.uniform_(part, gen):
-                part.uniform_(generator=gen)
+        if not _native.uniform_discard(gen, n, scratch):
+            for lo in range(0, n, RNG_CHUNK):
+                scratch[:min(RNG_CHUNK, n - lo)].uniform_(generator=gen)
 
     table = {"ef": ef, "write": write, "read": read, "rw": rw, "rng": rng}
 

@@ -3849,6 +3849,20 @@ def uniform_(out: Tensor, gen: torch.Generator) -> bool:
     return True
 
 
+def uniform_discard(gen: torch.Generator, n: int, scratch: Tensor) -> bool:
+    """Draw ``n`` numbers of ``gen``'s ``uniform_`` stream into ``scratch`` a chunk at a time, each
+    chunk over the last, in C calls on one copy of the state (no state round trip per chunk): what
+    the numbers cost without storing them all (the cost benchmark's ``rng`` pass). ``gen`` is left
+    as it was. False where the C generator cannot stand in for torch's."""
+    if not (usable(scratch) and gen.device.type == "cpu" and _rng_checked() and scratch.numel() > 0):
+        return False
+    st, lib, ptr, chunk = gen.get_state(), library(), scratch.data_ptr(), scratch.numel()
+    for lo in range(0, n, chunk):
+        if lib.ac_mt_uniform(st.data_ptr(), ptr, min(chunk, n - lo)) != 0:  # type: ignore[union-attr]
+            return False
+    return True
+
+
 def qsgd_compress(x: Tensor, padded: int, safe: Tensor, size: int, s: int, bits: int, gen: torch.Generator,
                   out: Tensor, norms: Tensor | None = None) -> bool:
     """QSGD's codes of the whole 1-D float32 ``x`` packed into ``out`` in one C loop over L1-sized
