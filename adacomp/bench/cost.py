@@ -76,8 +76,11 @@ MODELS = ("resnet50", "gpt2_small", "vgg16", "lstm_lm")
 # and codes fused) and the output's write. ``rng``: one uniform number per element from torch's
 # generator (QSGD's stochastic rounding; its payload is bitwise torch's path, so the stream is
 # torch's Mersenne Twister, drawn by the package's AVX2 generator into a cache-resident scratch: the
-# numbers' cost without their write). ``/2``: over half of every tensor (alltoall's second
+# numbers' cost without their write). ``sample``: DGC's threshold sample, 1 % of the tensor at
+# uniformly random positions (DGC §5: 0.1-1 %), drawn by torch's generator and gathered: loads that
+# miss the caches wherever they land. ``/2``: over half of every tensor (alltoall's second
 # stage: each of the two ranks averages its half, adds that half's error and recompresses it).
+SAMPLE_RATIO = 0.01  # DGC's default sample_ratio (the ``sample`` pass)
 RNG_CHUNK = 1 << 16  # the ``rng`` pass's scratch: 256 KB, resident in L2 while it is refilled
 
 MINIMUM: dict[str, tuple[str, ...]] = {
@@ -85,7 +88,7 @@ MINIMUM: dict[str, tuple[str, ...]] = {
                                     "mstopk", "randomk", "redsync", "chunktopk")},
     "alltoall": ("ef", "write", "ef/2", "write/2"),
     "gaussiank": ("ef", "read", "write"),
-    "dgc": ("ef", "rw", "write"),
+    "dgc": ("ef", "rw", "write", "sample"),
     "qsgd": ("read", "write", "rng"),
     "bf16": ("read", "write"),
     "powersgd": ("ef", "read", "write"),
@@ -263,7 +266,12 @@ def _minimum_passes(names: tuple[str, ...]) -> list[Callable[[torch.Tensor, torc
             for lo in range(0, n, RNG_CHUNK):
                 scratch[:min(RNG_CHUNK, n - lo)].uniform_(generator=gen)
 
-    table = {"ef": ef, "write": write, "read": read, "rw": rw, "rng": rng}
+    def sample(g: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
+        flat = g.view(-1)
+        pick = torch.randint(flat.numel(), (math.ceil(flat.numel() * SAMPLE_RATIO),), generator=gen)
+        _native.take(flat, pick)
+
+    table = {"ef": ef, "write": write, "read": read, "rw": rw, "rng": rng, "sample": sample}
 
     def half(one: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]) -> Callable[..., Any]:
         def run(g: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
@@ -462,7 +470,7 @@ def report_floor(args: argparse.Namespace) -> None:
         "and writes both back, so the goal asks for fused single passes. **minimum x floor**: the passes the "
         "method's data flow cannot avoid (`MINIMUM` in adacomp/bench/cost.py: error feedback's add, the dense "
         "averaged gradient's write, the extra reads of Gaussian-k's and the low-rank methods' second passes, DGC's "
-        "velocity, QSGD's uniform numbers from torch's generator) timed the same way with the fastest kernels this package has, over the floor (below 1x where its "
+        "velocity and random sample, QSGD's uniform numbers from torch's generator) timed the same way with the fastest kernels this package has, over the floor (below 1x where its "
         "streamed writes beat the floor's plain stores, which read each line first): where it is near or above the "
         "goal, the goal cannot be met by any implementation of that data flow on this machine."
         + (f" Each cell is the median of {len(paths)} runs of the same command (by x floor; its range in "
