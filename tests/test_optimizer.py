@@ -191,7 +191,7 @@ def _construct_mismatched(what: str) -> str:
     try:
         adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), config=cfg)
     except adacomp.CommunicationError as exc:
-        return str(exc)
+        return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
@@ -199,6 +199,7 @@ def _construct_mismatched(what: str) -> str:
 def test_mismatch_across_ranks_names_the_ranks_and_what_differs(what: str, named: str) -> None:
     msgs = run_workers(_construct_mismatched, 2, what)
     assert all("ranks [1]" in m and named in m for m in msgs), msgs
+    assert all(m.startswith("RanksDisagreeError: ") for m in msgs), msgs  # every rank's verdict, raised at once
 
 
 def test_launcher_stops_everyone_and_names_the_failed_rank() -> None:
