@@ -41,6 +41,9 @@ COMMUNICATORS: dict[str, dict[str, Any]] = {
     # QSGD's C random stream, rounding and fused mean over ranks (Compressor.mean_into)
     "qsgd": {"compressor": {"name": "qsgd", "bits": 4}, "memory": {"name": "residual"},
              "communicator": {"name": "allgather_fast"}},
+    # its counter-based stream: the per-tensor call counts are the state a bad round must not move
+    "qsgd_counter": {"compressor": {"name": "qsgd", "bits": 4, "rng": "counter"}, "memory": {"name": "none"},
+                     "communicator": {"name": "allgather_fast"}},
     # the C paths of issue 32's later work: EF-SignSGD's code-table mean and one-pass residual,
     # Random-k's in-place residual and bitmap sample, bf16's C casts (with residual memory, so there is state)
     "efsignsgd": {"compressor": {"name": "efsignsgd"}, "memory": {"name": "residual"},
@@ -64,7 +67,7 @@ COMMUNICATORS: dict[str, dict[str, Any]] = {
 }
 # state that must really be there, so "unchanged" is not vacuous
 EXPECT = {"allgather": "residuals", "alltoall": "alltoall\"}]/residuals", "oktopk": "threshold", "artopk": "residuals",
-          "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity", "qsgd": "residuals", "efsignsgd": "residuals",
+          "powersgd": "/q/", "acpsgd": "/p/", "dgc": "velocity", "qsgd": "residuals", "qsgd_counter": "calls", "efsignsgd": "residuals",
           "randomk": "residuals", "bf16": "residuals", "chunktopk": "residuals", "redsync": "residuals",
           "mstopk": "residuals", "gaussiank": "residuals", "adtopk": "residuals"}
 NAN_RANK, NAN_PARAM = 1, "fc1.weight"

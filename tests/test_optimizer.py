@@ -182,22 +182,36 @@ def test_backward_passes_per_step_equals_summed_loss() -> None:
     assert max(run_workers(_bpps_equivalence, 2)) < 1e-6
 
 
-def _construct_mismatched(what: str) -> str:
-    """Build the optimizer with a per-rank difference in ``what`` (config or model); return the error."""
+def _construct_mismatched(what: str, front: str) -> str:
+    """Build a front end with a per-rank difference in ``what`` (config or model) and take one step;
+    return the error. The hook learns its process group at the first backward and checks there."""
     adacomp.init()
     r = adacomp.rank()
     m = DigitsCNN(hidden=64 + r) if what == "model" else DigitsCNN()
     cfg = {"fusion": {"bucket_mb": 1.0 + r}} if what == "config" else None
     try:
-        adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), config=cfg)
+        if front == "optimizer":
+            opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                               config=cfg)
+            model: torch.nn.Module = m
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(m)
+            adacomp.ddp.register(model, cfg)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        F.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.arange(4)).backward()
+        opt.step()
     except adacomp.CommunicationError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
-@pytest.mark.parametrize("what,named", [("config", "configuration"), ("model", "fc1.weight")])
-def test_mismatch_across_ranks_names_the_ranks_and_what_differs(what: str, named: str) -> None:
-    msgs = run_workers(_construct_mismatched, 2, what)
+# a model mismatch under the hook is DDP's own construction check (not adacomp's)
+@pytest.mark.parametrize("what,named,front", [("config", "configuration", "optimizer"),
+                                              ("model", "fc1.weight", "optimizer"),
+                                              ("config", "configuration", "hook")])
+def test_mismatch_across_ranks_names_the_ranks_and_what_differs(what: str, named: str, front: str) -> None:
+    msgs = run_workers(_construct_mismatched, 2, what, front)
     assert all("ranks [1]" in m and named in m for m in msgs), msgs
     assert all(m.startswith("RanksDisagreeError: ") for m in msgs), msgs  # every rank's verdict, raised at once
 

@@ -47,6 +47,7 @@ LAUNCH = "adacomp bench cost run --json /tmp/cost.json"  # one fresh process per
 # method -> (compressor, params, communicator, memory)
 METHODS: dict[str, tuple[str, dict, str, str]] = {
     "qsgd": ("qsgd", {"bits": 4}, "allgather_fast", "none"),
+    "qsgd_counter": ("qsgd", {"bits": 4, "rng": "counter"}, "allgather_fast", "none"),
     "efsignsgd": ("efsignsgd", {}, "allgather_fast", "residual"),
     "topk": ("topk", {"density": 0.01}, "allgather_fast", "residual"),
     "adtopk": ("adtopk", {"density": 0.01}, "allgather_fast", "residual"),
@@ -76,9 +77,10 @@ MODELS = ("resnet50", "gpt2_small", "vgg16", "lstm_lm")
 # and codes fused) and the output's write. ``rng``: one uniform number per element from torch's
 # generator (QSGD's stochastic rounding; its payload is bitwise torch's path, so the stream is
 # torch's Mersenne Twister, drawn by the package's AVX2 generator into a cache-resident scratch: the
-# numbers' cost without their write). ``sample``: DGC's threshold sample, 1 % of the tensor at
-# uniformly random positions (DGC §5: 0.1-1 %), drawn by torch's generator and gathered: loads that
-# miss the caches wherever they land. ``/2``: over half of every tensor (alltoall's second
+# numbers' cost without their write; ``qsgd_counter``, QSGD with ``rng: counter``, has no such
+# pass). ``sample``: DGC's threshold sample, 1 % of the tensor at uniformly random positions (DGC
+# §5: 0.1-1 %), drawn by torch's generator and gathered: loads that miss the caches wherever they
+# land. ``/2``: over half of every tensor (alltoall's second
 # stage: each of the two ranks averages its half, adds that half's error and recompresses it).
 SAMPLE_RATIO = 0.01  # DGC's default sample_ratio (the ``sample`` pass)
 RNG_CHUNK = 1 << 16  # the ``rng`` pass's scratch: 256 KB, resident in L2 while it is refilled
@@ -90,6 +92,7 @@ MINIMUM: dict[str, tuple[str, ...]] = {
     "gaussiank": ("ef", "read", "write"),
     "dgc": ("ef", "rw", "write", "sample"),
     "qsgd": ("read", "write", "rng"),
+    "qsgd_counter": ("read", "write"),  # its numbers are arithmetic inside the fused pass
     "bf16": ("read", "write"),
     "powersgd": ("ef", "read", "write"),
     "acpsgd": ("ef", "read", "write"),

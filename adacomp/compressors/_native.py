@@ -2556,21 +2556,56 @@ int ac_bucket_norms(const float* x, int64_t n, int64_t size, int lanes, float* n
     bucket_norms(x, n, size, lanes, 0, (n + size - 1) / size, norms);
     return 0;
 }
+/* A counter-based uniform stream (QSGD's `rng: counter`): element i of a call keyed (k0, k1) gets
+   h = mix(((uint32)i + k0) ^ (k1 + (uint32)(i >> 32) * 0x9E3779B9)), mix = the "lowbias32" integer
+   hash (xor-shift 16, * 0x7feb352d, xor-shift 15, * 0x846ca68b, xor-shift 16, a bijection), and
+   keeps (h >> 8) * 2^-24, exact in float32. A call's key is pseudo-random, so each element's input,
+   hence its number, is uniform over the calls. No state to load or advance: each number is a
+   function of its position, so the loop vectorises (8 lanes with AVX2, two multiplies a vector:
+   one round, since a second doubles the cost on multiply-bound cores) and splits across threads;
+   _counter_rng.py's torch twin gives the same bits. */
+static inline uint32_t ctr_mix(uint32_t x) {
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    return x;
+}
+/* in runs of constant hi32(i), so the loop body is 32-bit lanes only (vectorised) */
+AC_CLONES static void ctr_fill(uint32_t k0, uint32_t k1, int64_t start, float* out, int64_t n) {
+    int64_t j = 0;
+    while (j < n) {
+        const uint64_t i0 = (uint64_t)(start + j);
+        const uint64_t room = ((i0 >> 32) + 1) * 0x100000000ull - i0;  /* positions before hi32 changes */
+        const int32_t run = (int32_t)((uint64_t)(n - j) < room ? (uint64_t)(n - j) : room) > 0x40000000
+                            ? 0x40000000 : (int32_t)((uint64_t)(n - j) < room ? (uint64_t)(n - j) : room);
+        const uint32_t kh = k1 + (uint32_t)(i0 >> 32) * 0x9E3779B9u, base = (uint32_t)i0 + k0;
+        float* o = out + j;
+        for (int32_t t = 0; t < run; ++t) {
+            const uint32_t h = ctr_mix((base + (uint32_t)t) ^ kh);
+            o[t] = (float)(int32_t)(h >> 8) * (1.0f / 16777216.0f);
+        }
+        j += run;
+    }
+}
+int ac_ctr_uniform(uint32_t k0, uint32_t k1, int64_t start, float* out, int64_t n) {
+    if (start < 0 || n < 0) return -1;
+    ctr_fill(k0, k1, start, out, n);
+    return 0;
+}
 /* QSGD's whole compress, in tiles that stay in L1: each tile's uniforms from the generator state st
    (in stream order, the padding of the last bucket drawn too), its codes (ac_qsgd_codes) and their
    packing (ac_pack) into out. With norms (lanes 8 or 16), the bucket norms too, each just before
    its bucket's first tile (so the codes read the gradient from cache), and safe[b] = norms[b] > 0 ?
    norms[b] : 1; without, safe holds them already. Bitwise the block loop of qsgd.py; -1 (st
-   untouched) on a NaN code or an unreadable state. */
+   untouched) on a NaN code or an unreadable state. With key (k0, k1) instead of st (NULL), the
+   uniforms are the counter stream's (ctr_fill, element i's number at position i). */
 #define QSGD_TILE 2048
 int ac_qsgd_compress(const float* x, int64_t n, int64_t padded, float* safe, int64_t size, float s, int bits,
-                     uint8_t* st, uint8_t* out, float* norms, int lanes) {
-    int32_t left; uint64_t next; uint32_t mt[MT_N];
+                     uint8_t* st, const uint32_t* key, uint8_t* out, float* norms, int lanes) {
+    int32_t left = 0; uint64_t next = 0; uint32_t mt[MT_N];
     float rnd[QSGD_TILE];
     uint8_t codes[QSGD_TILE];
     int64_t normed = 0;  /* buckets whose norms are done */
     if (norms && (size % lanes || (lanes != 8 && lanes != 16))) return -1;
-    if (mt_load(st, mt, &left, &next)) return -1;
+    if (!key && (!st || mt_load(st, mt, &left, &next))) return -1;
     for (int64_t lo = 0; lo < n; lo += QSGD_TILE) {
         const int64_t m = n - lo < QSGD_TILE ? n - lo : QSGD_TILE;
         if (norms) {
@@ -2578,11 +2613,13 @@ int ac_qsgd_compress(const float* x, int64_t n, int64_t padded, float* safe, int
             bucket_norms(x, n, size, lanes, normed, upto - normed, norms);
             for (; normed < upto; ++normed) safe[normed] = norms[normed] > 0.0f ? norms[normed] : 1.0f;
         }
-        mt_fill(mt, &left, &next, rnd, m);
+        if (key) ctr_fill(key[0], key[1], lo, rnd, m);
+        else mt_fill(mt, &left, &next, rnd, m);
         if (ac_qsgd_codes(x + lo, m, rnd, safe, lo, size, s, codes)) return -1;
         if (bits == 8) __builtin_memcpy(out + lo, codes, (size_t)m);
         else ac_pack(codes, m, bits, out + lo * bits / 8);
     }
+    if (key) return 0;
     mt_fill(mt, &left, &next, NULL, padded - n);
     mt_store(st, mt, left, next);
     return 0;
@@ -2662,7 +2699,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_qsgd_compress.restype = ctypes.c_int
-    lib_.ac_qsgd_compress.argtypes = [vp, i64, i64, vp, i64, ctypes.c_float, ctypes.c_int, vp, vp, vp,
+    lib_.ac_ctr_uniform.restype = ctypes.c_int
+    lib_.ac_ctr_uniform.argtypes = [ctypes.c_uint32, ctypes.c_uint32, i64, vp, i64]
+    lib_.ac_qsgd_compress.argtypes = [vp, i64, i64, vp, i64, ctypes.c_float, ctypes.c_int, vp, vp, vp, vp,
                                       ctypes.c_int]
     lib_.ac_bucket_norms.restype = ctypes.c_int
     lib_.ac_bucket_norms.argtypes = [vp, i64, i64, ctypes.c_int, vp]
@@ -3863,29 +3902,46 @@ def uniform_discard(gen: torch.Generator, n: int, scratch: Tensor) -> bool:
     return True
 
 
-def qsgd_compress(x: Tensor, padded: int, safe: Tensor, size: int, s: int, bits: int, gen: torch.Generator,
-                  out: Tensor, norms: Tensor | None = None) -> bool:
+def ctr_uniform_(out: Tensor, key: tuple[int, int], start: int) -> bool:
+    """Fill 1-D float32 ``out`` with the counter stream's numbers of positions ``start, start + 1,
+    ...`` under ``key`` (``ac_ctr_uniform``; ``_counter_rng.uniform_`` is its torch twin); False
+    (nothing written) where the library cannot serve ``out``."""
+    if not usable(out) or out.dim() != 1 or start < 0:
+        return False
+    return library().ac_ctr_uniform(key[0], key[1], start, out.data_ptr(), out.numel()) == 0  # type: ignore[union-attr]
+
+
+def qsgd_compress(x: Tensor, padded: int, safe: Tensor, size: int, s: int, bits: int, gen: torch.Generator | None,
+                  out: Tensor, norms: Tensor | None = None, key: tuple[int, int] | None = None) -> bool:
     """QSGD's codes of the whole 1-D float32 ``x`` packed into ``out`` in one C loop over L1-sized
     tiles (each tile's uniforms drawn from ``gen``, ``padded`` in all, then coded and packed), bitwise
     ``qsgd.py``'s block loop and leaving ``gen`` in its state; False (``gen`` untouched) where that
     loop must run: a NaN code, another layout, or bits outside 2, 4, 8. With ``norms``, the bucket
     norms are computed in the same loop into ``norms`` (bitwise torch's, see :func:`norm_lanes`) and
-    ``safe`` is written, not read; False too where this torch's norm order is not known."""
+    ``safe`` is written, not read; False too where this torch's norm order is not known. With ``key``
+    (QSGD's ``rng: counter``) the uniforms are the counter stream's and ``gen`` is not used."""
     lanes = 0
     if norms is not None:
         lanes = norm_lanes()
         if not (lanes and size % lanes == 0 and usable(norms) and norms.numel() == safe.numel()):
             return False
-    if not (bits in (2, 4, 8) and usable(x) and usable(safe) and _bytes_ok(out) and gen.device.type == "cpu"
-            and out.numel() == -(-x.numel() * bits // 8) and safe.numel() * size >= padded >= x.numel()
-            and _rng_checked()):
+    if not (bits in (2, 4, 8) and usable(x) and usable(safe) and _bytes_ok(out)
+            and out.numel() == -(-x.numel() * bits // 8) and safe.numel() * size >= padded >= x.numel()):
         return False
-    st = gen.get_state()
+    words = None
+    if key is not None:
+        words = (ctypes.c_uint32 * 2)(*key)
+        st = None
+    elif gen is not None and gen.device.type == "cpu" and _rng_checked():
+        st = gen.get_state()
+    else:
+        return False
     if library().ac_qsgd_compress(x.data_ptr(), x.numel(), padded, safe.data_ptr(), size,  # type: ignore[union-attr]
-                                  float(s), bits, st.data_ptr(), out.data_ptr(),
+                                  float(s), bits, None if st is None else st.data_ptr(), words, out.data_ptr(),
                                   None if norms is None else norms.data_ptr(), lanes) != 0:
         return False
-    gen.set_state(st)
+    if st is not None:
+        gen.set_state(st)  # type: ignore[union-attr]
     return True
 
 

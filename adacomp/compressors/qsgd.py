@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from adacomp.compressors import _native
+from adacomp.compressors import _counter_rng, _native
 from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits, unpack_levels
 from adacomp.compressors.base import Compressor, Payload, register
 
@@ -55,6 +55,11 @@ class QSGDCompressor(Compressor):
       mean lower variance and more norm overhead (4 bytes per bucket).
     * ``seed``: the owned generator's seed (every rank uses the same seed; rounding noise is
       therefore correlated across ranks, which keeps each rank's estimate unbiased).
+    * ``rng``: where the rounding's uniforms come from. ``torch`` (default): torch's generator,
+      one stream for all tensors in call order (payloads bitwise those of earlier releases).
+      ``counter``: a counter-based stream (:mod:`adacomp.compressors._counter_rng`), each number a
+      hash of (seed, tensor name, call count, position): the same distribution and unbiasedness,
+      other bits, and no serial generator in the quantiser's pass (cost_notes item 37).
 
     Payload: ``[norms (float32, one per bucket), codes (uint8, bits-per-element packed)]`` where a
     code is ``sign * level + s``. Not additive (levels are scaled by per-rank norms): use the
@@ -66,7 +71,9 @@ class QSGDCompressor(Compressor):
     biased = False  # memory: auto -> none
     fused_mean = True
 
-    def __init__(self, bits: int = 4, s: int = 0, bucket_size: int = 512, seed: int = 0):
+    RNGS = ("torch", "counter")
+
+    def __init__(self, bits: int = 4, s: int = 0, bucket_size: int = 512, seed: int = 0, rng: str = "torch"):
         if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s > 127:
             raise ValueError(f"s must be an integer in [1, 127] (or 0 to derive it from bits), got {s!r}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 0:
@@ -77,9 +84,14 @@ class QSGDCompressor(Compressor):
             raise ValueError(f"bucket_size must be <= 2**24 elements (QSGD uses 512), got {bucket_size}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 40:
             raise ValueError(f"seed must be an integer in [0, 2**40), got {seed!r}")
+        if rng not in self.RNGS:
+            raise ValueError(f"rng must be one of {list(self.RNGS)}, got {rng!r}; 'torch' keeps torch's generator "
+                             "(the default), 'counter' draws a faster counter-based stream")
         self.bucket_size = bucket_size
         self.seed = int(seed)
+        self.rng = rng
         self._gens: dict[str, torch.Generator] = {}
+        self._calls: dict[str, int] = {}  # rng counter: compress calls per tensor name (the key's count)
 
     # ----- knobs for policies (L-GreCo) -----------------------------------------------------
     def set_bits(self, bits: int) -> None:
@@ -137,7 +149,13 @@ class QSGDCompressor(Compressor):
         n = src.numel()
         size = max(min(self.bucket_size, n) if self.bucket_size else n, 1)  # a bucket never exceeds the tensor
         nb = self._buckets(n)
-        gen = self._gen(src.device)
+        gen, key = None, None
+        if self.rng == "counter":
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            key = _counter_rng.key(self.seed, name, call)
+        else:
+            gen = self._gen(src.device)
         ws = self._workspace()
         nbytes = packed_bytes(n, self.bits)
         packed = ws.output(torch.Size([nbytes]), nbytes, torch.uint8, src.device)  # recycled once nobody holds it
@@ -145,11 +163,11 @@ class QSGDCompressor(Compressor):
         if src.device.type == "cpu":
             norms = torch.empty(nb)
             if _native.qsgd_compress(src, nb * size, ws.scratch("safe", nb, torch.float32, src.device), size,
-                                     self.s, self.bits, gen, packed, norms=norms):
+                                     self.s, self.bits, gen, packed, norms=norms, key=key):
                 return [norms, packed], ctx  # one C loop over L1 tiles: norms, uniforms, codes, packing
         norms = self._norms(src, n, size, nb)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-        if _native.qsgd_compress(src, nb * size, safe, size, self.s, self.bits, gen, packed):
+        if _native.qsgd_compress(src, nb * size, safe, size, self.s, self.bits, gen, packed, key=key):
             return [norms, packed], ctx  # the same loop with torch's norms
         chunk = CHUNK * max(1, torch.get_num_threads())
         blocks = self._blocks(size, nb, chunk)
@@ -163,7 +181,9 @@ class QSGDCompressor(Compressor):
             m = max(0, min(hi, n) - lo)  # real elements; the rest is the last bucket's zero padding
             a, rnd = a_buf[:hi - lo], r_buf[:hi - lo]
             x = src[lo:lo + m]
-            if not _native.uniform_(rnd, gen):  # the same stream in one C loop, torch's where it cannot
+            if gen is None:
+                _counter_rng.uniform_(rnd, key, lo)  # type: ignore[arg-type]  # rng: counter
+            elif not _native.uniform_(rnd, gen):  # the same stream in one C loop, torch's where it cannot
                 rnd.uniform_(generator=gen)
             if not m:
                 continue
@@ -230,11 +250,17 @@ class QSGDCompressor(Compressor):
         return 4 * self._buckets(n) + -(-n * self.bits // 8)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generators": {k: g.get_state() for k, g in self._gens.items()}}
+        out: dict[str, Any] = {"generators": {k: g.get_state() for k, g in self._gens.items()}}
+        if self.rng == "counter":
+            out["calls"] = dict(self._calls)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, st in state.get("generators", {}).items():
             self._gen(torch.device(key)).set_state(st)
+        if self.rng == "counter":
+            self._calls = {str(k): int(v) for k, v in state.get("calls", {}).items()}
 
     def __repr__(self) -> str:
-        return f"QSGDCompressor(bits={self.bits}, s={self.s}, bucket_size={self.bucket_size})"
+        rng = "" if self.rng == "torch" else f", rng={self.rng!r}"
+        return f"QSGDCompressor(bits={self.bits}, s={self.s}, bucket_size={self.bucket_size}{rng})"

@@ -37,6 +37,7 @@ from adacomp.backends.base import Backend
 from adacomp.config import Config, load
 from adacomp.backends import watchdog
 from adacomp.errors import CommunicationError, ConfigError
+from adacomp.engine import agreement
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
 from adacomp.engine.optimizer_state import ComponentState
@@ -85,6 +86,9 @@ class HookState:
             raise ValueError("adacomp.ddp.hook: pass either backend or process_group, not both")
         named = list(named_parameters or [])
         self._names = {id(p): n for n, p in named}
+        # compared across ranks at the first hook call, before any collective of a round
+        self._agreement: dict[str, Any] | None = agreement.fingerprint(
+            self.config, [(n, p) for n, p in named if p.requires_grad])
         # the parameters of the model this state serves: named ones, else those of the first round
         self._model: set[int] | None = set(self._names) if named else None
         self._backend = backend
@@ -230,6 +234,9 @@ class HookState:
                 "rank that died") from exc
 
     def _hook(self, bucket: Any) -> torch.futures.Future:
+        if self._agreement is not None:  # once: the process group exists by the first backward
+            agreement.check(self.backend, self._agreement)
+            self._agreement = None
         if self._round is None:
             self._round = self.rounds.begin(StepStats(step=self.steps), self.steps)
         st = self._round

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import sys
 import warnings
 from collections import OrderedDict, deque
@@ -29,7 +28,7 @@ from adacomp.backends.base import Backend, LocalBackend, broadcast_tensors
 from adacomp.communicators.base import Communicator
 from adacomp.config import ComponentSpec, Config, load
 from adacomp.errors import ConfigError, RanksDisagreeError
-from adacomp.engine import hvd_join
+from adacomp.engine import agreement, hvd_join
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.hvd_keywords import Average, Sum, apply_optimizer_kwargs, is_global
 from adacomp.engine.metrics import StepStats
@@ -202,27 +201,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every rank must hold the same config and the same parameters; say who differs.
         Returns whether the ranks' *weights* differ (checked again at the first backward, since
         Horovod scripts call ``broadcast_parameters`` after building the optimizer)."""
-        shapes = [(n, list(p.shape)) for n, p in self.params]
-        mine = {"config": self.config.hash(),
-                "params": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16],
-                "weights": _weights_digest(self.params),
-                "shapes": shapes[:2000]}
-        everyone = self.backend.allgather_object(mine)
-        ref = everyone[0]
-        for what in ("config", "params"):
-            bad = [r for r, d in enumerate(everyone) if d[what] != ref[what]]
-            if bad:
-                detail = ""
-                if what == "params":
-                    other = everyone[bad[0]]
-                    diff = [f"{a} vs {b}" for a, b in zip(ref["shapes"], other["shapes"]) if a != b][:3]
-                    if len(ref["shapes"]) != len(other["shapes"]):
-                        diff.insert(0, f"{len(ref['shapes'])} vs {len(other['shapes'])} parameters")
-                    detail = f"; first differences (rank 0 vs rank {bad[0]}): {diff}"
-                raise RanksDisagreeError(
-                    f"ranks {bad} have a different {'configuration' if what == 'config' else 'model (parameter names/shapes)'} "
-                    f"than rank 0{detail}. Every rank must run the same config file and model.")
-        return any(d["weights"] != ref["weights"] for d in everyone)
+        everyone = agreement.check(self.backend, agreement.fingerprint(self.config, self.params,
+                                                                        weights=_weights_digest(self.params)))
+        return any(d["weights"] != everyone[0]["weights"] for d in everyone)
 
     def _check_weights(self, strict: bool = False) -> None:
         """Ranks started from different weights: fine if ``broadcast_parameters`` ran before the
