@@ -69,7 +69,8 @@ class HookState:
     code as the optimizer's."""
 
     def __init__(self, config: Any = None, named_parameters: Iterable[tuple[str, Tensor]] | None = None,
-                 backend: Backend | None = None, grad_scaler: Any = None, process_group: Any = None):
+                 backend: Backend | None = None, grad_scaler: Any = None, process_group: Any = None,
+                 agree: bool = True):
         self.config: Config = load(config)
         if self.config.policy.name != "static":
             raise ConfigError("policy.name", f"policy {self.config.policy.name!r} needs adacomp.DistributedOptimizer "
@@ -86,9 +87,10 @@ class HookState:
             raise ValueError("adacomp.ddp.hook: pass either backend or process_group, not both")
         named = list(named_parameters or [])
         self._names = {id(p): n for n, p in named}
-        # compared across ranks at the first hook call, before any collective of a round
+        # compared across ranks at the first hook call, before any collective of a round (``agree``
+        # False: a caller with many states over one group, FSDP's units, does not pay it per state)
         self._agreement: dict[str, Any] | None = agreement.fingerprint(
-            self.config, [(n, p) for n, p in named if p.requires_grad])
+            self.config, [(n, p) for n, p in named if p.requires_grad]) if agree else None
         # the parameters of the model this state serves: named ones, else those of the first round
         self._model: set[int] | None = set(self._names) if named else None
         self._backend = backend
