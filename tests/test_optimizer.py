@@ -184,7 +184,8 @@ def test_backward_passes_per_step_equals_summed_loss() -> None:
 
 def _construct_mismatched(what: str, front: str) -> str:
     """Build a front end with a per-rank difference in ``what`` (config or model) and take one step;
-    return the error. The hook learns its process group at the first backward and checks there."""
+    return the error. The hook learns its process group at the first backward and checks there;
+    FSDP2's register() checks at once."""
     adacomp.init()
     r = adacomp.rank()
     m = DigitsCNN(hidden=64 + r) if what == "model" else DigitsCNN()
@@ -194,11 +195,17 @@ def _construct_mismatched(what: str, front: str) -> str:
             opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
                                                config=cfg)
             model: torch.nn.Module = m
-        else:
+        elif front == "hook":
             from torch.nn.parallel import DistributedDataParallel as DDP
             model = DDP(m)
             adacomp.ddp.register(model, cfg)
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        else:  # plain FSDP2: register() checks before installing its reduce-scatter
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            fully_shard(m, mesh=init_device_mesh("cpu", (adacomp.size(),)))
+            adacomp.fsdp.register(m, cfg)
+            model, opt = m, torch.optim.SGD(m.parameters(), lr=0.1)
         F.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.arange(4)).backward()
         opt.step()
     except adacomp.CommunicationError as exc:
@@ -209,7 +216,9 @@ def _construct_mismatched(what: str, front: str) -> str:
 # a model mismatch under the hook is DDP's own construction check (not adacomp's)
 @pytest.mark.parametrize("what,named,front", [("config", "configuration", "optimizer"),
                                               ("model", "fc1.weight", "optimizer"),
-                                              ("config", "configuration", "hook")])
+                                              ("config", "configuration", "hook"),
+                                              ("config", "configuration", "fsdp"),
+                                              ("model", "fc1.weight", "fsdp")])
 def test_mismatch_across_ranks_names_the_ranks_and_what_differs(what: str, named: str, front: str) -> None:
     msgs = run_workers(_construct_mismatched, 2, what, front)
     assert all("ranks [1]" in m and named in m for m in msgs), msgs

@@ -228,12 +228,12 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
         j += c
     for kind, items in batches.items():
         assert ws is not None
-        outs = [ws.output(torch.Size([entries[i].tensor.numel()]), entries[i].tensor.numel(), torch.float32,
-                          entries[i].tensor.device) for i, _ in items]
+        # in the entries' own shapes (the C calls read data_ptr and numel only): no view per entry
+        outs = [ws.output(t.shape, t.numel(), torch.float32, t.device) for t in (entries[i].tensor for i, _ in items)]
         done = _PACKED_MEANS[kind][1](gathered, outs, [entries[i] for i, _ in items], [j for _, j in items], segs, starts)
         for (i, _), o, ok in zip(items, outs, done):
             if ok:
-                out[i] = o.view(entries[i].tensor.shape)
+                out[i] = o
         del outs
     j = 0
     for i, (e, c) in enumerate(zip(entries, counts)):

@@ -44,8 +44,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from adacomp import backends
 from adacomp.backends.base import Backend
 from adacomp.config import Config, load
+from adacomp.engine import agreement
 from adacomp.engine.ddp import HookState
 from adacomp.engine.fsdp_local import OuterState, register_local_steps
 from adacomp.errors import ConfigError
@@ -454,6 +456,11 @@ def register(model: torch.nn.Module, config: Any = None, *, replicate_group: Any
     for name, module in units:
         if getattr(module, "_adacomp_fsdp", None) is not None:
             raise RuntimeError(f"FSDP unit {name!r} already has an adacomp.fsdp hook")
+    # every rank the same config and model, once here (the units' hook states do not check each):
+    # over ``backend`` where given, else the whole world, before any collective of a round
+    checker = backend if backend is not None else backends.create("torch", timeout_s=config.timeout_s)
+    agreement.check(checker, agreement.fingerprint(config, [(n, p) for n, p in model.named_parameters()
+                                                            if p.requires_grad]))
     if config.local_steps is not None:
         if grad_scaler is not None:
             raise ConfigError("local_steps", "a GradScaler with local steps on FSDP2 is not supported yet; FSDP2 "
