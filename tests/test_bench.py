@@ -258,11 +258,12 @@ def test_cost_floor_report_before_and_after(tmp_path):
     """``adacomp bench cost run`` measures each cell's memory floor beside its step, and
     ``report-floor --before`` puts an earlier run's ratio beside the new one (equal-split shapes,
     one step: plumbing, not numbers)."""
-    _run([*BENCH, "cost", "run", "--json", "a.json", "--models", "split10", "--methods", "topk,qsgd", "--counts", "",
-          "--steps", "1"], tmp_path)
+    out = _run([*BENCH, "cost", "run", "--json", "a.json", "--models", "split10", "--methods", "topk,qsgd,qsgd_counter",
+                "--counts", "", "--steps", "1"], tmp_path).stdout
+    assert "[1/3 " in out and "[3/3 " in out and "min left]" in out  # progress on a run of ~50 minutes
     import json
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {"topk", "qsgd"}
+    assert {r["method"] for r in rows} == {"topk", "qsgd", "qsgd_counter"}
     assert all(r["floor_s"] > 0 and r["step_s"] > 0 and 0 < r["bytes_ratio"] < 1 for r in rows)
     # the data-flow minimum, timed beside them: error feedback's add and the output's write for Top-k
     # (more than the floor's one read and one write), one read, the write and the uniform numbers
@@ -271,6 +272,7 @@ def test_cost_floor_report_before_and_after(tmp_path):
     assert set(cost.MINIMUM) == set(cost.METHODS)  # every method has its minimum
     by = {r["method"]: r for r in rows}
     assert by["topk"]["minimum"] == ["ef", "write"] and by["qsgd"]["minimum"] == ["read", "write", "rng"]
+    assert by["qsgd_counter"]["minimum"] == ["read", "write"]  # rng: counter has no generator pass
     assert all(r["minimum_s"] > 0 for r in rows)
     _run([*BENCH, "cost", "report-floor", "--after", "a.json", "--before", "a.json", "--out", "floor.md"], tmp_path)
     md = (tmp_path / "floor.md").read_text()

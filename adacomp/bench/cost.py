@@ -33,6 +33,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -292,20 +293,21 @@ def run(args: argparse.Namespace) -> None:
     done = {(r["model"], r["method"]) for r in rows}
     models = args.models.split(",") + [f"split{c}" for c in args.counts.split(",") if c]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    for model in models:
-        for method in args.methods.split(","):
-            if (model, method) in done:
-                continue
-            cmd = [*module_command("cost"), "cell", "--model", model, "--method", method, "--steps", str(args.steps)]
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            if res.returncode:
-                print(f"{model} {method}: failed\n{res.stderr[-2000:]}", file=sys.stderr)
-                continue
-            row = json.loads(res.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            print(f"{model:11s} {method:10s} {1e3 * row['step_s']:9.1f} ms/step  held {row['held_bytes'] / 2**20:8.1f} MiB  "
-                  f"rss+ {row['rss_extra_bytes'] / 2**20:8.1f} MiB  bytes {row['bytes_ratio']:.3f}", flush=True)
-            Path(args.json).write_text(json.dumps({"rows": rows, "load": os.getloadavg()[0], "code": _code()}, indent=1))
+    todo = [(m, x) for m in models for x in args.methods.split(",") if (m, x) not in done]
+    t0 = time.monotonic()
+    for n, (model, method) in enumerate(todo, 1):
+        cmd = [*module_command("cost"), "cell", "--model", model, "--method", method, "--steps", str(args.steps)]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if res.returncode:
+            print(f"{model} {method}: failed\n{res.stderr[-2000:]}", file=sys.stderr)
+            continue
+        row = json.loads(res.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        spent = time.monotonic() - t0  # a full run takes the better part of an hour: say how far it is
+        print(f"[{n}/{len(todo)} {spent / 60:.1f} min, ~{spent / n * (len(todo) - n) / 60:.0f} min left] "
+              f"{model:11s} {method:12s} {1e3 * row['step_s']:9.1f} ms/step  held {row['held_bytes'] / 2**20:8.1f} MiB  "
+              f"rss+ {row['rss_extra_bytes'] / 2**20:8.1f} MiB  bytes {row['bytes_ratio']:.3f}", flush=True)
+        Path(args.json).write_text(json.dumps({"rows": rows, "load": os.getloadavg()[0], "code": _code()}, indent=1))
 
 
 def _code() -> str:
