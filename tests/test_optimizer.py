@@ -189,9 +189,11 @@ def _construct_mismatched(what: str, front: str) -> str:
     adacomp.init()
     r = adacomp.rank()
     m = DigitsCNN(hidden=64 + r) if what == "model" else DigitsCNN()
-    cfg = {"fusion": {"bucket_mb": 1.0 + r}} if what == "config" else None
+    cfg: dict | None = {"fusion": {"bucket_mb": 1.0 + r}} if what == "config" else None
+    if front == "outer":  # local steps: the same construction check, before the outer loop exists
+        cfg = {**(cfg or {}), "local_steps": {"every": 2}}
     try:
-        if front == "optimizer":
+        if front in ("optimizer", "outer"):
             opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
                                                config=cfg)
             model: torch.nn.Module = m
@@ -217,6 +219,8 @@ def _construct_mismatched(what: str, front: str) -> str:
 @pytest.mark.parametrize("what,named,front", [("config", "configuration", "optimizer"),
                                               ("model", "fc1.weight", "optimizer"),
                                               ("config", "configuration", "hook"),
+                                              ("config", "configuration", "outer"),
+                                              ("model", "fc1.weight", "outer"),
                                               ("config", "configuration", "fsdp"),
                                               ("model", "fc1.weight", "fsdp")])
 def test_mismatch_across_ranks_names_the_ranks_and_what_differs(what: str, named: str, front: str) -> None:
