@@ -326,6 +326,44 @@ def test_chunk_selection_floor_guess_paths(monkeypatch):
     assert torch.equal(idx, idx_t) and torch.equal(vals.view(torch.int32), vals_t.view(torch.int32))
 
 
+@pytest.mark.parametrize("chunk,rows", [(4096, 40), (1000, 90), (100, 700), (300, 9)])
+@pytest.mark.parametrize("case", ["gauss", "scales", "nan", "ties"])
+def test_compensation_inside_the_chunk_scan_equals_add_then_select(chunk, rows, case, avx2_switch, monkeypatch):
+    """The C selection with error feedback's add inside each chunk's scan (``add=(g, r)``: the sums
+    written, streamed from 2^16 elements, and the floor's candidates taken from registers) gives the
+    bits of torch.add followed by the selection of the sum: the sums, positions and values, on every
+    path a chunk can take (a floor that holds; one passing too many after a scale jump, too few
+    after a drop, a NaN, ties; chunk sizes off the 64- and 8-element blocks; AVX2 and baseline)."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import chunk_select
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    gen_ = torch.Generator().manual_seed(chunk + rows)
+    g = torch.randn(rows, chunk, generator=gen_)
+    r = torch.randn(rows, chunk, generator=gen_) * 0.3
+    if case == "scales":  # jumps and drops between neighbouring chunks: both fallbacks
+        g *= torch.tensor([1.0, 1.0, 40.0, 40.0, 0.01, 1.0, 0.0, 1.0] * rows)[:rows].unsqueeze(1)
+    if case == "nan":
+        g[rows // 2, chunk // 3] = float("nan")
+    if case == "ties":
+        g = torch.randint(-3, 4, (rows, chunk), generator=gen_).float()
+        r = torch.zeros(rows, chunk)
+    k = max(1, chunk // 50)
+    fused_out = torch.empty(rows * chunk)
+    got = _native.chunk_topk(fused_out, rows, chunk, k, add=(g.view(-1), r.view(-1)))
+    summed = torch.add(g, r)
+    assert torch.equal(fused_out.view(torch.int32), summed.view(-1).view(torch.int32))  # the sum, whole
+    want = _native.chunk_topk(summed.view(-1).clone(), rows, chunk, k)
+    if case == "nan":
+        assert got is None and want is None  # torch's path answers
+        return
+    assert got is not None and want is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+    monkeypatch.setattr(_native, "usable", lambda a: False)  # torch's path: the reference
+    torch_idx, torch_vals = chunk_select(summed, k)
+    assert torch.equal(got[0], torch_idx) and torch.equal(got[1].view(torch.int32), torch_vals.view(torch.int32))
+
+
 @pytest.mark.parametrize("bits,chunk,n", [(2, 4096, 3 * 4096 + 1000), (1, 64, 640), (4, 48, 2048), (8, 100, 1000),
                                           (32, 48, 650), (2, 40000, 90000)])
 @pytest.mark.parametrize("case", ["gauss", "negzero", "nan"])
