@@ -116,6 +116,35 @@ def test_row_order_statistics_in_c_give_the_sorts_selection(monkeypatch, kind):
     assert used or kind == "ties"  # the C path ran (with that many ties every case declines before it)
 
 
+@pytest.mark.parametrize("q", [1, 6, 40, 130])
+def test_row_order_statistics_kernel_against_a_sort(q, avx2_switch):
+    """ac_row_order_stats' three ranks per row (the (q+2)-th, (q+1)-th and q-th largest magnitude, -1
+    where the row has fewer) equal a descending sort of each row's magnitude bits: rows of 1 to 300
+    candidates (the AVX2 rank count up to 128, quickselects above), ties, zeros, inf and NaN."""
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    g = gen(q)
+    lens = [1, 2, 3, 7, 8, 9, 15, 16, 17, q, q + 1, q + 2, q + 3, 63, 64, 65, 127, 128, 129, 200, 300]
+    rows = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(lens)])
+    mag = torch.randn(rows.numel(), generator=g).abs()
+    mag[::5] = torch.randint(0, 3, (mag[::5].numel(),), generator=g).float()  # ties and zeros
+    mag[7] = float("inf")
+    mag[40] = float("nan")
+    got = _native.row_order_stats(mag, rows, len(lens), q, 300)
+    assert got is not None
+    for i, n in enumerate(lens):
+        bits = mag[rows == i].view(torch.int32).sort(descending=True).values  # |x| orders as its bits
+        want = [bits[q + 1 - j].item() if 1 <= q + 2 - j <= n else None for j in range(3)]
+        have = got.stats[i].view(torch.int32).tolist()
+        for j in range(3):
+            if want[j] is None:
+                assert got.stats[i, j].item() == -1.0, (i, n, j)
+            else:
+                assert have[j] == want[j], (i, n, j)
+        assert got.counts[i].item() == n and bool(got.nan[i]) == bool(torch.isnan(mag[rows == i]).any())
+
+
 def test_both_candidate_strategies_are_used(monkeypatch):
     monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
     used = []

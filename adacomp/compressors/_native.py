@@ -1192,6 +1192,40 @@ __attribute__((target("avx2"))) static uint32_t row_kth_ranked_avx2(const uint32
     return m;
 }
 #endif
+#if defined(AC_AVX2)
+/* ac_row_order_stats's three ranks of one row's b <= ROW_KTH_RANKED keys (< 2^31; room for b + 8) from
+   one rank count: out[j] = the (q + 2 - j)-th largest as float bits where 1 <= q + 2 - j <= b (else
+   left alone), the largest key that at least that many keys reach, as row_kth_ranked_avx2 finds one
+   rank. Rows of ~1.6 q candidates: three quickselects cost ~440 cycles a row there, their branches
+   mispredicted (cost_notes item 40). */
+__attribute__((target("avx2"))) static void row_kth3_ranked_avx2(const uint32_t* keys, int64_t b, int64_t q,
+                                                                  float* out) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i best[3], need[3];
+    for (int j = 0; j < 3; ++j) {
+        best[j] = _mm256_setzero_si256();
+        need[j] = _mm256_set1_epi32((int)(q + 2 - j) - 1);  /* reach > rank - 1 */
+    }
+    for (int64_t j = 0; j < b; j += 8) {
+        const __m256i kj = _mm256_loadu_si256((const __m256i*)(keys + j));
+        __m256i reach = _mm256_set1_epi32((int)b);  /* b - #(keys below it) = #(keys >= it) */
+        for (int64_t i = 0; i < b; ++i)
+            reach = _mm256_add_epi32(reach, _mm256_cmpgt_epi32(kj, _mm256_set1_epi32((int)keys[i])));
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(b - j)), lane);
+        for (int t = 0; t < 3; ++t)
+            best[t] = _mm256_max_epi32(best[t], _mm256_and_si256(_mm256_and_si256(_mm256_cmpgt_epi32(reach, need[t]),
+                                                                                  live), kj));
+    }
+    for (int t = 0; t < 3; ++t) {
+        const int64_t rank = q + 2 - t;
+        if (rank < 1 || rank > b) continue;
+        uint32_t v[8], m = 0;
+        _mm256_storeu_si256((__m256i*)v, best[t]);
+        for (int l = 0; l < 8; ++l) m = v[l] > m ? v[l] : m;
+        __builtin_memcpy(out + t, &m, sizeof m);
+    }
+}
+#endif
 /* the r-th largest of b keys (each < 2^31; keys is reordered), by the rank count where padded (room
    for b + 8) is given, else by a quickselect */
 static uint32_t kth_of_keys(uint32_t* keys, int64_t b, int64_t r, uint32_t* padded) {
@@ -1264,6 +1298,12 @@ int ac_row_order_stats(const float* mag, const int64_t* row, int64_t nc, int64_t
         }
         counts[r0] = len;
         nan[r0] = top > 0x7f800000u;
+#if defined(AC_AVX2)
+        if (len <= ROW_KTH_RANKED && use_avx2()) {  /* keys has room for len + 8 */
+            row_kth3_ranked_avx2(keys, len, q, out + 3 * r0);
+            continue;
+        }
+#endif
         /* the quickselect leaves the rank largest in front: the next (smaller) rank looks only there */
         int64_t live = len;
         for (int j = 0; j < 3; ++j) {
@@ -3577,7 +3617,7 @@ def row_order_stats(mag: Tensor, row: Tensor, m: int, q: int, n: int) -> RowStat
     if (lib is None or not usable(mag) or row.dtype != torch.int64 or row.device.type != "cpu"
             or not row.is_contiguous() or row.numel() != mag.numel() or q < 1):
         return None
-    keys = _keys(max(1, n))
+    keys = _keys(max(1, n) + 8)  # the rank count reads whole vectors of 8
     out = torch.empty(m, 3, dtype=torch.float32)
     counts = torch.empty(m, dtype=torch.int64)
     nan = torch.empty(m, dtype=torch.bool)
