@@ -145,6 +145,30 @@ def test_row_order_statistics_kernel_against_a_sort(q, avx2_switch):
         assert got.counts[i].item() == n and bool(got.nan[i]) == bool(torch.isnan(mag[rows == i]).any())
 
 
+@pytest.mark.parametrize("m,n,blocks", [(200, 768, 32), (90, 3072, 64), (150, 700, 32), (70, 1000, 128), (40, 9, 8)])
+def test_row_candidates_with_the_compensation_inside_equal_the_separate_add(m, n, blocks, avx2_switch):
+    """_native.row_candidates with error feedback's add inside its row pass (``add=(g, r)``: each row
+    summed, streamed and its block maxima taken in one AVX2 loop where the row is 32-byte aligned)
+    gives the separate torch.add's sums and, from them, the same floors, candidates, count and NaN
+    rows as the call on the summed tensor: rows aligned and not (n % 8), blocks of 8 to 128 lanes."""
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    g_ = gen(m + n)
+    grad = torch.randn(m, n, generator=g_) * torch.exp(torch.randn(m, 1, generator=g_))
+    res = torch.randn(m, n, generator=g_) * 0.1
+    grad[3, n // 2] = float("nan")
+    q1 = max(1, n // 90)
+    fused = torch.empty(m, n)
+    got = _native.row_candidates(fused, q1, blocks, 1e-30, 0.05, limit=m * n, add=(grad, res))
+    summed = torch.add(grad, res)
+    want = _native.row_candidates(summed.clone(), q1, blocks, 1e-30, 0.05, limit=m * n)
+    assert got is not None and want is not None
+    assert torch.equal(fused.view(torch.int32), summed.view(torch.int32))
+    assert got[2] == want[2] > 0 and torch.equal(got[0], want[0]) and torch.equal(got[3], want[3])
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)) and bool(got[3][3])
+
+
 def test_both_candidate_strategies_are_used(monkeypatch):
     monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
     used = []

@@ -1342,6 +1342,31 @@ __attribute__((target("avx2"))) static void stream_run(float* dst, const float* 
     for (; j < n; ++j) dst[j] = src[j];
 }
 __attribute__((target("avx2"))) static void stream_fence(void) { _mm_sfence(); }
+/* One row of ADTopk's compensation in one pass: row = g + p (one IEEE add per element, torch.add's
+   bits) into the L1 scratch row, streamed to dst (32-byte aligned), and the row's strided block maxima
+   of the sums' magnitude bits into acc (block_max_keys of row; b a multiple of 8, n >= b): the add,
+   the copy to dst and the block maxima were three passes over the row (cost_notes item 41). */
+__attribute__((target("avx2"))) static void row_add_block_max_avx2(const float* g, const float* p, float* row,
+                                                                    float* dst, int64_t n, int64_t b, uint32_t* acc) {
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+    const int64_t bs = n / b;
+    int64_t i = 0;
+    for (int64_t c = 0; c < bs; ++c)
+        for (int64_t j = 0; j < b; j += 8, i += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i), _mm256_loadu_ps(p + i));
+            _mm256_storeu_ps(row + i, v);
+            _mm256_stream_ps(dst + i, v);
+            const __m256i k = _mm256_and_si256(_mm256_castps_si256(v), absm);
+            __m256i* a = (__m256i*)(acc + j);
+            _mm256_storeu_si256(a, c == 0 ? k : _mm256_max_epi32(_mm256_loadu_si256(a), k));
+        }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i), _mm256_loadu_ps(p + i));
+        _mm256_storeu_ps(row + i, v);
+        _mm256_stream_ps(dst + i, v);
+    }
+    for (; i < n; ++i) row[i] = dst[i] = g[i] + p[i];
+}
 #endif
 /* ADTopk's candidates row by row while the row is in cache (rows of x, one read from memory): the
    strided block maxima of |x| (ac_row_block_max_abs), their r-th largest as the row's floor (at
@@ -1363,14 +1388,24 @@ AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, i
 #endif
     for (int64_t i = 0; i < m; ++i) {
         const float* src = x + i * n;
+        int maxed = 0;  /* keys hold the block maxima already */
         if (g != NULL) {
-            float* sum = row != NULL ? row : x + i * n;
-            for (int64_t j = 0; j < n; ++j) sum[j] = g[i * n + j] + plus[i * n + j];
 #if defined(AC_AVX2)
-            if (row != NULL) { stream_run(x + i * n, row, n); src = row; }
+            if (row != NULL && b % 8 == 0 && ((uintptr_t)(x + i * n) & 31) == 0) {
+                row_add_block_max_avx2(g + i * n, plus + i * n, row, x + i * n, n, b, keys);
+                src = row;
+                maxed = 1;
+            } else
 #endif
+            {
+                float* sum = row != NULL ? row : x + i * n;
+                for (int64_t j = 0; j < n; ++j) sum[j] = g[i * n + j] + plus[i * n + j];
+#if defined(AC_AVX2)
+                if (row != NULL) { stream_run(x + i * n, row, n); src = row; }
+#endif
+            }
         }
-        block_max_keys((const uint32_t*)src, n, b, keys);
+        if (!maxed) block_max_keys((const uint32_t*)src, n, b, keys);
         int nan = 0;
         for (int64_t j = 0; j < b; ++j) nan |= keys[j] > 0x7f800000u;
         float t = __builtin_inff();
