@@ -666,6 +666,29 @@ def test_take_equals_index_select(m: int, monkeypatch: pytest.MonkeyPatch) -> No
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("n", [0, 5, 64, 65, 20_000])
+@pytest.mark.parametrize("strict", [False, True])
+def test_pick_pairs_equals_select_and_two_gathers(n: int, strict: bool, avx2_switch: str) -> None:
+    """A threshold search's last step on its kept candidates in one C pass: the positions and signed
+    values whose |value| passes (> or >=) are those of the abs select of the values and the two
+    gathers by it, bit for bit (NaN passing neither, -0.0, infinities, ties at the threshold), at
+    every first guess of the output's size."""
+    g = torch.Generator().manual_seed(n + strict)
+    vals = torch.randn(n, generator=g)
+    vals[::13] = 1.0
+    vals[1::17] = -1.0
+    vals[2::19] = float("nan")
+    vals[3::23] = -0.0
+    vals[4::29] = float("-inf")
+    idx = torch.sort(torch.randperm(10 * n + 1, generator=g)[:n]).values
+    at = _native.select(vals, 1.0, "abs_gt" if strict else "abs_ge")[0]
+    for expected in (0.0, 0.1, 1.0):
+        got = _native.pick_pairs(vals, idx, 1.0, strict, expected)
+        assert got is not None
+        assert torch.equal(got[0], idx.index_select(0, at)) and torch.equal(bits(got[1]), bits(vals.index_select(0, at)))
+    assert _native.pick_pairs(vals.double(), idx, 1.0, strict) is None  # torch answers
+
+
 class _Counting:
     """A library whose ``name`` calls are counted (the others pass through)."""
 

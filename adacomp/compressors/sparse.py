@@ -585,6 +585,10 @@ class ThresholdCounter:
         if not (self.signed and self.covers(thr)):
             return None
         assert self.idx is not None and self.vals is not None  # adopted
+        share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+        got = _native.pick_pairs(self.vals, self.idx, thr, self.strict, share)  # one pass, no gathers
+        if got is not None:
+            return got
         at = self._kept_at(thr, expected)
         return self.idx.index_select(0, at), _native.take(self.vals, at)
 
