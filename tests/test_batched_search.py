@@ -166,11 +166,14 @@ def test_largest_k_with_one_host_wait_is_the_canonical_set(monkeypatch: pytest.M
 
 def _config(method: str) -> dict:
     """The zoo's config of ``method``; Chunk-Top-k (SparseLoCo's compressor, not a zoo arm) on the
-    zoo's allgather_fast with residual memory."""
+    zoo's allgather_fast with residual memory; QSGD with ``rng: counter``."""
     from adacomp.bench.zoo import arm_config
     if method == "chunktopk":
         base = arm_config("topk")[0]
         return {**base, "compressor": {"name": "chunktopk", "density": 0.02, "chunk": 256, "bits": 2}, "layers": []}
+    if method == "qsgd_counter":  # QSGD's counter-based stream: the C loop against its torch twin
+        base = arm_config("qsgd")[0]
+        return {**base, "compressor": {**base["compressor"], "rng": "counter"}}
     return arm_config(method)[0]
 
 
@@ -209,7 +212,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd"]])
+                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd",
+                                   "qsgd_counter"]])
 
 
 @pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])
