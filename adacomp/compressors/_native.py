@@ -1209,61 +1209,53 @@ int ac_chunk_topk(float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* ke
    torch.topk(a, r, dim=1).values.amin(1) (torch ranks NaN first, and amin of a NaN is NaN). A
    quickselect on the bit patterns (non-negative floats order as them) in `keys` (b of scratch). */
 #if defined(AC_AVX2)
-/* The r-th largest of b <= ROW_KTH_RANKED keys (< 2^31, so signed compares order them; zero padded
-   to a multiple of 8) without branches: the largest key that at least r keys reach. b^2 / 8 compares
-   instead of a quickselect's mispredicted partition loop (~35 cycles a key on rows of 32-64; at
-   256 keys the quadratic count loses). */
+/* The r-th largest of b <= ROW_KTH_RANKED keys (< 2^31, so signed compares order them; room for b + 8:
+   whole vectors are read, the lanes past b ignored) without branches, for each of nr ranks r[t] (1 <=
+   r[t] <= b) into out[t]: the largest key that at least r keys reach. b^2 / 8 compares for all ranks
+   together instead of a quickselect's mispredicted partition loop per rank (~35 cycles a key on rows of
+   32-64; at 256 keys the quadratic count loses). */
 #define ROW_KTH_RANKED 128
-__attribute__((target("avx2"))) static uint32_t row_kth_ranked_avx2(const uint32_t* keys, int64_t b, int64_t r) {
+__attribute__((target("avx2"), always_inline)) static inline void ranked_avx2(const uint32_t* keys, int64_t b,
+                                                                              const int64_t* r, int nr,
+                                                                              uint32_t* out) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i best = _mm256_setzero_si256();
+    __m256i best[3];
+    for (int t = 0; t < nr; ++t) best[t] = _mm256_setzero_si256();
     for (int64_t j = 0; j < b; j += 8) {
         const __m256i kj = _mm256_loadu_si256((const __m256i*)(keys + j));
         __m256i reach = _mm256_set1_epi32((int)b);  /* b - #(keys below it) = #(keys >= it) */
         for (int64_t i = 0; i < b; ++i)
             reach = _mm256_add_epi32(reach, _mm256_cmpgt_epi32(kj, _mm256_set1_epi32((int)keys[i])));
-        const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(reach, _mm256_set1_epi32((int)r - 1)),
-                                            _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(b - j)), lane));
-        best = _mm256_max_epi32(best, _mm256_and_si256(ok, kj));
+        const __m256i live = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(b - j)), lane), kj);
+        for (int t = 0; t < nr; ++t)
+            best[t] = _mm256_max_epi32(best[t], _mm256_and_si256(
+                                                    _mm256_cmpgt_epi32(reach, _mm256_set1_epi32((int)r[t] - 1)), live));
     }
-    uint32_t v[8], m = 0;
-    _mm256_storeu_si256((__m256i*)v, best);
-    for (int t = 0; t < 8; ++t) m = v[t] > m ? v[t] : m;
-    return m;
-}
-#endif
-#if defined(AC_AVX2)
-/* ac_row_order_stats's three ranks of one row's b <= ROW_KTH_RANKED keys (< 2^31; room for b + 8) from
-   one rank count: out[j] = the (q + 2 - j)-th largest as float bits where 1 <= q + 2 - j <= b (else
-   left alone), the largest key that at least that many keys reach, as row_kth_ranked_avx2 finds one
-   rank. Rows of ~1.6 q candidates: three quickselects cost ~440 cycles a row there, their branches
-   mispredicted (cost_notes item 40). */
-__attribute__((target("avx2"))) static void row_kth3_ranked_avx2(const uint32_t* keys, int64_t b, int64_t q,
-                                                                  float* out) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i best[3], need[3];
-    for (int j = 0; j < 3; ++j) {
-        best[j] = _mm256_setzero_si256();
-        need[j] = _mm256_set1_epi32((int)(q + 2 - j) - 1);  /* reach > rank - 1 */
-    }
-    for (int64_t j = 0; j < b; j += 8) {
-        const __m256i kj = _mm256_loadu_si256((const __m256i*)(keys + j));
-        __m256i reach = _mm256_set1_epi32((int)b);  /* b - #(keys below it) = #(keys >= it) */
-        for (int64_t i = 0; i < b; ++i)
-            reach = _mm256_add_epi32(reach, _mm256_cmpgt_epi32(kj, _mm256_set1_epi32((int)keys[i])));
-        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(b - j)), lane);
-        for (int t = 0; t < 3; ++t)
-            best[t] = _mm256_max_epi32(best[t], _mm256_and_si256(_mm256_and_si256(_mm256_cmpgt_epi32(reach, need[t]),
-                                                                                  live), kj));
-    }
-    for (int t = 0; t < 3; ++t) {
-        const int64_t rank = q + 2 - t;
-        if (rank < 1 || rank > b) continue;
+    for (int t = 0; t < nr; ++t) {
         uint32_t v[8], m = 0;
         _mm256_storeu_si256((__m256i*)v, best[t]);
         for (int l = 0; l < 8; ++l) m = v[l] > m ? v[l] : m;
-        __builtin_memcpy(out + t, &m, sizeof m);
+        out[t] = m;
     }
+}
+__attribute__((target("avx2"))) static uint32_t row_kth_ranked_avx2(const uint32_t* keys, int64_t b, int64_t r) {
+    uint32_t m;
+    ranked_avx2(keys, b, &r, 1, &m);
+    return m;
+}
+/* ac_row_order_stats's three ranks of one row's b <= ROW_KTH_RANKED keys from one rank count: out[j] =
+   the (q + 2 - j)-th largest as float bits where 1 <= q + 2 - j <= b (else left alone). Rows of ~1.6 q
+   candidates: three quickselects cost ~440 cycles a row there, their branches mispredicted (cost_notes
+   item 40). */
+__attribute__((target("avx2"))) static void row_kth3_ranked_avx2(const uint32_t* keys, int64_t b, int64_t q,
+                                                                  float* out) {
+    int64_t r[3];
+    int at[3], nr = 0;
+    for (int t = 0; t < 3; ++t)
+        if (q + 2 - t >= 1 && q + 2 - t <= b) { r[nr] = q + 2 - t; at[nr++] = t; }
+    uint32_t got[3];
+    ranked_avx2(keys, b, r, nr, got);
+    for (int t = 0; t < nr; ++t) __builtin_memcpy(out + at[t], got + t, sizeof got[t]);
 }
 #endif
 /* the r-th largest of b keys (each < 2^31; keys is reordered), by the rank count where padded (room
