@@ -189,11 +189,14 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     adacomp.init()  # the optimizer's backend: the group that exists
     rank = dist.get_rank()
 
-    def run() -> torch.Tensor:
+    def net() -> torch.nn.Module:
         torch.manual_seed(0)  # tensors above and below the 2^16 compaction size
-        net = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
-        train_through(front, net, {**_config(method), "min_numel": 0}, rank, 32)
-        return flat_params(net)
+        return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+
+    def run() -> torch.Tensor:
+        trained = net()
+        train_through(front, trained, {**_config(method), "min_numel": 0}, rank, 32)
+        return flat_params(trained)
 
     import os
     devices.EMULATE = False
@@ -204,7 +207,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
         os.environ["ADACOMP_NATIVE"] = "1"
     else:
         devices.EMULATE = True
-    same = torch.equal(run(), ref)
+    same = torch.equal(run(), ref) and not torch.equal(ref, flat_params(net()))  # and it trained
     adacomp.shutdown()
     return same
 
@@ -216,10 +219,11 @@ WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidc
                                    "qsgd_counter"]])
 
 
-@pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])
+@pytest.mark.parametrize("front", ["optimizer", "hook", "outer", "fsdp"])
 @pytest.mark.parametrize("switch,method", WAYS)
 def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, front: str) -> None:
-    """Every front end (optimizer, DDP hook, the outer loop's compressed pseudo-gradient), 2 real gloo
+    """Every front end (optimizer, DDP hook, the outer loop's compressed pseudo-gradient, FSDP2's
+    reduce-scatter per unit), 2 real gloo
     ranks: the same parameters with the GPU's batched counts as without (the torch path on both
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
