@@ -630,15 +630,17 @@ def test_radix_select_over_the_keys_own_range(keys: str, avx2_switch: str) -> No
     assert torch.equal(got[0], want) and torch.equal(bits(got[1]), bits(a[want]))
 
 
-def test_zero_at_equals_index_fill() -> None:
+@pytest.mark.parametrize("m", [0, 1, 64, 65, 300])  # around the write prefetch's distance (ZERO_AHEAD)
+def test_zero_at_equals_index_fill(m: int) -> None:
     g = torch.Generator().manual_seed(3)
     out = torch.randn(5000, generator=g)
-    idx = _ascending(5000, 300, g)
-    want = out.clone().index_fill_(0, idx, 0)
-    assert _native.zero_at(out, idx) and torch.equal(bits(out), bits(want))
+    for idx in (_ascending(5000, m, g), torch.randperm(5000, generator=g)[:m]):  # any order
+        want = out.clone().index_fill_(0, idx, 0)
+        assert _native.zero_at(out, idx) and torch.equal(bits(out), bits(want))
     before = out.clone()
-    assert not _native.zero_at(out, torch.tensor([3, 5000]))
-    assert torch.equal(bits(out), bits(before))  # nothing written
+    for bad in (torch.tensor([3, 5000]), torch.tensor([3, -1]), torch.cat([torch.arange(200), torch.tensor([5000])])):
+        assert not _native.zero_at(out, bad)
+        assert torch.equal(bits(out), bits(before))  # nothing written
 
 
 @pytest.mark.parametrize("m", [0, 1, 255, 256, 257, 40_000])
