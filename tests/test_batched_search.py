@@ -166,7 +166,7 @@ def test_largest_k_with_one_host_wait_is_the_canonical_set(monkeypatch: pytest.M
 
 def _config(method: str) -> dict:
     """The zoo's config of ``method``; Chunk-Top-k (SparseLoCo's compressor, not a zoo arm) on the
-    zoo's allgather_fast with residual memory; QSGD with ``rng: counter``."""
+    zoo's allgather_fast with residual memory; QSGD with ``rng: counter``; bf16 cast tensor by tensor."""
     from adacomp.bench.zoo import arm_config
     if method == "chunktopk":
         base = arm_config("topk")[0]
@@ -174,6 +174,8 @@ def _config(method: str) -> dict:
     if method == "qsgd_counter":  # QSGD's counter-based stream: the C loop against its torch twin
         base = arm_config("qsgd")[0]
         return {**base, "compressor": {**base["compressor"], "rng": "counter"}}
+    if method == "bf16":  # one entry per tensor, each cast into its own span of the bucket's buffer
+        return {**arm_config(method)[0], "fusion": {"fuse_before_compress": False}}
     return arm_config(method)[0]
 
 
@@ -216,7 +218,7 @@ WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidc
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
                                    "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd",
-                                   "qsgd_counter"]])
+                                   "qsgd_counter", "bf16"]])
 
 
 @pytest.mark.parametrize("front", ["optimizer", "hook", "outer", "fsdp"])
@@ -227,7 +229,8 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     ranks: the same parameters with the GPU's batched counts as without (the torch path on both
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
-    signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass)."""
+    signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass; bf16's casts
+    written straight into the allreduce's bucket buffer)."""
     env = {"ADACOMP_NATIVE": "0"} if switch.startswith("emulate") else {}
     if switch == "emulate-bucket":  # the batches counted by bucketize and a histogram, no sort
         env["ADACOMP_BATCHED_COUNTS"] = "bucket"

@@ -727,6 +727,30 @@ def test_bf16_casts_equal_torch(n: int, monkeypatch: pytest.MonkeyPatch) -> None
     assert torch.equal(slow[0].view(torch.int16), payload[0].view(torch.int16))
 
 
+@pytest.mark.skipif(_native.library() is None, reason="no C compiler: the torch path is the only path")
+@pytest.mark.parametrize("n", [15, 16, 17, 1 << 16, (1 << 16) + 9])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_bf16_cast_loops_equal_torch_and_the_baseline(n: int, offset: int) -> None:
+    """The AVX2 casts (16 / 8 values a step, streamed from 2^16 elements into 32-byte aligned
+    outputs) give torch's ``.to`` bits both ways, as the baseline loops do (``ac_avx2_off``): random
+    bit patterns (every NaN to 0xffff, ties, subnormals), outputs aligned or not, tails."""
+    import ctypes
+    switch = ctypes.c_int.in_dll(_native.library(), "ac_avx2_off")
+    g = torch.Generator().manual_seed(n + offset)
+    x = torch.randint(-(1 << 31), 1 << 31, (n + offset,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = x.view(torch.float32)[offset:]
+    want = x.to(torch.bfloat16)
+    try:
+        for off in (0, 1):
+            switch.value = off
+            h = torch.full((n + offset,), 7.0, dtype=torch.bfloat16)[offset:]
+            assert _native.to_bf16(x, h) and torch.equal(h.view(torch.int16), want.view(torch.int16)), off
+            f = torch.full((n + offset,), 7.0)[offset:]
+            assert _native.from_bf16(want, f) and torch.equal(bits(f), bits(want.to(torch.float32))), off
+    finally:
+        switch.value = 0
+
+
 @pytest.mark.parametrize("n", [5, 1 << 14, (1 << 15) + 3])
 def test_efsignsgd_residual_equals_decompress_and_subtract(n: int) -> None:
     """EF-SignSGD's one-pass residual equals ``tensor - decompress(payload)`` bitwise, in place or

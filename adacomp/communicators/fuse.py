@@ -18,10 +18,7 @@ def flatten(tensors: list[Tensor], cache: dict | None = None,
     ref = tensors[0]
     buf = None
     if cache is not None:
-        buf = cache.get(key)
-        if buf is None or buf.numel() != total or buf.dtype != ref.dtype or buf.device != ref.device:
-            buf = torch.empty(total, dtype=ref.dtype, device=ref.device)
-            cache[key] = buf
+        buf = buffer(cache, key, total, ref.dtype, ref.device)
     if buf is None:
         if len(tensors) == 1:
             return ref.reshape(-1).clone(), layout
@@ -29,6 +26,16 @@ def flatten(tensors: list[Tensor], cache: dict | None = None,
     if not _are_views_of(tensors, buf):  # gradients written back as views need no copy (see optimizer)
         torch.cat([t.reshape(-1) for t in tensors], out=buf)
     return buf, layout
+
+
+def buffer(cache: dict, key: object, total: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The flat buffer :func:`flatten` packs ``key``'s tensors into (reused while its size, dtype and
+    device stay), e.g. for payloads written straight into it."""
+    buf = cache.get(key)
+    if buf is None or buf.numel() != total or buf.dtype != dtype or buf.device != device:
+        buf = torch.empty(total, dtype=dtype, device=device)
+        cache[key] = buf
+    return buf
 
 
 def _are_views_of(tensors: list[Tensor], buf: Tensor) -> bool:

@@ -2151,8 +2151,48 @@ int ac_take(const float* x, int64_t n, const int64_t* idx, int64_t m, float* out
    (round to nearest even; every NaN to 0xffff, where torch's scalar path writes 0x7fc0) and back
    (the upper 16 bits, exact). The module checks the first against torch once per process (a torch
    built to convert otherwise keeps its own). */
+#if defined(AC_AVX2)
+/* 16 values a step: the rounding on 8-lane vectors, NaN lanes blended to 0xffff, and packus to 16
+   bits (every 32-bit result is below 2^16, so its unsigned saturation changes nothing; it interleaves
+   the two vectors' 128-bit halves, which permute4x64 puts back in order). Streamed where the output is
+   large and 32-byte aligned: 3 x 2^25 floats 101 -> 51 ms on the 2-core Xeon, whose read-write floor
+   over the same floats took 68 ms (cost_notes item 45). */
+__attribute__((target("avx2"))) static inline __m256i bf16_round_avx2(__m256i u) {
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(
+        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), nan);
+}
+__attribute__((target("avx2"))) static int64_t to_bf16_avx2(const uint32_t* x, uint16_t* out, int64_t n) {
+    const int stream = n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256i a = bf16_round_avx2(_mm256_loadu_si256((const __m256i*)(x + i)));
+        const __m256i b = bf16_round_avx2(_mm256_loadu_si256((const __m256i*)(x + i + 8)));
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+        if (stream) _mm256_stream_si256((__m256i*)(out + i), p); else _mm256_storeu_si256((__m256i*)(out + i), p);
+    }
+    if (stream) _mm_sfence();
+    return i;
+}
+/* The 16 bits shifted up, 8 a step, streamed as above (3 x 2^25 values 79 -> 34 ms there). */
+__attribute__((target("avx2"))) static int64_t from_bf16_avx2(const uint16_t* x, uint32_t* out, int64_t n) {
+    const int stream = n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
+        if (stream) _mm256_stream_si256((__m256i*)(out + i), v); else _mm256_storeu_si256((__m256i*)(out + i), v);
+    }
+    if (stream) _mm_sfence();
+    return i;
+}
+#endif
 void ac_to_bf16(const uint32_t* x, uint16_t* out, int64_t n) {
     int64_t i = 0;
+#if defined(AC_AVX2)
+    if (use_avx2()) i = to_bf16_avx2(x, out, n);
+#endif
 #if defined(__SSE2__)
     const __m128i one = _mm_set1_epi32(1), bias = _mm_set1_epi32(0x7fff), qnan = _mm_set1_epi32(0xffff);
     const __m128i absmask = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000);
@@ -2176,8 +2216,12 @@ void ac_to_bf16(const uint32_t* x, uint16_t* out, int64_t n) {
         out[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0xffff : (uint16_t)((u + ((u >> 16) & 1u) + 0x7fffu) >> 16);
     }
 }
-AC_CLONES void ac_from_bf16(const uint16_t* x, uint32_t* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) out[i] = (uint32_t)x[i] << 16;
+void ac_from_bf16(const uint16_t* x, uint32_t* out, int64_t n) {
+    int64_t i = 0;
+#if defined(AC_AVX2)
+    if (use_avx2()) i = from_bf16_avx2(x, out, n);
+#endif
+    for (; i < n; ++i) out[i] = (uint32_t)x[i] << 16;
 }
 /* Bit packing, the layout of adacomp.compressors._bitpack: code i at stream bits [i b, (i+1) b),
    LSB first; the last byte zero-padded. b is 1, 2 or 4; codes are below 2^b. */

@@ -210,6 +210,15 @@ class CastCompressor(Compressor):
                 return [out], tensor.dtype
         return [tensor.to(self.wire_dtype)], tensor.dtype
 
+    def compress_into(self, tensor: Tensor, out: Tensor) -> tuple[Payload, Any] | None:
+        """:meth:`compress` with the payload written into ``out`` (flat, the wire dtype, the
+        tensor's numel: a communicator's bucket buffer, so it needs no concatenation), the same
+        bits; None (nothing written) where only :meth:`compress` can."""
+        if (self.wire_dtype == torch.bfloat16 and _native.usable(tensor) and out.numel() == tensor.numel()
+                and _native.to_bf16(tensor.view(-1), out)):
+            return [out.view(tensor.shape)], tensor.dtype
+        return None
+
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         x = payload[0]
         if x.dtype == torch.bfloat16 and ctx == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
