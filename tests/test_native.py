@@ -643,6 +643,26 @@ def test_zero_at_equals_index_fill(m: int) -> None:
         assert torch.equal(bits(out), bits(before))  # nothing written
 
 
+@pytest.mark.parametrize("m", [0, 1, 64, 65, 300])  # around the write prefetch's distance (ZERO_AHEAD)
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "into another"])
+def test_sub_at_equals_the_subtraction_at_the_positions(m: int, in_place: bool) -> None:
+    """Chunk-Top-k's residual: ``out[idx] = t[idx] - vals`` elsewhere ``out`` as it was (``t`` itself
+    in place), bitwise torch's; a bad position anywhere writes nothing."""
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(5000, generator=g)
+    t[:3] = torch.tensor([-0.0, float("nan"), float("inf")])
+    idx = torch.randperm(5000, generator=g)[:m]
+    vals = torch.randn(m, generator=g)
+    out = t.clone() if in_place else torch.randn(5000, generator=g)
+    want = out.clone()
+    want[idx] = t[idx] - vals
+    assert _native.sub_at(out, out if in_place else t, idx, vals) and torch.equal(bits(out), bits(want))
+    before = out.clone()
+    for bad in (torch.tensor([3, 5000]), torch.tensor([3, -1]), torch.cat([torch.arange(200), torch.tensor([5000])])):
+        assert not _native.sub_at(out, t, bad, torch.ones(bad.numel()))
+        assert torch.equal(bits(out), bits(before))  # nothing written
+
+
 @pytest.mark.parametrize("m", [0, 1, 255, 256, 257, 40_000])
 def test_take_equals_index_select(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefetched C gather: index_select's bits (NaN, -0.0 and infinities among them) for

@@ -2106,18 +2106,25 @@ int ac_chunk_decode(const int16_t* idx, const uint8_t* codes, int b, const float
     }
     return negzero != 0;
 }
+/* The sparse residuals below write at positions of a buffer the compensation has just streamed
+   past the caches, so each position is a miss: the line ZERO_AHEAD positions ahead is prefetched
+   for writing (cost_notes item 44). */
+#define ZERO_AHEAD 64
 /* out[idx[i]] = t[idx[i]] - v[i]: error feedback's residual where a payload changed only those
    positions (out == t allowed). -1 (nothing written) when a position lies outside [0, n). */
 int ac_sub_at(float* out, const float* t, int64_t n, const int64_t* idx, const float* v, int64_t m) {
-    for (int64_t i = 0; i < m; ++i) if (idx[i] < 0 || idx[i] >= n) return -1;
-    for (int64_t i = 0; i < m; ++i) out[idx[i]] = t[idx[i]] - v[i];
+    for (int64_t i = 0; i < m; ++i) if ((uint64_t)idx[i] >= (uint64_t)n) return -1;
+    int64_t i = 0;
+    for (; i + ZERO_AHEAD < m; ++i) {
+        __builtin_prefetch(out + idx[i + ZERO_AHEAD], 1, 0);
+        if (t != out) __builtin_prefetch(t + idx[i + ZERO_AHEAD], 0, 0);
+        out[idx[i]] = t[idx[i]] - v[i];
+    }
+    for (; i < m; ++i) out[idx[i]] = t[idx[i]] - v[i];
     return 0;
 }
 /* out[idx[i]] = +0.0 (index_fill_ with 0): error feedback's residual of an exact-value sparse payload.
-   -1 (nothing written) when a position lies outside [0, n). The buffer was just streamed past the
-   caches (the compensation's stores), so each position is a miss: its line is prefetched for writing
-   ZERO_AHEAD positions ahead (cost_notes item 44). */
-#define ZERO_AHEAD 64
+   -1 (nothing written) when a position lies outside [0, n). */
 int ac_zero_at(float* out, int64_t n, const int64_t* idx, int64_t m) {
     for (int64_t i = 0; i < m; ++i) if ((uint64_t)idx[i] >= (uint64_t)n) return -1;
     int64_t i = 0;
