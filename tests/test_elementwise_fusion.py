@@ -145,3 +145,49 @@ def _resume_through_the_hook() -> bool:
 
 def test_a_resumed_hook_regroups_its_fused_buckets_as_the_uninterrupted_one() -> None:
     assert run_workers(_resume_through_the_hook, 2, timeout=300) == [True, True]
+
+
+def _placed_worker(strided: bool) -> dict[str, Any]:
+    """Two gloo ranks, one bucket of bf16 entries of odd sizes (spans at unaligned offsets) through
+    the allreduce communicator, with the C casts (each payload written into the bucket's buffer)
+    and with torch's casts and concatenation; ``strided``: one entry is a transposed view, which the
+    C cast declines, so the whole bucket takes the usual path."""
+    import os
+
+    import adacomp.backends
+    from adacomp import communicators, compressors, memories
+    from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.metrics import StepStats
+    backend = adacomp.backends.create("torch")
+    g = torch.Generator().manual_seed(7 + backend.rank())
+    xs = [torch.randn(n, generator=g) * 100 for n in (70_001, 3, 17, 65_539)]
+    if strided:
+        xs[2] = torch.randn(17, 5, generator=g).t()
+    out: dict[str, Any] = {}
+    for native in ("1", "0"):
+        os.environ["ADACOMP_NATIVE"] = native
+        comm, comp = communicators.get("allreduce"), compressors.get("bf16")
+        entries = [Entry(f"t{i}", x.clone(), comp, memories.get("none")) for i, x in enumerate(xs)]
+        env = CommEnv(backend, StepStats(), 0)
+        pending = comm.start(entries, env)
+        buf = comm._buffers[(0, 0)]
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+        out[f"placed{native}"] = [lo <= e.payload[0].data_ptr() < hi for e in entries]
+        out[f"means{native}"] = comm.finish(pending, env)
+        out[f"sent{native}"] = env.stats.bytes_sent
+    os.environ["ADACOMP_NATIVE"] = "1"
+    return out
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "one-strided-entry"])
+def test_casts_written_into_the_allreduce_buffer_average_as_torch_does(strided: bool) -> None:
+    """bf16 under ``allreduce`` with no memory: the C casts write the payloads straight into the
+    bucket's buffer (no concatenation), and the ranks' means are bitwise those of torch's casts
+    and concatenation; where one entry cannot be cast in C, no entry is placed and the means are
+    the same."""
+    results = run_workers(_placed_worker, 2, strided, timeout=120)
+    for res in results:
+        assert res["placed1"] == [not strided] * 4 and res["placed0"] == [False] * 4
+        assert res["sent1"] == res["sent0"] == 2 * (70_001 + 3 + (85 if strided else 17) + 65_539)
+        for a, b, other in zip(res["means1"], res["means0"], results[0]["means1"]):  # and the ranks agree
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and torch.equal(a, other)

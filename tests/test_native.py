@@ -1199,8 +1199,13 @@ def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_swit
     monkeypatch.setattr(_native, "owed_mm", lambda *args: fused.append(owed_mm(*args)) or fused[-1])
     fast, deferred, buffers = run(True)
     assert deferred > 0  # the residual was left to the next pass
-    if method == "powersgd" and avx2_switch == "avx2" and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
-        assert any(p is not None for p in fused)  # and round 0's product came from the same pass
+    if method == "powersgd" and avx2_switch == "avx2":
+        # round 0's product came from the same pass wherever the C sums were seen to give torch's
+        # bits for the layout (torch's AVX2 kernels on the 2-core EPYC; an AVX-512 Xeon's MKL forms
+        # the narrow product otherwise, and the pass rightly declines there)
+        from adacomp.compressors import _lowrank
+        exact = any(v for k, v in _lowrank._EXACT.items() if k[0] == "mq")
+        assert any(p is not None for p in fused) == exact
     assert habit != "none" or len(buffers) == 2
     slow, deferred_slow, _ = run(False)
     assert deferred_slow == 0 and len(fast) == len(slow)

@@ -55,7 +55,9 @@ class Entry:
     ``tensor`` is the error-compensated gradient in its original shape; ``payload`` / ``ctx`` are
     filled when it is compressed. The payload travels; ``ctx`` stays on this rank. A communicator
     whose contribution differs from ``payload`` says so with :meth:`report`; one that keeps a
-    declared memory of its own adds that memory's update with :meth:`also_charge`.
+    declared memory of its own adds that memory's update with :meth:`also_charge`. A payload the
+    communicator wrote into its collective's own buffer (a cast under ``allreduce`` with no memory
+    to update) holds the ranks' mean once ``finish`` has returned.
     """
 
     name: str

@@ -213,9 +213,10 @@ class CastCompressor(Compressor):
     def compress_into(self, tensor: Tensor, out: Tensor) -> tuple[Payload, Any] | None:
         """:meth:`compress` with the payload written into ``out`` (flat, the wire dtype, the
         tensor's numel: a communicator's bucket buffer, so it needs no concatenation), the same
-        bits; None (nothing written) where only :meth:`compress` can."""
-        if (self.wire_dtype == torch.bfloat16 and _native.usable(tensor) and out.numel() == tensor.numel()
-                and _native.to_bf16(tensor.view(-1), out)):
+        bits; None (nothing written) where only :meth:`compress` can, a subclass's own
+        :meth:`compress` included."""
+        if (type(self).compress is CastCompressor.compress and self.wire_dtype == torch.bfloat16
+                and _native.usable(tensor) and out.numel() == tensor.numel() and _native.to_bf16(tensor.view(-1), out)):
             return [out.view(tensor.shape)], tensor.dtype
         return None
 
