@@ -1194,18 +1194,24 @@ def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_swit
         seen.extend(memory.residuals[f"w{i}"] for i in range(len(shapes)))
         return seen, deferred, buffers
 
-    fused = []
-    owed_mm = _native.owed_mm
+    from adacomp.compressors import _lowrank, powersgd
+    fused: list[Any] = []
+    exact: list[bool] = []  # per fused-pass attempt: whether the C sums give torch's bits for its layout
+    owed_mm, owed_with = _native.owed_mm, powersgd.owed_with_product
     monkeypatch.setattr(_native, "owed_mm", lambda *args: fused.append(owed_mm(*args)) or fused[-1])
+
+    def owed_with_product(g: torch.Tensor, base: torch.Tensor, token: Any, out: torch.Tensor, q: torch.Tensor) -> Any:
+        n, m = token.p.shape[0], token.q.shape[0]
+        exact.append(bool(_lowrank._EXACT.get(_lowrank._layout("mq", out.view(n, m), q))))
+        return owed_with(g, base, token, out, q)
+    monkeypatch.setattr(powersgd, "owed_with_product", owed_with_product)
     fast, deferred, buffers = run(True)
     assert deferred > 0  # the residual was left to the next pass
     if method == "powersgd" and avx2_switch == "avx2":
         # round 0's product came from the same pass wherever the C sums were seen to give torch's
-        # bits for the layout (torch's AVX2 kernels on the 2-core EPYC; an AVX-512 Xeon's MKL forms
-        # the narrow product otherwise, and the pass rightly declines there)
-        from adacomp.compressors import _lowrank
-        exact = any(v for k, v in _lowrank._EXACT.items() if k[0] == "mq")
-        assert any(p is not None for p in fused) == exact
+        # bits for the layout (torch's kernels on the 2-core EPYC; an AVX-512 Xeon's MKL forms the
+        # narrow product otherwise, and the pass rightly declines there)
+        assert exact and len(fused) == sum(exact) and all(p is not None for p in fused)
     assert habit != "none" or len(buffers) == 2
     slow, deferred_slow, _ = run(False)
     assert deferred_slow == 0 and len(fast) == len(slow)
