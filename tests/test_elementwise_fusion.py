@@ -41,7 +41,8 @@ def test_the_optimizer_fuses_bf16_buckets_by_default() -> None:
 
 def _train(compressor: str, memory: str, front: str) -> bool:
     """Two gloo ranks, different data: five steps (six inner steps of the outer loop) through
-    ``front`` with the bucket fused (the default) and with ``fuse_before_compress: false``. With
+    ``front`` with the bucket fused (the default) and with ``fuse_before_compress: false`` (under
+    FSDP2 each unit's weight and bias are one entry, or two). With
     residuals through the hook this also checks that DDP's rebuilt buckets (after step one, other
     members in another order) take over the first buckets' residuals, which then leave the memory."""
     import torch.distributed as dist
@@ -71,7 +72,7 @@ def _train(compressor: str, memory: str, front: str) -> bool:
     return bool(torch.equal(fused, apart) and not torch.equal(fused, start))
 
 
-@pytest.mark.parametrize("front", ["optimizer", "hook", "outer"])
+@pytest.mark.parametrize("front", ["optimizer", "hook", "outer", "fsdp"])
 @pytest.mark.parametrize("compressor,memory", [("bf16", "none"), ("fp16", "residual")])
 def test_fused_casts_train_bitwise_as_per_tensor_casts(compressor: str, memory: str, front: str) -> None:
     assert run_workers(_train, 2, compressor, memory, front, timeout=300) == [True, True]
