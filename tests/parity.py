@@ -26,6 +26,9 @@ COMPRESSED = {
     # a cast compresses each bucket as one flat tensor by default (Compressor.elementwise), with residuals
     "bf16": {"compressor": {"name": "bf16"}, "memory": {"name": "residual"}, "communicator": {"name": "allreduce"},
              "min_numel": 0},
+    # bf16's default (no memory): the casts write the payloads straight into the allreduce's buffer
+    "bf16_none": {"compressor": {"name": "bf16"}, "memory": {"name": "none"}, "communicator": {"name": "allreduce"},
+                  "min_numel": 0},
 }
 NONE = {"compressor": {"name": "none"}, "communicator": {"name": "allreduce"}, "fusion": {"bucket_mb": 0.004}}
 

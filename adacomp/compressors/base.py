@@ -206,8 +206,9 @@ class CastCompressor(Compressor):
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         if self.wire_dtype == torch.bfloat16 and _native.usable(tensor):  # (no allocation where C cannot run)
             out = self._workspace().output(tensor.shape, tensor.numel(), torch.bfloat16, tensor.device)
-            if _native.to_bf16(tensor.view(-1), out.view(-1)):
-                return [out], tensor.dtype
+            got = self._cast_into(tensor, out.view(-1))
+            if got is not None:
+                return got
         return [tensor.to(self.wire_dtype)], tensor.dtype
 
     def compress_into(self, tensor: Tensor, out: Tensor) -> tuple[Payload, Any] | None:
@@ -215,8 +216,12 @@ class CastCompressor(Compressor):
         tensor's numel: a communicator's bucket buffer, so it needs no concatenation), the same
         bits; None (nothing written) where only :meth:`compress` can, a subclass's own
         :meth:`compress` included."""
-        if (type(self).compress is CastCompressor.compress and self.wire_dtype == torch.bfloat16
-                and _native.usable(tensor) and out.numel() == tensor.numel() and _native.to_bf16(tensor.view(-1), out)):
+        return self._cast_into(tensor, out) if type(self).compress is CastCompressor.compress else None
+
+    def _cast_into(self, tensor: Tensor, out: Tensor) -> tuple[Payload, Any] | None:
+        """The C cast of ``tensor`` into flat ``out`` as the payload (in the tensor's shape)."""
+        if (self.wire_dtype == torch.bfloat16 and _native.usable(tensor) and out.numel() == tensor.numel()
+                and _native.to_bf16(tensor.view(-1), out)):
             return [out.view(tensor.shape)], tensor.dtype
         return None
 
