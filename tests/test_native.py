@@ -599,11 +599,12 @@ def test_pick_largest_equals_largest_k_and_gather(m: int, k: int, avx2_switch: s
 
 
 @pytest.mark.parametrize("keys", ["narrow", "span_4095", "span_4096", "span_4097", "zero_to_inf", "equal",
-                                  "two_values", "subnormal"])
+                                  "two_values", "subnormal", "mostly_zeros", "cluster"])
 def test_radix_select_over_the_keys_own_range(keys: str, avx2_switch: str) -> None:
     """The r-th largest by a first digit over the keys' own range (their minimum subtracted, at most
     4096 bins) equals torch's, wherever that range ends: a prefilter's candidates just above their
-    floor, spans at and around 4096 patterns, 0 to inf, all equal, two values, subnormals."""
+    floor, spans at and around 4096 patterns, 0 to inf, all equal, two values, subnormals; and where
+    the keys left after a digit are all one value (mostly zeros; a cluster of one pattern)."""
     from adacomp.compressors.sparse import largest_k
     g = torch.Generator().manual_seed(len(keys))
     base = torch.tensor(4.5).view(torch.int32)
@@ -619,6 +620,13 @@ def test_radix_select_over_the_keys_own_range(keys: str, avx2_switch: str) -> No
         a = torch.full((3000,), 2.0)
     elif keys == "two_values":
         a = torch.where(torch.rand(3000, generator=g) < 0.3, 1.0, 3.0)
+    elif keys == "mostly_zeros":  # alltoall's second stage samples ~99 % exact zeros: one value left early
+        a = torch.zeros(16384)
+        a[torch.randperm(16384, generator=g)[:160]] = torch.rand(160, generator=g) + 0.5
+    elif keys == "cluster":  # one first-level bin holding two neighbouring patterns, one of them 3000 times
+        a = torch.full((3006,), 1.0)
+        a[:5] = (torch.tensor(1.0).view(torch.int32) + 1024).view(torch.float32)  # a later digit splits them
+        a[5] = 1e30
     else:
         a = torch.randint(1, 100, (3000,), generator=g, dtype=torch.int32).view(torch.float32)
     for r in (1, 2, 47, 49, a.numel() // 3, a.numel() - 1, a.numel()):

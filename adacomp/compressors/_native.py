@@ -954,9 +954,17 @@ static void keys_kth(uint32_t* keys, int64_t m, int64_t r, int shift, int width,
         for (d = hb; d > 0; --d) { if (cum + (int64_t)hist[d] >= r) break; cum += hist[d]; }
         r -= cum;
         int64_t w = 0;
-        for (int64_t i = 0; i < m; ++i) if (((keys[i] >> sh) & bm) == d) keys[w++] = keys[i];
+        uint32_t kmin = 0xffffffffu, kmax = 0;
+        for (int64_t i = 0; i < m; ++i)
+            if (((keys[i] >> sh) & bm) == d) {
+                const uint32_t k = keys[i];
+                keys[w++] = k;
+                kmin = k < kmin ? k : kmin;
+                kmax = k > kmax ? k : kmax;
+            }
         m = w;
-        if (sh == 0) { *kth = keys[0]; *ties_rank = r; return; }
+        /* every key left is one value (a sample of mostly exact zeros): it is the answer, no more digits */
+        if (sh == 0 || kmin == kmax) { *kth = keys[0]; *ties_rank = r; return; }
         shift -= width;
     }
 }
@@ -1008,10 +1016,18 @@ static int radix_kth(const uint32_t* src, int64_t step, uint32_t mask, int64_t m
     r -= cum;
     if (shift == 0) { *kth = low + d; *ties_rank = r; return 0; }
     int64_t w = 0;
+    uint32_t kmin = 0xffffffffu, kmax = 0;
     for (int64_t i = 0; i < m; ++i) {
         const uint32_t u = (src[i * step] & mask) - low;
-        if ((u >> shift) == d) keys[w++] = u;
+        if ((u >> shift) == d) {
+            keys[w++] = u;
+            kmin = u < kmin ? u : kmin;
+            kmax = u > kmax ? u : kmax;
+        }
     }
+    /* one value left (the second stage of alltoall samples ~99 % exact zeros: 120 us a sample
+       through every digit, against ~25 us for spread values): that value, with its rank among the ties */
+    if (kmin == kmax) { *kth = low + kmin; *ties_rank = r; return 0; }
     keys_kth(keys, w, r, shift - 10, 10, kth, ties_rank);  /* the keys below the digit, relative to low */
     *kth += low;
     return 0;
