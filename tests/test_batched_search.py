@@ -183,7 +183,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     """On each of 2 gloo ranks (different data): five steps with error feedback through ``front``,
     from one start, once each way: ``switch`` "emulate": the CPU path, then the accelerators' (batched
     counts; torch's ops on both sides); "native": torch's ops, then the fused C passes (error
-    feedback's compensation read by the compressor, the C selections and means)."""
+    feedback's compensation read by the compressor, the C selections and means); "dest": every mean
+    in an output of its own, then in the gradient where the engine allows it (and it did)."""
     import torch.distributed as dist
 
     import adacomp
@@ -201,24 +202,37 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
         return flat_params(trained)
 
     import os
+    from adacomp.engine import error_feedback
     devices.EMULATE = False
+    given = error_feedback.with_dest
+    dests: list[int] = []
     if switch == "native":
         os.environ["ADACOMP_NATIVE"] = "0"
+    elif switch == "dest":  # the reference keeps every mean in an output of its own
+        error_feedback.with_dest = lambda e, g: e  # type: ignore[assignment]
     ref = run()
     if switch == "native":
         os.environ["ADACOMP_NATIVE"] = "1"
+    elif switch == "dest":
+        def counted(e: Any, g: torch.Tensor) -> Any:
+            out = given(e, g)
+            dests.append(int(out.dest is not None))
+            return out
+        error_feedback.with_dest = counted  # type: ignore[assignment]
     else:
         devices.EMULATE = True
     same = torch.equal(run(), ref) and not torch.equal(ref, flat_params(net()))  # and it trained
+    error_feedback.with_dest = given  # type: ignore[assignment]
     adacomp.shutdown()
-    return same
+    return same and (switch != "dest" or sum(dests) > 0)  # the means went into the gradients
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
                                    "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd",
-                                   "qsgd_counter", "bf16"]])
+                                   "qsgd_counter", "bf16"]]
+        + [("dest", m) for m in ["topk", "gaussiank", "adtopk", "alltoall"]])
 
 
 @pytest.mark.parametrize("front", ["optimizer", "hook", "outer", "fsdp"])
@@ -230,7 +244,8 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
     signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass; bf16's casts
-    written straight into the allreduce's bucket buffer)."""
+    written straight into the allreduce's bucket buffer); and with every mean written into the
+    gradient it averages (``Entry.dest``) as into an output of its own."""
     env = {"ADACOMP_NATIVE": "0"} if switch.startswith("emulate") else {}
     if switch == "emulate-bucket":  # the batches counted by bucketize and a histogram, no sort
         env["ADACOMP_BATCHED_COUNTS"] = "bucket"

@@ -163,7 +163,7 @@ def cell(model: str, method: str, steps: int) -> dict:
     from adacomp import communicators, compressors, memories
     from adacomp.bench.cost_shapes import MirrorBackend
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.engine.error_feedback import exchange
+    from adacomp.engine.error_feedback import exchange, with_dest
     from adacomp.engine.metrics import StepStats
 
     cname, cparams, comm_name, mem_name = METHODS[method]
@@ -204,9 +204,10 @@ def cell(model: str, method: str, steps: int) -> dict:
         for bi, b in enumerate(buckets):
             # AR-Topk: even steps make this rank the root (it runs Top-k); see MirrorBackend
             env = CommEnv(backend, cur.stats, step=2 * cur.step, bucket_index=bi)
-            entries = [Entry(n, memory.compensate(cur.fresh[n], n, backend.size(), compressor=comp,
-                                                  pieces=comm.pieces(n, cur.fresh[n].numel(), backend.size())),
-                             comp, memory) for n, _ in b]
+            # the engine's entries: the raw gradient takes the mean where nothing reads it again
+            entries = [with_dest(Entry(n, memory.compensate(cur.fresh[n], n, backend.size(), compressor=comp,
+                                                            pieces=comm.pieces(n, cur.fresh[n].numel(), backend.size())),
+                                       comp, memory), cur.fresh[n]) for n, _ in b]
             cur.outs += exchange(comm, entries, env)
         comp.on_step(cur.step + 1)
 

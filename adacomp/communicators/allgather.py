@@ -228,8 +228,9 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
         j += c
     for kind, items in batches.items():
         assert ws is not None
-        # in the entries' own shapes (the C calls read data_ptr and numel only): no view per entry
-        outs = [ws.output(t.shape, t.numel(), torch.float32, t.device) for t in (entries[i].tensor for i, _ in items)]
+        # in the entries' own shapes (the C calls read data_ptr and numel only): no view per entry;
+        # into the raw gradient where the engine allows it (Entry.dest)
+        outs = [dest_or_output(entries[i], ws) for i, _ in items]
         done = _PACKED_MEANS[kind][1](gathered, outs, [entries[i] for i, _ in items], [j for _, j in items], segs, starts)
         for (i, _), o, ok in zip(items, outs, done):
             if ok:
@@ -243,6 +244,15 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
                       if e.compressor.sparse else _mean_decompressed(e, per_rank, ws))
         j += c
     return cast(list[Tensor], out)
+
+
+def dest_or_output(e: Entry, ws: Workspace) -> Tensor:
+    """Where entry ``e``'s float32 mean is written whole: its :attr:`~Entry.dest`, or a recycled
+    output of ``ws``."""
+    t = e.tensor
+    if e.dest is not None and e.dest.numel() == t.numel():
+        return e.dest.view(t.shape)
+    return ws.output(t.shape, t.numel(), torch.float32, t.device)
 
 
 def _split_counts(flat: list[Tensor], counts: list[int]) -> list[list[Tensor]]:

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from adacomp.communicators.allgather import (Segment, _sparse_batch, _sparse_means, _split_counts, _workspace,
-                                             gather_known, gather_payloads, layout, pack, unpack)
+                                             dest_or_output, gather_known, gather_payloads, layout, pack, unpack)
 from adacomp.communicators.base import Charge, CommEnv, Communicator, Entry, register
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor
@@ -243,7 +243,8 @@ class AlltoallCommunicator(Communicator):
         env.stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         with env.stats.timing("compress"):
             ws = _workspace(self)  # recycled outputs: fresh multi-MB tensors cost page faults every step
-            outs = [ws.output(torch.Size([e.tensor.numel()]), e.tensor.numel(), e.tensor.dtype, e.tensor.device)
+            outs = [dest_or_output(e, ws).view(-1) if e.tensor.dtype == torch.float32 else
+                    ws.output(torch.Size([e.tensor.numel()]), e.tensor.numel(), e.tensor.dtype, e.tensor.device)
                     for e in p.entries]
             written = _sparse_parts_into(gathered, outs, p.entries, segs, totals)
             off = 0

@@ -267,7 +267,8 @@ class HookState:
                 means = per_parameter(grp.bucket, next(it), [g.numel() for g in grp.grads])
                 poison = poisoned(grp.bucket, vote)
                 for g, out in zip(grp.grads, means):
-                    g.copy_(out.view(g.shape))  # grads are views of DDP's bucket buffer
+                    if out.data_ptr() != g.data_ptr():  # the mean may have been written there (Entry.dest)
+                        g.copy_(out.view(g.shape))  # grads are views of DDP's bucket buffer
                     if poison:
                         g.fill_(float("nan"))
             w.future.set_result(w.buffer)

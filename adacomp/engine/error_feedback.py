@@ -33,13 +33,15 @@ _NO_MEMORY = NoneMemory()
 
 
 def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor],
-            used: list[bool] | None, world: int) -> list[Entry]:
+            used: list[bool] | None, world: int, dest: bool = False) -> list[Entry]:
     """Error-compensated entries of bucket ``b`` (one per parameter, or one fused entry).
 
     ``used[i]`` False marks a parameter this rank did not use in the round: it contributes
     zeros and its residual is left alone (a rank that did not touch a parameter owes it nothing
     new). A joined rank (uneven inputs) passes all False and sends only zeros. ``world``: the
-    round's group size (DGC's clipping threshold depends on it), never read from a global."""
+    round's group size (DGC's clipping threshold depends on it), never read from a global. ``dest``:
+    the caller's gradients may take their means (:func:`with_dest`): the engine's own ones, not the
+    offload worker's pinned copies."""
     mem = b.route.memory
     if b.fused_compressor is not None:
         flat = _flatten(b, grads)
@@ -51,10 +53,22 @@ def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor]
     out = []
     for i, (n, g) in enumerate(zip(b.names, grads)):
         m = mem if used is None or used[i] else _NO_MEMORY
-        out.append(Entry(n, m.compensate(g, n, world, compressor=compressors[n],
-                                         pieces=b.communicator.pieces(n, g.numel(), world)),
-                         compressors[n], m))
+        e = Entry(n, m.compensate(g, n, world, compressor=compressors[n],
+                                  pieces=b.communicator.pieces(n, g.numel(), world)),
+                  compressors[n], m)
+        out.append(with_dest(e, g) if dest else e)
     return out
+
+
+def with_dest(e: Entry, g: Tensor) -> Entry:
+    """``e`` with the raw gradient ``g`` as the place for its mean (:attr:`Entry.dest`) where the
+    compensation left ``g`` as it was and kept its sum elsewhere (error feedback into a spare
+    buffer), so nothing reads ``g`` again: contiguous float32 of the entry's size, on the CPU."""
+    t = e.tensor
+    if (g.dtype == torch.float32 and g.device.type == "cpu" and g.is_contiguous() and not g.is_sparse
+            and g.numel() == t.numel() and t.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()):
+        e.dest = g
+    return e
 
 
 def _flatten(b: "Bucket", grads: list[Tensor]) -> Tensor:
@@ -153,4 +167,4 @@ class LossScale:
         self.units = state.get("units")
 
 
-__all__ = ["Entry", "LossScale", "Rollback", "entries", "exchange", "settle"]
+__all__ = ["Entry", "LossScale", "Rollback", "entries", "exchange", "settle", "with_dest"]

@@ -140,7 +140,7 @@ class Rounds:
         """Compensate, compress and start bucket ``b`` (``used[i]`` False: this rank contributes
         zeros for that parameter and leaves its residual alone)."""
         with st.stats.timing("compress"):
-            entries = error_feedback.entries(b, grads, self.table.compressors, used, self.backend.size())
+            entries = error_feedback.entries(b, grads, self.table.compressors, used, self.backend.size(), dest=True)
         self.start(st, b, entries)
 
     def start(self, st: RoundState, b: Bucket, entries: list[Entry]) -> None:
