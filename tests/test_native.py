@@ -542,6 +542,44 @@ def test_sparse_mean_is_bitwise_zero_fill_index_add_and_div(world: int, n: int, 
         assert torch.equal(bits(out), bits(want))
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n", [100, 4097, 70001, (1 << 18) + 37])
+def test_sparse_mean_added_to_the_residual_unwritten(world: int, n: int, avx2_switch: str) -> None:
+    """alltoall's second stage in one pass (``sparse_mean_add_select``): the sum written is
+    ``sparse_mean`` then ``torch.add`` with the residual, and the candidates are ``add_select``'s of
+    it; the sample (``sparse_sample_lines``) is ``sample_lines`` of that sum. Overlapping positions,
+    -0.0 in payloads and residual, NaN, a divisor that is not a power of two, an empty payload,
+    outputs not 32-byte aligned (not streamed), a capacity guess too short (the pass runs again)."""
+    from adacomp.compressors.sparse import SAMPLE_LINE, SAMPLE_SIZE, sample_lines
+    g = torch.Generator().manual_seed(world * 11 + n)
+    idx = [_ascending(n, 0 if r == 1 else max(1, n // 40), g) for r in range(world)]
+    vals = [torch.randn(i.numel(), generator=g) for i in idx]
+    vals[0][:3] = torch.tensor([-0.0, float("nan"), 1e-45])[: vals[0].numel()]
+    r = torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.05)
+    r[:5] = -0.0
+    mean = torch.empty(n)
+    assert _native.sparse_mean(mean, idx, vals, world)
+    want = torch.add(mean, r)
+    for thr, expected in ((1.0, 0.05), (0.0, 1e-6)):
+        want_idx, want_vals = _native.add_select(mean, r, torch.empty(n), thr, expected)
+        for shift in (0, 1):
+            out = torch.full((n + shift,), 7.0)[shift:]
+            got = _native.sparse_mean_add_select(r, out, idx, vals, world, thr, expected)
+            assert got is not None and torch.equal(bits(out), bits(want))
+            assert torch.equal(got[0], want_idx) and torch.equal(bits(got[1]), bits(want_vals))
+    if n > SAMPLE_SIZE:
+        lines, m = n // SAMPLE_LINE, SAMPLE_SIZE // SAMPLE_LINE
+        got_sample = _native.sparse_sample_lines(r, idx, vals, world, lines, m)
+        assert got_sample is not None and torch.equal(bits(got_sample), bits(sample_lines(mean, plus=r)))
+    spoiled = [i.clone() for i in idx]
+    if spoiled[0].numel() > 1:  # positions that do not ascend: refused, nothing written
+        spoiled[0][1] = spoiled[0][0]
+        out = torch.full((n,), 7.0)
+        assert _native.sparse_mean_add_select(r, out, spoiled, vals, world, 1.0) is None
+        assert bool((out == 7.0).all())
+        assert _native.sparse_sample_lines(r, spoiled, vals, world, max(2, n // 16), 4) is None
+
+
 @pytest.mark.parametrize("bad", ["descending", "duplicate", "negative", "past_end", "int32", "float64"])
 def test_sparse_mean_refuses_what_its_torch_path_must_answer(bad: str) -> None:
     g = torch.Generator().manual_seed(1)

@@ -108,7 +108,7 @@ def _mean_sparse(e: Entry, vals: list[Tensor], idx: list[Tensor], world: int, ws
     vals = [v.reshape(-1) for v in vals]
     idx = [i.reshape(-1) for i in idx]
     if ws is not None and e.tensor.dtype == torch.float32 and e.tensor.device.type == "cpu":
-        out = ws.output(torch.Size([n]), n, e.tensor.dtype, e.tensor.device)
+        out = dest_or_output(e, ws).view(-1)
         if _native.sparse_mean(out, idx, vals, world):
             return out.view(e.tensor.shape)
         del out
@@ -128,7 +128,7 @@ def _mean_decompressed(e: Entry, payloads: list[list[Tensor]], ws: Workspace | N
         acc = cast(Tensor, sum(e.compressor.decompress(p, e.ctx).reshape(-1) for p in payloads))
         return (acc / len(payloads)).view(e.tensor.shape)
     if e.compressor.fused_mean and e.tensor.dtype == torch.float32:  # decode and average in one pass
-        acc = ws.output(torch.Size([n]), n, torch.float32, e.tensor.device)
+        acc = dest_or_output(e, ws).view(-1)
         if e.compressor.mean_into(payloads, e.ctx, acc):
             return acc.view(e.tensor.shape)
         del acc
@@ -248,7 +248,8 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
 
 def dest_or_output(e: Entry, ws: Workspace) -> Tensor:
     """Where entry ``e``'s float32 mean is written whole: its :attr:`~Entry.dest`, or a recycled
-    output of ``ws``."""
+    output of ``ws``. A writer that gives up part-way leaves the dest partly written, which is
+    harmless: nothing reads the raw gradient after compensation (the fallback writes elsewhere)."""
     t = e.tensor
     if e.dest is not None and e.dest.numel() == t.numel():
         return e.dest.view(t.shape)

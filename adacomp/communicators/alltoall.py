@@ -35,12 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adacomp.communicators.allgather import (Segment, _sparse_batch, _sparse_means, _split_counts, _workspace,
-                                             dest_or_output, gather_known, gather_payloads, layout, pack, unpack)
+from adacomp.communicators.allgather import (Segment, _payload_view, _sparse_batch, _sparse_means, _split_counts,
+                                             _workspace, dest_or_output, gather_known, gather_payloads, layout, pack,
+                                             unpack)
 from adacomp.communicators.base import Charge, CommEnv, Communicator, Entry, register
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import divide_touched
+from adacomp.compressors.topk import PREFILTER_MIN_NUMEL
 from adacomp.memories.base import Memory
 from adacomp.memories.parts import PartResidualMemory, bounds
 
@@ -220,15 +222,16 @@ class AlltoallCommunicator(Communicator):
             received = p.handle.wait()
         mine_counts = [len(e.ctx.parts[me].payload) for e in p.entries]
         with env.stats.timing("compress"):
-            means = self._packed_means(received, p, mine_counts, me)
-            from_rank: list[list[list[Tensor]]] = []
-            if None in means:  # views of the received payloads, for the entries the C pass did not average
-                off = 0
-                for segs, tot in zip(p.recv_segs, p.recv_totals):
-                    from_rank.append(_split_counts(unpack(received[off:off + tot], segs), mine_counts))
-                    off += tot
-            second = [self._second(e, [from_rank[r][i] for r in range(world)] if means[i] is None else [],
-                                   me, world, mean=means[i])
+            starts = [sum(p.recv_totals[:r]) for r in range(world)]
+            firsts = [sum(mine_counts[:i]) for i in range(len(p.entries))]
+            fused = {i for i, e in enumerate(p.entries) if self._fuses(e, me)}
+            means = self._packed_means(received, p, mine_counts, me, skip=fused)
+
+            def copies(i: int) -> list[list[Tensor]]:  # views of every rank's payload of my part of entry i
+                return [[_payload_view(received, starts[r], p.recv_segs[r][firsts[i] + q])
+                         for q in range(mine_counts[i])] for r in range(world)]
+
+            second = [self._second(e, copies(i) if means[i] is None else [], me, world, mean=means[i])
                       for i, e in enumerate(p.entries)]
         tensors = [t for part in second for t in part.payload]
         with env.stats.timing("comm"):
@@ -261,16 +264,26 @@ class AlltoallCommunicator(Communicator):
                 off += tot
         return [o.view(e.tensor.shape) for o, e in zip(outs, p.entries)]
 
-    def _packed_means(self, received: Tensor, p: _Pending, counts: list[int], me: int) -> list[Tensor | None]:
-        """The mean of every entry's received copies of my part, for the canonical sparse payloads
-        averaged by one C call for the whole bucket where the bytes lie (:func:`_sparse_means`); None
-        for the entries left to :meth:`_second`'s own average (bitwise the same)."""
+    def _fuses(self, e: Entry, me: int) -> bool:
+        """Whether :meth:`_second` may add the received copies of entry ``e``'s part to the kept
+        error without writing their mean first (:meth:`~adacomp.compressors.topk.TopkCompressor.compensate_mean_into`):
+        feedback on, a compressor that can, a part large enough for its prefilter, a kept error."""
+        lo, hi = e.ctx.spans[me]
+        return (self.feedback and e.compressor.sparse and hasattr(e.compressor, "compensate_mean_into")
+                and e.tensor.dtype == torch.float32 and e.tensor.device.type == "cpu"
+                and hi - lo >= PREFILTER_MIN_NUMEL and self.second.holds(e.name))
+
+    def _packed_means(self, received: Tensor, p: _Pending, counts: list[int], me: int,
+                      skip: set[int]) -> list[Tensor | None]:
+        """The mean of every entry's received copies of my part (but those in ``skip``), for the
+        canonical sparse payloads averaged by one C call for the whole bucket where the bytes lie
+        (:func:`_sparse_means`); None for the entries left to :meth:`_second` (bitwise the same)."""
         out: list[Tensor | None] = [None] * len(p.entries)
         ws = _workspace(self)
         items, j = [], 0
         for i, (e, c) in enumerate(zip(p.entries, counts)):
             lo, hi = e.ctx.spans[me]
-            if c == 2 and hi > lo and e.tensor.device.type == "cpu" and _sparse_batch(e, p.recv_segs, j):
+            if i not in skip and c == 2 and hi > lo and e.tensor.device.type == "cpu" and _sparse_batch(e, p.recv_segs, j):
                 items.append((i, j, hi - lo))
             j += c
         if not items:
@@ -293,6 +306,18 @@ class AlltoallCommunicator(Communicator):
         ctx = e.ctx.parts[me].ctx
         # a recycled buffer (Workspace's rule: reused only once nothing holds it): a fresh part-size
         # tensor per step costs page faults on every multi-MB part
+        key = f"{e.name}/agg{me}"
+        if mean is None and copies and self._fuses(e, me):  # the mean added to the kept error unwritten
+            at = [c[1].reshape(-1) for c in copies]
+            values = [c[0].reshape(-1) for c in copies]
+            comp = e.compressor
+            into: Any = getattr(comp, "compensate_mean_into")
+            summed = self.second.compensate_with(e.name, hi - lo, comp,
+                                                 lambda r, out: bool(into(at, values, world, r, out, key)))
+            if summed is not None:
+                part = _compress(comp, summed, key)
+                e.also_charge(Charge(self.second, summed, e.name, comp, part.payload, part.ctx))
+                return part
         ws = _workspace(self)
         if mean is not None:
             acc, copies_left = mean, []
@@ -321,7 +346,6 @@ class AlltoallCommunicator(Communicator):
             divide_touched(acc, torch.cat(touched), world)
         elif copies_left:
             acc.div_(world)
-        key = f"{e.name}/agg{me}"
         if self.feedback:  # kept under the tensor's name; compressed whole under `key`
             acc = self.second.compensate(acc, e.name, world, compressor=e.compressor, pieces=[(key, 0, acc.numel())])
         part = _compress(e.compressor, acc, key)

@@ -1635,6 +1635,145 @@ void ac_sparse_mean_many(int64_t m, float* const* outs, const int64_t* ns, int w
         status[i] = ac_sparse_mean(outs[i], ns[i], world, ip, vp, counts + i * world, pos, divisor);
     }
 }
+#if defined(AC_AVX2)
+/* ac_sparse_mean_add_select's add, store and compaction of one block, 8 lanes at a time; returns how
+   many elements it did (the rest: the scalar loop). */
+__attribute__((target("avx2"))) static int64_t sm_add_select_avx2(const float* m, const float* r, float* out,
+                                                                 int64_t len, float t, int stream, int64_t at,
+                                                                 int64_t* idx, float* vals, int64_t cap,
+                                                                 int64_t* count) {
+    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
+    int64_t c = *count, j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const __m256 v = _mm256_add_ps(_mm256_load_ps(m + j), _mm256_loadu_ps(r + j));
+        if (stream) _mm256_stream_ps(out + j, v); else _mm256_storeu_ps(out + j, v);
+        unsigned msk = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ));
+        if (msk) {  /* the values from a register copy: out may have been streamed past the caches */
+            float lane[8];
+            _mm256_storeu_ps(lane, v);
+            while (msk) {
+                const int e = __builtin_ctz(msk);
+                msk &= msk - 1;
+                if (c < cap) { idx[c] = at + j + e; vals[c] = lane[e]; }
+                ++c;
+            }
+        }
+    }
+    *count = c;
+    return j;
+}
+#endif
+/* The checks and the divisor's form ac_sparse_mean uses: each rank's positions strictly ascending in
+   [0, n) (else -1); *pow2 where x / divisor is x * *inv exactly (a power of two). */
+static int sm_prepare(int64_t n, int world, const int64_t* const* idx, const int64_t* counts, int64_t* pos,
+                      float divisor, int* pow2, float* inv) {
+    for (int r = 0; r < world; ++r) {
+        const int64_t* x = idx[r];
+        for (int64_t i = 0; i < counts[r]; ++i)
+            if (x[i] < 0 || x[i] >= n || (i > 0 && x[i] <= x[i - 1])) return -1;
+        pos[r] = 0;
+    }
+    *pow2 = 0;
+    *inv = 1.0f;
+    for (float d = divisor; d >= 1.0f && d == (float)(int64_t)d; d *= 0.5f, *inv *= 0.5f)
+        if (d == 1.0f) { *pow2 = 1; break; }
+    return 0;
+}
+/* alltoall's second stage in one pass over its part: out = m + r, m the ranks' sparse mean exactly as
+   ac_sparse_mean writes it (+0 where no rank has a value, else the rank-order sum from +0, times
+   2^-e or divided by divisor) and the add as torch.add's, written whole (streamed from
+   AC_SELECT_STREAM_MIN elements into a 32-byte aligned out), with the compaction
+   ac_add_select_abs_not_lt gives of out (positions ascending, signed values, count returned). The
+   mean is never written: one read of r and one write of out instead of the mean's write, then a read
+   of it and of r and a write. -1 (nothing written) where a rank's positions do not ascend strictly
+   within [0, n). pos: world int64 of scratch. */
+int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int world, const int64_t* const* idx,
+                                  const float* const* vals, const int64_t* counts, int64_t* pos, float divisor,
+                                  float t, int64_t* cidx, float* cvals, int64_t cap) {
+    int pow2;
+    float inv;
+    if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
+    float m[SM_BLOCK] __attribute__((aligned(32)));
+    uint64_t touched[SM_BLOCK / 64];
+    __builtin_memset(m, 0, sizeof m);
+    int64_t c = 0;
+    int stream = 0;
+#if defined(AC_AVX2)
+    stream = n >= AC_SELECT_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2();
+#endif
+    for (int64_t b0 = 0; b0 < n; b0 += SM_BLOCK) {
+        const int64_t len = n - b0 < SM_BLOCK ? n - b0 : SM_BLOCK;
+        int any = 0;
+        for (int q = 0; q < world && !any; ++q) any = pos[q] < counts[q] && idx[q][pos[q]] < b0 + len;
+        if (any) {
+            __builtin_memset(touched, 0, sizeof touched);
+            for (int q = 0; q < world; ++q) {
+                const int64_t* x = idx[q];
+                const float* v = vals[q];
+                int64_t p = pos[q];
+                for (; p < counts[q] && x[p] < b0 + len; ++p) {
+                    const int64_t j = x[p] - b0;
+                    m[j] += v[p];
+                    touched[j >> 6] |= (uint64_t)1 << (j & 63);
+                }
+                pos[q] = p;
+            }
+            for (int w = 0; w < SM_BLOCK / 64; ++w)
+                for (uint64_t bits = touched[w]; bits; bits &= bits - 1) {
+                    const int j = (w << 6) + __builtin_ctzll(bits);
+                    m[j] = pow2 ? m[j] * inv : m[j] / divisor;
+                }
+        }
+        const float* rb = r + b0;
+        float* ob = out + b0;
+        int64_t j = 0;
+#if defined(AC_AVX2)
+        if (use_avx2()) j = sm_add_select_avx2(m, rb, ob, len, t, stream, b0, cidx, cvals, cap, &c);
+#endif
+        for (; j < len; ++j) {
+            const float v = m[j] + rb[j];
+            ob[j] = v;
+            if (!(__builtin_fabsf(v) < t)) { if (c < cap) { cidx[c] = b0 + j; cvals[c] = v; } ++c; }
+        }
+        if (any)  /* the block's mean back to +0 for the next block */
+            for (int w = 0; w < SM_BLOCK / 64; ++w)
+                for (uint64_t bits = touched[w]; bits; bits &= bits - 1) m[(w << 6) + __builtin_ctzll(bits)] = 0.0f;
+    }
+#if defined(AC_AVX2)
+    if (stream) sm_fence();
+#endif
+    return c;
+}
+/* The sample ac_sample_lines takes of a + r where a is the ranks' sparse mean as ac_sparse_mean writes
+   it (see ac_sparse_mean_add_select): m runs of 16 floats at lines j * lines / m, each position's
+   mean from the payloads (a binary search per rank and line: the lines ascend). -1 as there. */
+int ac_sparse_sample_lines(const float* r, int64_t n, int world, const int64_t* const* idx,
+                           const float* const* vals, const int64_t* counts, int64_t* pos, float divisor,
+                           int64_t lines, int64_t m, float* out) {
+    int pow2;
+    float inv;
+    if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
+    for (int64_t j = 0; j < m; ++j) {
+        const int64_t at = j * lines / m * 16;
+        float a[16] = {0};
+        int hit[16] = {0};
+        for (int q = 0; q < world; ++q) {
+            const int64_t* x = idx[q];
+            int64_t lo = pos[q], hi = counts[q];
+            while (lo < hi) { const int64_t mid = lo + (hi - lo) / 2; if (x[mid] < at) lo = mid + 1; else hi = mid; }
+            pos[q] = lo;
+            for (int64_t p = lo; p < counts[q] && x[p] < at + 16; ++p) {
+                a[x[p] - at] += vals[q][p];
+                hit[x[p] - at] = 1;
+            }
+        }
+        for (int e = 0; e < 16; ++e) {
+            const float mean = hit[e] ? (pow2 ? a[e] * inv : a[e] / divisor) : 0.0f;
+            out[16 * j + e] = mean + r[at + e];
+        }
+    }
+    return 0;
+}
 /* Payload tensors into the send buffer of `total` bytes at their segments' offsets (ascending), every
    byte between and after them zeroed (adacomp.communicators.allgather.pack): one call instead of a
    zero fill and a slice assignment per tensor. */
@@ -2989,6 +3128,11 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_zero_at.restype = ctypes.c_int
     lib_.ac_outer_fma.restype = None
     lib_.ac_outer_fma.argtypes = [vp, vp, i64, i64, i64, vp]
+    lib_.ac_sparse_mean_add_select.restype = ctypes.c_int64
+    lib_.ac_sparse_mean_add_select.argtypes = [vp, vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, ctypes.c_float,
+                                               vp, vp, i64]
+    lib_.ac_sparse_sample_lines.restype = ctypes.c_int
+    lib_.ac_sparse_sample_lines.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, i64, i64, vp]
     lib_.ac_sample_lines.restype = None
     lib_.ac_sample_lines.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_first_distinct.restype = ctypes.c_int64
@@ -3603,6 +3747,65 @@ def sparse_mean(out: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int
             return False
         iptr[r], vptr[r], counts[r] = i.data_ptr(), v.data_ptr(), i.numel()
     return lib.ac_sparse_mean(out.data_ptr(), out.numel(), world, iptr, vptr, counts, pos, float(divisor)) == 0
+
+
+def _sparse_arrays(idx: list[Tensor], vals: list[Tensor]) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array,
+                                                                   ctypes.Array] | None:
+    """:func:`_pointer_arrays` filled with every rank's positions (int64) and values (float32), or
+    None where a payload is not laid out for the C passes."""
+    world = len(idx)
+    if not world or len(vals) != world:
+        return None
+    iptr, vptr, counts, pos = _pointer_arrays(world)
+    for r, (i, v) in enumerate(zip(idx, vals)):
+        if not (_cpu_contiguous(i, torch.int64) and _cpu_contiguous(v, torch.float32)) or i.numel() != v.numel():
+            return None
+        iptr[r], vptr[r], counts[r] = i.data_ptr(), v.data_ptr(), i.numel()
+    return iptr, vptr, counts, pos
+
+
+def sparse_sample_lines(r: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int, lines: int,
+                        m: int) -> Tensor | None:
+    """:func:`sample_lines` of ``a + r`` where ``a`` is what :func:`sparse_mean` would write from the
+    payloads (the same floats), without writing ``a``; None where the C pass cannot run (then nothing
+    was sampled)."""
+    lib = library()
+    arrays = _sparse_arrays(idx, vals)
+    if lib is None or arrays is None or not usable(r):
+        return None
+    out = torch.empty(16 * m, dtype=torch.float32)
+    iptr, vptr, counts, pos = arrays
+    if lib.ac_sparse_sample_lines(r.data_ptr(), r.numel(), len(idx), iptr, vptr, counts, pos, float(divisor),
+                                  lines, m, out.data_ptr()) != 0:
+        return None
+    return out
+
+
+def sparse_mean_add_select(r: Tensor, out: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int, thr: float,
+                           expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
+    """``out = a + r`` with ``a`` the ranks' mean :func:`sparse_mean` would write (never written
+    itself) and, from the same pass, what :func:`add_select` would find in ``out``: the divisible
+    scheme's second compensation from the received payloads in one pass. None (nothing written)
+    where it cannot run: a layout it does not take, positions not strictly ascending."""
+    lib = library()
+    arrays = _sparse_arrays(idx, vals)
+    n = out.numel()
+    if lib is None or arrays is None or not (usable(r) and usable(out)) or r.numel() != n \
+            or out.data_ptr() == r.data_ptr():
+        return None
+    iptr, vptr, counts, pos = arrays
+    refused: list[bool] = []
+
+    def call(i: int, v: int, cap: int) -> int:
+        got = int(lib.ac_sparse_mean_add_select(r.data_ptr(), out.data_ptr(), n, len(idx), iptr, vptr, counts, pos,
+                                                float(divisor), thr, i, v, cap))
+        if got < 0:
+            refused.append(True)
+            return 0
+        return got
+
+    got = _compacted(call, n, expected)
+    return None if refused else got
 
 
 def sparse_means_packed(buf: Tensor, outs: list[Tensor], idx_off: list[int], val_off: list[int],

@@ -25,8 +25,8 @@ from torch import Tensor
 from adacomp import devices
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors.sparse import (SparseCompressor, SparseCtx, ThresholdCounter, Workspace, check_density,
-                                        TINY, k_for, largest_k, largest_k_values, sample_lines, sample_value, sampled_value, scatter,
+from adacomp.compressors.sparse import (SAMPLE_LINE, SAMPLE_SIZE, SparseCompressor, SparseCtx, ThresholdCounter,
+                                        Workspace, check_density, TINY, k_for, largest_k, largest_k_values, sample_lines, sample_value, sampled_value, scatter,
                                         sparse_residual)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
@@ -136,6 +136,31 @@ class TopkCompressor(SparseCompressor):
             return False
         idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
         self._kept().keep(name, flat, Candidates(idx, vals))
+        return True
+
+    def compensate_mean_into(self, idx: list[Tensor], vals: list[Tensor], divisor: int, r: Tensor, out: Tensor,
+                             name: str) -> bool:
+        """:meth:`compensate_into` where the gradient is the ranks' sparse mean of ``vals`` at ``idx``
+        (what :func:`~adacomp.compressors._native.sparse_mean` would write; the divisible scheme's
+        second stage) and is never written itself: ``out = mean + r`` and the prefilter's candidates
+        in one pass, the floor from the same sample of ``mean + r``. False (nothing written) where
+        :meth:`compensate_into` would decline or the C pass cannot run: the caller writes the mean."""
+        flat = out.reshape(-1)
+        n = flat.numel()
+        k = k_for(n, self._density)
+        if not (prefilters(flat, k) and _native.usable(r) and r.numel() == n and n > SAMPLE_SIZE):
+            return False
+        expected = _expected(k, n)
+        sample = _native.sparse_sample_lines(r.reshape(-1), idx, vals, divisor, n // SAMPLE_LINE, SAMPLE_SIZE // SAMPLE_LINE)
+        if sample is None:
+            return False
+        floor = max(sampled_value(sample, expected, absolute=True), TINY)
+        if not math.isfinite(floor):
+            return False
+        got = _native.sparse_mean_add_select(r.reshape(-1), flat, idx, vals, divisor, floor, expected)
+        if got is None:
+            return False
+        self._kept().keep(name, flat, Candidates(*got))
         return True
 
     def _prepared(self, flat: Tensor, name: str, k: int) -> Candidates | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -331,6 +331,24 @@ class ResidualMemory(Memory):
                 return tensor
             return tensor.add_(r)
         return tensor.add_(r, alpha=self.beta)
+
+    def compensate_with(self, name: str, numel: int, compressor: Any,
+                        write: Callable[[Tensor, Tensor], bool]) -> Tensor | None:
+        """The compensated tensor of ``name`` written by ``write(r, out)`` (``out = gradient + r``
+        for a gradient the caller never materialises: the divisible scheme's second stage adds the
+        ranks' sparse mean straight from their payloads) into the buffer :meth:`update` keeps,
+        where :meth:`compensate` would add into that buffer: a stored residual of ``numel``
+        elements and no deferred one, ``beta = gamma = 1``, a compressor whose residual may
+        overwrite its input. None where it would not, or ``write`` declined: the caller writes the
+        gradient and calls :meth:`compensate`."""
+        r = self._stored.get(name)
+        if (r is None or r.numel() != numel or name in self._owed or self.beta != 1.0 or self.gamma != 1.0
+                or not getattr(compressor, "residual_in_place", False)):
+            return None
+        kept = self._spare.get(name)
+        spare = kept if kept is not None and fits(kept, r) and kept is not r else torch.empty_like(r)
+        self._spare[name] = spare
+        return spare if write(r, spare) else None
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         out = self._spare.pop(name, None)
