@@ -1663,6 +1663,8 @@ __attribute__((target("avx2"))) static int64_t sm_add_select_avx2(const float* m
     return j;
 }
 #endif
+/* The samples' lines (ac_sample_lines, ac_sparse_sample_lines) are prefetched this many lines ahead. */
+#define SAMPLE_AHEAD 24
 /* The checks and the divisor's form ac_sparse_mean uses: each rank's positions strictly ascending in
    [0, n) (else -1); *pow2 where x / divisor is x * *inv exactly (a power of two). */
 static int sm_prepare(int64_t n, int world, const int64_t* const* idx, const int64_t* counts, int64_t* pos,
@@ -1746,7 +1748,8 @@ int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int wor
 }
 /* The sample ac_sample_lines takes of a + r where a is the ranks' sparse mean as ac_sparse_mean writes
    it (see ac_sparse_mean_add_select): m runs of 16 floats at lines j * lines / m, each position's
-   mean from the payloads (a binary search per rank and line: the lines ascend). -1 as there. */
+   mean from the payloads (walked once in order beside the ascending lines: a binary search per rank
+   and line cost 150 us a sample, 2.3x the dense sample). -1 as there. */
 int ac_sparse_sample_lines(const float* r, int64_t n, int world, const int64_t* const* idx,
                            const float* const* vals, const int64_t* counts, int64_t* pos, float divisor,
                            int64_t lines, int64_t m, float* out) {
@@ -1754,13 +1757,14 @@ int ac_sparse_sample_lines(const float* r, int64_t n, int world, const int64_t* 
     float inv;
     if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
     for (int64_t j = 0; j < m; ++j) {
+        if (j + SAMPLE_AHEAD < m) __builtin_prefetch(r + (j + SAMPLE_AHEAD) * lines / m * 16);  /* as ac_sample_lines */
         const int64_t at = j * lines / m * 16;
         float a[16] = {0};
         int hit[16] = {0};
         for (int q = 0; q < world; ++q) {
             const int64_t* x = idx[q];
-            int64_t lo = pos[q], hi = counts[q];
-            while (lo < hi) { const int64_t mid = lo + (hi - lo) / 2; if (x[mid] < at) lo = mid + 1; else hi = mid; }
+            int64_t lo = pos[q];
+            while (lo < counts[q] && x[lo] < at) ++lo;  /* a merge walk: each payload read once, in order */
             pos[q] = lo;
             for (int64_t p = lo; p < counts[q] && x[p] < at + 16; ++p) {
                 a[x[p] - at] += vals[q][p];
@@ -1791,7 +1795,6 @@ void ac_copy_many(uint8_t* buf, int64_t total, int64_t m, const void* const* src
    j * lines / m (integer division) of a, or of a + b (one IEEE add, as torch.add) when b is given.
    The lines lie far apart (a tensor's memory, not in cache while a step streams the model): each is
    prefetched SAMPLE_AHEAD lines before it is read, so many misses are in flight at once. */
-#define SAMPLE_AHEAD 24
 void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, float* out) {
     for (int64_t j = 0; j < m; ++j) {
         if (j + SAMPLE_AHEAD < m) {
