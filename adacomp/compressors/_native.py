@@ -1529,20 +1529,29 @@ __attribute__((target("avx2"))) static void sm_stream(float* out, const float* s
 }
 __attribute__((target("avx2"))) static void sm_fence(void) { _mm_sfence(); }
 #endif
-int ac_sparse_mean(float* out, int64_t n, int world, const int64_t* const* idx, const float* const* vals,
-                   const int64_t* counts, int64_t* pos, float divisor) {
+/* The sparse means' checks and divisor: each rank's positions strictly ascending in [0, n) (else -1);
+   *pow2 where x / divisor is x * *inv exactly (x / 2^e and x * 2^-e round the same exact value: a
+   product where the divisor allows it). */
+static int sm_prepare(int64_t n, int world, const int64_t* const* idx, const int64_t* counts, int64_t* pos,
+                      float divisor, int* pow2, float* inv) {
     for (int r = 0; r < world; ++r) {
         const int64_t* x = idx[r];
         for (int64_t i = 0; i < counts[r]; ++i)
             if (x[i] < 0 || x[i] >= n || (i > 0 && x[i] <= x[i - 1])) return -1;
         pos[r] = 0;
     }
+    *pow2 = 0;
+    *inv = 1.0f;
+    for (float d = divisor; d >= 1.0f && d == (float)(int64_t)d; d *= 0.5f, *inv *= 0.5f)
+        if (d == 1.0f) { *pow2 = 1; break; }
+    return 0;
+}
+int ac_sparse_mean(float* out, int64_t n, int world, const int64_t* const* idx, const float* const* vals,
+                   const int64_t* counts, int64_t* pos, float divisor) {
+    int pow2;
+    float inv;
+    if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
     uint64_t touched[SM_BLOCK / 64];
-    /* x / 2^e and x * 2^-e round the same exact value: a product where the divisor allows it */
-    int pow2 = 0;
-    float inv = 1.0f;
-    for (float d = divisor; d >= 1.0f && d == (float)(int64_t)d; d *= 0.5f, inv *= 0.5f)
-        if (d == 1.0f) { pow2 = 1; break; }
     int stream = 0;
 #if defined(AC_AVX2)
     stream = n >= SM_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2();
@@ -1665,22 +1674,6 @@ __attribute__((target("avx2"))) static int64_t sm_add_select_avx2(const float* m
 #endif
 /* The samples' lines (ac_sample_lines, ac_sparse_sample_lines) are prefetched this many lines ahead. */
 #define SAMPLE_AHEAD 24
-/* The checks and the divisor's form ac_sparse_mean uses: each rank's positions strictly ascending in
-   [0, n) (else -1); *pow2 where x / divisor is x * *inv exactly (a power of two). */
-static int sm_prepare(int64_t n, int world, const int64_t* const* idx, const int64_t* counts, int64_t* pos,
-                      float divisor, int* pow2, float* inv) {
-    for (int r = 0; r < world; ++r) {
-        const int64_t* x = idx[r];
-        for (int64_t i = 0; i < counts[r]; ++i)
-            if (x[i] < 0 || x[i] >= n || (i > 0 && x[i] <= x[i - 1])) return -1;
-        pos[r] = 0;
-    }
-    *pow2 = 0;
-    *inv = 1.0f;
-    for (float d = divisor; d >= 1.0f && d == (float)(int64_t)d; d *= 0.5f, *inv *= 0.5f)
-        if (d == 1.0f) { *pow2 = 1; break; }
-    return 0;
-}
 /* alltoall's second stage in one pass over its part: out = m + r, m the ranks' sparse mean exactly as
    ac_sparse_mean writes it (+0 where no rank has a value, else the rank-order sum from +0, times
    2^-e or divided by divisor) and the add as torch.add's, written whole (streamed from
