@@ -37,6 +37,7 @@ Communicators: ``allgather``. Stateless.
 """
 from __future__ import annotations
 
+import functools
 import math
 from statistics import NormalDist
 from typing import NamedTuple
@@ -48,6 +49,14 @@ from adacomp.compressors import _native
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (BISECT_LEVELS, SparseCompressor, ThresholdCounter, k_for, largest_k,
                                         sample_lines, sample_value, sampled_value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _two_sided_z(k: int, n: int) -> float:
+    """The standard normal quantile that ``k`` of ``n`` values exceed in magnitude (both tails):
+    per tensor shape and density, computed once (a NormalDist and its inverse CDF per call cost a
+    few us a tensor, every step)."""
+    return NormalDist().inv_cdf(1.0 - 0.5 * k / n)
 
 
 def adjust(thr: float, too_low: float | None, too_high: float | None, too_many: bool
@@ -114,7 +123,7 @@ class GaussianKCompressor(SparseCompressor):
         if moments is None:
             moments = float(signed.mean()), float(signed.std()) if n > 1 else 0.0
         mean, std = moments
-        z = NormalDist().inv_cdf(1.0 - 0.5 * k / n) if k < n else 0.0
+        z = _two_sided_z(k, n) if k < n else 0.0
         thr = mean + std * z
         if not math.isfinite(thr) or thr <= 0.0:  # constant tensor: fall back to its magnitude
             thr = float(signed.abs().max()) * 0.5
