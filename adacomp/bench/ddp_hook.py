@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -59,22 +59,26 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
         return step
 
-    def ddp_arm(register: Callable[[DDP], None] | None) -> Callable[[], None]:
-        model = DDP(copy(), bucket_cap_mb=args.bucket_mb)
+    compressed: dict[str, Callable[[], Any]] = {}  # arm -> its last step's statistics
+
+    def ddp_arm(register: Callable[[DDP], None] | None, bucket_view: bool = False) -> Callable[[], None]:
+        model = DDP(copy(), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=bucket_view)
         if register is not None:
             register(model)
         return train_step(model, torch.optim.SGD(model.parameters(), lr=0.01))
 
-    def opt_arm(cfg: dict) -> Callable[[], None]:
+    def opt_arm(name: str, cfg: dict) -> Callable[[], None]:
         model = copy()
-        return train_step(model, adacomp.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
-            config={**cfg, "fusion": {"bucket_mb": args.bucket_mb}}))
+        opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                           config={**cfg, "fusion": {"bucket_mb": args.bucket_mb}})
+        compressed[name] = lambda: opt.last_stats
+        return train_step(model, opt)
 
-    def adacomp_hook(cfg: dict) -> Callable[[DDP], None]:
+    def adacomp_hook(name: str, cfg: dict) -> Callable[[DDP], None]:
         def register(model: DDP) -> None:
             state, hook = adacomp.ddp.hook(cfg, named_parameters=model.module.named_parameters())
             model.register_comm_hook(state, hook)
+            compressed[name] = lambda: state.last_stats
         return register
 
     check_powersgd_device(ref)
@@ -86,10 +90,18 @@ def main(argv: list[str] | None = None) -> int:
                                         min_compression_rate=0.0), powerSGD_hook.powerSGD_hook)),
     }
     for name, cfg in CONFIGS.items():
-        arms[f"DDP + adacomp hook {name}"] = ddp_arm(adacomp_hook(cfg))
-        arms[f"adacomp DistributedOptimizer {name}"] = opt_arm(cfg)
+        arms[f"DDP + adacomp hook {name}"] = ddp_arm(adacomp_hook(f"DDP + adacomp hook {name}", cfg))
+        if name == "topk 1%":  # the hook writes the means into DDP's bucket; this also drops DDP's copy back
+            view = f"DDP(gradient_as_bucket_view) + adacomp hook {name}"
+            arms[view] = ddp_arm(adacomp_hook(view, cfg), bucket_view=True)
+        arms[f"adacomp DistributedOptimizer {name}"] = opt_arm(f"adacomp DistributedOptimizer {name}", cfg)
     # 3 warm-up steps per arm before its first block (PowerSGD hook's dense iterations included)
     times = alternating_blocks(arms, args.steps, args.block)
+    for name, last in compressed.items():  # a time of a path that compressed nothing would measure the wrong thing
+        stats = last()
+        if stats is None or not 0 < stats.bytes_sent < stats.dense_bytes:
+            raise RuntimeError(f"bench ddp_hook: arm {name!r} compressed nothing in its last step "
+                               f"({None if stats is None else (stats.bytes_sent, stats.dense_bytes)})")
     med = torch.tensor([statistics.median(times[k]) for k in arms])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -225,7 +225,7 @@ class AlltoallCommunicator(Communicator):
             starts = [sum(p.recv_totals[:r]) for r in range(world)]
             firsts = [sum(mine_counts[:i]) for i in range(len(p.entries))]
             fused = {i for i, e in enumerate(p.entries) if self._fuses(e, me)}
-            means = self._packed_means(received, p, mine_counts, me, skip=fused)
+            means = self._packed_means(received, p, mine_counts, starts, me, skip=fused)
 
             def copies(i: int) -> list[list[Tensor]]:  # views of every rank's payload of my part of entry i
                 return [[_payload_view(received, starts[r], p.recv_segs[r][firsts[i] + q])
@@ -273,11 +273,12 @@ class AlltoallCommunicator(Communicator):
                 and e.tensor.dtype == torch.float32 and e.tensor.device.type == "cpu"
                 and hi - lo >= PREFILTER_MIN_NUMEL and self.second.holds(e.name))
 
-    def _packed_means(self, received: Tensor, p: _Pending, counts: list[int], me: int,
+    def _packed_means(self, received: Tensor, p: _Pending, counts: list[int], starts: list[int], me: int,
                       skip: set[int]) -> list[Tensor | None]:
         """The mean of every entry's received copies of my part (but those in ``skip``), for the
         canonical sparse payloads averaged by one C call for the whole bucket where the bytes lie
-        (:func:`_sparse_means`); None for the entries left to :meth:`_second` (bitwise the same)."""
+        (rank r's from byte ``starts[r]``; :func:`_sparse_means`); None for the entries left to
+        :meth:`_second` (bitwise the same)."""
         out: list[Tensor | None] = [None] * len(p.entries)
         ws = _workspace(self)
         items, j = [], 0
@@ -288,7 +289,6 @@ class AlltoallCommunicator(Communicator):
             j += c
         if not items:
             return out
-        starts = [sum(p.recv_totals[:r]) for r in range(len(p.recv_totals))]
         accs = [ws.output(torch.Size([n]), n, torch.float32, received.device) for _, _, n in items]
         done = _sparse_means(received, accs, [p.entries[i] for i, _, _ in items], [j for _, j, _ in items],
                              p.recv_segs, starts)

@@ -72,8 +72,8 @@ class Entry:
     """Where the communicator may write this entry's mean instead of a buffer of its own: the raw
     gradient, set by the engine only where nothing reads it after compensation (the compensated
     sum lives in another buffer), as DDP averages into its gradients' own bucket memory. Why: the
-    hook then has no copy into DDP's bucket to make (a 100 MB model's step 159-171 -> 147-151 ms,
-    cost_notes item 46), and the optimizer keeps one model-size output buffer less."""
+    hook then has no copy into DDP's bucket to make (cost_notes item 46), and the optimizer keeps one
+    model-size output buffer less."""
 
     def report(self, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         """What this rank actually contributed, in place of the compressed payload."""

@@ -3729,23 +3729,6 @@ def _pointer_arrays(world: int) -> tuple[ctypes.Array, ctypes.Array, ctypes.Arra
     return got
 
 
-def sparse_mean(out: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int) -> bool:
-    """``out`` = zeros, every rank's ``vals[r]`` added at ``idx[r]`` in rank order, divided by
-    ``divisor`` at the touched positions, in one sequential write (bitwise ``zero_``, ``index_add_``
-    of the concatenated payloads, ``div_``). False where the torch path must run (another dtype,
-    a layout it does not take, positions not strictly ascending: then ``out`` may be partly written)."""
-    lib = library()
-    world = len(idx)
-    if lib is None or not world or len(vals) != world or not _cpu_contiguous(out, torch.float32):
-        return False
-    iptr, vptr, counts, pos = _pointer_arrays(world)
-    for r, (i, v) in enumerate(zip(idx, vals)):
-        if not (_cpu_contiguous(i, torch.int64) and _cpu_contiguous(v, torch.float32)) or i.numel() != v.numel():
-            return False
-        iptr[r], vptr[r], counts[r] = i.data_ptr(), v.data_ptr(), i.numel()
-    return lib.ac_sparse_mean(out.data_ptr(), out.numel(), world, iptr, vptr, counts, pos, float(divisor)) == 0
-
-
 def _sparse_arrays(idx: list[Tensor], vals: list[Tensor]) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array,
                                                                    ctypes.Array] | None:
     """:func:`_pointer_arrays` filled with every rank's positions (int64) and values (float32), or
@@ -3759,6 +3742,19 @@ def _sparse_arrays(idx: list[Tensor], vals: list[Tensor]) -> tuple[ctypes.Array,
             return None
         iptr[r], vptr[r], counts[r] = i.data_ptr(), v.data_ptr(), i.numel()
     return iptr, vptr, counts, pos
+
+
+def sparse_mean(out: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int) -> bool:
+    """``out`` = zeros, every rank's ``vals[r]`` added at ``idx[r]`` in rank order, divided by
+    ``divisor`` at the touched positions, in one sequential write (bitwise ``zero_``, ``index_add_``
+    of the concatenated payloads, ``div_``). False where the torch path must run (another dtype,
+    a layout it does not take, positions not strictly ascending: then ``out`` may be partly written)."""
+    lib = library()
+    arrays = _sparse_arrays(idx, vals)
+    if lib is None or arrays is None or not _cpu_contiguous(out, torch.float32):
+        return False
+    iptr, vptr, counts, pos = arrays
+    return lib.ac_sparse_mean(out.data_ptr(), out.numel(), len(idx), iptr, vptr, counts, pos, float(divisor)) == 0
 
 
 def sparse_sample_lines(r: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int, lines: int,

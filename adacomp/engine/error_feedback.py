@@ -65,7 +65,7 @@ def with_dest(e: Entry, g: Tensor) -> Entry:
     compensation left ``g`` as it was and kept its sum elsewhere (error feedback into a spare
     buffer), so nothing reads ``g`` again: contiguous float32 of the entry's size, on the CPU."""
     t = e.tensor
-    if (g.dtype == torch.float32 and g.device.type == "cpu" and g.is_contiguous() and not g.is_sparse
+    if (not g.is_sparse and g.dtype == torch.float32 and g.device.type == "cpu" and g.is_contiguous()
             and g.numel() == t.numel() and t.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()):
         e.dest = g
     return e
