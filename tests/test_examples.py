@@ -56,10 +56,16 @@ def _run(launcher: str, script: Path, args: list[str]) -> str:
     return out
 
 
+# a field's value in a done line: a number, or a lowercase word (``backend=gloo``)
+_VALUE = r"(?:[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|nan|inf|[a-z_]+)"
+
+
 def _done_lines(out: str, marker: str) -> list[str]:
-    # two ranks share one pipe: a line may be glued to the other rank's line, so stop at the next marker
+    # two ranks share one pipe and print() writes the line and its newline separately, so another
+    # rank's text may follow a done line on the same line ("accuracy=0.0625Test set ..."): the line's
+    # fields are read as key=value tokens, and the match ends where they do
     lines = [(r, s, rest.strip()) for r, s, rest in
-             re.findall(rf"{marker} rank=(\d) size=(\d) ((?:(?!{marker})[^\n])*)", out)]
+             re.findall(rf"{marker} rank=(\d) size=(\d) (\w+={_VALUE}(?: \w+={_VALUE})*)", out)]
     assert sorted(r for r, _, _ in lines) == ["0", "1"] and all(s == "2" for _, s, _ in lines), out[-3000:]
     assert len({rest for _, _, rest in lines}) == 1, f"ranks disagree on the averaged metric: {lines}"
     return [rest for _, _, rest in lines]
