@@ -329,6 +329,29 @@ def test_factor_products_are_torchs_bits(shape, r, avx2_switch):
     assert r < 2 or None not in decided
 
 
+@pytest.mark.parametrize("shape", [(64, 576), (1000, 2048), (300, 70), (40, 769)])
+def test_factor_product_takes_the_order_torch_formed(shape, monkeypatch):
+    """A layout's first product tries the summation orders of :data:`_native.SEQ_BLOCKS` in turn and
+    keeps the first that gave torch's bits (one chain on the EPYC, MKL's 384-term blocks on an
+    AVX-512 Xeon); where none did, torch's product stays. Later products take the kept order."""
+    from adacomp.compressors import _lowrank as L
+    from adacomp.compressors import _native
+    monkeypatch.setattr(L, "_EXACT", {})
+    monkeypatch.setattr(L, "_ORDER", {})
+    g = torch.Generator().manual_seed(shape[1])
+    m, q, p = torch.randn(*shape, generator=g), torch.randn(shape[1], 4, generator=g), torch.randn(shape[0], 3, generator=g)
+    for tag, fast, torch_form, ours in (("mq", _native.mm_seq, lambda: m @ q, lambda: L.product(m, q)),
+                                         ("tp", _native.mtm_seq, lambda: m.t() @ p, lambda: L.transposed_product(m, p))):
+        other = q if tag == "mq" else p
+        want = torch_form()
+        matching = [b for b in _native.SEQ_BLOCKS if torch.equal(_bits(fast(m, other, b)), _bits(want))]
+        for _ in range(2):  # the deciding call, then one that takes the decision
+            assert torch.equal(_bits(ours()), _bits(want))
+        key = L._layout(tag, m, other)
+        assert L._EXACT[key] == bool(matching)
+        assert L._ORDER.get(key) == (matching[0] if matching else None)
+
+
 def test_factor_product_layout_judged_different_uses_torch(monkeypatch):
     """A layout where the fast form did not give torch's bits (another BLAS) keeps torch's product;
     a non-finite first input decides nothing."""

@@ -1151,12 +1151,60 @@ def test_compensation_that_reads_its_sum_keeps_the_torch_paths_bits(name: str, m
         assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
 
 
+def _blocked_fma_sums(x: Any, y: Any, block: int) -> Any:
+    """Reference of :data:`_native.SEQ_BLOCKS`' order ``block`` for ``x @ y`` (float32 numpy
+    arrays), written from its definition: per block an fma chain from +0 (the exact product plus
+    the sum in float64, rounded once to float32), the blocks' sums added in order; block 0, one
+    chain of rounded products and additions."""
+    import numpy as np
+    n, m = x.shape
+    sizes, rest = [], m
+    while rest > 0:
+        size = rest if not block or rest <= block else (block if rest > 2 * block else (rest + 1) // 2)
+        sizes.append(size)
+        rest -= size
+    total, k0 = np.zeros((n, y.shape[1]), np.float32), 0
+    for b, size in enumerate(sizes):
+        acc = np.zeros((n, y.shape[1]), np.float32)
+        for k in range(k0, k0 + size):
+            if block:
+                acc = (x[:, k:k + 1].astype(np.float64) * y[k:k + 1].astype(np.float64) + acc).astype(np.float32)
+            else:
+                acc = acc + x[:, k:k + 1] * y[k:k + 1]
+        total = acc if b == 0 else total + acc
+        k0 += size
+    return total
+
+
+@pytest.mark.parametrize("block", [0, 384])
+@pytest.mark.parametrize("n,m,r", [(17, 1000, 4), (8, 769, 3), (64, 576, 8), (13, 2048, 2), (9, 147, 5), (3, 384, 1),
+                                   (11, 385, 4), (40, 1537, 6), (24, 0, 3)])
+def test_low_rank_sums_in_either_order(n: int, m: int, r: int, block: int, avx2_switch: str) -> None:
+    """:func:`_native.mm_seq` (sums along the rows) and :func:`_native.mtm_seq` (down the columns)
+    give the reference's bits in each order of :data:`_native.SEQ_BLOCKS`: block ends inside and at
+    the 8-column groups, the last 768 terms split in two, rows left over, ranks 1-8, no terms, a
+    zero row and -0.0 (a sum of -0.0 products stays +0 from the +0 start)."""
+    gen = torch.Generator().manual_seed(n * 7919 + m + r)
+    mat, q = torch.randn(n, m, generator=gen), torch.randn(m, r, generator=gen)
+    if m:
+        mat[2] = -0.0
+        q[0] = -0.0
+    want = bits(torch.from_numpy(_blocked_fma_sums(mat.numpy(), q.numpy(), block)))
+    assert torch.equal(bits(_native.mm_seq(mat, q, block)), want)
+    assert torch.equal(bits(_native.mtm_seq(mat.t().contiguous(), q, block)), want)  # the same sums, down columns
+    with pytest.raises(ValueError, match="block must be one of"):
+        _native.mm_seq(mat, q, 256)
+
+
+@pytest.mark.parametrize("block", [0, 384])
 @pytest.mark.parametrize("n,m,r0,r", [(37, 101, 4, 4), (64, 576, 4, 2), (2304, 768, 4, 3), (1001, 2053, 3, 8),
-                                      (9, 1100, 8, 1), (16, 8, 9, 5), (600, 2048, 4, 4)])
-def test_owed_compensation_with_product_is_the_two_passes(n: int, m: int, r0: int, r: int) -> None:
+                                      (9, 1100, 8, 1), (16, 8, 9, 5), (600, 2048, 4, 4), (24, 1000, 4, 4)])
+def test_owed_compensation_with_product_is_the_two_passes(n: int, m: int, r0: int, r: int, block: int) -> None:
     """``g + (a - P0 Q0^T)`` and its product with Q from one pass (:func:`_native.owed_mm`) are
-    bitwise the compensation (:func:`_native.outer_fma_sub` with g) followed by :func:`_native.mm_seq`:
-    rows and columns left over, ranks 1-8, factors of another rank, signed zeros, inf and NaN."""
+    bitwise the compensation (:func:`_native.outer_fma_sub` with g) followed by :func:`_native.mm_seq`
+    in either summation order: rows and columns left over, block ends inside an 8-column group,
+    ranks 1-8, factors of another rank, signed zeros, inf and NaN; the output streamed in whole
+    lines where aligned (2304 x 768, 600 x 2048) and stored plainly where not."""
     gen = torch.Generator().manual_seed(n * m + r)
     p0, q0 = torch.randn(n, r0, generator=gen), torch.randn(m, r0, generator=gen)
     a, g, q = torch.randn(n, m, generator=gen), torch.randn(n, m, generator=gen), torch.randn(m, r, generator=gen)
@@ -1164,9 +1212,9 @@ def test_owed_compensation_with_product_is_the_two_passes(n: int, m: int, r0: in
     g.view(-1)[:2] = torch.tensor([0.0, -0.0])
     want_out = torch.empty(n, m)
     assert _native.outer_fma_sub(a, p0, q0, want_out, g=g)
-    want = _native.mm_seq(want_out, q)
+    want = _native.mm_seq(want_out, q, block)
     out = torch.empty(n, m)
-    got = _native.owed_mm(g, a, p0, q0, out, q)
+    got = _native.owed_mm(g, a, p0, q0, out, q, block)
     if got is None:  # no AVX2 + FMA here: the caller runs the two passes
         assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
         return

@@ -1881,17 +1881,34 @@ void ac_outer_fma(const float* p, const float* qt, int64_t n, int64_t m, int64_t
     outer_fma_sw(p, qt, n, m, r, out);
 }
 /* The two long products of the low-rank compressors as torch's CPU matmul / mv form them for a
-   narrow factor (seen on x86; the caller checks the bits per layout): every output from +0, one
-   IEEE product and one IEEE addition per term, terms in order, no FMA.
+   narrow factor (seen on x86; the caller checks the bits per layout), in one of two orders chosen
+   by kc:
+   kc = 0: every output one sum from +0, one IEEE product and one IEEE addition per term, terms in
+     order, no FMA (torch's kernels on the 2-core EPYC);
+   kc > 0: the terms in blocks (seq_block_end), each block an fmaf chain from +0 in term order, the
+     blocks' sums added in order (MKL's AVX-512 sgemm on a Xeon, with kc 384: seen on every
+     ResNet-50 and GPT-2-small layout, where torch otherwise took 2-3 memory floors a product).
    ac_mm_seq: P = M Q (M n x m, Q m x r, both row-major; P n x r), the terms along a row of M. With
    AVX2, eight rows at a time: each 8 x 8 block of M is transposed in registers so one vector holds
    a column's eight values, and each rank's eight sums live in a register. */
-#define MM_SEQ_ROW(R)                                                                   \
-    for (int j = 0; j < (R); ++j) {                                                     \
-        float acc = 0.0f;                                                               \
-        for (int64_t c = 0; c < m; ++c) acc = acc + mi[c] * Q[c * (R) + j];             \
-        P[i * (R) + j] = acc;                                                           \
+static inline int64_t seq_block_end(int64_t k0, int64_t m, int64_t kc) {
+    /* blocks of kc while more than 2 kc terms are left, then the rest in two halves (the first the
+       longer by one) or, at most kc left, one block; kc 0: one block */
+    const int64_t rem = m - k0;
+    if (kc <= 0 || rem <= kc) return m;
+    return rem > 2 * kc ? k0 + kc : k0 + (rem + 1) / 2;
+}
+static float seq_dot(const float* x, int64_t step, const float* y, int64_t ystep, int64_t m, int64_t kc) {
+    float sum = 0.0f;
+    for (int64_t k0 = 0, k1; k0 < m; k0 = k1) {
+        k1 = seq_block_end(k0, m, kc);
+        float acc = 0.0f;
+        if (kc) for (int64_t c = k0; c < k1; ++c) acc = __builtin_fmaf(x[c * step], y[c * ystep], acc);
+        else for (int64_t c = k0; c < k1; ++c) acc = acc + x[c * step] * y[c * ystep];
+        sum = k0 == 0 ? acc : sum + acc;
     }
+    return sum;
+}
 #if defined(AC_AVX2)
 __attribute__((target("avx2"))) static inline void transpose8(__m256* v) {
     const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
@@ -1907,25 +1924,43 @@ __attribute__((target("avx2"))) static inline void transpose8(__m256* v) {
     v[4] = _mm256_permute2f128_ps(s0, s4, 0x31); v[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
     v[6] = _mm256_permute2f128_ps(s2, s6, 0x31); v[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
+/* One term of the eight rows' sums (COL: column C's eight values), in either order; at a block's
+   end (C == k1) the block's sums are first added to the total (the first block's taken as is). */
 #define MM_SEQ_TERM(COL, C, R)                                                          \
     for (int j = 0; j < (R); ++j)                                                       \
         acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps((COL), _mm256_set1_ps(Q[(C) * (R) + j])));
-/* the eight rows' sums (lane l of acc[j]: row i + l, column j) into P, row-major n x R */
+#define MM_BLK_TERM(COL, C, R)                                                          \
+    for (int j = 0; j < (R); ++j)                                                       \
+        acc[j] = _mm256_fmadd_ps((COL), _mm256_set1_ps(Q[(C) * (R) + j]), acc[j]);
+#define MM_FOLD(R)                                                                      \
+    for (int j = 0; j < (R); ++j) {                                                     \
+        sum[j] = first ? acc[j] : _mm256_add_ps(sum[j], acc[j]);                        \
+        acc[j] = _mm256_setzero_ps();                                                   \
+    }                                                                                   \
+    first = 0;
+#define MM_STEP(TERM, COL, C, R)                                                        \
+    {                                                                                   \
+        if ((C) == k1) { MM_FOLD(R) k1 = seq_block_end(k1, m, kc); }                    \
+        TERM(COL, C, R)                                                                 \
+    }
+/* the eight rows' sums (lane l of sum[j]: row i + l, column j) into P, row-major n x R */
 #define MM_SEQ_STORE(R)                                                                 \
     {                                                                                   \
         float t[R][8];                                                                  \
-        for (int j = 0; j < (R); ++j) _mm256_storeu_ps(t[j], acc[j]);                   \
+        for (int j = 0; j < (R); ++j) _mm256_storeu_ps(t[j], sum[j]);                   \
         for (int l = 0; l < 8; ++l)                                                     \
             for (int j = 0; j < (R); ++j) P[(i + l) * (R) + j] = t[j][l];               \
     }
-#define MM_SEQ_AVX2(R)                                                                  \
-__attribute__((target("avx2"))) static void mm_seq_avx2_##R(const float* M, int64_t n, int64_t m, \
-                                                           const float* Q, float* P, int64_t* done) { \
+#define MM_ROWS_AVX2(R, NAME, TERM, TARGET)                                             \
+__attribute__((target(TARGET))) static void NAME##_##R(const float* M, int64_t n, int64_t m, \
+        const float* Q, float* P, int64_t kc, int64_t* done) {                          \
     int64_t i = 0;                                                                      \
     for (; i + 8 <= n; i += 8) {                                                        \
-        __m256 acc[R], v[8];                                                            \
+        __m256 acc[R], sum[R], v[8];                                                    \
         const int64_t ahead = i + 16 <= n ? 8 : 0; /* the next 8 rows, fetched while these are summed */ \
-        for (int j = 0; j < (R); ++j) acc[j] = _mm256_setzero_ps();                     \
+        int first = 1;                                                                  \
+        int64_t k1 = seq_block_end(0, m, kc);                                           \
+        for (int j = 0; j < (R); ++j) acc[j] = sum[j] = _mm256_setzero_ps();            \
         int64_t c = 0;                                                                  \
         for (; c + 8 <= m; c += 8) {                                                    \
             for (int l = 0; l < 8; ++l) {                                               \
@@ -1933,37 +1968,47 @@ __attribute__((target("avx2"))) static void mm_seq_avx2_##R(const float* M, int6
                 _mm_prefetch((const char*)(M + (i + ahead + l) * m + c), _MM_HINT_T0);  \
             }                                                                           \
             transpose8(v);                                                              \
-            for (int t = 0; t < 8; ++t) { MM_SEQ_TERM(v[t], c + t, R) }                 \
+            for (int t = 0; t < 8; ++t) MM_STEP(TERM, v[t], c + t, R)                   \
         }                                                                               \
         for (; c < m; ++c) {                                                            \
             const float* b = M + i * m + c;                                             \
             const __m256 col = _mm256_setr_ps(b[0], b[m], b[2 * m], b[3 * m], b[4 * m], b[5 * m], \
                                               b[6 * m], b[7 * m]);                      \
-            MM_SEQ_TERM(col, c, R)                                                      \
+            MM_STEP(TERM, col, c, R)                                                    \
         }                                                                               \
+        if (m > 0) { MM_FOLD(R) }                                                       \
         MM_SEQ_STORE(R)                                                                 \
     }                                                                                   \
     *done = i;                                                                          \
 }
+#define MM_SEQ_AVX2(R) MM_ROWS_AVX2(R, mm_seq_avx2, MM_SEQ_TERM, "avx2") MM_ROWS_AVX2(R, mm_blk_avx2, MM_BLK_TERM, "avx2,fma")
 MM_SEQ_AVX2(1) MM_SEQ_AVX2(2) MM_SEQ_AVX2(3) MM_SEQ_AVX2(4)
 MM_SEQ_AVX2(5) MM_SEQ_AVX2(6) MM_SEQ_AVX2(7) MM_SEQ_AVX2(8)
-#define MM_SEQ_CALL(R) mm_seq_avx2_##R(M, n, m, Q, P, &i)
+#define MM_SEQ_CALL(R) mm_seq_avx2_##R(M, n, m, Q, P, kc, &i)
+#define MM_BLK_CALL(R) mm_blk_avx2_##R(M, n, m, Q, P, kc, &i)
 #endif
-void ac_mm_seq(const float* M, int64_t n, int64_t m, const float* Q, int64_t r, float* P) {
+static int fma_hw(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+void ac_mm_seq(const float* M, int64_t n, int64_t m, const float* Q, int64_t r, float* P, int64_t kc) {
     int64_t i = 0;
 #if defined(AC_AVX2)
-    if (use_avx2()) switch (r) { AC_RANK_CASES(MM_SEQ_CALL) default: break; }
+    if (use_avx2() && !kc) switch (r) { AC_RANK_CASES(MM_SEQ_CALL) default: break; }
+    if (use_avx2() && kc && fma_hw()) switch (r) { AC_RANK_CASES(MM_BLK_CALL) default: break; }
 #endif
-    for (; i < n; ++i) {
-        const float* mi = M + i * m;
-        MM_SEQ_ROW(r)
-    }
+    for (; i < n; ++i)
+        for (int64_t j = 0; j < r; ++j) P[i * r + j] = seq_dot(M + i * m, 1, Q + j, r, m, kc);
 }
-/* ac_mtm_seq: Y = F^T M (M n x m, F n x r row-major; Y r x m), the terms down a column of M: for
-   long rows four rows of M at a time are added to a sum while it is in a register (in row order),
-   over column chunks whose rows and sums stay in L1; M is read once. */
+/* ac_mtm_seq: Y = F^T M (M n x m, F n x r row-major; Y r x m), the terms down a column of M (the
+   rows of M in order): for long rows four rows of M at a time are added to a sum while it is in a
+   register, over column chunks whose rows and sums stay in L1; M is read once. With kc, a block
+   of rows after the first sums into a chunk of its own, then added to the total. */
 #define MTM_SEQ_COLS 1024
-AC_CLONES void ac_mtm_seq(const float* M, int64_t n, int64_t m, const float* F, int64_t r, float* Y) {
+AC_CLONES static void mtm_seq_add(const float* M, int64_t n, int64_t m, const float* F, int64_t r, float* Y) {
     for (int64_t c0 = 0; c0 < m; c0 += MTM_SEQ_COLS) {
         const int64_t c1 = m - c0 < MTM_SEQ_COLS ? m : c0 + MTM_SEQ_COLS;
         for (int64_t j = 0; j < r; ++j)
@@ -1987,6 +2032,69 @@ AC_CLONES void ac_mtm_seq(const float* M, int64_t n, int64_t m, const float* F, 
             }
         }
     }
+}
+/* Y[j][c0 .. c1) (row stride ys) += the fmaf chain over rows i0 .. i1 of M, four rows at a time */
+#define MTM_BLK_BODY(FMA8)                                                              \
+    int64_t i = i0;                                                                     \
+    for (; i + 4 <= i1; i += 4) {                                                       \
+        const float *m0 = M + i * m, *m1 = m0 + m, *m2 = m1 + m, *m3 = m2 + m;          \
+        for (int64_t j = 0; j < r; ++j) {                                               \
+            const float f0 = F[i * r + j], f1 = F[(i + 1) * r + j], f2 = F[(i + 2) * r + j], \
+                        f3 = F[(i + 3) * r + j];                                        \
+            float* y = Y + j * ys - c0;                                                 \
+            int64_t c = c0;                                                             \
+            FMA8                                                                        \
+            for (; c < c1; ++c)                                                         \
+                y[c] = __builtin_fmaf(f3, m3[c], __builtin_fmaf(f2, m2[c], __builtin_fmaf(f1, m1[c], __builtin_fmaf(f0, m0[c], y[c])))); \
+        }                                                                               \
+    }                                                                                   \
+    for (; i < i1; ++i) {                                                               \
+        const float* mi = M + i * m;                                                    \
+        for (int64_t j = 0; j < r; ++j) {                                               \
+            const float f = F[i * r + j];                                               \
+            float* y = Y + j * ys - c0;                                                 \
+            for (int64_t c = c0; c < c1; ++c) y[c] = __builtin_fmaf(f, mi[c], y[c]);    \
+        }                                                                               \
+    }
+static void mtm_blk_rows_sw(const float* M, int64_t i0, int64_t i1, int64_t m, int64_t c0, int64_t c1,
+                            const float* F, int64_t r, float* Y, int64_t ys) { MTM_BLK_BODY() }
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MTM_FMA8                                                                        \
+    for (; c + 8 <= c1; c += 8) {                                                       \
+        __m256 v = _mm256_loadu_ps(y + c);                                              \
+        v = _mm256_fmadd_ps(_mm256_set1_ps(f0), _mm256_loadu_ps(m0 + c), v);            \
+        v = _mm256_fmadd_ps(_mm256_set1_ps(f1), _mm256_loadu_ps(m1 + c), v);            \
+        v = _mm256_fmadd_ps(_mm256_set1_ps(f2), _mm256_loadu_ps(m2 + c), v);            \
+        v = _mm256_fmadd_ps(_mm256_set1_ps(f3), _mm256_loadu_ps(m3 + c), v);            \
+        _mm256_storeu_ps(y + c, v);                                                     \
+    }
+__attribute__((target("avx2,fma"))) static void mtm_blk_rows_hw(const float* M, int64_t i0, int64_t i1, int64_t m,
+        int64_t c0, int64_t c1, const float* F, int64_t r, float* Y, int64_t ys) { MTM_BLK_BODY(MTM_FMA8) }
+#endif
+static void mtm_blk(const float* M, int64_t n, int64_t m, const float* F, int64_t r, float* Y, int64_t kc) {
+    float part[8 * MTM_SEQ_COLS];  /* a later block's sums of one chunk (r <= 8) */
+    void (*rows)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t) =
+        mtm_blk_rows_sw;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (use_avx2() && fma_hw()) rows = mtm_blk_rows_hw;
+#endif
+    for (int64_t c0 = 0; c0 < m; c0 += MTM_SEQ_COLS) {
+        const int64_t c1 = m - c0 < MTM_SEQ_COLS ? m : c0 + MTM_SEQ_COLS, w = c1 - c0;
+        for (int64_t j = 0; j < r; ++j)
+            for (int64_t c = c0; c < c1; ++c) Y[j * m + c] = 0.0f;
+        for (int64_t i0 = 0, i1; i0 < n; i0 = i1) {
+            i1 = seq_block_end(i0, n, kc);
+            if (i0 == 0) { rows(M, i0, i1, m, c0, c1, F, r, Y + c0, m); continue; }
+            for (int64_t e = 0; e < r * w; ++e) part[e] = 0.0f;
+            rows(M, i0, i1, m, c0, c1, F, r, part, w);
+            for (int64_t j = 0; j < r; ++j)
+                for (int64_t c = 0; c < w; ++c) Y[j * m + c0 + c] = Y[j * m + c0 + c] + part[j * w + c];
+        }
+    }
+}
+void ac_mtm_seq(const float* M, int64_t n, int64_t m, const float* F, int64_t r, float* Y, int64_t kc) {
+    if (kc) mtm_blk(M, n, m, F, r, Y, kc);
+    else mtm_seq_add(M, n, m, F, r, Y);
 }
 /* Error feedback of a rank-r approximation without writing it: out = a - P Q^T, each product the fmaf
    chain ac_outer_fma forms (k = 0 .. r - 1 from a +0 accumulator) followed by one IEEE subtraction,
@@ -2100,22 +2208,25 @@ void ac_outer_fma_sub(const float* p, const float* qt, const float* a, const flo
 }
 /* A low-rank compressor's owed compensation and its first product in one pass over the rows:
    out = g + (a - P0 Q0^T) (ac_outer_fma_sub with g: the fmaf chain over r0 from +0, one subtraction,
-   one addition) and P = out Q (ac_mm_seq: every output summed from +0 along its row, product then
-   addition, terms in column order), bitwise the two calls one after the other, without reading out
-   back. Eight rows at a time, eight columns a vector: each vector of Q0^T is loaded once for the
-   eight rows (independent fma chains), the eight row vectors are written to out (streamed where
-   aligned and large) and, still in registers, transposed into the eight rows' sums as ac_mm_seq's
-   AVX2 loop does. Rows left over (n % 8) take the scalar forms. Returns -1 where it cannot run (no
-   AVX2 + FMA, or r outside 1..8): the caller runs the two passes. */
+   one addition) and P = out Q (ac_mm_seq in the order kc picks), bitwise the two calls one after the
+   other, without reading out back. Eight rows at a time, eight columns a vector: each vector of
+   Q0^T is loaded once for the eight rows (independent fma chains), the eight row vectors are
+   written to out (streamed where aligned and large) and, still in registers, transposed into the
+   eight rows' sums as ac_mm_seq's AVX2 loop does. Rows left over (n % 8) take the scalar forms.
+   Returns -1 where it cannot run (no AVX2 + FMA, or r outside 1..8): the caller runs the two passes. */
 #if defined(AC_AVX2)
-#define OWED_MM_AVX2(R)                                                                 \
-__attribute__((target("avx2,fma"))) static void owed_mm_avx2_##R(const float* p0, const float* qt0, int64_t r0, \
-        const float* a, const float* g, int64_t n, int64_t m, float* out, const float* Q, float* P, int64_t* done) { \
-    const int stream = n * m >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0 && (m & 7) == 0; \
+#define OWED_ROWS_AVX2(R, NAME, TERM)                                                   \
+__attribute__((target("avx2,fma"))) static void NAME##_##R(const float* p0, const float* qt0, int64_t r0, \
+        const float* a, const float* g, int64_t n, int64_t m, float* out, const float* Q, float* P, \
+        int64_t kc, int64_t* done) {                                                    \
+    const int stream = n * m >= AC_STREAM_MIN && ((uintptr_t)out & 63) == 0 && (m & 15) == 0; \
+    float line[8][16] __attribute__((aligned(64)));                                     \
     int64_t i = 0;                                                                      \
     for (; i + 8 <= n; i += 8) {                                                        \
-        __m256 acc[R], v[8];                                                            \
-        for (int j = 0; j < (R); ++j) acc[j] = _mm256_setzero_ps();                     \
+        __m256 acc[R], sum[R], v[8];                                                    \
+        int first = 1;                                                                  \
+        int64_t k1 = seq_block_end(0, m, kc);                                           \
+        for (int j = 0; j < (R); ++j) acc[j] = sum[j] = _mm256_setzero_ps();            \
         const float* pr = p0 + i * r0;                                                  \
         int64_t c = 0;                                                                  \
         for (; c + 8 <= m; c += 8) {                                                    \
@@ -2127,11 +2238,16 @@ __attribute__((target("avx2,fma"))) static void owed_mm_avx2_##R(const float* p0
             for (int u = 0; u < 8; ++u) {                                               \
                 const int64_t e = (i + u) * m + c;                                      \
                 v[u] = _mm256_add_ps(_mm256_loadu_ps(g + e), _mm256_sub_ps(_mm256_loadu_ps(a + e), v[u])); \
-                if (stream) _mm256_stream_ps(out + e, v[u]);                            \
-                else _mm256_storeu_ps(out + e, v[u]);                                   \
+                if (!stream) _mm256_storeu_ps(out + e, v[u]);                           \
+                else if (!(c & 8)) _mm256_store_ps(line[u], v[u]);                      \
+                else { /* a row's whole 64-byte line at once: eight half-written lines in flight \
+                          were 3.5x slower than plain stores on the Xeon */             \
+                    _mm256_stream_ps(out + e - 8, _mm256_load_ps(line[u]));             \
+                    _mm256_stream_ps(out + e, v[u]);                                    \
+                }                                                                       \
             }                                                                           \
             transpose8(v);                                                              \
-            for (int t = 0; t < 8; ++t) { MM_SEQ_TERM(v[t], c + t, R) }                 \
+            for (int t = 0; t < 8; ++t) MM_STEP(TERM, v[t], c + t, R)                   \
         }                                                                               \
         for (; c < m; ++c) {                                                            \
             float col[8];                                                               \
@@ -2142,23 +2258,27 @@ __attribute__((target("avx2,fma"))) static void owed_mm_avx2_##R(const float* p0
                 col[u] = out[e] = g[e] + (a[e] - ch);                                   \
             }                                                                           \
             const __m256 cv = _mm256_loadu_ps(col);                                     \
-            MM_SEQ_TERM(cv, c, R)                                                       \
+            MM_STEP(TERM, cv, c, R)                                                     \
         }                                                                               \
+        if (m > 0) { MM_FOLD(R) }                                                       \
         MM_SEQ_STORE(R)                                                                 \
     }                                                                                   \
     if (stream) _mm_sfence();                                                           \
     *done = i;                                                                          \
 }
+#define OWED_MM_AVX2(R) OWED_ROWS_AVX2(R, owed_mm_avx2, MM_SEQ_TERM) OWED_ROWS_AVX2(R, owed_blk_avx2, MM_BLK_TERM)
 OWED_MM_AVX2(1) OWED_MM_AVX2(2) OWED_MM_AVX2(3) OWED_MM_AVX2(4)
 OWED_MM_AVX2(5) OWED_MM_AVX2(6) OWED_MM_AVX2(7) OWED_MM_AVX2(8)
-#define OWED_MM_CALL(R) owed_mm_avx2_##R(p0, qt0, r0, a, g, n, m, out, Q, P, &i)
+#define OWED_MM_CALL(R) owed_mm_avx2_##R(p0, qt0, r0, a, g, n, m, out, Q, P, kc, &i)
+#define OWED_BLK_CALL(R) owed_blk_avx2_##R(p0, qt0, r0, a, g, n, m, out, Q, P, kc, &i)
 #endif
 int ac_owed_mm(const float* p0, const float* qt0, int64_t r0, const float* a, const float* g, int64_t n, int64_t m,
-               float* out, const float* Q, int64_t r, float* P) {
+               float* out, const float* Q, int64_t r, float* P, int64_t kc) {
     int64_t i = 0;
 #if defined(AC_AVX2)
-    if (r < 1 || r > 8 || !use_avx2() || !__builtin_cpu_supports("fma")) return -1;
-    switch (r) { AC_RANK_CASES(OWED_MM_CALL) default: return -1; }
+    if (r < 1 || r > 8 || !use_avx2() || !fma_hw()) return -1;
+    if (kc) switch (r) { AC_RANK_CASES(OWED_BLK_CALL) default: return -1; }
+    else switch (r) { AC_RANK_CASES(OWED_MM_CALL) default: return -1; }
     for (; i < n; ++i) {  /* the rows left: the scalar forms of both passes */
         const float* pi = p0 + i * r0;
         for (int64_t c = 0; c < m; ++c) {
@@ -2166,16 +2286,12 @@ int ac_owed_mm(const float* p0, const float* qt0, int64_t r0, const float* a, co
             for (int64_t k = 0; k < r0; ++k) ch = __builtin_fmaf(pi[k], qt0[k * m + c], ch);
             out[i * m + c] = g[i * m + c] + (a[i * m + c] - ch);
         }
-        const float* mi = out + i * m;
-        for (int64_t j = 0; j < r; ++j) {
-            float acc = 0.0f;
-            for (int64_t c = 0; c < m; ++c) acc = acc + mi[c] * Q[c * r + j];
-            P[i * r + j] = acc;
-        }
+        for (int64_t j = 0; j < r; ++j) P[i * r + j] = seq_dot(out + i * m, 1, Q + j, r, m, kc);
     }
     return 0;
 #else
     (void)p0; (void)qt0; (void)r0; (void)a; (void)g; (void)n; (void)m; (void)out; (void)Q; (void)r; (void)P; (void)i;
+    (void)kc;
     return -1;
 #endif
 }
@@ -3054,7 +3170,7 @@ def _load(out: Path) -> ctypes.CDLL:
     for fname in ("ac_mm_seq", "ac_mtm_seq"):
         fm = getattr(lib_, fname)
         fm.restype = None
-        fm.argtypes = [vp, i64, i64, vp, i64, vp]
+        fm.argtypes = [vp, i64, i64, vp, i64, vp, i64]
     lib_.ac_row_candidates.restype = ctypes.c_int64
     lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64, vp, vp]
     lib_.ac_momentum_accumulate.restype = None
@@ -3101,7 +3217,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_outer_fma_sub.restype = None
     lib_.ac_outer_fma_sub.argtypes = [vp, vp, vp, vp, i64, i64, i64, vp]
     lib_.ac_owed_mm.restype = ctypes.c_int
-    lib_.ac_owed_mm.argtypes = [vp, vp, i64, vp, vp, i64, i64, vp, vp, i64, vp]
+    lib_.ac_owed_mm.argtypes = [vp, vp, i64, vp, vp, i64, i64, vp, vp, i64, vp, i64]
     lib_.ac_row_kth.restype = None
     lib_.ac_row_order_stats.restype = ctypes.c_int
     lib_.ac_row_order_stats.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp, vp]
@@ -4015,29 +4131,39 @@ def _seq_inputs(matrix: Tensor, f: Tensor) -> bool:
             and f.dtype == torch.float32 and f.device.type == "cpu" and 1 <= f.shape[1] <= 8)
 
 
-def _run_seq(fname: str, matrix: Tensor, f: Tensor, out: Tensor) -> Tensor:
+SEQ_BLOCKS = (0, 384)
+"""The summation orders :func:`mm_seq`, :func:`mtm_seq` and :func:`owed_mm` can form (``block``):
+0, every output one chain from +0 of IEEE products then additions, terms in order (torch's CPU
+kernels on the 2-core EPYC); 384, fma chains over blocks of 384 terms (the last 768 or fewer in
+two halves, the first the longer), the blocks' sums added in order (MKL's AVX-512 sgemm on a Xeon,
+found by comparing candidate orders with its bits; every ResNet-50 and GPT-2-small layout)."""
+
+
+def _run_seq(fname: str, matrix: Tensor, f: Tensor, out: Tensor, block: int) -> Tensor:
+    if block not in SEQ_BLOCKS:
+        raise ValueError(f"block must be one of {SEQ_BLOCKS}, got {block!r}")
     fc = f.contiguous()  # held through the call
     getattr(library(), fname)(matrix.data_ptr(), matrix.shape[0], matrix.shape[1], fc.data_ptr(), f.shape[1],
-                              out.data_ptr())
+                              out.data_ptr(), block)
     return out
 
 
-def mm_seq(matrix: Tensor, q: Tensor) -> Tensor | None:
-    """``matrix @ q`` (n x m times m x r, r <= 8) with every output summed from +0 in term order,
-    product then addition (how torch's CPU matmul formed it on x86 for a narrow ``q``; the caller
-    checks the bits per layout), in one read of ``matrix``; None where it cannot run."""
+def mm_seq(matrix: Tensor, q: Tensor, block: int = 0) -> Tensor | None:
+    """``matrix @ q`` (n x m times m x r, r <= 8) summed along each row in the order ``block``
+    names (:data:`SEQ_BLOCKS`: how torch's CPU matmul formed it for a narrow ``q`` on the machines
+    seen; the caller checks the bits per layout), in one read of ``matrix``; None where it cannot run."""
     if not _seq_inputs(matrix, q) or q.shape[0] != matrix.shape[1]:
         return None
-    return _run_seq("ac_mm_seq", matrix, q, torch.empty(matrix.shape[0], q.shape[1], dtype=torch.float32))
+    return _run_seq("ac_mm_seq", matrix, q, torch.empty(matrix.shape[0], q.shape[1], dtype=torch.float32), block)
 
 
-def mtm_seq(matrix: Tensor, f: Tensor) -> Tensor | None:
-    """``matrix.t() @ f`` (n x m, f n x r, r <= 8) summed like :func:`mm_seq` down the columns (how
-    torch.mv formed ``matrix.t() @ f[:, j]``; checked per layout by the caller), all r columns in
-    one read of ``matrix``; (m, r) contiguous, or None where it cannot run."""
+def mtm_seq(matrix: Tensor, f: Tensor, block: int = 0) -> Tensor | None:
+    """``matrix.t() @ f`` (n x m, f n x r, r <= 8) summed like :func:`mm_seq` down the columns
+    (block 0: how torch.mv formed ``matrix.t() @ f[:, j]``; checked per layout by the caller), all r
+    columns in one read of ``matrix``; (m, r) contiguous, or None where it cannot run."""
     if not _seq_inputs(matrix, f) or f.shape[0] != matrix.shape[0]:
         return None
-    out = _run_seq("ac_mtm_seq", matrix, f, torch.empty(f.shape[1], matrix.shape[1], dtype=torch.float32))
+    out = _run_seq("ac_mtm_seq", matrix, f, torch.empty(f.shape[1], matrix.shape[1], dtype=torch.float32), block)
     return out.t().contiguous()
 
 
@@ -4073,21 +4199,21 @@ def outer_fma_sub(a: Tensor, p: Tensor, q: Tensor, out: Tensor, g: Tensor | None
     return True
 
 
-def owed_mm(g: Tensor, a: Tensor, p0: Tensor, q0: Tensor, out: Tensor, q: Tensor) -> Tensor | None:
+def owed_mm(g: Tensor, a: Tensor, p0: Tensor, q0: Tensor, out: Tensor, q: Tensor, block: int = 0) -> Tensor | None:
     """``out = g + (a - p0 @ q0.t())`` (:func:`outer_fma_sub` with ``g``) and, from the same pass,
-    ``out @ q`` as :func:`mm_seq` forms it (n x m matrices, factors with r <= 8 columns): a low-rank
+    ``out @ q`` as :func:`mm_seq` forms it in the order ``block`` (n x m matrices, factors with r <= 8 columns): a low-rank
     compressor's compensation and its first product, the matrix read back from cache. None (nothing
     written) where it cannot run."""
     lib = library()
     shape = (p0.shape[0], q0.shape[0]) if p0.dim() == 2 and q0.dim() == 2 else None
     if (lib is None or shape is None or p0.shape[1] != q0.shape[1] or not _cpu_contiguous(p0, torch.float32)
             or not _cpu_contiguous(q0, torch.float32) or not all(usable(t) and tuple(t.shape) == shape for t in (g, a, out))
-            or not _seq_inputs(out, q) or q.shape[0] != shape[1]):
+            or not _seq_inputs(out, q) or q.shape[0] != shape[1] or block not in SEQ_BLOCKS):
         return None
     qt0, qc = q0.t().contiguous(), q.contiguous()
     prod = torch.empty(shape[0], q.shape[1], dtype=torch.float32)
     if lib.ac_owed_mm(p0.data_ptr(), qt0.data_ptr(), p0.shape[1], a.data_ptr(), g.data_ptr(), shape[0], shape[1],
-                      out.data_ptr(), qc.data_ptr(), q.shape[1], prod.data_ptr()) != 0:
+                      out.data_ptr(), qc.data_ptr(), q.shape[1], prod.data_ptr(), block) != 0:
         return None
     return prod
 
