@@ -115,7 +115,7 @@ def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx
                                                              p["sumsq"], 0, p["used"]), xf.abs() > t, xf),
         # DGC's pass with u = 0: u' = 0.9 * 0 + g, v' = r + u'
         "momentum": (lambda i, v, c: lib.ac_momentum_select_abs_ge(p["zero"], p["x"], p["r"], p["out1"], p["out2"], n,
-                                                                   ctypes.c_float(0.9), ct, i, v, c),
+                                                                   ctypes.c_float(0.9), ct, i, v, c, None, 0),
                      (r + (zero * 0.9 + x)).abs() >= t, r + (zero * 0.9 + x)),
     }
     call, mask, ref = cases[kernel]
@@ -442,6 +442,101 @@ def test_dgc_memory_reuses_buffers_and_equals_its_formula(native: bool, monkeypa
         v_ref.view(-1)[idx] = 0.0
         assert torch.equal(bits(mem.velocity["w"]), bits(u_ref))
         assert torch.equal(bits(mem.accumulated["w"]), bits(v_ref))
+
+
+@pytest.mark.parametrize("n", [64 * 1000 + 37, 63, 4096])
+def test_momentum_pass_reads_the_kept_positions_as_zero(n: int, avx2_switch: str) -> None:
+    """:func:`_native.momentum_select` with ``zeroed`` gives bitwise the outputs and candidates of
+    the same pass after u and v were zeroed there (DGC's masking left to this pass): positions in
+    the 64-element blocks and in the tail, adjacent ones, the first and the last, -0.0 in u, v and g
+    at and beside them; positions that are not ascending or out of range are refused."""
+    gen = torch.Generator().manual_seed(n)
+    u, g, v = (torch.randn(n, generator=gen) for _ in range(3))
+    at = torch.unique(torch.cat([torch.tensor([0, 1, 2, n - 1]), torch.randint(n, (n // 50 + 1,), generator=gen)]))
+    for t in (u, g, v):
+        t[at[1::3]] = -0.0
+        t[torch.clamp(at + 1, max=n - 1)[::4]] = -0.0
+    u0, v0 = u.clone(), v.clone()
+    _native.zero_at(u0, at)
+    _native.zero_at(v0, at)
+    outs = [torch.empty(n) for _ in range(4)]
+    want = _native.momentum_select(u0, g, v0, outs[0], outs[1], 0.9, 0.5, 0.2)
+    got = _native.momentum_select(u, g, v, outs[2], outs[3], 0.9, 0.5, 0.2, zeroed=at)
+    assert want is not None and got is not None
+    assert torch.equal(bits(outs[0]), bits(outs[2])) and torch.equal(bits(outs[1]), bits(outs[3]))
+    assert torch.equal(got[0], want[0]) and torch.equal(bits(got[1]), bits(want[1]))
+    assert _native.ascending_within(at, n)
+    assert not _native.ascending_within(at.flip(0), n) and not _native.ascending_within(at, int(at[-1]))
+    assert not _native.ascending_within(torch.cat([at[:1], at]), n)  # a repeat
+
+
+@pytest.mark.parametrize("habit", ["none", "rollback", "state_dict", "rescale", "other_compressor", "topk_memory"])
+def test_dgc_masking_left_to_the_next_pass_is_the_immediate_one(habit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DGC memory's masking of the sent coordinates, left to the next compensation's pass (u and v
+    read as +0.0 there), gives bitwise the compensated tensors, outputs, u and v of the same run
+    with the masking done at every update, through the real allgather; the positions were kept
+    and consumed by the pass. A habit in the middle (a rolled-back round, a state_dict read, a
+    rescale, a step through another compressor, a sparse compressor without the fused pass) sees
+    and keeps the same values."""
+    from adacomp.backends.base import LocalBackend
+    from adacomp.communicators import get as get_communicator
+    from adacomp.memories import dgc as dgc_memory
+    shapes = [(300, 300), (1 << 17) + 3, 4000]
+    gen = torch.Generator().manual_seed(17)
+    grads = [[torch.randn(s, generator=gen) * (1 + step) for s in shapes] for step in range(6)]
+    junk = [torch.randn(s, generator=gen) * 1e3 for s in shapes]
+    calls: list[bool] = []
+    select = _native.momentum_select
+
+    def counted(*args: Any) -> Any:  # (u, g, v, u_out, v_out, momentum, thr, expected, zeroed)
+        calls.append(len(args) > 8 and args[8] is not None)
+        return select(*args)
+    monkeypatch.setattr(_native, "momentum_select", counted)
+
+    def run(later: bool) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setattr(dgc_memory, "MASK_LATER_MIN", 1 << 16 if later else 1 << 62)
+        comp = compressors.get("dgc", density=0.01)
+        other = compressors.get("dgc" if habit == "other_compressor" else "topk", density=0.05)
+        comm, env = get_communicator("allgather"), CommEnv(LocalBackend(), StepStats())
+        memory = memories.get("dgc", momentum=0.9)
+        seen: list[torch.Tensor] = []
+        kept = 0
+
+        def one(now: list[torch.Tensor], c: Any = comp, keep: bool = True) -> None:
+            nonlocal kept
+            entries = [Entry(f"w{i}", memory.compensate(grad.clone(), f"w{i}", compressor=c), c, memory)
+                       for i, grad in enumerate(now)]
+            if keep:
+                seen.extend(e.tensor.clone() for e in entries)
+            outs = exchange(comm, entries, env)
+            if keep:
+                seen.extend(o.clone() for o in outs)
+            kept += len(memory._zeroed)
+            c.on_step(getattr(c, "step", 0) + 1)
+
+        for step, now in enumerate(grads):
+            one(now, other if (habit in ("other_compressor", "topk_memory") and step == 3) else comp)
+            if step == 2:
+                if habit == "rollback":
+                    snap, state = memory.snapshot(), comp.state_dict()
+                    one(junk, keep=False)
+                    memory.restore(snap)
+                    comp.load_state_dict(state)
+                elif habit == "state_dict":
+                    seen.extend(memory.state_dict()["velocity"].values())
+                elif habit == "rescale":
+                    memory.rescale(0.5)
+        seen.extend(memory.velocity[f"w{i}"] for i in range(len(shapes)))
+        seen.extend(memory.accumulated[f"w{i}"] for i in range(len(shapes)))
+        return seen, kept
+
+    later, kept = run(True)
+    consumed = sum(calls)
+    now, none_kept = run(False)
+    assert kept > 0 and consumed > 0 and none_kept == 0
+    assert len(later) == len(now)
+    for a, b in zip(later, now):
+        assert torch.equal(bits(a), bits(b))
 
 
 def test_workspace_recycles_many_outputs_of_one_shape() -> None:

@@ -228,7 +228,7 @@ def test_dgc_momentum_pass_compacts_the_candidates_of_its_selection(hint: str, m
     for fused in (True, False):
         comp, mem = compressors.get("dgc", density=0.01), memories.get("dgc")
         if not fused:
-            comp.accumulate_into = lambda *a: False
+            comp.accumulate_into = lambda *a, **k: False
         out = []
         for step, gs in enumerate(grads):
             for j, g in enumerate(gs):

@@ -847,20 +847,37 @@ AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const floa
 /* The same momentum correction with DGC's candidates from the pass: the positions of the new v
    passing |v| >= t, with the signed v there (the payload's values), ascending (the set ac_select_abs_ge finds over v_out afterwards, one
    read of v_out less). 64 elements a mask with AVX2, streamed to 32-byte aligned outputs from
-   AC_SELECT_STREAM_MIN elements (the next step reads them from memory anyway). */
+   AC_SELECT_STREAM_MIN elements (the next step reads them from memory anyway).
+   zi (zm positions, strictly ascending, in [0, n): the caller checks with ac_ascending_within):
+   where u and v are read as +0.0, the masking of the coordinates the previous step sent, done
+   here instead of by ac_zero_at on the stored u and v (each zeroed position there a write miss:
+   VGG-16, 2 x 1.4M of them, 34 ms of a 260 ms step on the Xeon). */
 #if defined(AC_AVX2)
+__attribute__((target("avx2"))) static inline __m256 lanes_of(unsigned bits) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), bit), bit));
+}
 __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
         const float* u, const float* g, const float* v, float* u_out, float* v_out, int64_t n, float m, float t,
-        int64_t* idx, float* vals, int64_t cap, int64_t* count, const int stream) {
+        int64_t* idx, float* vals, int64_t cap, int64_t* count, const int stream, const int64_t* zi, int64_t zm,
+        int64_t* zj) {
     const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
     float blk[64] __attribute__((aligned(32)));  /* the block's signed v */
-    int64_t c = *count, i = 0;
+    int64_t c = *count, i = 0, j0 = *zj;
     for (; i + 64 <= n; i += 64) {
-        uint64_t mask = 0;
+        uint64_t mask = 0, zero = 0;
+        for (; j0 < zm && zi[j0] < i + 64; ++j0) zero |= (uint64_t)1 << (zi[j0] - i);
         for (int q = 0; q < 8; ++q) {
             const int64_t o = i + 8 * q;
-            const __m256 a = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(u + o), mv), _mm256_loadu_ps(g + o));
-            const __m256 w = _mm256_add_ps(_mm256_loadu_ps(v + o), a), b = _mm256_andnot_ps(sign, w);
+            __m256 uu = _mm256_loadu_ps(u + o), vv = _mm256_loadu_ps(v + o);
+            const unsigned z8 = (unsigned)(zero >> (8 * q)) & 0xffu;
+            if (z8) {
+                const __m256 zl = lanes_of(z8);
+                uu = _mm256_andnot_ps(zl, uu);
+                vv = _mm256_andnot_ps(zl, vv);
+            }
+            const __m256 a = _mm256_add_ps(_mm256_mul_ps(uu, mv), _mm256_loadu_ps(g + o));
+            const __m256 w = _mm256_add_ps(vv, a), b = _mm256_andnot_ps(sign, w);
             if (stream) { _mm256_stream_ps(u_out + o, a); _mm256_stream_ps(v_out + o, w); }
             else { _mm256_storeu_ps(u_out + o, a); _mm256_storeu_ps(v_out + o, w); }
             _mm256_store_ps(blk + 8 * q, w);
@@ -870,28 +887,41 @@ __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
     }
     if (stream) _mm_sfence();
     *count = c;
+    *zj = j0;
     return i;
 }
 #endif
 int64_t ac_momentum_select_abs_ge(const float* u, const float* g, const float* v, float* u_out, float* v_out,
-                                  int64_t n, float m, float t, int64_t* idx, float* vals, int64_t cap) {
-    int64_t c = 0, i = 0;
+                                  int64_t n, float m, float t, int64_t* idx, float* vals, int64_t cap,
+                                  const int64_t* zi, int64_t zm) {
+    int64_t c = 0, i = 0, j = 0;
 #if defined(AC_AVX2)
     if (n >= 64 && use_avx2()) {
         const int aligned = ((uintptr_t)u_out & 31) == 0 && ((uintptr_t)v_out & 31) == 0;
         i = momentum_select_avx2(u, g, v, u_out, v_out, n, m, t, idx, vals, cap, &c,
-                                 aligned && n >= AC_SELECT_STREAM_MIN);
+                                 aligned && n >= AC_SELECT_STREAM_MIN, zi, zm, &j);
     }
 #endif
     for (; i < n; ++i) {
-        float a = u[i] * m;
+        const int zeroed = j < zm && zi[j] == i;
+        j += zeroed;
+        float a = (zeroed ? 0.0f : u[i]) * m;
         a = a + g[i];
         u_out[i] = a;
-        const float w = v[i] + a;
+        const float w = (zeroed ? 0.0f : v[i]) + a;
         v_out[i] = w;
         if (__builtin_fabsf(w) >= t) { if (c < cap) { idx[c] = i; vals[c] = w; } ++c; }
     }
     return c;
+}
+/* 1 where the m positions are strictly ascending and within [0, n), else 0. */
+int ac_ascending_within(const int64_t* idx, int64_t m, int64_t n) {
+    int64_t prev = -1;
+    for (int64_t i = 0; i < m; ++i) {
+        if (idx[i] <= prev || idx[i] >= n) return 0;
+        prev = idx[i];
+    }
+    return 1;
 }
 /* Counted in blocks into a 32-bit counter, which the compiler vectorises (a 64-bit one it does
    not, on SSE2). */
@@ -2404,14 +2434,16 @@ int ac_zero_at(float* out, int64_t n, const int64_t* idx, int64_t m) {
 }
 /* out[i] = x[idx[i]] (index_select): a sparse payload's values. Ascending positions ~100 apart
    (1 % density) miss the cache one by one; the loads are prefetched TAKE_AHEAD positions ahead
-   (VGG-16's fc6 at 1 %: 8.6 ms with torch's gather, 4.5 ms here). -1 on a position outside [0, n)
-   (out partly written: the caller's torch call raises). */
-#define TAKE_AHEAD 256
+   into every cache level (VGG-16's fc6 at 1 %: 8.6 ms with torch's gather, 4.5 ms here on the
+   EPYC; on the Xeon 2^20 ascending positions over 2^27 floats 10.7 ms with 256 ahead and the
+   non-temporal hint, 6.6 ms with 128 and this one). -1 on a position outside [0, n) (out partly
+   written: the caller's torch call raises). */
+#define TAKE_AHEAD 128
 int ac_take(const float* x, int64_t n, const int64_t* idx, int64_t m, float* out) {
     int64_t i = 0;
     for (; i + TAKE_AHEAD < m; ++i) {
         const uint64_t p = (uint64_t)idx[i + TAKE_AHEAD];
-        if (p < (uint64_t)n) __builtin_prefetch(x + p, 0, 0);
+        if (p < (uint64_t)n) __builtin_prefetch(x + p, 0, 3);
         if ((uint64_t)idx[i] >= (uint64_t)n) return -1;
         out[i] = x[idx[i]];
     }
@@ -2420,6 +2452,27 @@ int ac_take(const float* x, int64_t n, const int64_t* idx, int64_t m, float* out
         out[i] = x[idx[i]];
     }
     return 0;
+}
+/* The values of x at the positions idx (any order, repeats kept), in an order of their own: the
+   positions grouped by their 2^TAKE_GROUP_SHIFT-element region (a count and a scatter into pos;
+   the module's TAKE_GROUP_SHIFT must agree)
+   and read region by region with the loads prefetched, so a random sample's reads stay within a
+   few pages at a time (DGC's threshold sample: 2^20 random positions over 2^27 floats 20-29 ms in
+   draw order on the Xeon, every read a page walk). The values are the same multiset as
+   index_select's, which is all an order statistic reads. counts: (n >> TAKE_GROUP_SHIFT) + 2
+   int64, pos: m int64. -1 on a position outside [0, n) (nothing read). */
+#define TAKE_GROUP_SHIFT 20
+int ac_take_grouped(const float* x, int64_t n, const int64_t* idx, int64_t m, int64_t* counts, int64_t* pos,
+                    float* out) {
+    const int64_t groups = (n >> TAKE_GROUP_SHIFT) + 1;
+    for (int64_t b = 0; b <= groups; ++b) counts[b] = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        if ((uint64_t)idx[i] >= (uint64_t)n) return -1;
+        ++counts[(idx[i] >> TAKE_GROUP_SHIFT) + 1];
+    }
+    for (int64_t b = 1; b <= groups; ++b) counts[b] += counts[b - 1];  /* counts[b]: group b's start */
+    for (int64_t i = 0; i < m; ++i) pos[counts[idx[i] >> TAKE_GROUP_SHIFT]++] = idx[i];
+    return ac_take(x, n, pos, m, out);
 }
 /* float32 -> bfloat16 with the rounding of torch's vectorised conversion of a contiguous tensor
    (round to nearest even; every NaN to 0xffff, where torch's scalar path writes 0x7fc0) and back
@@ -3176,7 +3229,12 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
     lib_.ac_momentum_select_abs_ge.restype = ctypes.c_int64
-    lib_.ac_momentum_select_abs_ge.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float, ctypes.c_float, vp, vp, i64]
+    lib_.ac_momentum_select_abs_ge.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float, ctypes.c_float, vp, vp, i64,
+                                               vp, i64]
+    lib_.ac_ascending_within.restype = ctypes.c_int
+    lib_.ac_ascending_within.argtypes = [vp, i64, i64]
+    lib_.ac_take_grouped.restype = ctypes.c_int
+    lib_.ac_take_grouped.argtypes = [vp, i64, vp, i64, vp, vp, vp]
     lib_.ac_pick_pairs.restype = ctypes.c_int64
     lib_.ac_pick_pairs.argtypes = [vp, vp, i64, ctypes.c_float, ctypes.c_int, vp, vp, i64]
     lib_.ac_qsgd_codes.restype = ctypes.c_int
@@ -3824,14 +3882,20 @@ def _cpu_contiguous(t: Tensor, dtype: torch.dtype) -> bool:
 _SCRATCH = threading.local()
 
 
-def _keys(m: int) -> Tensor:
-    """int32 scratch of m elements for a radix select's keys, reused per thread (grown, never
-    shrunk): the C call only writes and reads it, and a fresh multi-MB buffer each call cost page
-    faults on alternate steps (VGG-16's fc6: 2000 faults, ~2.5 ms a step)."""
-    buf = _SCRATCH.__dict__.get("keys")
+def _reused(name: str, m: int, dtype: torch.dtype) -> Tensor:
+    """Scratch of at least m elements for a C call that only writes and reads it, reused per
+    thread (grown, never shrunk): a fresh multi-MB buffer each call cost page faults on alternate
+    steps (VGG-16's fc6: 2000 faults, ~2.5 ms a step)."""
+    buf = _SCRATCH.__dict__.get(name)
     if buf is None or buf.numel() < m:
-        buf = _SCRATCH.keys = torch.empty(max(m, 1 << 12), dtype=torch.int32)
+        buf = torch.empty(max(m, 1 << 12), dtype=dtype)
+        setattr(_SCRATCH, name, buf)
     return buf
+
+
+def _keys(m: int) -> Tensor:
+    """int32 scratch of m elements for a radix select's keys (:func:`_reused`)."""
+    return _reused("keys", m, torch.int32)
 
 
 def _pointer_arrays(world: int) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, ctypes.Array]:
@@ -4020,6 +4084,33 @@ def zero_at(out: Tensor, idx: Tensor) -> bool:
             or not idx.is_contiguous()):
         return False
     return lib.ac_zero_at(out.data_ptr(), out.numel(), idx.data_ptr(), idx.numel()) == 0
+
+
+def take_grouped(x: Tensor, idx: Tensor) -> Tensor:
+    """The values of ``x.reshape(-1)`` at ``idx`` in an order of their own (the same multiset as
+    :func:`take`'s, repeats kept): read region by region, for a sample that only feeds an order
+    statistic (DGC's threshold); :func:`take` where the C call does not serve or the sample is
+    small."""
+    flat = x.reshape(-1)
+    lib = library()
+    if (lib is None or idx.numel() < GROUPED_TAKE_MIN or not usable(flat) or idx.dtype != torch.int64
+            or not idx.is_cpu or idx.dim() != 1 or not idx.is_contiguous()):
+        return take(x, idx)
+    out = torch.empty(idx.numel(), dtype=torch.float32)
+    counts = _reused("take_counts", (flat.numel() >> TAKE_GROUP_SHIFT) + 2, torch.int64)
+    pos = _reused("take_pos", idx.numel(), torch.int64)
+    if lib.ac_take_grouped(flat.data_ptr(), flat.numel(), idx.data_ptr(), idx.numel(), counts.data_ptr(),
+                           pos.data_ptr(), out.data_ptr()) == 0:
+        return out
+    return flat.index_select(0, idx)  # raises on the position out of range
+
+
+GROUPED_TAKE_MIN = 1 << 14
+"""Samples from this size are read grouped by region (below it the draws fall on few pages anyway)."""
+
+TAKE_GROUP_SHIFT = 20
+"""log2 of the region size (elements) of :func:`take_grouped`; the C library's own constant (4 MB
+regions: 2^20 random reads over 2^27 floats 9-11 ms on the Xeon, 10.5 at 2^14 and 2^18)."""
 
 
 def take(x: Tensor, idx: Tensor) -> Tensor:
@@ -4403,18 +4494,32 @@ def momentum_accumulate(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: T
 
 
 def momentum_select(u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: Tensor, momentum: float, thr: float,
-                    expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
+                    expected: float = 1.0, zeroed: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """:func:`momentum_accumulate` (the same floats) and, from the same pass, what :func:`select` in
     mode ``abs_ge`` finds over ``v_out``: ascending positions of ``|v_out| >= thr`` with the signed
-    values there (DGC's candidates; select would give magnitudes). None (nothing written) where torch must run."""
+    values there (DGC's candidates; select would give magnitudes). ``zeroed``: positions (checked
+    by :func:`ascending_within`) where ``u`` and ``v`` are read as +0.0, as if zeroed first (DGC's
+    masking left to this pass). None (nothing written) where torch must run."""
     ts = (u, g, v, u_out, v_out)
     if not all(usable(t) for t in ts) or len({t.numel() for t in ts}) != 1 or len({t.data_ptr() for t in ts}) != 5:
         return None
     lib = library()
     assert lib is not None
     ptrs, n = [t.data_ptr() for t in ts], u.numel()
-    return _compacted(lambda i, vv, cap: lib.ac_momentum_select_abs_ge(*ptrs, n, momentum, thr, i, vv, cap), n,
-                      expected)
+    if zeroed is not None and not (_cpu_contiguous(zeroed, torch.int64) and zeroed.dim() == 1):
+        return None
+    zp, zm = (zeroed.data_ptr(), zeroed.numel()) if zeroed is not None else (None, 0)
+    return _compacted(lambda i, vv, cap: lib.ac_momentum_select_abs_ge(*ptrs, n, momentum, thr, i, vv, cap, zp, zm),
+                      n, expected)
+
+
+def ascending_within(idx: Tensor, n: int) -> bool:
+    """Whether the int64 positions ``idx`` (1-D) are strictly ascending and within ``[0, n)`` (what
+    :func:`momentum_select` needs of ``zeroed``); False where the C library does not serve."""
+    lib = library()
+    if lib is None or not _cpu_contiguous(idx, torch.int64) or idx.dim() != 1:
+        return False
+    return bool(lib.ac_ascending_within(idx.data_ptr(), idx.numel(), n))
 
 
 _STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) on 64-bit targets (the layout ac_mt_uniform reads)

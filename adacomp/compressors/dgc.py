@@ -113,13 +113,15 @@ class DGCCompressor(SparseCompressor):
         return gen
 
     def accumulate_into(self, u: Tensor, g: Tensor, v: Tensor, u_out: Tensor, v_out: Tensor, momentum: float,
-                        name: str) -> bool:
+                        name: str, zeroed: Tensor | None = None) -> bool:
         """DGC memory's momentum correction (``u_out = u * momentum + g``, ``v_out = v + u_out``: torch's
         floats) with the candidates of the coming selection from the same pass, kept for
         :meth:`select` of ``v_out``: one read of the tensor less. Their floor, a value that about
         3x the density passes in a line sample of the new ``v``, is a speed hint only (the selection's
-        threshold is DGC's own sampled one; below the floor it reads ``v_out`` whole). False (nothing
-        written) where the fused pass cannot run: the memory runs its own."""
+        threshold is DGC's own sampled one; below the floor it reads ``v_out`` whole). ``zeroed``:
+        ascending positions where ``u`` and ``v`` count as +0.0 (the memory's masking of the last
+        sent coordinates, left to this pass). False (nothing written) where the fused pass cannot
+        run: the memory runs its own."""
         flat = v_out.reshape(-1)
         n = flat.numel()
         density = self.current_density()
@@ -133,7 +135,7 @@ class DGCCompressor(SparseCompressor):
         floor = max(sampled_value(sample, expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
-        got = _native.momentum_select(uf, gf, vf, u_out.reshape(-1), flat, momentum, floor, expected)
+        got = _native.momentum_select(uf, gf, vf, u_out.reshape(-1), flat, momentum, floor, expected, zeroed)
         if got is None:
             return False
         self._kept().keep(name, flat, Candidates(floor, *got))
@@ -146,7 +148,9 @@ class DGCCompressor(SparseCompressor):
         samples = min(n, max(math.ceil(n * self.sample_ratio), math.ceil(2.0 / density)))
         if samples < n:
             pick = torch.randint(n, (samples,), generator=self._generator(a.device), device=a.device)
-            sample = _native.take(a, pick)  # a[pick]'s values: C with prefetched loads, torch's gather elsewhere
+            # a[pick]'s values, read region by region (an order of their own: the threshold is an
+            # order statistic of the multiset); torch's gather where C does not serve
+            sample = _native.take_grouped(a, pick)
         else:
             sample = a
         k_s = min(samples, max(1, math.ceil(samples * density)))
