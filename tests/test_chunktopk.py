@@ -326,14 +326,18 @@ def test_chunk_selection_floor_guess_paths(monkeypatch):
     assert torch.equal(idx, idx_t) and torch.equal(vals.view(torch.int32), vals_t.view(torch.int32))
 
 
+@pytest.mark.parametrize("owed", ["none", "owed"])
 @pytest.mark.parametrize("chunk,rows", [(4096, 40), (1000, 90), (100, 700), (300, 9)])
 @pytest.mark.parametrize("case", ["gauss", "scales", "nan", "ties"])
-def test_compensation_inside_the_chunk_scan_equals_add_then_select(chunk, rows, case, avx2_switch, monkeypatch):
+def test_compensation_inside_the_chunk_scan_equals_add_then_select(chunk, rows, case, owed, avx2_switch, monkeypatch):
     """The C selection with error feedback's add inside each chunk's scan (``add=(g, r)``: the sums
     written, streamed from 2^16 elements, and the floor's candidates taken from registers) gives the
     bits of torch.add followed by the selection of the sum: the sums, positions and values, on every
     path a chunk can take (a floor that holds; one passing too many after a scale jump, too few
-    after a drop, a NaN, ties; chunk sizes off the 64- and 8-element blocks; AVX2 and baseline)."""
+    after a drop, a NaN, ties; chunk sizes off the 64- and 8-element blocks; AVX2 and baseline).
+    ``owed``: the last residual's subtractions left to the scan (``r`` read minus the kept values
+    at their positions: ~2 % of each chunk, a chunk owing more than 512, the first and last
+    position, -0.0 values) give the bits of :func:`_native.sub_at` on ``r`` first; r is not written."""
     from adacomp.compressors import _native
     from adacomp.compressors.chunktopk import chunk_select
     if _native.library() is None:
@@ -350,8 +354,21 @@ def test_compensation_inside_the_chunk_scan_equals_add_then_select(chunk, rows, 
         r = torch.zeros(rows, chunk)
     k = max(1, chunk // 50)
     fused_out = torch.empty(rows * chunk)
-    got = _native.chunk_topk(fused_out, rows, chunk, k, add=(g.view(-1), r.view(-1)))
-    summed = torch.add(g, r)
+    n = rows * chunk
+    r_read = r
+    owes = None
+    if owed == "owed":
+        pos = torch.unique(torch.cat([torch.tensor([0, n - 1]), torch.randint(n, (n // 50,), generator=gen_),
+                                      torch.arange(chunk, chunk + min(chunk, 600))]))
+        vals = torch.randn(pos.numel(), generator=gen_)
+        vals[::7] = -0.0
+        owes = (pos, vals)
+        r_read = r.clone()
+        assert _native.sub_at(r_read.view(-1), r_read.view(-1), pos, vals)
+    r_before = r.clone()
+    got = _native.chunk_topk(fused_out, rows, chunk, k, add=(g.view(-1), r.view(-1)), owed=owes)
+    assert torch.equal(r.view(torch.int32), r_before.view(torch.int32))
+    summed = torch.add(g, r_read)
     assert torch.equal(fused_out.view(torch.int32), summed.view(-1).view(torch.int32))  # the sum, whole
     want = _native.chunk_topk(summed.view(-1).clone(), rows, chunk, k)
     if case == "nan":

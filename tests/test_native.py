@@ -444,6 +444,22 @@ def test_dgc_memory_reuses_buffers_and_equals_its_formula(native: bool, monkeypa
         assert torch.equal(bits(mem.accumulated["w"]), bits(v_ref))
 
 
+@pytest.mark.parametrize("n,m", [((1 << 21) + 7, 40_000), (5000, 30_000), (1 << 16, 100)])
+def test_take_grouped_is_the_same_multiset(n: int, m: int) -> None:
+    """:func:`_native.take_grouped` reads the values at random positions (repeats, the first and
+    the last position, several regions or one) as the same multiset as index_select: the same bits
+    once sorted; a position out of range raises as torch's gather does."""
+    gen = torch.Generator().manual_seed(n + m)
+    x = torch.randn(n, generator=gen)
+    x[::97] = -0.0
+    idx = torch.cat([torch.randint(n, (m,), generator=gen), torch.tensor([0, n - 1, 0])])
+    got, want = _native.take_grouped(x, idx), x.index_select(0, idx)
+    assert got.numel() == want.numel()
+    assert torch.equal(got.view(torch.int32).sort().values, want.view(torch.int32).sort().values)
+    with pytest.raises((IndexError, RuntimeError)):
+        _native.take_grouped(x, torch.cat([idx, torch.tensor([n])]))
+
+
 @pytest.mark.parametrize("n", [64 * 1000 + 37, 63, 4096])
 def test_momentum_pass_reads_the_kept_positions_as_zero(n: int, avx2_switch: str) -> None:
     """:func:`_native.momentum_select` with ``zeroed`` gives bitwise the outputs and candidates of
@@ -1318,7 +1334,8 @@ def test_owed_compensation_with_product_is_the_two_passes(n: int, m: int, r0: in
 
 DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
             "powersgd": ({"rank": 4}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
-            "acpsgd": ({"rank": 3}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000])}
+            "acpsgd": ({"rank": 3}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
+            "chunktopk": ({"density": 0.02}, "allgather_fast", "topk", [(520, 2056), (256, 300), 4000])}
 """method -> (parameters, communicator, another compressor it takes, gradient shapes)"""
 
 
@@ -1327,7 +1344,7 @@ DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
 def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_switch: str, one_thread: None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A residual left to the next compensation (EF-SignSGD's decoded signs, PowerSGD's and
-    ACP-SGD's P Q^T, subtracted inside that C pass, never written) gives bitwise the compensated
+    ACP-SGD's P Q^T, Chunk-Top-k's kept values, subtracted inside that C pass, never written) gives bitwise the compensated
     tensors, outputs and residuals of the same run with the residual written every step, through
     the real communicator; after the first steps no buffer is allocated. A habit in the middle (a
     rolled-back round, a state_dict read, a loss-scale change, a step through another compressor)
@@ -1398,8 +1415,8 @@ def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_swit
     assert deferred > 0  # the residual was left to the next pass
     if method == "powersgd" and avx2_switch == "avx2":
         # round 0's product came from the same pass wherever the C sums were seen to give torch's
-        # bits for the layout (torch's kernels on the 2-core EPYC; an AVX-512 Xeon's MKL forms the
-        # narrow product otherwise, and the pass rightly declines there)
+        # bits for the layout (in one of SEQ_BLOCKS' orders: torch's kernels on the 2-core EPYC,
+        # MKL's AVX-512 sgemm on the Xeon; another BLAS's order makes the pass rightly decline)
         assert exact and len(fused) == sum(exact) and all(p is not None for p in fused)
     assert habit != "none" or len(buffers) == 2
     slow, deferred_slow, _ = run(False)

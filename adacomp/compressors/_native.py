@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -853,6 +853,7 @@ AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const floa
    here instead of by ac_zero_at on the stored u and v (each zeroed position there a write miss:
    VGG-16, 2 x 1.4M of them, 34 ms of a 260 ms step on the Xeon). */
 #if defined(AC_AVX2)
+/* the lanes whose bit is set in the low 8 bits, as an all-ones mask */
 __attribute__((target("avx2"))) static inline __m256 lanes_of(unsigned bits) {
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), bit), bit));
@@ -1101,16 +1102,40 @@ __attribute__((target("avx2"))) static int64_t chunk_at_least_avx2(const uint32_
    count). The compare-and-emit work overlaps the add's memory traffic instead of following it: on
    2^25 floats in 4096-element chunks the fused compensation and selection took 22 ms against 12 ms for
    the selection alone and 7 ms for the add alone (cost_notes item 39). */
+/* With owed subtractions (np positions pp, ascending, relative to this chunk, and their values pv;
+   a chunk of at most OWE_MAX elements): r is read as r - pv there (the residual ac_sub_at would
+   have written, never written). */
+#define OWE_MAX 4096
 __attribute__((target("avx2"))) static int64_t chunk_add_at_least_avx2(const float* g, const float* r, float* a,
                                                                        int64_t n, uint32_t lo, int64_t cap,
-                                                                       uint32_t* raw, int32_t* pos, int stream) {
+                                                                       uint32_t* raw, int32_t* pos, int stream,
+                                                                       const int64_t* pp, const float* pv,
+                                                                       int64_t np) {
     const __m256i absm = _mm256_set1_epi32(0x7fffffff), below = _mm256_set1_epi32((int)(lo - 1u));
     uint32_t blk[64] __attribute__((aligned(32)));
-    int64_t c = 0, i = 0;
+    /* the owed values laid out at their offsets and one bit per owed element, so the block loop
+       blends them in without a branch (a test per position and per vector mispredicted: ~10 ns a
+       position, as much as the write miss of ac_sub_at it replaces) */
+    float owe[OWE_MAX] __attribute__((aligned(32)));
+    uint64_t owes[OWE_MAX / 64];
+    const int owing = np > 0 && n <= OWE_MAX;
+    if (owing) {
+        for (int64_t w = 0; w < (n + 63) / 64; ++w) owes[w] = 0;
+        for (int64_t t = 0; t < np; ++t) {
+            owes[pp[t] >> 6] |= (uint64_t)1 << (pp[t] & 63);
+            owe[pp[t]] = pv[t];
+        }
+    }
+    int64_t c = 0, i = 0, pj = 0;
     for (; i + 64 <= n; i += 64) {
         uint64_t msk = 0;
+        const uint64_t owed = owing ? owes[i >> 6] : 0;
         for (int q = 0; q < 8; ++q) {
-            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
+            __m256 rv = _mm256_loadu_ps(r + i + 8 * q);
+            if (owing)  /* the same for the whole chunk: predicted */
+                rv = _mm256_blendv_ps(rv, _mm256_sub_ps(rv, _mm256_load_ps(owe + i + 8 * q)),
+                                      lanes_of((unsigned)(owed >> (8 * q)) & 0xffu));
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), rv);
             if (stream) _mm256_stream_ps(a + i + 8 * q, v); else _mm256_storeu_ps(a + i + 8 * q, v);
             const __m256i b = _mm256_castps_si256(v);
             _mm256_store_si256((__m256i*)(blk + 8 * q), b);
@@ -1124,8 +1149,11 @@ __attribute__((target("avx2"))) static int64_t chunk_add_at_least_avx2(const flo
         }
     }
     if (stream) _mm_sfence();
+    while (pj < np && pp[pj] < i) ++pj;
     for (; i < n; ++i) {
-        const float v = g[i] + r[i];
+        const int now = pj < np && pp[pj] == i;
+        const float v = g[i] + (now ? r[i] - pv[pj] : r[i]);
+        pj += now;
         uint32_t b;
         a[i] = v;
         __builtin_memcpy(&b, &v, sizeof b);
@@ -1166,8 +1194,18 @@ static int64_t chunk_at_least(const uint32_t* u, int64_t n, uint32_t lo, int64_t
    between k and cap = 4 k + 64 elements: then the k-th is found among those alone (every element
    at or above it passed), else over the whole chunk. keys: chunk + 2 cap uint32 of scratch.
    -1 on a NaN (torch answers). */
+/* r's owed subtractions (positions pp, ascending, from *pj on, values pv) within [lo, hi) of the
+   sum a = g + r just written: a = g + (r - pv) there (ac_sub_at's residual, then the add) */
+static void chunk_owed_fix(float* a, const float* g, const float* r, int64_t lo, int64_t hi, const int64_t* pp,
+                           const float* pv, int64_t np, int64_t* pj) {
+    for (; *pj < np && pp[*pj] < hi; ++*pj) {
+        const int64_t e = pp[*pj];
+        if (e >= lo) a[e - lo] = g[e] + (r[e] - pv[*pj]);
+    }
+}
 static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys, int64_t* pos,
-                           float* vals, const float* g, const float* plus, int64_t* done) {
+                           float* vals, const float* g, const float* plus, const int64_t* pp, const float* pv,
+                           int64_t np, int64_t* done, int64_t* pj) {
     const int64_t cap = 4 * k + 64;
     const int guessing = 2 * cap <= chunk;
     uint32_t* craw = keys + chunk;  /* the candidates' bit patterns, sign included */
@@ -1183,13 +1221,30 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
         const int guess = guessing && lo > 0;
         int64_t c = 0;
 #if defined(AC_AVX2)
-        if (fuse && guess)
-            c = chunk_add_at_least_avx2(g + row * chunk, plus + row * chunk, x, chunk, lo, cap, craw, cpos, stream);
-        else
+        if (fuse && guess) {
+            const int64_t p0 = *pj, base = row * chunk;
+            while (*pj < np && pp[*pj] < base + chunk) ++*pj;
+            /* this chunk's owed positions, made relative to it (a few dozen: a small copy) */
+            int64_t rel[512];
+            const int64_t cnt = *pj - p0;
+            if (cnt <= 512 && (cnt == 0 || chunk <= OWE_MAX)) {
+                for (int64_t t = 0; t < cnt; ++t) rel[t] = pp[p0 + t] - base;
+                c = chunk_add_at_least_avx2(g + base, plus + base, x, chunk, lo, cap, craw, cpos, stream, rel,
+                                            pv + p0, cnt);
+            } else {
+                c = chunk_add_at_least_avx2(g + base, plus + base, x, chunk, lo, cap, craw, cpos, stream, NULL,
+                                            NULL, 0);
+                *pj = p0;
+                chunk_owed_fix(x, g, plus, base, base + chunk, pp, pv, np, pj);
+                c = chunk_at_least((const uint32_t*)x, chunk, lo, cap, craw, cpos);  /* the fixed sums' candidates */
+            }
+        } else
 #endif
         {
-            if (g != NULL)  /* error feedback's compensation (one IEEE add), the chunk left in cache */
+            if (g != NULL) {  /* error feedback's compensation (one IEEE add), the chunk left in cache */
                 for (int64_t j = 0; j < chunk; ++j) x[j] = g[row * chunk + j] + plus[row * chunk + j];
+                chunk_owed_fix(x, g, plus, row * chunk, (row + 1) * chunk, pp, pv, np, pj);
+            }
             if (guess) c = chunk_at_least((const uint32_t*)x, chunk, lo, cap, craw, cpos);
         }
         *done = row + 1;
@@ -1243,11 +1298,13 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
    just before it is read (the compensation's pass and the selection's in one); the sum is written
    whole even where a NaN stops the selection (-1: torch's path answers). */
 int ac_chunk_topk(float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys, int64_t* pos, float* vals,
-                  const float* g, const float* plus) {
-    int64_t done = 0;
-    const int rc = chunk_topk_rows(a, rows, chunk, k, keys, pos, vals, g, plus, &done);
-    if (g != NULL)
+                  const float* g, const float* plus, const int64_t* pp, const float* pv, int64_t np) {
+    int64_t done = 0, pj = 0;
+    const int rc = chunk_topk_rows(a, rows, chunk, k, keys, pos, vals, g, plus, pp, pv, np, &done, &pj);
+    if (g != NULL) {
         for (int64_t i = done * chunk; i < rows * chunk; ++i) a[i] = g[i] + plus[i];
+        chunk_owed_fix(a + done * chunk, g, plus, done * chunk, rows * chunk, pp, pv, np, &pj);
+    }
     return rc;
 }
 /* ADTopk's per-row floor: out[i] = the r-th largest (1-based) of row i of the (rows, b) float32 matrix
@@ -3316,7 +3373,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_zero_at.argtypes = [vp, i64, vp, i64]
     lib_.ac_take.restype = ctypes.c_int
     lib_.ac_take.argtypes = [vp, i64, vp, i64, vp]
-    lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp]
+    lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp, i64]
     lib_.ac_chunk_decode.restype = ctypes.c_int
     lib_.ac_chunk_quantize.restype = ctypes.c_int
     lib_.ac_chunk_quantize.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp]
@@ -3788,13 +3845,16 @@ def rth_largest_strided(a: Tensor, step: int, r: int, absolute: bool = False) ->
     return float(out.view(torch.float32).item())
 
 
-def chunk_topk(a: Tensor, rows: int, chunk: int, k: int,
-               add: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor] | None:
+def chunk_topk(a: Tensor, rows: int, chunk: int, k: int, add: tuple[Tensor, Tensor] | None = None,
+               owed: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor] | None:
     """Per run of ``chunk`` elements of contiguous float32 ``a`` (``rows`` runs): the positions
     (``rows x k`` int64, ascending in each row) and values of the k largest ``|a|``, ties at the
     k-th magnitude to the lowest positions; None where torch's path must answer (a NaN). ``add =
     (g, plus)``: first ``a = g + plus`` (torch.add's bits; error feedback's compensation), each run
-    just before it is read, and written whole even where None is returned."""
+    just before it is read, and written whole even where None is returned. ``owed = (positions,
+    values)`` (with ``add``; int64 strictly ascending positions in the runs, float32 values): ``plus``
+    is read as ``plus - value`` there, the residual :func:`sub_at` would have written (Chunk-Top-k's
+    residual left to this pass)."""
     lib = library()
     assert lib is not None and usable(a) and a.numel() >= rows * chunk and 1 <= k <= chunk
     if add is not None:
@@ -3802,8 +3862,13 @@ def chunk_topk(a: Tensor, rows: int, chunk: int, k: int,
     keys = _keys(chunk + 2 * (4 * k + 64))
     pos = torch.empty(rows, k, dtype=torch.int64)
     vals = torch.empty(rows, k, dtype=torch.float32)
+    owe: tuple[Any, Any, int] = (None, None, 0)
+    if owed is not None:
+        assert add is not None and _cpu_contiguous(owed[0], torch.int64) and _cpu_contiguous(owed[1], torch.float32)
+        assert owed[0].numel() == owed[1].numel() and (not owed[0].numel() or int(owed[0][-1]) < rows * chunk)
+        owe = (owed[0].data_ptr(), owed[1].data_ptr(), owed[0].numel())
     if lib.ac_chunk_topk(a.data_ptr(), rows, chunk, k, keys.data_ptr(), pos.data_ptr(), vals.data_ptr(),
-                         *((add[0].data_ptr(), add[1].data_ptr()) if add is not None else (None, None))) != 0:
+                         *((add[0].data_ptr(), add[1].data_ptr()) if add is not None else (None, None)), *owe) != 0:
         return None
     return pos, vals
 
