@@ -494,8 +494,6 @@ def test_dgc_masking_left_to_the_next_pass_is_the_immediate_one(habit: str, monk
     and consumed by the pass. A habit in the middle (a rolled-back round, a state_dict read, a
     rescale, a step through another compressor, a sparse compressor without the fused pass) sees
     and keeps the same values."""
-    from adacomp.backends.base import LocalBackend
-    from adacomp.communicators import get as get_communicator
     from adacomp.memories import dgc as dgc_memory
     shapes = [(300, 300), (1 << 17) + 3, 4000]
     gen = torch.Generator().manual_seed(17)
@@ -512,38 +510,10 @@ def test_dgc_masking_left_to_the_next_pass_is_the_immediate_one(habit: str, monk
     def run(later: bool) -> tuple[list[torch.Tensor], int]:
         monkeypatch.setattr(dgc_memory, "MASK_LATER_MIN", 1 << 16 if later else 1 << 62)
         comp = compressors.get("dgc", density=0.01)
-        other = compressors.get("dgc" if habit == "other_compressor" else "topk", density=0.05)
-        comm, env = get_communicator("allgather"), CommEnv(LocalBackend(), StepStats())
+        other = {"other_compressor": compressors.get("dgc", density=0.01),
+                 "topk_memory": compressors.get("topk", density=0.05)}.get(habit, comp)
         memory = memories.get("dgc", momentum=0.9)
-        seen: list[torch.Tensor] = []
-        kept = 0
-
-        def one(now: list[torch.Tensor], c: Any = comp, keep: bool = True) -> None:
-            nonlocal kept
-            entries = [Entry(f"w{i}", memory.compensate(grad.clone(), f"w{i}", compressor=c), c, memory)
-                       for i, grad in enumerate(now)]
-            if keep:
-                seen.extend(e.tensor.clone() for e in entries)
-            outs = exchange(comm, entries, env)
-            if keep:
-                seen.extend(o.clone() for o in outs)
-            kept += len(memory._zeroed)
-            c.on_step(getattr(c, "step", 0) + 1)
-
-        for step, now in enumerate(grads):
-            one(now, other if (habit in ("other_compressor", "topk_memory") and step == 3) else comp)
-            if step == 2:
-                if habit == "rollback":
-                    snap, state = memory.snapshot(), comp.state_dict()
-                    one(junk, keep=False)
-                    memory.restore(snap)
-                    comp.load_state_dict(state)
-                elif habit == "state_dict":
-                    seen.extend(memory.state_dict()["velocity"].values())
-                elif habit == "rescale":
-                    memory.rescale(0.5)
-        seen.extend(memory.velocity[f"w{i}"] for i in range(len(shapes)))
-        seen.extend(memory.accumulated[f"w{i}"] for i in range(len(shapes)))
+        seen, kept, _ = _habit_run(memory, comp, other, "allgather", grads, junk, habit, lambda: len(memory._zeroed))
         return seen, kept
 
     later, kept = run(True)
@@ -1332,6 +1302,54 @@ def test_owed_compensation_with_product_is_the_two_passes(n: int, m: int, r0: in
     assert want is not None and torch.equal(bits(out), bits(want_out)) and torch.equal(bits(got), bits(want))
 
 
+def _habit_run(memory: Any, comp: Any, other: Any, comm_name: str, grads: list[list[torch.Tensor]],
+               junk: list[torch.Tensor], habit: str, pending: Any) -> tuple[list[torch.Tensor], int, set[int]]:
+    """Steps of compensate, exchange (the real communicator on one rank) and update over ``grads``,
+    with ``habit`` after step 2 (``rollback``: a junk round rolled back; ``state_dict``: a read of
+    every state tensor; ``rescale``) and ``other`` compressing step 3. Returns every compensated
+    tensor and output kept, then the memory's state dicts' tensors; the sum of ``pending()`` after
+    each step; the first tensor's compensated buffers from step 2 on."""
+    from adacomp.backends.base import LocalBackend
+    from adacomp.communicators import get as get_communicator
+    from adacomp.communicators.base import CommEnv, Entry
+    from adacomp.engine.error_feedback import exchange
+    from adacomp.engine.metrics import StepStats
+    comm, env = get_communicator(comm_name), CommEnv(LocalBackend(), StepStats())
+    seen: list[torch.Tensor] = []
+    buffers: set[int] = set()
+    count = 0
+
+    def one(now: list[torch.Tensor], c: Any = comp, keep: bool = True) -> None:
+        nonlocal count
+        entries = [Entry(f"w{i}", memory.compensate(grad.clone(), f"w{i}", compressor=c), c, memory)
+                   for i, grad in enumerate(now)]
+        if keep:
+            seen.extend(e.tensor.clone() for e in entries)
+            buffers.add(entries[0].tensor.data_ptr())
+        outs = exchange(comm, entries, env)
+        if keep:
+            seen.extend(o.clone() for o in outs)
+        count += pending()
+        c.on_step(getattr(c, "step", 0) + 1)
+
+    for step, now in enumerate(grads):
+        one(now, other if step == 3 else comp)
+        if step == 2:
+            if habit == "rollback":
+                snap, state = memory.snapshot(), comp.state_dict()
+                one(junk, keep=False)
+                memory.restore(snap)
+                comp.load_state_dict(state)
+            elif habit == "state_dict":
+                seen.extend(t for d in memory.state_dict().values() for t in d.values())
+            elif habit == "rescale":
+                memory.rescale(0.5)
+        if step == 1:
+            buffers.clear()  # from here on the two buffers per tensor alternate
+    seen.extend(t for d in memory.state_dict().values() for t in d.values())
+    return seen, count, buffers
+
+
 DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
             "powersgd": ({"rank": 4}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
             "acpsgd": ({"rank": 3}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
@@ -1350,55 +1368,18 @@ def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_swit
     rolled-back round, a state_dict read, a loss-scale change, a step through another compressor)
     sees and keeps the same values. (The C passes themselves are checked against torch's
     operations in the tests above.) PowerSGD's first product comes from that pass too (with AVX2)."""
-    from adacomp.backends.base import LocalBackend
-    from adacomp.communicators import get as get_communicator
-    from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.engine.error_feedback import exchange
-    from adacomp.engine.metrics import StepStats
     params, comm_name, other_name, shapes = DEFERRED[method]
     g = torch.Generator().manual_seed(31)
     grads = [[torch.randn(s, generator=g) * (1 + step) for s in shapes] for step in range(6)]
     junk = [torch.randn(s, generator=g) * 1e3 for s in shapes]
 
     def run(defer: bool) -> tuple[list[torch.Tensor], int, set[int]]:
-        comp, other = compressors.get(method, **params), compressors.get(other_name, density=0.1)
+        comp = compressors.get(method, **params)
+        other = compressors.get(other_name, density=0.1) if habit == "other_compressor" else comp
         if not defer:
             comp.defer_residual = lambda *args: None  # the residual written at every update
-        comm, env = get_communicator(comm_name), CommEnv(LocalBackend(), StepStats())
         memory = memories.get("residual")
-        seen: list[torch.Tensor] = []
-        deferred, buffers = 0, set()
-
-        def one(grads_now: list[torch.Tensor], c: Any = comp, keep: bool = True) -> None:
-            nonlocal deferred
-            entries = [Entry(f"w{i}", memory.compensate(grad.clone(), f"w{i}", compressor=c), c, memory)
-                       for i, grad in enumerate(grads_now)]
-            if keep:
-                seen.extend(e.tensor.clone() for e in entries)
-                buffers.add(entries[0].tensor.data_ptr())
-            outs = exchange(comm, entries, env)
-            if keep:
-                seen.extend(o.clone() for o in outs)
-            deferred += len(memory._owed)
-            c.on_step(getattr(c, "step", 0) + 1)
-
-        for step, now in enumerate(grads):
-            one(now, other if (habit == "other_compressor" and step == 3) else comp)
-            if step == 2:
-                if habit == "rollback":
-                    snap = memory.snapshot()
-                    state = comp.state_dict()
-                    one(junk, keep=False)
-                    memory.restore(snap)
-                    comp.load_state_dict(state)
-                elif habit == "state_dict":
-                    seen.extend(memory.state_dict()["residuals"].values())
-                elif habit == "rescale":
-                    memory.rescale(0.5)
-            if step == 1:
-                buffers.clear()  # from here on the two buffers per tensor alternate
-        seen.extend(memory.residuals[f"w{i}"] for i in range(len(shapes)))
-        return seen, deferred, buffers
+        return _habit_run(memory, comp, other, comm_name, grads, junk, habit, lambda: len(memory._owed))
 
     from adacomp.compressors import _lowrank, powersgd
     fused: list[Any] = []

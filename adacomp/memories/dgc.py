@@ -43,6 +43,24 @@ def _buffer_like(buf: Tensor | None, like: Tensor) -> Tensor:
     return buf if buf is not None and fits(buf, like) else torch.empty_like(like)
 
 
+class _Settled:
+    """One of the memory's per-name dicts, read or replaced through the public name only after the
+    masking left to the next pass is done (:meth:`DGCMemory._settle_all`)."""
+
+    def __init__(self, attr: str, doc: str):
+        self.attr, self.__doc__ = attr, doc
+
+    def __get__(self, obj: Any, owner: Any = None) -> dict[str, Tensor]:
+        if obj is None:
+            return self  # type: ignore[return-value]  # the class attribute itself (documentation)
+        obj._settle_all()
+        return getattr(obj, self.attr)
+
+    def __set__(self, obj: Any, value: dict[str, Tensor]) -> None:
+        obj._settle_all()
+        setattr(obj, self.attr, value)
+
+
 @register("dgc")
 class DGCMemory(Memory):
     """``momentum``: DGC's m (0.9). ``clip_norm``: global L2 clipping threshold (0 = no clipping)."""
@@ -72,27 +90,8 @@ class DGCMemory(Memory):
         state.setdefault("_positions", Workspace())
         self.__dict__.update(state)
 
-    @property
-    def velocity(self) -> dict[str, Tensor]:
-        """u per name, masked (a masking left to the next pass is done now)."""
-        self._settle_all()
-        return self._velocity
-
-    @velocity.setter
-    def velocity(self, value: dict[str, Tensor]) -> None:
-        self._settle_all()
-        self._velocity = value
-
-    @property
-    def accumulated(self) -> dict[str, Tensor]:
-        """v per name, masked (see :attr:`velocity`)."""
-        self._settle_all()
-        return self._accumulated
-
-    @accumulated.setter
-    def accumulated(self, value: dict[str, Tensor]) -> None:
-        self._settle_all()
-        self._accumulated = value
+    velocity = _Settled("_velocity", "u per name, masked (a masking left to the next pass is done now).")
+    accumulated = _Settled("_accumulated", "v per name, masked (see velocity).")
 
     def _settle(self, name: str) -> None:
         """Zero u and v at the positions kept for ``name``, in place: a snapshot that refers to
