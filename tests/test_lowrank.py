@@ -333,7 +333,8 @@ def test_factor_products_are_torchs_bits(shape, r, avx2_switch):
 def test_factor_product_takes_the_order_torch_formed(shape, monkeypatch):
     """A layout's first product tries the summation orders of :data:`_native.SEQ_BLOCKS` in turn and
     keeps the first that gave torch's bits (one chain on the EPYC, MKL's 384-term blocks on an
-    AVX-512 Xeon); where none did, torch's product stays. Later products take the kept order."""
+    AVX-512 Xeon); where none did, torch's product stays. Later products take the kept order. An
+    all-zero matrix, which every order reproduces, decides nothing."""
     from adacomp.compressors import _lowrank as L
     from adacomp.compressors import _native
     monkeypatch.setattr(L, "_EXACT", {})
@@ -343,11 +344,16 @@ def test_factor_product_takes_the_order_torch_formed(shape, monkeypatch):
     for tag, fast, torch_form, ours in (("mq", _native.mm_seq, lambda: m @ q, lambda: L.product(m, q)),
                                          ("tp", _native.mtm_seq, lambda: m.t() @ p, lambda: L.transposed_product(m, p))):
         other = q if tag == "mq" else p
+        key = L._layout(tag, m, other)
+        saved = m.clone()
+        m.zero_()  # every order gives +0: no decision
+        ours()
+        assert L._EXACT.get(key) is None
+        m.copy_(saved)
         want = torch_form()
         matching = [b for b in _native.SEQ_BLOCKS if torch.equal(_bits(fast(m, other, b)), _bits(want))]
         for _ in range(2):  # the deciding call, then one that takes the decision
             assert torch.equal(_bits(ours()), _bits(want))
-        key = L._layout(tag, m, other)
         assert L._EXACT[key] == bool(matching)
         assert L._ORDER.get(key) == (matching[0] if matching else None)
 

@@ -193,8 +193,9 @@ def _fused_and_separate_agree(make: Any, grads: list[torch.Tensor], fuses: bool)
     runs = []
     for fused in (True, False):
         comp, mem = make(), memories.get("residual")
-        if not fused:
-            comp.compensate_into = lambda *a: False  # the plain add, then the selection's own read
+        if not fused:  # the plain add (no residual left to the pass either), then the selection's own read
+            comp.compensate_into = lambda *a: False
+            comp.defer_residual = lambda *a: None
         out = []
         for step, g in enumerate(grads):
             t = mem.compensate(g.clone(), "w", 2, compressor=comp)

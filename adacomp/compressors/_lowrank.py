@@ -49,21 +49,21 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
 def _exact_or_reference(key: tuple, fast: Any, reference: Any, inputs: tuple[Tensor, ...],
                         orders: tuple[int, ...] = (0,)) -> Tensor:
     """``fast(order)`` where it was seen to give ``reference()``'s bits for this layout, else
-    ``reference()``. The first call of a layout runs the reference and each candidate order until
-    one gives its bits, and decides (a non-finite input decides nothing): the BLAS kernel torch
-    picks, and so its summation order, depends on the machine (one chain on the EPYC, MKL's
-    384-term blocks of fma chains on an AVX-512 Xeon), so the equality is checked where it runs
-    rather than assumed."""
+    ``reference()``. The first call of a layout runs the reference and each candidate order, and
+    decides where none or exactly one gives its bits (a non-finite input, or one that several
+    orders reproduce, decides nothing): the BLAS kernel torch picks, and so its summation order,
+    depends on the machine (one chain on the EPYC, MKL's 384-term blocks of fma chains on an
+    AVX-512 Xeon), so the equality is checked where it runs rather than assumed."""
     ok = _EXACT.get(key)
     if ok:
         return fast(_ORDER.get(key, 0))
     out = reference()
     if ok is None and all(bool(torch.isfinite(t).all()) for t in inputs):
-        _EXACT[key] = False
-        for order in orders:
-            if _same_bits(fast(order), out):
-                _EXACT[key], _ORDER[key] = True, order
-                break
+        matching = [order for order in orders if _same_bits(fast(order), out)]
+        if len(matching) <= 1:  # several: an input that tells the orders apart decides (an all-zero M does not)
+            if matching:
+                _ORDER[key] = matching[0]  # before _EXACT: another thread that sees True reads the order
+            _EXACT[key] = bool(matching)
     return out
 
 
