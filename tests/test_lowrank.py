@@ -334,7 +334,8 @@ def test_factor_product_takes_the_order_torch_formed(shape, monkeypatch):
     """A layout's first product tries the summation orders of :data:`_native.SEQ_BLOCKS` in turn and
     keeps the first that gave torch's bits (one chain on the EPYC, MKL's 384-term blocks on an
     AVX-512 Xeon); where none did, torch's product stays. Later products take the kept order. An
-    all-zero matrix, which every order reproduces, decides nothing."""
+    all-zero matrix, which every order reproduces, decides nothing; operands the C sums do not
+    serve (rank 9) decide on their first call."""
     from adacomp.compressors import _lowrank as L
     from adacomp.compressors import _native
     monkeypatch.setattr(L, "_EXACT", {})
@@ -356,6 +357,9 @@ def test_factor_product_takes_the_order_torch_formed(shape, monkeypatch):
             assert torch.equal(_bits(ours()), _bits(want))
         assert L._EXACT[key] == bool(matching)
         assert L._ORDER.get(key) == (matching[0] if matching else None)
+    wide = torch.randn(shape[1], 9, generator=g)  # rank 9: no C sums, torch's product in every order
+    L.product(m, wide)
+    assert L._EXACT[L._layout("mq", m, wide)] is True  # decided on the first call, not re-decided on each
 
 
 def test_factor_product_layout_judged_different_uses_torch(monkeypatch):

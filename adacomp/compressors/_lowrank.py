@@ -67,6 +67,13 @@ def _exact_or_reference(key: tuple, fast: Any, reference: Any, inputs: tuple[Ten
     return out
 
 
+def _orders(matrix: Tensor, f: Tensor) -> tuple[int, ...]:
+    """The orders a product's first call tries: all of :data:`_native.SEQ_BLOCKS` where the C sums
+    serve, else one (the fallback is torch's product in every order: several matching would leave
+    the layout undecided, re-deciding on every call)."""
+    return _native.SEQ_BLOCKS if _native.seq_serves(matrix, f) else (0,)
+
+
 def _layout(tag: str, *ts: Tensor) -> tuple:
     """The key of a product's decision: its inputs' layout, the thread count and whether the C
     library serves (the fast path is another kernel without it)."""
@@ -96,7 +103,7 @@ def transposed_product(matrix: Tensor, f: Tensor) -> Tensor:
         return rows.t().contiguous()
 
     return _exact_or_reference(_layout("tp", matrix, f), by_columns, lambda: matrix.t() @ f, (matrix, f),
-                               _native.SEQ_BLOCKS)
+                               _orders(matrix, f))
 
 
 def product(matrix: Tensor, q: Tensor) -> Tensor:
@@ -111,7 +118,7 @@ def product(matrix: Tensor, q: Tensor) -> Tensor:
         fast = _native.mm_seq(matrix, q, order)
         return fast if fast is not None else matrix @ q
 
-    return _exact_or_reference(_layout("mq", matrix, q), by_rows, lambda: matrix @ q, (matrix, q), _native.SEQ_BLOCKS)
+    return _exact_or_reference(_layout("mq", matrix, q), by_rows, lambda: matrix @ q, (matrix, q), _orders(matrix, q))
 
 
 def outer_product(p: Tensor, q: Tensor, workspace: Workspace) -> Tensor:

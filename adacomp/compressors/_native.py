@@ -4287,6 +4287,12 @@ def _seq_inputs(matrix: Tensor, f: Tensor) -> bool:
             and f.dtype == torch.float32 and f.device.type == "cpu" and 1 <= f.shape[1] <= 8)
 
 
+def seq_serves(matrix: Tensor, f: Tensor) -> bool:
+    """Whether :func:`mm_seq` / :func:`mtm_seq` run in C for these operands (else they answer None
+    and the caller's torch product stands for every order)."""
+    return _seq_inputs(matrix, f)
+
+
 SEQ_BLOCKS = (0, 384)
 """The summation orders :func:`mm_seq`, :func:`mtm_seq` and :func:`owed_mm` can form (``block``):
 0, every output one chain from +0 of IEEE products then additions, terms in order (torch's CPU
