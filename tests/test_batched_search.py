@@ -213,15 +213,23 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     ref = run()
     if switch == "native":
         os.environ["ADACOMP_NATIVE"] = "1"
-        if method == "alltoall":  # the second stage's mean added to the kept error unwritten: it ran
-            from adacomp.compressors.topk import TopkCompressor
-            plain = TopkCompressor.compensate_mean_into
+        # the pass that must have run: alltoall's second-stage mean added to the kept error
+        # unwritten; DGC's masking and Chunk-Top-k's residual left to the next compensation's pass
+        from adacomp.compressors.chunktopk import ChunkTopkCompressor
+        from adacomp.compressors.dgc import DGCCompressor
+        from adacomp.compressors.topk import TopkCompressor
+        must = {"alltoall": (TopkCompressor, "compensate_mean_into", lambda a, k: True),
+                "dgc": (DGCCompressor, "accumulate_into", lambda a, k: k.get("zeroed") is not None),
+                "chunktopk": (ChunkTopkCompressor, "compensate_owed", lambda a, k: True)}.get(method)
+        if must is not None:
+            cls, attr, counts = must
+            plain = getattr(cls, attr)
 
-            def fused(self: Any, *args: Any) -> bool:
-                done = plain(self, *args)
-                dests.append(int(done))
+            def fused(self: Any, *args: Any, **kw: Any) -> bool:
+                done = plain(self, *args, **kw)
+                dests.append(int(done and counts(args, kw)))
                 return done
-            TopkCompressor.compensate_mean_into = fused  # type: ignore[method-assign]
+            setattr(cls, attr, fused)
     elif switch == "dest":
         def counted(e: Any, g: torch.Tensor) -> Any:
             out = given(e, g)
@@ -233,8 +241,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     same = torch.equal(run(), ref) and not torch.equal(ref, flat_params(net()))  # and it trained
     error_feedback.with_dest = given  # type: ignore[assignment]
     adacomp.shutdown()
-    # the means went into the gradients; alltoall's fused second stage ran
-    needs = switch == "dest" or (switch, method) == ("native", "alltoall")
+    # the means went into the gradients; the fused passes named above ran
+    needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk"))
     return same and (sum(dests) > 0 or not needs)
 
 
@@ -254,7 +262,8 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     ranks: the same parameters with the GPU's batched counts as without (the torch path on both
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
-    signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass; bf16's casts
+    signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass, Chunk-Top-k's
+    kept values and DGC's masking, both required to have run; bf16's casts
     written straight into the allreduce's bucket buffer); and with every mean written into the
     gradient it averages (``Entry.dest``) as into an output of its own."""
     env = {"ADACOMP_NATIVE": "0"} if switch.startswith("emulate") else {}

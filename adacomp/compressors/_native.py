@@ -2511,24 +2511,22 @@ int ac_take(const float* x, int64_t n, const int64_t* idx, int64_t m, float* out
     return 0;
 }
 /* The values of x at the positions idx (any order, repeats kept), in an order of their own: the
-   positions grouped by their 2^TAKE_GROUP_SHIFT-element region (a count and a scatter into pos;
-   the module's TAKE_GROUP_SHIFT must agree)
+   positions grouped by their 2^shift-element region (a count and a scatter into pos)
    and read region by region with the loads prefetched, so a random sample's reads stay within a
    few pages at a time (DGC's threshold sample: 2^20 random positions over 2^27 floats 20-29 ms in
    draw order on the Xeon, every read a page walk). The values are the same multiset as
-   index_select's, which is all an order statistic reads. counts: (n >> TAKE_GROUP_SHIFT) + 2
+   index_select's, which is all an order statistic reads. counts: (n >> shift) + 2
    int64, pos: m int64. -1 on a position outside [0, n) (nothing read). */
-#define TAKE_GROUP_SHIFT 20
-int ac_take_grouped(const float* x, int64_t n, const int64_t* idx, int64_t m, int64_t* counts, int64_t* pos,
-                    float* out) {
-    const int64_t groups = (n >> TAKE_GROUP_SHIFT) + 1;
+int ac_take_grouped(const float* x, int64_t n, const int64_t* idx, int64_t m, int shift, int64_t* counts,
+                    int64_t* pos, float* out) {
+    const int64_t groups = (n >> shift) + 1;
     for (int64_t b = 0; b <= groups; ++b) counts[b] = 0;
     for (int64_t i = 0; i < m; ++i) {
         if ((uint64_t)idx[i] >= (uint64_t)n) return -1;
-        ++counts[(idx[i] >> TAKE_GROUP_SHIFT) + 1];
+        ++counts[(idx[i] >> shift) + 1];
     }
     for (int64_t b = 1; b <= groups; ++b) counts[b] += counts[b - 1];  /* counts[b]: group b's start */
-    for (int64_t i = 0; i < m; ++i) pos[counts[idx[i] >> TAKE_GROUP_SHIFT]++] = idx[i];
+    for (int64_t i = 0; i < m; ++i) pos[counts[idx[i] >> shift]++] = idx[i];
     return ac_take(x, n, pos, m, out);
 }
 /* float32 -> bfloat16 with the rounding of torch's vectorised conversion of a contiguous tensor
@@ -3291,7 +3289,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_ascending_within.restype = ctypes.c_int
     lib_.ac_ascending_within.argtypes = [vp, i64, i64]
     lib_.ac_take_grouped.restype = ctypes.c_int
-    lib_.ac_take_grouped.argtypes = [vp, i64, vp, i64, vp, vp, vp]
+    lib_.ac_take_grouped.argtypes = [vp, i64, vp, i64, ctypes.c_int, vp, vp, vp]
     lib_.ac_pick_pairs.restype = ctypes.c_int64
     lib_.ac_pick_pairs.argtypes = [vp, vp, i64, ctypes.c_float, ctypes.c_int, vp, vp, i64]
     lib_.ac_qsgd_codes.restype = ctypes.c_int
@@ -4164,8 +4162,8 @@ def take_grouped(x: Tensor, idx: Tensor) -> Tensor:
     out = torch.empty(idx.numel(), dtype=torch.float32)
     counts = _reused("take_counts", (flat.numel() >> TAKE_GROUP_SHIFT) + 2, torch.int64)
     pos = _reused("take_pos", idx.numel(), torch.int64)
-    if lib.ac_take_grouped(flat.data_ptr(), flat.numel(), idx.data_ptr(), idx.numel(), counts.data_ptr(),
-                           pos.data_ptr(), out.data_ptr()) == 0:
+    if lib.ac_take_grouped(flat.data_ptr(), flat.numel(), idx.data_ptr(), idx.numel(), TAKE_GROUP_SHIFT,
+                           counts.data_ptr(), pos.data_ptr(), out.data_ptr()) == 0:
         return out
     return flat.index_select(0, idx)  # raises on the position out of range
 
@@ -4174,8 +4172,8 @@ GROUPED_TAKE_MIN = 1 << 14
 """Samples from this size are read grouped by region (below it the draws fall on few pages anyway)."""
 
 TAKE_GROUP_SHIFT = 20
-"""log2 of the region size (elements) of :func:`take_grouped`; the C library's own constant (4 MB
-regions: 2^20 random reads over 2^27 floats 9-11 ms on the Xeon, 10.5 at 2^14 and 2^18)."""
+"""log2 of the region size (elements) of :func:`take_grouped` (4 MB regions: 2^20 random reads over
+2^27 floats 9-11 ms on the Xeon, 10.5 at 2^14 and 2^18)."""
 
 
 def take(x: Tensor, idx: Tensor) -> Tensor:
