@@ -288,6 +288,34 @@ def test_cost_floor_report_before_and_after(tmp_path):
     assert "| topk |" in md and "2.0x (1.0-4.0)" in md and "4.0x ✗ (2.0-8.0)" in md
 
 
+def test_cost_cells_on_the_models_own_gradients(tmp_path):
+    """``--grads model``: each cell's gradients come from the zoo model's backward passes, laid out
+    as the cost shapes name them (GPT-2's linear weights transposed to the Conv1D layout), one set
+    per synthetic batch; ``run`` computes them once per model for its cells."""
+    from adacomp.bench import cost
+    from adacomp.models import build
+    from adacomp.models.synthetic import synthetic_batch
+    sets = cost.model_gradients("gpt2_small", 2)
+    shapes = cost._shapes("gpt2_small")
+    assert len(sets) == 2 and [tuple(g.shape) for g in sets[0].values()] == [tuple(s) for _, s in shapes]
+    torch.manual_seed(0)
+    net = build("gpt2_small")
+    batch = synthetic_batch(net, cost.GRADIENT_BATCH["gpt2_small"], seed=1)
+    batch.loss_fn(net(batch.inputs), batch.targets).backward()
+    for (name, shape), p in zip(shapes, net.parameters()):
+        want = p.grad if tuple(p.grad.shape) == tuple(shape) else p.grad.t()
+        assert torch.equal(sets[1][name], want), name
+    assert any(tuple(p.shape) != tuple(s) for (_, s), p in zip(shapes, net.parameters()))  # some were transposed
+    assert not torch.equal(sets[0]["h.0.attn.c_attn.weight"], sets[1]["h.0.attn.c_attn.weight"])
+    _run([*BENCH, "cost", "run", "--json", "m.json", "--models", "lstm_lm", "--methods", "topk", "--counts", "",
+          "--steps", "1", "--grads", "model"], tmp_path)
+    import json
+    (row,) = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert row["grads"] == "model" and 0 < row["bytes_ratio"] < 1 and row["step_s"] > 0
+    _run([*BENCH, "cost", "report-floor", "--after", "m.json", "--out", "floor.md"], tmp_path)
+    assert "the zoo models' own" in (tmp_path / "floor.md").read_text()
+
+
 def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):
     """Rows at a model's default batch fill the main table; rows at another batch (issue 32's ~1 s
     steps) get their own table with the bar and the list of methods above it."""

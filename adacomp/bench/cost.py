@@ -33,6 +33,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,9 +99,20 @@ MINIMUM: dict[str, tuple[str, ...]] = {
     "powersgd": ("ef", "read", "write"),
     "acpsgd": ("ef", "read", "write"),
 }
+# ``--grads model``: the gradients of the zoo model's own backward passes on its synthetic batches
+# (adacomp.models; weights from seed 0, batch b from seed b), GRADIENT_SETS of them, the steps
+# cycling through them. Why: the threshold searches and the prefilters' sampled floors are exact
+# whatever the values, but how much they read depends on the values' distribution, which iid
+# normal gradients (the default, ``randn``) flatter: real ones are heavy-tailed and vary by row.
+GRADIENT_SETS = 2
+GRADIENT_BATCH = {"resnet50": 8, "gpt2_small": 4, "vgg16": 4, "lstm_lm": 20}  # as BATCHES (at batch 1 a
+# linear layer's gradient is an outer product of two vectors: rank one, a pathological input)
 SPLIT_TOTAL = 1 << 23  # elements of the tensor-count sweep
 BUCKET_BYTES = 25 * 2 ** 20
 MIN_NUMEL = 1024
+GRADS = ("randn", "model")
+GRADS_HELP = ("the gradients' values: iid normal (randn) or the zoo model's own from backward passes on its "
+              "synthetic batches (model; see model_gradients)")
 
 
 def _shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -158,8 +170,38 @@ def _held_bytes(*objs: Any) -> int:
     return sum(storages.values())
 
 
-def cell(model: str, method: str, steps: int) -> dict:
-    """One (model, method) measurement in this process."""
+def model_gradients(model: str, sets: int = GRADIENT_SETS) -> list[dict[str, torch.Tensor]]:
+    """``sets`` gradients of the zoo model ``model``, each from one backward pass on its synthetic
+    batch, named and shaped as :func:`_shapes` lists them (a weight the zoo stores transposed, as
+    GPT-2's ``Conv1D`` layers against ``nn.Linear``, is transposed to that layout)."""
+    from adacomp.models import build
+    from adacomp.models.synthetic import synthetic_batch
+    shapes = _shapes(model)
+    torch.manual_seed(0)
+    net = build(model)
+    params = list(net.parameters())
+    if len(params) != len(shapes):
+        raise ValueError(f"zoo model {model!r} has {len(params)} parameters, its cost shapes {len(shapes)}")
+    out = []
+    for b in range(sets):
+        batch = synthetic_batch(net, GRADIENT_BATCH.get(model, 1), seed=b)
+        net.zero_grad(set_to_none=True)
+        batch.loss_fn(net(batch.inputs), batch.targets).backward()
+        grads = {}
+        for (name, shape), p in zip(shapes, params):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if tuple(g.shape) != tuple(shape):
+                if g.dim() != 2 or tuple(g.t().shape) != tuple(shape):
+                    raise ValueError(f"{model} parameter {name}: gradient {tuple(g.shape)} does not fit {shape}")
+                g = g.t()
+            grads[name] = g.detach().contiguous().clone()
+        out.append(grads)
+    return out
+
+
+def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_file: str | None = None) -> dict:
+    """One (model, method) measurement in this process. ``grads_from``: ``randn`` (iid normal
+    gradients) or ``model`` (:func:`model_gradients`, read from ``grads_file`` when given)."""
     from adacomp import communicators, compressors, memories
     from adacomp.bench.cost_shapes import MirrorBackend
     from adacomp.communicators.base import CommEnv, Entry
@@ -173,7 +215,15 @@ def cell(model: str, method: str, steps: int) -> dict:
     shapes = _shapes(model)
     buckets, dense_small = _buckets(shapes)
     gen = torch.Generator().manual_seed(0)
-    grads = {n: torch.randn(s, generator=gen) for b in buckets for n, s in b}
+    if grads_from == "model":
+        sets = torch.load(grads_file) if grads_file else model_gradients(model)
+        used = {n for b in buckets for n, _ in b}
+        sets = [{n: g for n, g in one.items() if n in used} for one in sets]
+    elif grads_from == "randn":
+        sets = [{n: torch.randn(s, generator=gen) for b in buckets for n, s in b}]
+    else:
+        raise ValueError(f"grads_from must be 'randn' or 'model', got {grads_from!r}")
+    grads = sets[0]
     model_bytes = sum(4 * g.numel() for g in grads.values()) + dense_small
     backend = MirrorBackend(2)
     # the memory floor: one read and one write of every gradient (abs into a buffer of its own),
@@ -198,7 +248,8 @@ def cell(model: str, method: str, steps: int) -> dict:
         cur.step += 1
         cur.stats = StepStats()
         cur.outs = []  # the previous step's means are released, as zero_grad(set_to_none) releases grads
-        cur.fresh = {n: g.clone() for n, g in grads.items()}  # backward's new gradients (error feedback adds into them)
+        # backward's new gradients (error feedback adds into them)
+        cur.fresh = {n: g.clone() for n, g in sets[cur.step % len(sets)].items()}
 
     def one_step() -> None:
         for bi, b in enumerate(buckets):
@@ -235,7 +286,8 @@ def cell(model: str, method: str, steps: int) -> dict:
             "floors_s": floors, "minimum_s": statistics.median(minima), "minima_s": minima,
             "minimum": list(MINIMUM[method]), "model_bytes": model_bytes,
             "held_bytes": held, "rss_extra_bytes": max(0, peak - base_rss),
-            "bytes_ratio": (sent + dense_small) / max(1, dense + dense_small), "threads": torch.get_num_threads()}
+            "bytes_ratio": (sent + dense_small) / max(1, dense + dense_small), "threads": torch.get_num_threads(),
+            "grads": grads_from}
 
 
 def _minimum_passes(names: tuple[str, ...]) -> list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]]:
@@ -298,8 +350,16 @@ def run(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     todo = [(m, x) for m in models for x in args.methods.split(",") if (m, x) not in done]
     t0 = time.monotonic()
+    saved: dict[str, str] = {}  # model -> its gradients' file (``--grads model``: one backward per set per run)
+    tmp = tempfile.TemporaryDirectory(prefix="adacomp-cost-") if args.grads == "model" else None
     for n, (model, method) in enumerate(todo, 1):
-        cmd = [*module_command("cost"), "cell", "--model", model, "--method", method, "--steps", str(args.steps)]
+        cmd = [*module_command("cost"), "cell", "--model", model, "--method", method, "--steps", str(args.steps),
+               "--grads", args.grads]
+        if tmp is not None and not model.startswith("split"):
+            if model not in saved:
+                saved[model] = f"{tmp.name}/{model}.pt"
+                torch.save(model_gradients(model), saved[model])
+            cmd += ["--grads-file", saved[model]]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if res.returncode:
             print(f"{model} {method}: failed\n{res.stderr[-2000:]}", file=sys.stderr)
@@ -483,7 +543,11 @@ def report_floor(args: argparse.Namespace) -> None:
         "goal, the goal cannot be met by any implementation of that data flow on this machine."
         + (f" Each cell is the median of {len(paths)} runs of the same command (by x floor; its range in "
            "brackets)." if len(paths) > 1 else "")
-        + (f" **before x floor**: the same ratio from `{args.before}` (its own floors)." if before else ""), "",
+        + (f" **before x floor**: the same ratio from `{args.before}` (its own floors)." if before else "")
+        + (" Gradients: " + ("the zoo models' own, from backward passes on their synthetic batches "
+                             f"(`--grads model`, {GRADIENT_SETS} batches, the steps cycling through them)"
+                             if after["rows"][0].get("grads") == "model" else "iid normal values (`--grads randn`)")
+           + "."), "",
         "| method | " + " | ".join(f"{m} {c}" for m in models for c in per_model) + " | goal |",
         "|---|" + "---:|" * (len(per_model) * len(models)) + "---:|"]
     for meth in methods:
@@ -518,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", required=True)
     c.add_argument("--method", required=True, choices=sorted(METHODS))
     c.add_argument("--steps", type=int, default=2)
+    c.add_argument("--grads", choices=GRADS, default="randn", help=GRADS_HELP)
+    c.add_argument("--grads-file", help="model_gradients() saved by `run` (else computed here)")
     r = sub.add_parser("run")
     r.add_argument("--json", required=True)
     r.add_argument("--models", default=",".join(MODELS))
@@ -527,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--timeout", type=int, default=900)
     r.add_argument("--resume", action="store_true", help="keep the cells already in --json")
+    r.add_argument("--grads", choices=GRADS, default="randn", help=GRADS_HELP)
     w = sub.add_parser("backward")
     w.add_argument("--json", required=True)
     w.add_argument("--models", default=",".join(MODELS))
@@ -547,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "cell":
         import torch
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        print(json.dumps(cell(args.model, args.method, args.steps)))
+        print(json.dumps(cell(args.model, args.method, args.steps, args.grads, args.grads_file)))
     else:
         {"run": run, "backward": backward, "report": report, "report-floor": report_floor}[args.cmd](args)
     return 0
