@@ -1406,6 +1406,50 @@ def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_swit
         assert torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
 
 
+@pytest.mark.parametrize("kernel", ["add_select", "add_abs_stats", "add_moments_select"])
+def test_overflowed_compaction_reads_the_written_sum_not_the_fused_pass_again(kernel: str, avx2_switch: str,
+                                                                              one_thread: None,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a fused compensation's candidates outnumber the room its guess made (a sampled floor
+    far too low, as on real gradients), the exact count is known and the sum is whole: the
+    candidates are taken again from that sum in one read (the signed selects), not by running the
+    fused pass again. The same positions, signed values and statistics as a guess with room."""
+    n = (1 << 18) + 37
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    lib = _native.library()
+    fused = {"add_select": "ac_add_select_abs_not_lt", "add_abs_stats": "ac_add_abs_stats_select",
+             "add_moments_select": "ac_add_moments_select"}[kernel]
+    calls: list[int] = []
+    real = getattr(lib, fused)
+
+    class Counted:  # the CDLL attribute, counted (ctypes function pointers take no new attributes)
+        def __call__(self, *args: Any) -> Any:
+            calls.append(1)
+            return real(*args)
+    monkeypatch.setattr(lib, fused, Counted())
+
+    def run(expected: float) -> list[torch.Tensor]:
+        out = torch.full((n,), 7.0)
+        if kernel == "add_select":
+            return [out, *_native.add_select(a, b, out, 0.5, expected)]
+        if kernel == "add_abs_stats":
+            got = _native.add_abs_stats(a, b, out, 0.5, True, expected)
+            assert got.cands is not None and got.stats is not None
+            return [out, *got.cands, torch.tensor([got.stats.max, got.stats.min, got.stats.mean or 0.0])]
+        m = _native.add_moments_select(a, b, out, 0.5, expected)
+        assert m is not None
+        return [out, m.idx, m.vals, torch.tensor([m.total, m.squares, m.plain], dtype=torch.float64)]
+
+    roomy = run(1.0)
+    assert len(calls) == 1
+    short = run(0.01)  # ~62 % pass 0.5: far more than the room for 1.5 %
+    assert len(calls) == 2  # the fused pass ran once more, for this call: not again for the overflow
+    for x, y in zip(short, roomy):
+        assert torch.equal(bits(x), bits(y))
+    assert short[1].numel() > 0.5 * n
+
+
 @pytest.mark.parametrize("n", [5, 8, 100, 4133, 65_573, (1 << 20) + 37])
 @pytest.mark.parametrize("strict", [True, False])
 def test_compensation_with_search_statistics_is_the_separate_passes(n: int, strict: bool, avx2_switch: str,

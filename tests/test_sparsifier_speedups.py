@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from adacomp import compressors
-from adacomp.compressors.sparse import ThresholdCounter, Workspace, largest_k, nonzero_1d
+from adacomp.compressors.sparse import ThresholdCounter, Workspace, k_for, largest_k, nonzero_1d
 from adacomp.compressors.topk import distinct_uniform, topk_indices
 
 SPARSIFIERS = ["topk", "gtopk", "randomk", "mstopk", "dgc", "gaussiank", "redsync", "sidco", "oktopk"]
@@ -116,6 +116,31 @@ def test_topk_payload_does_not_depend_on_the_sample(native: bool, monkeypatch) -
     for value in (0.0, 1.0, 3.5, 100.0):
         monkeypatch.setattr(T, "sample_value", lambda a, fraction, absolute=False, v=value: v)
         assert torch.equal(topk_indices(x, k, Workspace()), want)
+
+
+def test_topk_reads_no_floor_again_that_passed_too_few(monkeypatch) -> None:
+    """A compensation whose sampled floor passed fewer than k hands it to the selection: its first
+    attempt, from the same sample, would read the tensor again for as few, so it is skipped and only
+    the lower attempt reads the tensor (one pass, not two); the payload is the canonical one."""
+    from adacomp.compressors import _native as N
+    from adacomp.compressors import topk as T
+    n, k = 1 << 17, 1311
+    g, r = torch.randn(n, generator=gen(4)), torch.randn(n, generator=gen(5))
+    x = g + r
+    high = float(torch.topk(x.abs(), k // 2).values.min())  # passes k / 2
+    monkeypatch.setattr(T, "sampled_value", lambda s, fraction, absolute=False: high)
+    floors = iter([high, float(torch.topk(x.abs(), 2 * k).values.min())])  # the same sample, then 4x lower
+    monkeypatch.setattr(T, "sample_value", lambda a, fraction, absolute=False: next(floors))
+    reads: list[float] = []
+    select = N.select
+    monkeypatch.setattr(N, "select", lambda a, thr, *args: reads.append(thr) or select(a, thr, *args))
+    comp = T.TopkCompressor(k / n)
+    assert k_for(n, k / n) == k
+    out = torch.empty(n)
+    assert comp.compensate_into(g, r, out, "w")
+    idx, vals = comp.pick(out, "w")
+    assert torch.equal(idx, largest_k(torch.arange(n), x.abs(), k)) and torch.equal(vals, x[idx])
+    assert len(reads) == 1 and reads[0] < high
 
 
 @pytest.mark.parametrize("strict", [True, False])

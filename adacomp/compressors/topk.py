@@ -35,7 +35,7 @@ GPU_PREFILTER_MIN_NUMEL = 1 << 25
 prefilter's 0.61-0.89 ms, and 1.6-7.8 ms at 2^26-2^28 against the prefilter's 1.1-6.7 ms."""
 
 
-def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Tensor:
+def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None, below: float | None = None) -> Tensor:
     """Indices of the k largest magnitudes of a 1-D tensor, ascending (:func:`largest_k`'s canonical
     top-k: ties at the k-th magnitude to the lowest indices, NaN above every number).
 
@@ -43,6 +43,8 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
     elements at or above a value that a sample says about 1.25 k + 32 elements pass (a second, lower
     value when fewer than k pass; the whole tensor after that). Every path returns the same indices
     in the same order, so a payload never depends on the sample (tests/test_sparsifier_speedups.py).
+    ``below``: a floor already seen to pass fewer than k (a fused compensation's, from the same
+    sample): an attempt whose floor is not below it is skipped, not read again.
     """
     n = flat.numel()
     if k >= n:
@@ -64,6 +66,8 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None) -> Te
             # the sample and the compaction read |flat| with the sign bit cleared, as torch.abs does:
             # the same floor, candidates and values, without writing the magnitudes (one pass less)
             floor = max(sample_value(flat, attempt, absolute=True), TINY)
+            if below is not None and floor >= below:
+                continue  # it would pass no more than the floor that passed fewer than k
             if math.isfinite(floor):
                 idx, vals = _native.select(flat, floor, "abs_not_lt", attempt)
         else:
@@ -97,6 +101,7 @@ class Candidates(NamedTuple):
 
     idx: Tensor
     vals: Tensor
+    floor: float = math.nan  # what they passed (its magnitude): where fewer than k, a lower one is needed
 
 
 def _full_topk(mags: Tensor, k: int) -> Tensor:
@@ -135,7 +140,7 @@ class TopkCompressor(SparseCompressor):
         if not math.isfinite(floor):
             return False
         idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
-        self._kept().keep(name, flat, Candidates(idx, vals))
+        self._kept().keep(name, flat, Candidates(idx, vals, floor))
         return True
 
     def compensate_mean_into(self, idx: list[Tensor], vals: list[Tensor], divisor: int, r: Tensor, out: Tensor,
@@ -160,25 +165,28 @@ class TopkCompressor(SparseCompressor):
         got = _native.sparse_mean_add_select(r.reshape(-1), flat, idx, vals, divisor, floor, expected)
         if got is None:
             return False
-        self._kept().keep(name, flat, Candidates(*got))
+        self._kept().keep(name, flat, Candidates(*got, floor))
         return True
 
-    def _prepared(self, flat: Tensor, name: str, k: int) -> Candidates | None:
+    def _prepared(self, flat: Tensor, name: str, k: int) -> tuple[Candidates | None, float | None]:
         """The candidates :meth:`compensate_into` found for ``flat``, if ``flat`` is unchanged since
-        and they hold k (what :func:`topk_indices`' first attempt would find)."""
+        and they hold k (what :func:`topk_indices`' first attempt would find); else None and the
+        floor that passed fewer than k, if that was it (for :func:`topk_indices`' ``below``)."""
         c = self._kept().take(name, flat)
-        if isinstance(c, Candidates) and c.vals.numel() >= k and prefilters(flat, k):
-            return c
-        return None
+        if not (isinstance(c, Candidates) and prefilters(flat, k)):
+            return None, None
+        if c.vals.numel() >= k:
+            return c, None
+        return None, c.floor if math.isfinite(c.floor) else None
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
-        c = self._prepared(flat, name, k)
-        return largest_k(c.idx, c.vals.abs(), k) if c is not None else topk_indices(flat, k, self._workspace())
+        c, below = self._prepared(flat, name, k)
+        return largest_k(c.idx, c.vals.abs(), k) if c is not None else topk_indices(flat, k, self._workspace(), below)
 
     def pick(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor]:
         k = k_for(flat.numel(), self._density)
-        c = self._prepared(flat, name, k)
+        c, below = self._prepared(flat, name, k)
         if c is not None:  # the candidates carry their signed values: no gather from flat
             got = _native.pick_largest(c.vals, c.idx, k, None)
             if got is not None:
@@ -188,7 +196,7 @@ class TopkCompressor(SparseCompressor):
             got = _native.pick_largest(flat, None, k, None)  # the whole (small) tensor in one C call
             if got is not None:
                 return got
-        idx = topk_indices(flat, k, self._workspace())
+        idx = topk_indices(flat, k, self._workspace(), below)
         return idx, _native.take(flat, idx)
 
 
