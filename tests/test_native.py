@@ -926,6 +926,22 @@ def test_the_switch_takes_effect_at_once(monkeypatch: pytest.MonkeyPatch) -> Non
     assert _native.usable(torch.ones(3))
 
 
+def test_sample_lines_spread_over_a_matrix_s_columns() -> None:
+    """The sample's lines, one per equal span at a Weyl-sequence fraction of it, ascend and meet many
+    columns of a row-major matrix whose row length divides the span's (GPT-2's 768 x 3072 weight, VGG-16's
+    4096 x 25088 fc6): each span's first line met 4 and 1 of their columns."""
+    from adacomp.compressors.sparse import SAMPLE_LINE, SAMPLE_SIZE, sample_starts
+    m = SAMPLE_SIZE // SAMPLE_LINE
+    for rows, cols in ((768, 3072), (4096, 25088), (512, 4608)):
+        lines = rows * cols // SAMPLE_LINE
+        starts = sample_starts(lines, m)
+        lo = torch.arange(m) * lines // m
+        assert bool((starts[1:] > starts[:-1]).all()) and bool((starts >= lo).all())
+        assert bool((starts < torch.arange(1, m + 1) * lines // m).all())  # within its own span
+        assert len(set((lo * SAMPLE_LINE % cols).tolist())) <= 4  # what evenly spaced lines met
+        assert len(set((starts * SAMPLE_LINE % cols).tolist())) > m // 8
+        assert len(set((starts * SAMPLE_LINE // cols).tolist())) > min(rows, m) // 2  # and still many rows
+
 @pytest.mark.parametrize("n", [5000, 16384, 16385, 100000, (1 << 20) + 7])
 def test_sample_lines_equal_torch(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C sample (and the sample of a sum, error feedback's g + r before it is written) reads

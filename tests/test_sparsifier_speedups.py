@@ -141,6 +141,8 @@ def test_topk_reads_no_floor_again_that_passed_too_few(monkeypatch) -> None:
     idx, vals = comp.pick(out, "w")
     assert torch.equal(idx, largest_k(torch.arange(n), x.abs(), k)) and torch.equal(vals, x[idx])
     assert len(reads) == 1 and reads[0] < high
+    # a floor that fell short widens the tensor's next target (a speed hint, not state)
+    assert comp._target("w", k, n) == pytest.approx(2 * T._expected(k, n)) and comp.state_dict() == {}
 
 
 @pytest.mark.parametrize("strict", [True, False])

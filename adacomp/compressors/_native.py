@@ -1831,8 +1831,18 @@ int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int wor
 #endif
     return c;
 }
+/* The j-th of m sample lines among `lines` (adacomp.compressors.sparse.sample_starts): one line of the
+   j-th of m equal spans, at the fraction of the span a Weyl sequence gives (j / golden ratio, mod 1, in
+   32-bit fixed point); ascending in j. The span's first line instead aliased with a matrix's rows (a
+   span of 2304 floats on GPT-2's 768 x 3072 weights met 4 columns, VGG-16's fc6 one): on the models'
+   own gradients the sampled floors passed 0.2-14 times their target, 0.9-1.8 times since. */
+static inline int64_t sample_line(int64_t j, int64_t lines, int64_t m) {
+    const int64_t lo = j * lines / m, span = (j + 1) * lines / m - lo;
+    const uint64_t frac = ((uint64_t)j * 2654435769u) & 0xffffffffu;
+    return lo + (int64_t)((frac * (uint64_t)span) >> 32);
+}
 /* The sample ac_sample_lines takes of a + r where a is the ranks' sparse mean as ac_sparse_mean writes
-   it (see ac_sparse_mean_add_select): m runs of 16 floats at lines j * lines / m, each position's
+   it (see ac_sparse_mean_add_select): m runs of 16 floats at the lines sample_line gives, each position's
    mean from the payloads (walked once in order beside the ascending lines: a binary search per rank
    and line cost 150 us a sample, 2.3x the dense sample). -1 as there. */
 int ac_sparse_sample_lines(const float* r, int64_t n, int world, const int64_t* const* idx,
@@ -1842,8 +1852,8 @@ int ac_sparse_sample_lines(const float* r, int64_t n, int world, const int64_t* 
     float inv;
     if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
     for (int64_t j = 0; j < m; ++j) {
-        if (j + SAMPLE_AHEAD < m) __builtin_prefetch(r + (j + SAMPLE_AHEAD) * lines / m * 16);  /* as ac_sample_lines */
-        const int64_t at = j * lines / m * 16;
+        if (j + SAMPLE_AHEAD < m) __builtin_prefetch(r + sample_line(j + SAMPLE_AHEAD, lines, m) * 16);  /* as ac_sample_lines */
+        const int64_t at = sample_line(j, lines, m) * 16;
         float a[16] = {0};
         int hit[16] = {0};
         for (int q = 0; q < world; ++q) {
@@ -1877,17 +1887,17 @@ void ac_copy_many(uint8_t* buf, int64_t total, int64_t m, const void* const* src
     if (total > end) __builtin_memset(buf + end, 0, (size_t)(total - end));
 }
 /* The sample of adacomp.compressors.sparse.sample_lines: m runs of 16 floats starting at the lines
-   j * lines / m (integer division) of a, or of a + b (one IEEE add, as torch.add) when b is given.
+   sample_line(j, lines, m) of a, or of a + b (one IEEE add, as torch.add) when b is given.
    The lines lie far apart (a tensor's memory, not in cache while a step streams the model): each is
    prefetched SAMPLE_AHEAD lines before it is read, so many misses are in flight at once. */
 void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, float* out) {
     for (int64_t j = 0; j < m; ++j) {
         if (j + SAMPLE_AHEAD < m) {
-            const int64_t ahead = (j + SAMPLE_AHEAD) * lines / m * 16;
+            const int64_t ahead = sample_line(j + SAMPLE_AHEAD, lines, m) * 16;
             __builtin_prefetch(a + ahead);
             if (b != NULL) __builtin_prefetch(b + ahead);
         }
-        const int64_t at = j * lines / m * 16;
+        const int64_t at = sample_line(j, lines, m) * 16;
         if (b != NULL) for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t] + b[at + t];
         else for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t];
     }
@@ -3652,8 +3662,10 @@ def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, s
                                                     amax.data_ptr(), thr if select else 0.0, int(strict), i, v, cap))
         return max(passed[0], 0)
 
-    cands = _compacted(call, n, expected, _signed_again(lib, "abs_gt" if strict else "abs_ge", out, thr)) if select else None
-    if not select:
+    cands = None
+    if thr is not None and select:
+        cands = _compacted(call, n, expected, _signed_again(lib, "abs_gt" if strict else "abs_ge", out, thr))
+    else:
         call(0, 0, 0)
     if passed[0] < 0:
         return AddStats(True)
@@ -4402,7 +4414,7 @@ def owed_mm(g: Tensor, a: Tensor, p0: Tensor, q0: Tensor, out: Tensor, q: Tensor
 
 
 def sample_lines(a: Tensor, b: Tensor | None, lines: int, m: int) -> Tensor | None:
-    """``m`` runs of 16 elements at lines ``j * lines // m`` of 1-D ``a`` (plus the same of ``b``,
+    """``m`` runs of 16 elements at lines :func:`~adacomp.compressors.sparse.sample_starts` of 1-D ``a`` (plus the same of ``b``,
     added): :func:`adacomp.compressors.sparse.sample_lines` in one C call. None where torch runs."""
     lib = library()
     if lib is None or not usable(a) or (b is not None and (not usable(b) or b.numel() != a.numel())):

@@ -30,6 +30,7 @@ from adacomp.compressors.sparse import (SAMPLE_LINE, SAMPLE_SIZE, SparseCompress
                                         sparse_residual)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
+WIDEN_MAX = 8.0  # the most a tensor's candidate target grows after its floors fell short
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
 """On a GPU (H100, docs/results/cuda.md) torch.topk alone took 0.17-0.54 ms up to 2^24 elements against the
 prefilter's 0.61-0.89 ms, and 1.6-7.8 ms at 2^26-2^28 against the prefilter's 1.1-6.7 ms."""
@@ -40,7 +41,7 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None, below
     top-k: ties at the k-th magnitude to the lowest indices, NaN above every number).
 
     With a ``workspace`` (and k <= n / 4) the selection runs on a prefiltered candidate set: the
-    elements at or above a value that a sample says about 1.25 k + 32 elements pass (a second, lower
+    elements at or above a value that a sample says about 1.5 k + 32 elements pass (a second, lower
     value when fewer than k pass; the whole tensor after that). Every path returns the same indices
     in the same order, so a payload never depends on the sample (tests/test_sparsifier_speedups.py).
     ``below``: a floor already seen to pass fewer than k (a fused compensation's, from the same
@@ -78,14 +79,17 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None, below
             idx, vals = counter.idx, counter.vals
         if vals is not None and vals.numel() >= k:
             assert idx is not None  # set with vals
-            return largest_k(idx, vals, k)
+            got = _native.pick_largest(vals, idx, k, None) if a is None else None  # largest_k's set in one C call
+            return got[0] if got is not None else largest_k(idx, vals, k)
     return _full_topk(workspace.magnitudes(flat) if a is None else a, k)
 
 
 def _expected(k: int, n: int) -> float:
-    """The prefilter's target share of candidates: about 1.25 k + 32 (plus a few sigma of sampling
-    noise) of n."""
-    return min(1.0, (1.25 * k + 32 + 8 * math.sqrt(k)) / n)
+    """The prefilter's target share of candidates: about 1.5 k + 32 (plus a few sigma of sampling
+    noise) of n. On the models' own gradients the sample's floor passed 0.9-1.8 times this target
+    at 1.25 k (cost_notes item 54): a floor passing fewer than k costs a pass over the tensor and a
+    selection among several times k candidates, 20 % more candidates a few percent of one pass."""
+    return min(1.0, (1.5 * k + 32 + 8 * math.sqrt(k)) / n)
 
 
 def prefilters(flat: Tensor, k: int) -> bool:
@@ -135,13 +139,31 @@ class TopkCompressor(SparseCompressor):
         k = k_for(n, self._density)
         if not (prefilters(flat, k) and _native.usable(g) and _native.usable(r) and g.numel() == r.numel() == n):
             return False
-        expected = _expected(k, n)
+        expected = self._target(name, k, n)
         floor = max(sampled_value(sample_lines(g.reshape(-1), plus=r.reshape(-1)), expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
         idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
+        self._passed(name, vals.numel(), k)
         self._kept().keep(name, flat, Candidates(idx, vals, floor))
         return True
+
+    def _target(self, name: str, k: int, n: int) -> float:
+        """The fused pass's candidate share for ``name``: :func:`_expected`, widened for a tensor whose
+        sampled floor recently passed fewer than k (:meth:`_passed`)."""
+        return min(1.0, _expected(k, n) * self.__dict__.get("widen", {}).get(name, 1.0))
+
+    def _passed(self, name: str, count: int, k: int) -> None:
+        """How many the fused pass's floor passed for ``name`` (k needed). A speed hint, never state: a
+        layer whose sample misjudges its tail (a few large rows) falls short on most steps, each a
+        pass over the tensor more, so its target doubles after each shortfall (up to WIDEN_MAX) and
+        shrinks back while more than twice k pass."""
+        widen = self.__dict__.setdefault("widen", {})
+        w = widen.get(name, 1.0)
+        if count < k:
+            widen[name] = min(WIDEN_MAX, 2.0 * w)
+        elif w > 1.0 and count > 2 * k:
+            widen[name] = max(1.0, 0.8 * w)
 
     def compensate_mean_into(self, idx: list[Tensor], vals: list[Tensor], divisor: int, r: Tensor, out: Tensor,
                              name: str) -> bool:
@@ -155,7 +177,7 @@ class TopkCompressor(SparseCompressor):
         k = k_for(n, self._density)
         if not (prefilters(flat, k) and _native.usable(r) and r.numel() == n and n > SAMPLE_SIZE):
             return False
-        expected = _expected(k, n)
+        expected = self._target(name, k, n)
         sample = _native.sparse_sample_lines(r.reshape(-1), idx, vals, divisor, n // SAMPLE_LINE, SAMPLE_SIZE // SAMPLE_LINE)
         if sample is None:
             return False
@@ -165,6 +187,7 @@ class TopkCompressor(SparseCompressor):
         got = _native.sparse_mean_add_select(r.reshape(-1), flat, idx, vals, divisor, floor, expected)
         if got is None:
             return False
+        self._passed(name, got[1].numel(), k)
         self._kept().keep(name, flat, Candidates(*got, floor))
         return True
 
