@@ -159,6 +159,30 @@ def test_threshold_counter_equals_full_passes(strict: bool) -> None:
         assert counter.at_least(thr, 100) == (int(ref.sum()) >= 100)
 
 
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_count_below_the_kept_floor_keeps_what_passes_it(signed: bool) -> None:
+    """A threshold search's count below its candidates' floor (a sampled floor that passed too few)
+    keeps what passes that threshold from the same pass, so the search's later counts above it
+    read the candidates alone; counts, selections and signed picks stay torch's. Where more than
+    REFLOOR_ROOM times the kept set would pass, only the count comes back."""
+    from adacomp.compressors import sparse as S
+    x = torch.randn(1 << 18, generator=gen(11))
+    counter = ThresholdCounter(x if signed else x.abs(), True, Workspace(), absolute=signed)
+    kept = torch.nonzero(x.abs() > 3.0).view(-1)
+    counter.adopt(3.0, kept, x[kept] if signed else x.abs()[kept], signed=signed)
+    assert counter.count(2.0) == int((x.abs() > 2.0).sum())
+    assert counter.floor == 2.0 and counter.vals is not None and counter.vals.numel() == int((x.abs() > 2.0).sum())
+    for thr in (2.0, 2.5, 3.5):
+        assert counter.covers(thr) and counter.count(thr) == int((x.abs() > thr).sum())
+        assert torch.equal(counter.select(thr), torch.nonzero(x.abs() > thr).view(-1))
+    got = counter.pick(2.5)
+    assert (got is not None) == signed
+    if got is not None:
+        assert torch.equal(got[1], x[x.abs() > 2.5])  # the signed values, as adopted
+    assert counter.count(0.1) == int((x.abs() > 0.1).sum())  # ~92 %: more than the room, counted only
+    assert counter.floor == 2.0 and S.REFLOOR_ROOM * counter.vals.numel() < int((x.abs() > 0.1).sum())
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.001, 0.02, 0.5])
 def test_nonzero_1d_equals_torch_nonzero(fraction: float) -> None:
     mask = torch.rand(1 << 15, generator=gen(6)) < fraction

@@ -3455,6 +3455,23 @@ def select(a: Tensor, thr: float, mode: str, expected: float = 1.0) -> tuple[Ten
     return _compacted(lambda i, v, cap: f(a.data_ptr(), a.numel(), thr, i, v, cap), a.numel(), expected)
 
 
+def select_upto(a: Tensor, thr: float, mode: str, cap: int) -> tuple[Tensor, Tensor] | int:
+    """:func:`select` (``mode`` also ``abs_gt_signed``, ``abs_ge_signed``, ``abs_not_lt_signed``:
+    signed values) where at most ``cap`` pass, else just how many pass: one pass either way."""
+    lib = library()
+    assert lib is not None and usable(a)
+    f = getattr(lib, f"ac_select_{mode}")
+    ws = _SCRATCH.__dict__.get("compacted")
+    if ws is None:
+        ws = _SCRATCH.compacted = Workspace()
+    cpu = torch.device("cpu")
+    idx, vals = ws.transfer("idx", cap, torch.int64, cpu), ws.transfer("vals", cap, torch.float32, cpu)
+    c = int(f(a.data_ptr(), a.numel(), thr, idx.data_ptr(), vals.data_ptr(), cap))
+    if c > cap:
+        return c
+    return (idx[:c].clone(), vals[:c].clone()) if cap > 2 * c + 4096 else (idx[:c], vals[:c])
+
+
 def pick_pairs(vals: Tensor, idx: Tensor, thr: float, strict: bool, expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
     """Of candidates at positions ``idx`` (int64) with signed float32 values ``vals``, those whose
     magnitude passes ``thr`` (``>`` where ``strict``, else ``>=``): their positions and signed values,
