@@ -314,6 +314,9 @@ def test_cost_cells_on_the_models_own_gradients(tmp_path):
     assert row["grads"] == "model" and 0 < row["bytes_ratio"] < 1 and row["step_s"] > 0
     _run([*BENCH, "cost", "report-floor", "--after", "m.json", "--out", "floor.md"], tmp_path)
     assert "the zoo models' own" in (tmp_path / "floor.md").read_text()
+    # how well Top-k's sampled floor guesses there, for both line placements
+    out = _run([*BENCH, "cost", "floors", "--models", "lstm_lm", "--steps", "2", "--threads", "1"], tmp_path).stdout
+    assert "lstm_lm     first lines  passed / k over" in out and "lstm_lm     Weyl offsets passed / k over" in out
 
 
 def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):

@@ -290,6 +290,46 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
             "grads": grads_from}
 
 
+def floors(args: argparse.Namespace) -> None:
+    """How well Top-k's sampled floor guesses, on a model's own gradients: with error feedback over
+    ``--steps`` batches (density 1 %), per tensor of >= 2^16 elements and step after the first, how
+    many elements pass the floor sampled for Top-k's candidate target, over k (below 1: the
+    selection reads the tensor again), for the sample's lines at each span's first line (before)
+    and at the Weyl-sequence offsets (now, ``sample_starts``). The quantiles of those ratios."""
+    from adacomp.compressors.sparse import SAMPLE_LINE, SAMPLE_SIZE, k_for, sample_starts, sampled_value
+    from adacomp.compressors.topk import _expected
+    torch.set_num_threads(args.threads)
+    m = SAMPLE_SIZE // SAMPLE_LINE
+
+    def sample(x: torch.Tensor, spread: bool) -> torch.Tensor:
+        lines = x.numel() // SAMPLE_LINE
+        at = sample_starts(lines, m) if spread else torch.arange(m) * lines // m
+        return x[:lines * SAMPLE_LINE].view(lines, SAMPLE_LINE).index_select(0, at).view(-1)
+
+    for model in args.models.split(","):
+        sets = model_gradients(model, args.steps)
+        residual: dict[str, torch.Tensor] = {}
+        ratios: dict[bool, list[float]] = {False: [], True: []}
+        for step, grads in enumerate(sets):
+            for name, g in grads.items():
+                if g.numel() < 1 << 16:
+                    continue
+                x = g.reshape(-1) + residual.get(name, torch.zeros(g.numel()))
+                a, k = x.abs(), k_for(x.numel(), 0.01)
+                if step:
+                    for spread in (False, True):
+                        floor = sampled_value(sample(x, spread), _expected(k, x.numel()), absolute=True)
+                        ratios[spread].append(int((a >= floor).sum()) / k)
+                x[torch.topk(a, k, sorted=False).indices] = 0.0
+                residual[name] = x
+        for spread in (False, True):
+            r = torch.tensor(ratios[spread])
+            q = [float(v) for v in r.quantile(torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0]))]
+            print(f"{model:11s} {'Weyl offsets' if spread else 'first lines':12s} passed / k over {r.numel()} "
+                  f"tensor-steps: min {q[0]:.2f} p10 {q[1]:.2f} median {q[2]:.2f} p90 {q[3]:.2f} max {q[4]:.2f}; "
+                  f"below k {int((r < 1).sum())}, above 3 k {int((r > 3).sum())}", flush=True)
+
+
 def _minimum_passes(names: tuple[str, ...]) -> list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]]:
     """The passes of :data:`MINIMUM` as calls on (gradient, a buffer, another buffer), each the
     fastest this package has for it: error feedback's add and the dense write with the streaming
@@ -594,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=int, default=900)
     r.add_argument("--resume", action="store_true", help="keep the cells already in --json")
     r.add_argument("--grads", choices=GRADS, default="randn", help=GRADS_HELP)
+    fl = sub.add_parser("floors", help="Top-k's sampled floor on the models' own gradients (see floors())")
+    fl.add_argument("--models", default="resnet50,gpt2_small,vgg16")
+    fl.add_argument("--steps", type=int, default=6, help="batches (error feedback carries across them)")
+    fl.add_argument("--threads", type=int, default=2)
     w = sub.add_parser("backward")
     w.add_argument("--json", required=True)
     w.add_argument("--models", default=",".join(MODELS))
@@ -616,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         print(json.dumps(cell(args.model, args.method, args.steps, args.grads, args.grads_file)))
     else:
-        {"run": run, "backward": backward, "report": report, "report-floor": report_floor}[args.cmd](args)
+        {"run": run, "backward": backward, "report": report, "report-floor": report_floor,
+         "floors": floors}[args.cmd](args)
     return 0
 
 
