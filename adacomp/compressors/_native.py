@@ -1834,8 +1834,9 @@ int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int wor
 /* The j-th of m sample lines among `lines` (adacomp.compressors.sparse.sample_starts): one line of the
    j-th of m equal spans, at the fraction of the span a Weyl sequence gives (j / golden ratio, mod 1, in
    32-bit fixed point); ascending in j. The span's first line instead aliased with a matrix's rows (a
-   span of 2304 floats on GPT-2's 768 x 3072 weights met 4 columns, VGG-16's fc6 one): on the models'
-   own gradients the sampled floors passed 0.2-14 times their target, 0.9-1.8 times since. */
+   span of 2304 floats on GPT-2's 768 x 3072 weights met 4 columns, VGG-16's fc6 one): on VGG-16's
+   own gradients the sampled floors passed 0.22-14.6 times their target, 1.06-2.28 times since
+   (adacomp bench cost floors, cost_notes item 53). */
 static inline int64_t sample_line(int64_t j, int64_t lines, int64_t m) {
     const int64_t lo = j * lines / m, span = (j + 1) * lines / m - lo;
     const uint64_t frac = ((uint64_t)j * 2654435769u) & 0xffffffffu;
@@ -3461,15 +3462,9 @@ def select_upto(a: Tensor, thr: float, mode: str, cap: int) -> tuple[Tensor, Ten
     lib = library()
     assert lib is not None and usable(a)
     f = getattr(lib, f"ac_select_{mode}")
-    ws = _SCRATCH.__dict__.get("compacted")
-    if ws is None:
-        ws = _SCRATCH.compacted = Workspace()
-    cpu = torch.device("cpu")
-    idx, vals = ws.transfer("idx", cap, torch.int64, cpu), ws.transfer("vals", cap, torch.float32, cpu)
+    idx, vals = _compaction_buffers(cap)
     c = int(f(a.data_ptr(), a.numel(), thr, idx.data_ptr(), vals.data_ptr(), cap))
-    if c > cap:
-        return c
-    return (idx[:c].clone(), vals[:c].clone()) if cap > 2 * c + 4096 else (idx[:c], vals[:c])
+    return c if c > cap else _trimmed(idx, vals, c, cap)
 
 
 def pick_pairs(vals: Tensor, idx: Tensor, thr: float, strict: bool, expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
@@ -3826,6 +3821,21 @@ def std_in_order(x: Tensor, mean: float) -> float | None:
     return _std_of(float(total.item()), x.numel())
 
 
+def _compaction_buffers(cap: int) -> tuple[Tensor, Tensor]:
+    """Index and value buffers for a compaction of at most ``cap``, from this thread's pool."""
+    ws = _SCRATCH.__dict__.get("compacted")
+    if ws is None:
+        ws = _SCRATCH.compacted = Workspace()
+    cpu = torch.device("cpu")
+    return ws.transfer("idx", cap, torch.int64, cpu), ws.transfer("vals", cap, torch.float32, cpu)
+
+
+def _trimmed(idx: Tensor, vals: Tensor, c: int, cap: int) -> tuple[Tensor, Tensor]:
+    """The first ``c`` of a compaction's buffers; copies where the guess ``cap`` was generous, so
+    small views do not keep the pool's large buffers alive."""
+    return (idx[:c].clone(), vals[:c].clone()) if cap > 2 * c + 4096 else (idx[:c], vals[:c])
+
+
 def _signed_again(lib: ctypes.CDLL, mode: str, out: Tensor, thr: float) -> Callable[[int, int, int], int]:
     """A fused pass's compaction taken again from the sum it wrote to ``out``: the positions of
     ``|out|`` passing ``thr`` in ``mode`` with the signed values, the set and order the pass emits."""
@@ -3839,23 +3849,16 @@ def _compacted(call: Callable[[int, int, int], int], n: int, expected: float,
     passed, writing at most ``cap``); called again with the exact size when the guess was short, or
     ``again`` instead where it gives the same (a fused compensation wrote its whole sum and counted
     its candidates: one read of that sum, not the fused pass again; on real gradients a sampled
-    floor passed up to 14 times its target, cost_notes item 54)."""
+    floor passed up to 14 times its target, cost_notes item 53)."""
     cap = min(n, int(n * min(1.0, expected) * 1.5) + 1024)
-    ws = _SCRATCH.__dict__.get("compacted")
-    if ws is None:
-        ws = _SCRATCH.compacted = Workspace()
-    cpu = torch.device("cpu")
     while True:
         # reused while nobody holds them (a search's candidates are dropped once its compressor has
         # picked): fresh multi-MB buffers here page-faulted on alternate steps (MSTop-k on VGG-16's fc6:
         # 4.6M candidates, 55 MB)
-        idx = ws.transfer("idx", cap, torch.int64, cpu)
-        vals = ws.transfer("vals", cap, torch.float32, cpu)
+        idx, vals = _compaction_buffers(cap)
         c = int(call(idx.data_ptr(), vals.data_ptr(), cap))
         if c <= cap:
-            if cap > 2 * c + 4096:  # a generous guess: do not keep its buffers alive behind small views
-                return idx[:c].clone(), vals[:c].clone()
-            return idx[:c], vals[:c]
+            return _trimmed(idx, vals, c, cap)
         cap = c  # the guess was short: the exact count is known now
         if again is not None:
             call = again

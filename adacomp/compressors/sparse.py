@@ -70,8 +70,8 @@ tensor: a gather + scatter costs ~10x more per element than a dense pass."""
 SEARCH_FACTOR = 3.0
 """A threshold search's candidates are what a sampled floor passes at this multiple of its density."""
 SEARCH_COMPACT_MIN = 1 << 16
-REFLOOR_ROOM = 8  # a count below the kept floor keeps what passes where this many times the kept set does
 """Tensors from this many elements are compacted before a search (smaller ones are counted whole)."""
+REFLOOR_ROOM = 8  # a count below the kept floor keeps what passes where this many times the kept set does
 
 
 def search_share(density: float, factor: float = SEARCH_FACTOR) -> float:
@@ -194,8 +194,8 @@ def sample_starts(lines: int, m: int, device: torch.device | None = None) -> Ten
     fraction of the span a Weyl sequence gives (j / golden ratio, mod 1, in 32-bit fixed point; the
     C sample's ``sample_line``). Why not each span's first line: equal spans alias with a matrix's
     rows, so the sample met the same few columns of every row it hit (GPT-2's 768 x 3072 weights: 4;
-    VGG-16's fc6: 1), and on the models' own gradients a floor sampled there passed 0.2-14 times its
-    target (0.9-1.8 times with these lines; cost_notes item 54)."""
+    VGG-16's fc6: 1), and on VGG-16's own gradients a floor sampled there passed 0.22-14.6 times
+    Top-k's target, 1.06-2.28 times with these lines (`adacomp bench cost floors`, cost_notes item 53)."""
     j = torch.arange(m, dtype=torch.int64, device=device)
     lo = j * lines // m
     frac = (j * 2654435769) % (1 << 32)

@@ -86,9 +86,10 @@ def topk_indices(flat: Tensor, k: int, workspace: Workspace | None = None, below
 
 def _expected(k: int, n: int) -> float:
     """The prefilter's target share of candidates: about 1.5 k + 32 (plus a few sigma of sampling
-    noise) of n. On the models' own gradients the sample's floor passed 0.9-1.8 times this target
-    at 1.25 k (cost_notes item 54): a floor passing fewer than k costs a pass over the tensor and a
-    selection among several times k candidates, 20 % more candidates a few percent of one pass."""
+    noise) of n (1.25 k before cost_notes item 53: on the models' own gradients a sampled floor can
+    pass somewhat fewer than its target, and a floor passing fewer than k costs a pass over the
+    tensor and a selection among several times k candidates, 20 % more candidates a few percent of
+    one pass)."""
     return min(1.0, (1.5 * k + 32 + 8 * math.sqrt(k)) / n)
 
 
