@@ -101,6 +101,7 @@ def test_row_order_statistics_in_c_give_the_sorts_selection(monkeypatch, kind):
     indices, in the same order, with the same fallback rows as the integer sort of all candidates."""
     monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
     from adacomp.compressors import _native
+    monkeypatch.setattr(_native, "row_finish", lambda *a: None)  # the sequence it replaces, here
     real, used = _native.row_order_stats, []
     for shape, split, density in CASES:
         x = make(kind, shape, seed=len(kind) * 1000 + sum(shape))
@@ -114,6 +115,39 @@ def test_row_order_statistics_in_c_give_the_sorts_selection(monkeypatch, kind):
         if fast is not None:
             assert torch.equal(fast[0], sort[0]) and fast[1] == sort[1], (shape, split, density)
     assert used or kind == "ties"  # the C path ran (with that many ties every case declines before it)
+
+
+@pytest.mark.parametrize("kind", ["gauss", "t3", "ties", "nan", "rowscale", "sparse", "zerocols"])
+def test_selection_from_the_candidates_in_one_c_call_equals_the_torch_sequence(monkeypatch, kind, avx2_switch):
+    """_native.row_finish (each row's order statistics, the r rows taking one more, the kept
+    candidates) returns the indices the torch sequence after it returns, in the same order, and
+    declines (None: that sequence answers) wherever a row needs torch.topk's own choice."""
+    monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
+    from adacomp.compressors import _native
+    real, answered = _native.row_finish, []
+
+    def counted(*a):
+        got = real(*a)
+        answered.append(got is not None)
+        return got
+
+    for shape, split, density in CASES + [((1024, 256), "rows", 0.01), ((64, 576), "rows", 0.01)]:
+        x = make(kind, shape, seed=len(kind) * 1000 + sum(shape))
+        m, n, rr = adtopk.matrix_shape(x.shape, split)
+        k = max(1, round(density * x.numel()))
+        monkeypatch.setattr(_native, "row_finish", counted)
+        fast = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
+        monkeypatch.setattr(_native, "row_finish", lambda *a: None)
+        slow = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
+        assert (fast is None) == (slow is None)
+        if fast is not None:
+            assert torch.equal(fast[0], slow[0]) and fast[1] == slow[1], (shape, split, density)
+            if answered and answered[-1] and fast[1] == 0:
+                assert set(fast[0].tolist()) == plain_row_selection(x, split, density)
+    if kind in ("gauss", "t3", "rowscale"):
+        assert answered and all(answered)  # no ties, no NaN: the one call chose every tensor
+    if kind == "nan":
+        assert False in answered  # a NaN row goes back to torch.topk
 
 
 @pytest.mark.parametrize("q", [1, 6, 40, 130])

@@ -1473,6 +1473,49 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
     }
     return w;
 }
+/* ADTopk's whole selection from one tensor's candidates (ac_row_order_stats' input) where no row
+   needs torch.topk: each row's v[q+1], v[q], v[q-1]; the r rows with the largest v[q] take q + 1;
+   each row's candidates reaching its threshold (v[q] in those rows, v[q-1] in the others), in their
+   order (ac_row_chosen). It was ~30 small torch calls per tensor in Python (100-400 us each tensor,
+   ~35 tensors of ResNet-50). Returns the count; -2 where torch must answer a row (bad_in set, a NaN,
+   fewer than q + 1 candidates, a tie at a row's cut, or a tie at the r-th largest v[q], whose choice
+   is torch.topk's): the caller's general path then runs; -1 on a row out of range or not grouped.
+   keys: max(m, the longest row's candidates) + 8 uint32; stats 3m floats; counts m; nan, thr m. */
+int64_t ac_row_finish(const float* mag, const int64_t* flat, const int64_t* row, int64_t nc, int64_t m,
+                      int64_t q, int64_t r, const uint8_t* bad_in, uint32_t* keys, float* stats,
+                      int64_t* counts, uint8_t* nan, float* thr, int64_t* out) {
+    if (q < 1 || r < 0 || r >= m) return -1;
+    if (ac_row_order_stats(mag, row, nc, m, q, keys, stats, counts, nan) != 0) return -1;
+    for (int64_t i = 0; i < m; ++i)
+        if (bad_in[i] | nan[i] | (counts[i] < q + 1)) return -2;
+    /* every v[q] is a candidate's magnitude (> 0, not NaN): its bits order as the floats do */
+    uint32_t cut = 0;
+    if (r > 0) {
+        for (int64_t i = 0; i < m; ++i) __builtin_memcpy(keys + i, stats + 3 * i + 1, sizeof *keys);
+        cut = kth_of_keys(keys, m, r, NULL);
+        int64_t above = 0;
+        for (int64_t i = 0; i < m; ++i) {
+            uint32_t u;
+            __builtin_memcpy(&u, stats + 3 * i + 1, sizeof u);
+            above += u >= cut;
+        }
+        if (above != r) return -2;
+    }
+    for (int64_t i = 0; i < m; ++i) {
+        const float* s = stats + 3 * i;  /* v[q+1] (-1 where the row has q + 1), v[q], v[q-1] */
+        uint32_t u;
+        __builtin_memcpy(&u, s + 1, sizeof u);
+        const int extra = r > 0 && u >= cut;
+        if (extra ? s[1] <= s[0] : s[2] <= s[1]) return -2;
+        thr[i] = extra ? s[1] : s[2];
+    }
+    int64_t w = 0;
+    for (int64_t i = 0; i < nc; ++i) {
+        out[w] = flat[i];
+        w += mag[i] >= thr[row[i]];
+    }
+    return w;
+}
 #if defined(AC_AVX2)
 /* src to dst with non-temporal stores where dst is 32-byte aligned (plain stores around it) */
 __attribute__((target("avx2"))) static void stream_run(float* dst, const float* src, int64_t n) {
@@ -3357,6 +3400,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_row_chosen.restype = ctypes.c_int64
     lib_.ac_row_chosen.argtypes = [vp, vp, vp, i64, i64, vp, vp, vp]
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
+    lib_.ac_row_finish.restype = ctypes.c_int64
+    lib_.ac_row_finish.argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
     lib_.ac_sub.restype = None
@@ -4319,6 +4364,32 @@ def row_chosen(mag: Tensor, flat: Tensor, row: Tensor, thr: Tensor, chose: Tenso
     w = int(lib.ac_row_chosen(mag.data_ptr(), flat.data_ptr(), row.data_ptr(), nc, m, thr.data_ptr(),
                               chose.data_ptr(), out.data_ptr()))
     return out[:w].clone() if 0 <= w < nc // 2 else (out[:w] if w >= 0 else None)
+
+
+def row_finish(mag: Tensor, flat: Tensor, row: Tensor, bad: Tensor, m: int, q: int, r: int, n: int) -> Tensor | None:
+    """ADTopk's selection from a tensor's candidates (ascending ``flat``, their ``mag`` and ``row``,
+    ``bad`` rows (bool, m)) in one C call, bitwise what fast_row_topk's torch sequence chooses (the
+    same set, ascending): each row's q (+1 in the r rows with the largest (q+1)-th magnitude) largest.
+    None where a row needs torch.topk (a NaN, too few candidates, a tie at a cut) or the layout does
+    not fit: the caller's general path answers."""
+    lib = library()
+    nc = flat.numel()
+    if (lib is None or not usable(mag) or mag.numel() != nc or bad.dtype != torch.bool or not bad.is_contiguous()
+            or bad.numel() != m or any(t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous()
+                                       or t.numel() != nc for t in (flat, row))):
+        return None
+    keys = _keys(max(m, n) + 8)
+    stats = torch.empty(3 * m, dtype=torch.float32)
+    counts = torch.empty(m, dtype=torch.int64)
+    nan = torch.empty(m, dtype=torch.uint8)
+    thr = torch.empty(m, dtype=torch.float32)
+    out = torch.empty(nc, dtype=torch.int64)
+    w = int(lib.ac_row_finish(mag.data_ptr(), flat.data_ptr(), row.data_ptr(), nc, m, q, r, bad.data_ptr(),
+                              keys.data_ptr(), stats.data_ptr(), counts.data_ptr(), nan.data_ptr(), thr.data_ptr(),
+                              out.data_ptr()))
+    if w < 0:
+        return None
+    return out[:w].clone() if w < nc // 2 else out[:w]
 
 
 def row_kth(a: Tensor, r: int) -> Tensor | None:

@@ -18,10 +18,12 @@ from adacomp.compressors.sparse import TINY, Workspace, nonzero_1d
 
 # CPU fast paths (same selections, fewer passes) for float dtypes whose |x| is exact in float32.
 FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Below 2^17 elements (2^19 with q < 4 per row) the per-row torch.topk beats the ~40 small ops of
-# fast_row_topk (measured on CPU, 1 thread, once the candidates came from one C call: (128, 1152) at
-# 1 %: 243 vs 301 us; (64, 576): 206 vs 61 us).
-ROW_MIN_NUMEL = 1 << 17
+# Below 2^14 elements the per-row torch.topk beats fast_row_topk's C calls (CPU, 1 thread, density
+# 1 %, with the candidates from the compensation's pass and the selection from them in one C call,
+# _native.row_finish: (256, 64) 96 vs 130 us, (64, 576) 220 vs 145, (1024, 256) 1220 vs 500; over
+# ResNet-50's tensors of 2^10-2^20 elements 20.0 -> 13.6 ms a step; before row_finish the ~30 torch
+# calls it replaced set the limit at 2^17, 2^19 with q < 4).
+ROW_MIN_NUMEL = 1 << 14
 # Strided / contiguous block counts per row, as multiples of the per-row need (see fast_row_topk).
 GATHER_BLOCKS, GATHER_RATIO, MASK_RATIO = 64, 8, 1.5
 
@@ -198,7 +200,7 @@ def _plan(m: int, n: int, k: int) -> _Plan | None:
     if q == 0:
         q, r = 1, 0
     q1 = q + 1
-    if m * n < ROW_MIN_NUMEL or (m * n < 4 * ROW_MIN_NUMEL and q < 4):
+    if m * n < ROW_MIN_NUMEL:
         return None
     gather = max(GATHER_BLOCKS, 1 << math.ceil(math.log2(GATHER_RATIO * q1)))
     blocks = max(32, 1 << math.ceil(math.log2(MASK_RATIO * (q + 2))))
@@ -256,6 +258,10 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
         return None
     if c is None:
         return None
+    if rr == 1 and tensor.dtype == torch.float32:  # the usual case in one C call (ties, NaN: below)
+        done = _native.row_finish(c.mag, c.flat, c.row, c.bad, m, q, r, n)
+        if done is not None:
+            return done, 0
     # v[q+1], v[q], v[q-1] (0-based, descending) of each row's candidates, -1 where it has too few:
     # three quickselects per row in C where the candidates come grouped by row (with the rows' counts
     # and NaN flags from the same walk), else one integer (radix) sort of them all by (row, |x|)
