@@ -85,7 +85,7 @@ def test_fast_row_topk_equals_plain_per_row_topk(monkeypatch, kind, shape, split
     if got is None:  # more than 1/8 of the tensor ties at the floor: the caller runs the plain torch.topk
         assert kind in ("ties", "bf16")
         return
-    idx, fallback_rows = got
+    idx, fallback_rows = got.idx, got.exact
     assert idx.dtype == torch.int64 and idx.unique().numel() == idx.numel() == max(k, m)
     assert set(idx.tolist()) == plain_row_selection(x, split, density)
     assert bool((idx[1:] > idx[:-1]).all())  # ascending: the C sparse mean takes such payloads in one pass
@@ -101,7 +101,7 @@ def test_row_order_statistics_in_c_give_the_sorts_selection(monkeypatch, kind):
     indices, in the same order, with the same fallback rows as the integer sort of all candidates."""
     monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
     from adacomp.compressors import _native
-    monkeypatch.setattr(_native, "row_finish", lambda *a: None)  # the sequence it replaces, here
+    monkeypatch.setattr(_native, "row_finish", lambda *a, **kw: None)  # the sequence it replaces, here
     real, used = _native.row_order_stats, []
     for shape, split, density in CASES:
         x = make(kind, shape, seed=len(kind) * 1000 + sum(shape))
@@ -126,8 +126,8 @@ def test_selection_from_the_candidates_in_one_c_call_equals_the_torch_sequence(m
     from adacomp.compressors import _native
     real, answered = _native.row_finish, []
 
-    def counted(*a):
-        got = real(*a)
+    def counted(*a, **kw):
+        got = real(*a, **kw)
         answered.append(got is not None)
         return got
 
@@ -137,13 +137,15 @@ def test_selection_from_the_candidates_in_one_c_call_equals_the_torch_sequence(m
         k = max(1, round(density * x.numel()))
         monkeypatch.setattr(_native, "row_finish", counted)
         fast = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
-        monkeypatch.setattr(_native, "row_finish", lambda *a: None)
+        monkeypatch.setattr(_native, "row_finish", lambda *a, **kw: None)
         slow = adtopk.fast_row_topk(x, m, n, rr, k, Workspace())
         assert (fast is None) == (slow is None)
         if fast is not None:
-            assert torch.equal(fast[0], slow[0]) and fast[1] == slow[1], (shape, split, density)
-            if answered and answered[-1] and fast[1] == 0:
-                assert set(fast[0].tolist()) == plain_row_selection(x, split, density)
+            assert torch.equal(fast.idx, slow.idx) and fast.exact == slow.exact, (shape, split, density)
+            if fast.vals is not None:  # the signed candidates' values: the payload's, bit for bit
+                assert torch.equal(fast.vals.view(torch.int32), x.reshape(-1)[fast.idx].view(torch.int32))
+            if answered and answered[-1] and fast.exact == 0:
+                assert set(fast.idx.tolist()) == plain_row_selection(x, split, density)
     if kind in ("gauss", "t3", "rowscale"):
         assert answered and all(answered)  # no ties, no NaN: the one call chose every tensor
     if kind == "nan":

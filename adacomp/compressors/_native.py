@@ -1473,19 +1473,28 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
     }
     return w;
 }
-/* ADTopk's whole selection from one tensor's candidates (ac_row_order_stats' input) where no row
-   needs torch.topk: each row's v[q+1], v[q], v[q-1]; the r rows with the largest v[q] take q + 1;
-   each row's candidates reaching its threshold (v[q] in those rows, v[q-1] in the others), in their
-   order (ac_row_chosen). It was ~30 small torch calls per tensor in Python (100-400 us each tensor,
-   ~35 tensors of ResNet-50). Returns the count; -2 where torch must answer a row (bad_in set, a NaN,
-   fewer than q + 1 candidates, a tie at a row's cut, or a tie at the r-th largest v[q], whose choice
-   is torch.topk's): the caller's general path then runs; -1 on a row out of range or not grouped.
-   keys: max(m, the longest row's candidates) + 8 uint32; stats 3m floats; counts m; nan, thr m. */
-int64_t ac_row_finish(const float* mag, const int64_t* flat, const int64_t* row, int64_t nc, int64_t m,
-                      int64_t q, int64_t r, const uint8_t* bad_in, uint32_t* keys, float* stats,
-                      int64_t* counts, uint8_t* nan, float* thr, int64_t* out) {
-    if (q < 1 || r < 0 || r >= m) return -1;
-    if (ac_row_order_stats(mag, row, nc, m, q, keys, stats, counts, nan) != 0) return -1;
+/* ADTopk's whole selection from one tensor's candidates (ascending positions flat[] in an (m, n)
+   matrix, their values vals[], magnitudes or, with signed_vals, the signed values) where no row
+   needs torch.topk: each row's v[q+1], v[q], v[q-1] (ac_row_order_stats); the r rows with the
+   largest v[q] take q + 1; each row's candidates reaching its threshold (v[q] in those rows, v[q-1]
+   in the others), in their order (ac_row_chosen), with their values where out_vals is given (signed:
+   the payload's, no gather from the tensor). It was ~30 small torch calls per tensor in Python
+   (100-400 us each, ~50 tensors of ResNet-50) and a gather. Returns the count; -2 where torch must
+   answer a row (bad_in set, a NaN, fewer than q + 1 candidates, a tie at a row's cut, or a tie at
+   the r-th largest v[q], whose choice is torch.topk's): the caller's general path runs; -1 on a
+   position out of range or not ascending. keys: max(m, n) + 8 uint32; rows nc int64 (written:
+   each candidate's row); stats 3m floats; counts m; nan, thr m. */
+int64_t ac_row_finish(const float* vals, const int64_t* flat, int64_t nc, int64_t m, int64_t n, int64_t q,
+                      int64_t r, int signed_vals, const uint8_t* bad_in, uint32_t* keys, int64_t* rows,
+                      float* stats, int64_t* counts, uint8_t* nan, float* thr, int64_t* out, float* out_vals) {
+    if (q < 1 || r < 0 || r >= m || n < 1) return -1;
+    for (int64_t i = 0, row = 0; i < nc; ++i) {
+        if (flat[i] < 0 || flat[i] >= m * n || (i > 0 && flat[i] <= flat[i - 1])) return -1;
+        while (flat[i] >= (row + 1) * n) ++row;
+        rows[i] = row;
+    }
+    /* the ranks read magnitude bits (the sign bit masked): signed values serve as they are */
+    if (ac_row_order_stats(vals, rows, nc, m, q, keys, stats, counts, nan) != 0) return -1;
     for (int64_t i = 0; i < m; ++i)
         if (bad_in[i] | nan[i] | (counts[i] < q + 1)) return -2;
     /* every v[q] is a candidate's magnitude (> 0, not NaN): its bits order as the floats do */
@@ -1511,8 +1520,10 @@ int64_t ac_row_finish(const float* mag, const int64_t* flat, const int64_t* row,
     }
     int64_t w = 0;
     for (int64_t i = 0; i < nc; ++i) {
+        const float v = vals[i];
         out[w] = flat[i];
-        w += mag[i] >= thr[row[i]];
+        if (out_vals) out_vals[w] = v;
+        w += (signed_vals ? __builtin_fabsf(v) : v) >= thr[rows[i]];
     }
     return w;
 }
@@ -1561,7 +1572,7 @@ __attribute__((target("avx2"))) static void row_add_block_max_avx2(const float* 
    first: one read of the tensor less than storing into it); else written into x. */
 AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, int64_t r, float tiny,
                                     uint32_t* keys, uint8_t* bad, int64_t* idx, float* vals, int64_t cap,
-                                    const float* g, const float* plus) {
+                                    const float* g, const float* plus, int signed_vals) {
     RANKED_SCRATCH(b)
     int64_t total = 0;
     float* row = NULL;
@@ -1599,8 +1610,9 @@ AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, i
             t = t < tiny ? tiny : t;
         }
         const int64_t at = total < cap ? total : cap;
-        const int64_t c = (n % b == 0 ? ac_select_abs_ge : ac_select_abs_not_lt)(src, n, t, idx + at, vals + at,
-                                                                                 cap - at);
+        const int64_t c = (signed_vals ? (n % b == 0 ? ac_select_abs_ge_signed : ac_select_abs_not_lt_signed)
+                                       : (n % b == 0 ? ac_select_abs_ge : ac_select_abs_not_lt))(
+            src, n, t, idx + at, vals + at, cap - at);
         const int64_t w = c < cap - at ? c : cap - at;
         for (int64_t j = 0; j < w; ++j) idx[at + j] += i * n;
         total += c;
@@ -3343,7 +3355,8 @@ def _load(out: Path) -> ctypes.CDLL:
         fm.restype = None
         fm.argtypes = [vp, i64, i64, vp, i64, vp, i64]
     lib_.ac_row_candidates.restype = ctypes.c_int64
-    lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64, vp, vp]
+    lib_.ac_row_candidates.argtypes = [vp, i64, i64, i64, i64, ctypes.c_float, vp, vp, vp, vp, i64, vp, vp,
+                                       ctypes.c_int]
     lib_.ac_momentum_accumulate.restype = None
     lib_.ac_momentum_accumulate.argtypes = [vp, vp, vp, vp, vp, i64, ctypes.c_float]
     lib_.ac_momentum_select_abs_ge.restype = ctypes.c_int64
@@ -3401,7 +3414,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_row_chosen.argtypes = [vp, vp, vp, i64, i64, vp, vp, vp]
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_row_finish.restype = ctypes.c_int64
-    lib_.ac_row_finish.argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp]
+    lib_.ac_row_finish.argtypes = [vp, vp, i64, i64, i64, i64, i64, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp,
+                                   vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
     lib_.ac_sub.restype = None
@@ -4291,7 +4305,8 @@ def take(x: Tensor, idx: Tensor) -> Tensor:
 
 
 def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float, limit: int,
-                   add: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, int, Tensor] | None:
+                   add: tuple[Tensor, Tensor] | None = None,
+                   signed: bool = False) -> tuple[Tensor, Tensor, int, Tensor] | None:
     """ADTopk's candidates of the (m, n) float32 ``x`` row by row in one read: each row's floor is the
     ``r``-th largest of its strided block maxima of |x| (block j: columns j, j + blocks, ... below
     ``blocks * (n // blocks)``; :func:`row_kth`),
@@ -4299,7 +4314,8 @@ def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
     ("abs_ge", or "abs_not_lt" where ``blocks`` does not divide n). Returns ascending flat indices,
     their |x|, the count (indices and values left empty above ``limit``) and the rows whose floor was
     NaN; None where torch must answer. ``add = (g, plus)``: first write ``x = g + plus`` (torch.add's
-    bits; error feedback's compensation), each row just before it is read: one pass over the model less."""
+    bits; error feedback's compensation), each row just before it is read: one pass over the model less.
+    ``signed``: the values are the signed elements (a payload's, without a gather later)."""
     lib = library()
     if lib is None or x.dim() != 2 or not usable(x) or not 1 <= r <= blocks <= x.shape[1]:
         return None
@@ -4314,7 +4330,7 @@ def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
         idx = torch.empty(cap, dtype=torch.int64)
         vals = torch.empty(cap, dtype=torch.float32)
         c = int(lib.ac_row_candidates(x.data_ptr(), m, n, blocks, r, tiny, keys.data_ptr(), bad.data_ptr(),
-                                      idx.data_ptr(), vals.data_ptr(), cap, gp, pp))
+                                      idx.data_ptr(), vals.data_ptr(), cap, gp, pp, int(signed)))
         if c <= cap:
             return idx[:c], vals[:c], c, bad.bool()
         if c > limit:
@@ -4366,30 +4382,35 @@ def row_chosen(mag: Tensor, flat: Tensor, row: Tensor, thr: Tensor, chose: Tenso
     return out[:w].clone() if 0 <= w < nc // 2 else (out[:w] if w >= 0 else None)
 
 
-def row_finish(mag: Tensor, flat: Tensor, row: Tensor, bad: Tensor, m: int, q: int, r: int, n: int) -> Tensor | None:
-    """ADTopk's selection from a tensor's candidates (ascending ``flat``, their ``mag`` and ``row``,
-    ``bad`` rows (bool, m)) in one C call, bitwise what fast_row_topk's torch sequence chooses (the
-    same set, ascending): each row's q (+1 in the r rows with the largest (q+1)-th magnitude) largest.
-    None where a row needs torch.topk (a NaN, too few candidates, a tie at a cut) or the layout does
-    not fit: the caller's general path answers."""
+def row_finish(vals: Tensor, flat: Tensor, bad: Tensor, m: int, q: int, r: int, n: int,
+               signed: bool = False) -> tuple[Tensor, Tensor | None] | None:
+    """ADTopk's selection from a tensor's candidates (ascending positions ``flat`` in the (m, n)
+    view, their ``vals``: magnitudes, or the signed values where ``signed``; ``bad`` rows, bool (m,))
+    in one C call, bitwise what fast_row_topk's torch sequence chooses (the same set, ascending):
+    each row's q (+1 in the r rows with the largest (q+1)-th magnitude) largest; with their signed
+    values where ``signed`` (else None). None where a row needs torch.topk (a NaN, too few
+    candidates, a tie at a cut) or the layout does not fit: the caller's general path answers."""
     lib = library()
     nc = flat.numel()
-    if (lib is None or not usable(mag) or mag.numel() != nc or bad.dtype != torch.bool or not bad.is_contiguous()
-            or bad.numel() != m or any(t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous()
-                                       or t.numel() != nc for t in (flat, row))):
+    if (lib is None or not usable(vals) or vals.numel() != nc or bad.dtype != torch.bool or not bad.is_contiguous()
+            or bad.numel() != m or flat.dtype != torch.int64 or not flat.is_cpu or not flat.is_contiguous()):
         return None
     keys = _keys(max(m, n) + 8)
+    rows = _reused("finish_rows", nc, torch.int64)
     stats = torch.empty(3 * m, dtype=torch.float32)
     counts = torch.empty(m, dtype=torch.int64)
     nan = torch.empty(m, dtype=torch.uint8)
     thr = torch.empty(m, dtype=torch.float32)
     out = torch.empty(nc, dtype=torch.int64)
-    w = int(lib.ac_row_finish(mag.data_ptr(), flat.data_ptr(), row.data_ptr(), nc, m, q, r, bad.data_ptr(),
-                              keys.data_ptr(), stats.data_ptr(), counts.data_ptr(), nan.data_ptr(), thr.data_ptr(),
-                              out.data_ptr()))
+    out_vals = torch.empty(nc, dtype=torch.float32) if signed else None
+    w = int(lib.ac_row_finish(vals.data_ptr(), flat.data_ptr(), nc, m, n, q, r, int(signed), bad.data_ptr(),
+                              keys.data_ptr(), rows.data_ptr(), stats.data_ptr(), counts.data_ptr(), nan.data_ptr(),
+                              thr.data_ptr(), out.data_ptr(), out_vals.data_ptr() if out_vals is not None else None))
     if w < 0:
         return None
-    return out[:w].clone() if w < nc // 2 else out[:w]
+    if w < nc // 2:
+        return out[:w].clone(), out_vals[:w].clone() if out_vals is not None else None
+    return out[:w], out_vals[:w] if out_vals is not None else None
 
 
 def row_kth(a: Tensor, r: int) -> Tensor | None:

@@ -67,13 +67,24 @@ def fast_eligible(tensor: Tensor) -> bool:
 
 class Candidates(NamedTuple):
     """Per row, a superset of its top q + 1 whose every member beats every non-member of the row:
-    flat indices, their |x| in float32, their rows, and the rows (M,) left to torch.topk because a
-    NaN was seen (torch.topk ranks NaN first)."""
+    flat indices (ascending within a row), their |x| in float32 (the signed x where ``signed``: the
+    payload's values then come from here), their rows (None: flat // n), and the rows (M,) left to
+    torch.topk because a NaN was seen (torch.topk ranks NaN first)."""
 
     flat: Tensor
     mag: Tensor
-    row: Tensor
+    row: Tensor | None
     bad: Tensor
+    signed: bool = False
+
+
+class RowPick(NamedTuple):
+    """:func:`fast_row_topk`'s answer: the ascending flat indices, how many rows torch.topk answered,
+    and the selected elements' values where the candidates carried them (else None: gather them)."""
+
+    idx: Tensor
+    exact: int
+    vals: Tensor | None = None
 
 
 def _floor(bmax: Tensor, q1: int) -> tuple[Tensor, Tensor]:
@@ -122,13 +133,13 @@ def _by_row_maxima(x: Tensor, q1: int, blocks: int,
     :func:`_native.row_candidates`)."""
     m, n = x.shape
     got = _native.row_candidates(x, q1, blocks, TINY, min(1.0, 1.6 * q1 / n), limit=int(CANDIDATE_LIMIT * m * n),
-                                 add=add)
+                                 add=add, signed=True)
     if got is None:
         return False
-    flat, mag, count, bad = got
+    flat, vals, count, bad = got
     if _too_many(count, m * n):
         return None
-    return Candidates(flat, mag, flat // n, bad)
+    return Candidates(flat, vals, None, bad, signed=True)
 
 
 def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: Workspace) -> Candidates | None:
@@ -226,7 +237,7 @@ def compensated_candidates(g: Tensor, r: Tensor, out: Tensor, m: int, n: int, rr
 
 
 def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace,
-                  known: Candidates | None = None) -> tuple[Tensor, int] | None:
+                  known: Candidates | None = None) -> RowPick | None:
     """The flat indices :func:`row_topk` selects on |tensor| (same set), ascending (what the
     all-gather's one-pass sparse mean takes), and how many rows fell back to its torch.topk; None
     where the plain per-row torch.topk is as fast.
@@ -259,30 +270,32 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     if c is None:
         return None
     if rr == 1 and tensor.dtype == torch.float32:  # the usual case in one C call (ties, NaN: below)
-        done = _native.row_finish(c.mag, c.flat, c.row, c.bad, m, q, r, n)
+        done = _native.row_finish(c.mag, c.flat, c.bad, m, q, r, n, signed=c.signed)
         if done is not None:
-            return done, 0
+            return RowPick(done[0], 0, done[1])
+    cmag = c.mag.abs() if c.signed else c.mag
+    crow = c.row if c.row is not None else c.flat // n
     # v[q+1], v[q], v[q-1] (0-based, descending) of each row's candidates, -1 where it has too few:
     # three quickselects per row in C where the candidates come grouped by row (with the rows' counts
     # and NaN flags from the same walk), else one integer (radix) sort of them all by (row, |x|)
     # (float bits of x >= 0 are monotone)
-    stats = _native.row_order_stats(c.mag, c.row, m, q, n) if rr == 1 else None
+    stats = _native.row_order_stats(cmag, crow, m, q, n) if rr == 1 else None
     bad = c.bad
     if stats is not None:
         counts = stats.counts
         bad |= stats.nan
     else:
-        counts = torch.bincount(c.row, minlength=m)
-        nan = torch.isnan(c.mag)
+        counts = torch.bincount(crow, minlength=m)
+        nan = torch.isnan(cmag)
         if bool(nan.any()):
-            bad[c.row[nan]] = True
+            bad[crow[nan]] = True
     bad |= counts < q1
     good = ~bad
     if stats is not None:
         v_q1, v_q, v_q0 = stats.stats.unbind(1)
     else:
-        order = torch.sort((c.row << 32) | (c.mag.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)).indices
-        mag = torch.cat([c.mag.index_select(0, order), c.mag.new_full((1,), -1.0)])  # [-1] pads short rows
+        order = torch.sort((crow << 32) | (cmag.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)).indices
+        mag = torch.cat([cmag.index_select(0, order), cmag.new_full((1,), -1.0)])  # [-1] pads short rows
         end = torch.cumsum(counts, 0)
         last = c.flat.numel()
         v_q1, v_q, v_q0 = (mag.index_select(0, torch.where(counts >= q + 1 + j, end - q - 1 - j, last))
@@ -304,12 +317,12 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     # ascending order, so the payload comes out ascending without a gather by rank
     chose = good & ~tied  # (a magnitude of inf would pass any threshold: the rows are masked apart)
     row_thr = torch.where(extra, v_q, v_q0)
-    chosen = _native.row_chosen(c.mag, c.flat, c.row, row_thr, chose)
+    chosen = _native.row_chosen(cmag, c.flat, crow, row_thr, chose)
     if chosen is None:
-        chosen = c.flat[chose.index_select(0, c.row) & (c.mag >= row_thr.index_select(0, c.row))]
+        chosen = c.flat[chose.index_select(0, crow) & (cmag >= row_thr.index_select(0, crow))]
     exact = int(rows_a.numel() + rows_b.numel())
-    if not exact:  # the usual case: every row chosen from its candidates, nothing to splice in
-        return chosen, 0
+    if not exact:  # every row chosen from its candidates, nothing to splice in
+        return RowPick(chosen, 0)
     rows_x, cols_x = torch.cat([rows_a, rows_b]), torch.cat([cols_a, cols_b])
     more = extra[rows_x]
     rows_x, cols_x = (torch.cat([rows_x.repeat_interleave(q), rows_x[more]]),
@@ -317,7 +330,7 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     back = (rows_x // rr) * (n * rr) + cols_x * rr + rows_x % rr
     if back.numel():  # rows torch.topk answered: merged into ascending order
         chosen = merge_ascending(chosen, back)
-    return chosen, exact
+    return RowPick(chosen, exact)
 
 
 # Above this many runs of ``extra`` between consecutive members of ``ordered`` the slices'

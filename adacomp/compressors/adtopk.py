@@ -109,24 +109,29 @@ class ADTopkCompressor(SparseCompressor):
     def adtopk_indices(self, tensor: Tensor, name: str | None = None) -> Tensor:
         """Flat indices chosen by all-dimension Top-k (``name``: the tensor's, for what its
         compensation's pass found)."""
+        return self.adtopk_pick(tensor, name)[0]
+
+    def adtopk_pick(self, tensor: Tensor, name: str | None = None) -> tuple[Tensor, Tensor | None]:
+        """:meth:`adtopk_indices` and, where the fast rows' candidates carried them (float32), the
+        chosen elements' values (the payload's, with no gather from the tensor); else None."""
         numel = tensor.numel()
         m, n, rr = matrix_shape(tensor.shape, self.split)
         k = k_for(numel, self._density)
         known = self._kept().take(name, tensor.reshape(-1)) if name is not None else None
         if m == 1:
-            return self.topk(tensor, k)
+            return self.topk(tensor, k), None
         if self.fast_cpu and fast_eligible(tensor) and k < numel:
             got = fast_row_topk(tensor, m, n, rr, k, self._workspace(),
                                 known if isinstance(known, Candidates) else None)
             if got is not None:
-                return got[0]
+                return got.idx, got.vals
         if rr == 1:
             rows, cols = row_topk(tensor.reshape(m, n).abs(), k)
-            return rows * n + cols
+            return rows * n + cols, None
         s0 = int(tensor.shape[0])
         fibers = tensor.reshape(s0, n, rr).transpose(1, 2).abs().reshape(m, n)
         rows, cols = row_topk(fibers, k)
-        return (rows // rr) * (n * rr) + cols * rr + rows % rr
+        return (rows // rr) * (n * rr) + cols * rr + rows % rr, None
 
     def topk(self, tensor: Tensor, k: int) -> Tensor:
         """Traditional Top-k of the flattened tensor; prefiltered on CPU (same set as torch.topk)."""
@@ -141,9 +146,14 @@ class ADTopkCompressor(SparseCompressor):
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         flat = tensor.reshape(-1)
-        idx = self.indices(tensor, name)
+        if type(self).indices is ADTopkCompressor.indices:
+            idx, vals = self.adtopk_pick(tensor, name)
+        else:
+            idx, vals = self.indices(tensor, name), None
         self.last_density[name] = idx.numel() / max(1, flat.numel())
-        return [_native.take(flat, idx), idx], SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
+        if vals is None:
+            vals = _native.take(flat, idx)
+        return [vals, idx], SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self._density}, split={self.split!r})"
