@@ -631,7 +631,7 @@ def test_sparse_mean_added_to_the_residual_unwritten(world: int, n: int, avx2_sw
     it; the sample (``sparse_sample_lines``) is ``sample_lines`` of that sum. Overlapping positions,
     -0.0 in payloads and residual, NaN, a divisor that is not a power of two, an empty payload,
     outputs not 32-byte aligned (not streamed), a capacity guess too short (the pass runs again)."""
-    from adacomp.compressors.sparse import SAMPLE_LINE, SAMPLE_SIZE, sample_lines
+    from adacomp.compressors.sparse import SAMPLE_LINE, SAMPLE_SIZE, sample_lines, sample_size
     g = torch.Generator().manual_seed(world * 11 + n)
     idx = [_ascending(n, 0 if r == 1 else max(1, n // 40), g) for r in range(world)]
     vals = [torch.randn(i.numel(), generator=g) for i in idx]
@@ -651,7 +651,9 @@ def test_sparse_mean_added_to_the_residual_unwritten(world: int, n: int, avx2_sw
     if n > SAMPLE_SIZE:
         lines, m = n // SAMPLE_LINE, SAMPLE_SIZE // SAMPLE_LINE
         got_sample = _native.sparse_sample_lines(r, idx, vals, world, lines, m)
-        assert got_sample is not None and torch.equal(bits(got_sample), bits(sample_lines(mean, plus=r)))
+        assert got_sample is not None and torch.equal(bits(got_sample), bits(sample_lines(mean, SAMPLE_SIZE, plus=r)))
+        # by default a sample reads at most 1/32 of a tensor's lines (at least 256, at most 1024)
+        assert sample_lines(mean, plus=r).numel() == sample_size(n) == min(SAMPLE_SIZE, max(4096, n // 512 * 16))
     spoiled = [i.clone() for i in idx]
     if spoiled[0].numel() > 1:  # positions that do not ascend: refused, nothing written
         spoiled[0][1] = spoiled[0][0]

@@ -296,13 +296,12 @@ def floors(args: argparse.Namespace) -> None:
     many elements pass the floor sampled for Top-k's candidate target, over k (below 1: the
     selection reads the tensor again), for the sample's lines at each span's first line (before)
     and at the Weyl-sequence offsets (now, ``sample_starts``). The quantiles of those ratios."""
-    from adacomp.compressors.sparse import SAMPLE_LINE, SAMPLE_SIZE, k_for, sample_starts, sampled_value
+    from adacomp.compressors.sparse import SAMPLE_LINE, k_for, sample_size, sample_starts, sampled_value
     from adacomp.compressors.topk import _expected
     torch.set_num_threads(args.threads)
-    m = SAMPLE_SIZE // SAMPLE_LINE
 
     def sample(x: torch.Tensor, spread: bool) -> torch.Tensor:
-        lines = x.numel() // SAMPLE_LINE
+        lines, m = x.numel() // SAMPLE_LINE, sample_size(x.numel()) // SAMPLE_LINE
         at = sample_starts(lines, m) if spread else torch.arange(m) * lines // m
         return x[:lines * SAMPLE_LINE].view(lines, SAMPLE_LINE).index_select(0, at).view(-1)
 

@@ -176,9 +176,18 @@ SAMPLE_LINE = 16
 """float32 elements per 64-byte cache line: the sample reads whole lines, so it costs the lines
 it reads and not, as one element per line would, every line of a tensor under ~1M elements."""
 SAMPLE_SIZE = 1 << 14  # elements per sample: 1024 lines, a radix select over 16K keys
+SAMPLE_SHARE = 32  # a sample reads at most 1/32 of a tensor's lines ...
+SAMPLE_MIN = 1 << 12  # ... but at least 256 lines
 
 
-def sample_value(a: Tensor, fraction: float, size: int = SAMPLE_SIZE, absolute: bool = False) -> float:
+def sample_size(n: int) -> int:
+    """Elements a prefilter's sample of an ``n``-element tensor reads: :data:`SAMPLE_SIZE`, or
+    1/:data:`SAMPLE_SHARE` of the tensor where that is smaller (at least :data:`SAMPLE_MIN`). The
+    lines lie far apart, each a cache miss: 1024 of them were a quarter of a 2^16-element tensor."""
+    return min(SAMPLE_SIZE, max(SAMPLE_MIN, n // (SAMPLE_SHARE * SAMPLE_LINE) * SAMPLE_LINE))
+
+
+def sample_value(a: Tensor, fraction: float, size: int | None = None, absolute: bool = False) -> float:
     """Value exceeded by about ``fraction`` of a sample of 1-D contiguous ``a`` (``absolute``: of
     ``|a|``). A speed hint only: every caller's answer is exact whatever it returns.
 
@@ -202,11 +211,12 @@ def sample_starts(lines: int, m: int, device: torch.device | None = None) -> Ten
     return lo + (frac * ((j + 1) * lines // m - lo)) // (1 << 32)
 
 
-def sample_lines(a: Tensor, size: int = SAMPLE_SIZE, plus: Tensor | None = None) -> Tensor:
+def sample_lines(a: Tensor, size: int | None = None, plus: Tensor | None = None) -> Tensor:
     """The elements :func:`sample_value` reads (a copy, or ``a`` itself when it is that small);
     ``plus``: of ``a + plus`` (the same positions of both, added), e.g. error feedback's sum before
     it is written."""
     n = a.numel()
+    size = sample_size(n) if size is None else size
     lines = n // SAMPLE_LINE
     if n <= size or lines < 2:
         return a if plus is None else a + plus

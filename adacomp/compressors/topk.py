@@ -25,9 +25,9 @@ from torch import Tensor
 from adacomp import devices
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
-from adacomp.compressors.sparse import (SAMPLE_LINE, SAMPLE_SIZE, SparseCompressor, SparseCtx, ThresholdCounter,
-                                        Workspace, check_density, TINY, k_for, largest_k, largest_k_values, sample_lines, sample_value, sampled_value, scatter,
-                                        sparse_residual)
+from adacomp.compressors.sparse import (SAMPLE_LINE, SAMPLE_SIZE, TINY, SparseCompressor, SparseCtx, ThresholdCounter,
+                                        Workspace, check_density, k_for, largest_k, largest_k_values, sample_lines,
+                                        sample_size, sample_value, sampled_value, scatter, sparse_residual)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 WIDEN_MAX = 8.0  # the most a tensor's candidate target grows after its floors fell short
@@ -179,7 +179,8 @@ class TopkCompressor(SparseCompressor):
         if not (prefilters(flat, k) and _native.usable(r) and r.numel() == n and n > SAMPLE_SIZE):
             return False
         expected = self._target(name, k, n)
-        sample = _native.sparse_sample_lines(r.reshape(-1), idx, vals, divisor, n // SAMPLE_LINE, SAMPLE_SIZE // SAMPLE_LINE)
+        sample = _native.sparse_sample_lines(r.reshape(-1), idx, vals, divisor, n // SAMPLE_LINE,
+                                             sample_size(n) // SAMPLE_LINE)
         if sample is None:
             return False
         floor = max(sampled_value(sample, expected, absolute=True), TINY)
