@@ -1481,12 +1481,16 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
    the payload's, no gather from the tensor). It was ~30 small torch calls per tensor in Python
    (100-400 us each, ~50 tensors of ResNet-50) and a gather. Returns the count; -2 where torch must
    answer a row (bad_in set, a NaN, fewer than q + 1 candidates, a tie at a row's cut, or a tie at
-   the r-th largest v[q], whose choice is torch.topk's): the caller's general path runs; -1 on a
-   position out of range or not ascending. keys: max(m, n) + 8 uint32; rows nc int64 (written:
+   the r-th largest v[q]: -3, and the caller passes torch.topk's choice of those rows as extra_in,
+   1 where a row takes q + 1): the caller's general path runs; -1 on a
+   position out of range or not ascending. An all-zero row (bad_in 2, a dead unit's) takes zero_cols
+   (torch.topk's columns on a row of equal values: the first q ascending, then the q + 1 of a row
+   taking one more) with x's values there. keys: max(m, n) + 8 uint32; rows nc int64 (written:
    each candidate's row); stats 3m floats; counts m; nan, thr m. */
 int64_t ac_row_finish(const float* vals, const int64_t* flat, int64_t nc, int64_t m, int64_t n, int64_t q,
                       int64_t r, int signed_vals, const uint8_t* bad_in, uint32_t* keys, int64_t* rows,
-                      float* stats, int64_t* counts, uint8_t* nan, float* thr, int64_t* out, float* out_vals) {
+                      float* stats, int64_t* counts, uint8_t* nan, float* thr, int64_t* out, float* out_vals,
+                      const float* x, const int64_t* zero_cols, const uint8_t* extra_in) {
     if (q < 1 || r < 0 || r >= m || n < 1) return -1;
     for (int64_t i = 0, row = 0; i < nc; ++i) {
         if (flat[i] < 0 || flat[i] >= m * n || (i > 0 && flat[i] <= flat[i - 1])) return -1;
@@ -1495,11 +1499,16 @@ int64_t ac_row_finish(const float* vals, const int64_t* flat, int64_t nc, int64_
     }
     /* the ranks read magnitude bits (the sign bit masked): signed values serve as they are */
     if (ac_row_order_stats(vals, rows, nc, m, q, keys, stats, counts, nan) != 0) return -1;
-    for (int64_t i = 0; i < m; ++i)
+    for (int64_t i = 0; i < m; ++i) {
+        if (bad_in[i] == 2 && zero_cols != NULL && x != NULL && counts[i] == 0) {
+            stats[3 * i] = stats[3 * i + 1] = stats[3 * i + 2] = 0.0f;  /* its ranks are all +-0 */
+            continue;
+        }
         if (bad_in[i] | nan[i] | (counts[i] < q + 1)) return -2;
+    }
     /* every v[q] is a candidate's magnitude (> 0, not NaN): its bits order as the floats do */
     uint32_t cut = 0;
-    if (r > 0) {
+    if (r > 0 && extra_in == NULL) {
         for (int64_t i = 0; i < m; ++i) __builtin_memcpy(keys + i, stats + 3 * i + 1, sizeof *keys);
         cut = kth_of_keys(keys, m, r, NULL);
         int64_t above = 0;
@@ -1508,22 +1517,36 @@ int64_t ac_row_finish(const float* vals, const int64_t* flat, int64_t nc, int64_
             __builtin_memcpy(&u, stats + 3 * i + 1, sizeof u);
             above += u >= cut;
         }
-        if (above != r) return -2;
+        if (above != r) return -3;  /* torch.topk's choice among the tied rows: given back as extra_in */
     }
     for (int64_t i = 0; i < m; ++i) {
         const float* s = stats + 3 * i;  /* v[q+1] (-1 where the row has q + 1), v[q], v[q-1] */
         uint32_t u;
         __builtin_memcpy(&u, s + 1, sizeof u);
-        const int extra = r > 0 && u >= cut;
+        const int extra = r > 0 && (extra_in != NULL ? extra_in[i] != 0 : u >= cut);
+        thr[i] = (float)extra;  /* (an all-zero row's threshold is unused: it keeps whether it takes q + 1) */
+        if (bad_in[i] == 2 && counts[i] == 0) continue;  /* an all-zero row: torch.topk's columns for it */
         if (extra ? s[1] <= s[0] : s[2] <= s[1]) return -2;
         thr[i] = extra ? s[1] : s[2];
     }
-    int64_t w = 0;
-    for (int64_t i = 0; i < nc; ++i) {
-        const float v = vals[i];
-        out[w] = flat[i];
-        if (out_vals) out_vals[w] = v;
-        w += (signed_vals ? __builtin_fabsf(v) : v) >= thr[rows[i]];
+    int64_t w = 0, at = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        if (bad_in[i] == 2 && counts[i] == 0) {
+            const int64_t take = thr[i] != 0.0f ? q + 1 : q;  /* extra: the q + 1 after the first q */
+            const int64_t* cols = thr[i] != 0.0f ? zero_cols + q : zero_cols;
+            for (int64_t j = 0; j < take; ++j) {
+                out[w] = i * n + cols[j];
+                if (out_vals) out_vals[w] = x[i * n + cols[j]];
+                ++w;
+            }
+            continue;
+        }
+        for (; at < nc && rows[at] == i; ++at) {
+            const float v = vals[at];
+            out[w] = flat[at];
+            if (out_vals) out_vals[w] = v;
+            w += (signed_vals ? __builtin_fabsf(v) : v) >= thr[i];
+        }
     }
     return w;
 }
@@ -1601,9 +1624,11 @@ AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, i
         }
         if (!maxed) block_max_keys((const uint32_t*)src, n, b, keys);
         int nan = 0;
-        for (int64_t j = 0; j < b; ++j) nan |= keys[j] > 0x7f800000u;
+        uint32_t any = 0;
+        for (int64_t j = 0; j < b; ++j) { nan |= keys[j] > 0x7f800000u; any |= keys[j]; }
         float t = __builtin_inff();
-        bad[i] = (uint8_t)nan;
+        /* 1: a NaN; 2: every element +-0 (the blocks cover the row: a dead unit's weight row) */
+        bad[i] = (uint8_t)(nan ? 1 : any == 0 && n % b == 0 ? 2 : 0);
         if (!nan) {
             const uint32_t kth = kth_of_keys(keys, b, r, padded);
             __builtin_memcpy(&t, &kth, sizeof t);
@@ -3415,7 +3440,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_row_finish.restype = ctypes.c_int64
     lib_.ac_row_finish.argtypes = [vp, vp, i64, i64, i64, i64, i64, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp,
-                                   vp]
+                                   vp, vp, vp, vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
     lib_.ac_sub.restype = None
@@ -4312,8 +4337,9 @@ def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
     ``blocks * (n // blocks)``; :func:`row_kth`),
     at least ``tiny``, infinity where a maximum is NaN; then :func:`select_rows` of |x| against it
     ("abs_ge", or "abs_not_lt" where ``blocks`` does not divide n). Returns ascending flat indices,
-    their |x|, the count (indices and values left empty above ``limit``) and the rows whose floor was
-    NaN; None where torch must answer. ``add = (g, plus)``: first write ``x = g + plus`` (torch.add's
+    their |x|, the count (indices and values left empty above ``limit``) and per row a uint8 flag: 1
+    where its floor was NaN, 2 where every element is +-0 (``blocks`` dividing n), else 0; None where
+    torch must answer. ``add = (g, plus)``: first write ``x = g + plus`` (torch.add's
     bits; error feedback's compensation), each row just before it is read: one pass over the model less.
     ``signed``: the values are the signed elements (a payload's, without a gather later)."""
     lib = library()
@@ -4332,9 +4358,9 @@ def row_candidates(x: Tensor, r: int, blocks: int, tiny: float, expected: float,
         c = int(lib.ac_row_candidates(x.data_ptr(), m, n, blocks, r, tiny, keys.data_ptr(), bad.data_ptr(),
                                       idx.data_ptr(), vals.data_ptr(), cap, gp, pp, int(signed)))
         if c <= cap:
-            return idx[:c], vals[:c], c, bad.bool()
+            return idx[:c], vals[:c], c, bad
         if c > limit:
-            return idx[:0], vals[:0], c, bad.bool()
+            return idx[:0], vals[:0], c, bad
         cap = c
 
 
@@ -4382,33 +4408,51 @@ def row_chosen(mag: Tensor, flat: Tensor, row: Tensor, thr: Tensor, chose: Tenso
     return out[:w].clone() if 0 <= w < nc // 2 else (out[:w] if w >= 0 else None)
 
 
-def row_finish(vals: Tensor, flat: Tensor, bad: Tensor, m: int, q: int, r: int, n: int,
-               signed: bool = False) -> tuple[Tensor, Tensor | None] | None:
+def row_finish(vals: Tensor, flat: Tensor, bad: Tensor, m: int, q: int, r: int, n: int, signed: bool = False,
+               x: Tensor | None = None, zero_cols: Tensor | None = None) -> tuple[Tensor, Tensor | None] | None:
     """ADTopk's selection from a tensor's candidates (ascending positions ``flat`` in the (m, n)
-    view, their ``vals``: magnitudes, or the signed values where ``signed``; ``bad`` rows, bool (m,))
-    in one C call, bitwise what fast_row_topk's torch sequence chooses (the same set, ascending):
-    each row's q (+1 in the r rows with the largest (q+1)-th magnitude) largest; with their signed
-    values where ``signed`` (else None). None where a row needs torch.topk (a NaN, too few
-    candidates, a tie at a cut) or the layout does not fit: the caller's general path answers."""
+    view, their ``vals``: magnitudes, or the signed values where ``signed``; ``bad`` rows (m,): bool,
+    or :func:`row_candidates`' flags, whose 2 marks an all-zero row) in one C call, bitwise what
+    fast_row_topk's torch sequence chooses (the same set, ascending): each row's q (+1 in the r
+    rows with the largest (q+1)-th magnitude, torch.topk's choice where they tie) largest; with
+    their signed values where ``signed`` (else None). An all-zero row (a dead unit's) takes
+    ``zero_cols`` (:func:`adacomp.compressors._rowtopk._zero_row_cols`) with ``x``'s values there.
+    None where a row needs torch.topk (a NaN, too few candidates, a tie at a cut) or the layout does
+    not fit: the caller's general path answers."""
     lib = library()
     nc = flat.numel()
-    if (lib is None or not usable(vals) or vals.numel() != nc or bad.dtype != torch.bool or not bad.is_contiguous()
-            or bad.numel() != m or flat.dtype != torch.int64 or not flat.is_cpu or not flat.is_contiguous()):
+    if (lib is None or not usable(vals) or vals.numel() != nc or bad.dtype not in (torch.bool, torch.uint8)
+            or not bad.is_contiguous() or bad.numel() != m or flat.dtype != torch.int64 or not flat.is_cpu
+            or not flat.is_contiguous()):
         return None
+    zeros = (x is not None and zero_cols is not None and usable(x) and x.numel() == m * n
+             and zero_cols.dtype == torch.int64 and zero_cols.is_contiguous()
+             and zero_cols.numel() == (2 * q + 1 if r else q))
+    cap = nc + (m * (q + 1) if zeros else 0)
     keys = _keys(max(m, n) + 8)
     rows = _reused("finish_rows", nc, torch.int64)
     stats = torch.empty(3 * m, dtype=torch.float32)
     counts = torch.empty(m, dtype=torch.int64)
     nan = torch.empty(m, dtype=torch.uint8)
     thr = torch.empty(m, dtype=torch.float32)
-    out = torch.empty(nc, dtype=torch.int64)
-    out_vals = torch.empty(nc, dtype=torch.float32) if signed else None
-    w = int(lib.ac_row_finish(vals.data_ptr(), flat.data_ptr(), nc, m, n, q, r, int(signed), bad.data_ptr(),
-                              keys.data_ptr(), rows.data_ptr(), stats.data_ptr(), counts.data_ptr(), nan.data_ptr(),
-                              thr.data_ptr(), out.data_ptr(), out_vals.data_ptr() if out_vals is not None else None))
+    out = torch.empty(cap, dtype=torch.int64)
+    out_vals = torch.empty(cap, dtype=torch.float32) if signed else None
+    extra: Tensor | None = None
+    for _ in range(2):  # a second call where the rows taking one more tie: with torch.topk's choice of them
+        w = int(lib.ac_row_finish(vals.data_ptr(), flat.data_ptr(), nc, m, n, q, r, int(signed), bad.data_ptr(),
+                                  keys.data_ptr(), rows.data_ptr(), stats.data_ptr(), counts.data_ptr(),
+                                  nan.data_ptr(), thr.data_ptr(), out.data_ptr(),
+                                  out_vals.data_ptr() if out_vals is not None else None,
+                                  x.data_ptr() if zeros and x is not None else None,
+                                  zero_cols.data_ptr() if zeros and zero_cols is not None else None,
+                                  extra.data_ptr() if extra is not None else None))
+        if w != -3 or extra is not None:
+            break
+        extra = torch.zeros(m, dtype=torch.uint8)  # as fast_row_topk's torch sequence picks them
+        extra[torch.topk(stats.view(m, 3)[:, 1], r, sorted=False).indices] = 1
     if w < 0:
         return None
-    if w < nc // 2:
+    if w < cap // 2:
         return out[:w].clone(), out_vals[:w].clone() if out_vals is not None else None
     return out[:w], out_vals[:w] if out_vals is not None else None
 

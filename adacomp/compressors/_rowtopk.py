@@ -6,6 +6,7 @@ compressors so adtopk.py holds the algorithms of the paper and this file the sel
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -76,6 +77,7 @@ class Candidates(NamedTuple):
     row: Tensor | None
     bad: Tensor
     signed: bool = False
+    flags: Tensor | None = None  # row_candidates' per-row flags (2: an all-zero row), where it answered
 
 
 class RowPick(NamedTuple):
@@ -136,10 +138,10 @@ def _by_row_maxima(x: Tensor, q1: int, blocks: int,
                                  add=add, signed=True)
     if got is None:
         return False
-    flat, vals, count, bad = got
+    flat, vals, count, flags = got
     if _too_many(count, m * n):
         return None
-    return Candidates(flat, vals, None, bad, signed=True)
+    return Candidates(flat, vals, None, flags != 0, signed=True, flags=flags)
 
 
 def _by_mask(tensor: Tensor, m: int, n: int, rr: int, q1: int, blocks: int, ws: Workspace) -> Candidates | None:
@@ -223,6 +225,20 @@ def _gathers(plan: _Plan, n: int, rr: int) -> bool:
     return rr == 1 and n % plan.gather == 0 and n // plan.gather >= 32
 
 
+@functools.lru_cache(maxsize=256)
+def _zero_row_cols(n: int, q: int, r: int) -> Tensor:
+    """The columns :func:`row_topk`'s torch.topk keeps in a row of n equal magnitudes (a dead unit's
+    all-zero weight row): those of a row taking q, ascending, then (r > 0) those of a row taking
+    q + 1, ascending (r > 0: the first q, and all q + 1, of its sorted topk of q + 1). They depend
+    on n, q and r > 0 only (torch's CPU topk on equal values: a heap over the first k, then its
+    sort), so one call on a row of zeros answers every such row: on VGG-16's own gradients about
+    half the rows of fc6 / fc7 and of the last conv layers, which went to torch.topk one by one
+    (~500 ms a step)."""
+    _, cols = _exact_rows(torch.zeros(1, n, 1), torch.zeros(1, dtype=torch.int64), q, r)
+    parts = [cols[0, :q]] + ([cols[0, :q + 1]] if r else [])
+    return torch.cat([torch.sort(c).values for c in parts]).contiguous()
+
+
 def compensated_candidates(g: Tensor, r: Tensor, out: Tensor, m: int, n: int, rr: int,
                            k: int) -> Candidates | bool:
     """Error feedback's compensation ``out = g + r`` (torch.add's bits) with the candidates
@@ -270,7 +286,10 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
     if c is None:
         return None
     if rr == 1 and tensor.dtype == torch.float32:  # the usual case in one C call (ties, NaN: below)
-        done = _native.row_finish(c.mag, c.flat, c.bad, m, q, r, n, signed=c.signed)
+        zero = c.flags is not None
+        done = _native.row_finish(c.mag, c.flat, c.flags if c.flags is not None else c.bad, m, q, r, n,
+                                  signed=c.signed, x=tensor if zero else None,
+                                  zero_cols=_zero_row_cols(n, q, r) if zero else None)
         if done is not None:
             return RowPick(done[0], 0, done[1])
     cmag = c.mag.abs() if c.signed else c.mag
