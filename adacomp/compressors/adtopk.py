@@ -24,9 +24,11 @@ row still gives one (the paper's "at least one"), so M are sent: :meth:`ADTopkCo
 effective_density` reports that, and ``compression_stats()`` the last value per tensor. The
 authors' code uses k_row = max(1, floor(shape[1] * density)), which rounds the total down.
 
-Speed on CPU (same results). Per-row torch.topk costs ~9 ns per element on CPU, so large float
-tensors go through :func:`fast_row_topk` (a per-row candidate floor from block maxima, one compare
-pass, an integer sort of the candidates, torch.topk kept for NaN / tied rows); traditional Top-k
+Speed on CPU (same results). Per-row torch.topk costs ~9 ns per element on CPU, so float tensors
+from 2^14 elements go through :func:`fast_row_topk` (a per-row candidate floor from block maxima,
+one compare pass that also writes error feedback's sum and keeps the candidates' signed values, the
+selection from those in one C call, torch.topk kept for NaN / tied rows; a dead unit's all-zero
+row takes the columns torch.topk takes on a row of equal values); traditional Top-k
 uses the prefiltered :func:`~adacomp.compressors.topk.topk_indices`; ADTopk-t's threshold reuse
 compares |x| in a scratch buffer and reads the mask word by word. Every one of them returns the
 same index set as the plain calls (tested against them, ties and NaN included); CUDA tensors and
