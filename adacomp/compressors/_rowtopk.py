@@ -69,15 +69,16 @@ def fast_eligible(tensor: Tensor) -> bool:
 class Candidates(NamedTuple):
     """Per row, a superset of its top q + 1 whose every member beats every non-member of the row:
     flat indices (ascending within a row), their |x| in float32 (the signed x where ``signed``: the
-    payload's values then come from here), their rows (None: flat // n), and the rows (M,) left to
-    torch.topk because a NaN was seen (torch.topk ranks NaN first)."""
+    payload's values then come from here), their rows (None: flat // n), the rows (M,) left to
+    torch.topk because a NaN was seen (torch.topk ranks NaN first) or, where ``flags`` is given
+    (:func:`_native.row_candidates`' per row: 1 a NaN, 2 all zero), the row is all zero."""
 
     flat: Tensor
     mag: Tensor
     row: Tensor | None
     bad: Tensor
     signed: bool = False
-    flags: Tensor | None = None  # row_candidates' per-row flags (2: an all-zero row), where it answered
+    flags: Tensor | None = None
 
 
 class RowPick(NamedTuple):
