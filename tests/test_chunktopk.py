@@ -384,9 +384,13 @@ def test_compensation_inside_the_chunk_scan_equals_add_then_select(chunk, rows, 
 @pytest.mark.parametrize("bits,chunk,n", [(2, 4096, 3 * 4096 + 1000), (1, 64, 640), (4, 48, 2048), (8, 100, 1000),
                                           (32, 48, 650), (2, 40000, 90000)])
 @pytest.mark.parametrize("case", ["gauss", "negzero", "nan"])
-def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case):
-    """mean_into (one sparse pass over every rank's decoded values) and residual (the kept positions
-    only) give the generic path's bits: decompress each, d0 + d1, / world; tensor - decompress."""
+def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case, monkeypatch):
+    """mean_into (one sparse pass over every rank's decoded values; for 1, 2 and 4 bits decoded slab
+    by slab inside that C call, ``_native.chunk_mean``) and residual (the kept positions only) give
+    the generic path's bits: decompress each, d0 + d1, / world; tensor - decompress."""
+    from adacomp.compressors import _native
+    real, fused = _native.chunk_mean, []
+    monkeypatch.setattr(_native, "chunk_mean", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
     g = torch.Generator().manual_seed(bits * 7 + chunk)
     comp = compressors.get("chunktopk", density=0.05, chunk=chunk, bits=bits)
     ts = [torch.randn(n, generator=g) for _ in range(3)]
@@ -408,6 +412,8 @@ def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case):
             assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), (case, world)
         else:
             assert case == "negzero"  # the only payloads left to the communicator's path
+    # the slab-decoding mean answered wherever its bits pack and no scale could decode to -0.0
+    assert fused == ([] if bits == 32 else [bits in (1, 2, 4) and case != "negzero"] * 2)
     for t, (p, c) in zip(ts, sent):
         ref = torch.sub(t, comp.decompress(p, c).view_as(t))
         same = t.clone()

@@ -2556,6 +2556,57 @@ int ac_chunk_decode(const int16_t* idx, const uint8_t* codes, int b, const float
     }
     return negzero != 0;
 }
+/* Chunk-Top-k's rows [row0, row1) of one payload decoded as ac_chunk_decode decodes them, positions
+   relative to row0's chunk; the count. (Rows before the partial one keep k_row each, so row r's
+   first kept value is the (r k_row)-th; b divides 8, so a code never straddles two bytes.) */
+static int64_t chunk_decode_rows(const int16_t* idx, const uint8_t* codes, int b, const float* scales,
+                                 const float* levels, int64_t row0, int64_t row1, int64_t full, int64_t k_row,
+                                 int64_t k_tail, int64_t chunk, int64_t* pos, float* vals) {
+    const unsigned mask = (1u << b) - 1u;
+    int64_t w = 0;
+    for (int64_t row = row0; row < row1 && row <= full; ++row) {
+        const int64_t m = row < full ? k_row : k_tail, base = (row - row0) * chunk, i0 = row * k_row;
+        const float s = m > 0 ? scales[row] : 0.0f;
+        for (int64_t i = i0; i < i0 + m; ++i, ++w) {
+            const int64_t bit = i * b;
+            vals[w] = levels[(codes[bit >> 3] >> (bit & 7)) & mask] * s;
+            pos[w] = base + (int64_t)(uint16_t)idx[i];
+        }
+    }
+    return w;
+}
+/* Chunk-Top-k's mean over the ranks' payloads straight from their codes: ac_sparse_mean of what
+   ac_chunk_decode gives each rank, slab by slab (`slab` chunks: each rank's decoded slab, positions
+   and values, stays in cache for the mean that reads it) instead of every rank's int64 positions and
+   float32 values written whole and read back (12 bytes a kept value against the payload's ~2.3).
+   The same sums in the same order, so the same bits. -1 (nothing written) where a chunk's scale is
+   +-0 or subnormal (a value could be -0.0, whose sign a sum from +0 loses: the caller's path), -2
+   where a payload's positions do not ascend inside [0, n) (out partly written: the caller's path
+   writes it whole). pos / vals: world * (slab k_row + k_tail) of scratch; iptr, vptr, counts, at:
+   world pointers / counts. */
+int ac_chunk_mean(float* out, int64_t n, int world, const int16_t* const* idx, const uint8_t* const* codes,
+                  const float* const* scales, int b, const float* levels, int64_t full, int64_t k_row,
+                  int64_t k_tail, int64_t chunk, float divisor, int64_t slab, int64_t* pos, float* vals,
+                  const int64_t** iptr, const float** vptr, int64_t* counts, int64_t* at) {
+    const int64_t rows = full + (k_tail > 0), cap = slab * k_row + k_tail;
+    for (int r = 0; r < world; ++r)
+        for (int64_t row = 0; row < rows; ++row) {
+            const float s = scales[r][row];
+            if (s == s && !(__builtin_fabsf(s) >= 1.17549435e-38f)) return -1;  /* FLT_MIN */
+        }
+    for (int64_t r0 = 0; r0 < rows; r0 += slab) {
+        const int64_t r1 = r0 + slab < rows ? r0 + slab : rows, lo = r0 * chunk;
+        const int64_t hi = r1 * chunk < n ? r1 * chunk : n;
+        for (int r = 0; r < world; ++r) {
+            iptr[r] = pos + r * cap;
+            vptr[r] = vals + r * cap;
+            counts[r] = chunk_decode_rows(idx[r], codes[r], b, scales[r], levels, r0, r1, full, k_row, k_tail, chunk,
+                                          pos + r * cap, vals + r * cap);
+        }
+        if (ac_sparse_mean(out + lo, hi - lo, world, iptr, vptr, counts, at, divisor) != 0) return -2;
+    }
+    return 0;
+}
 /* The sparse residuals below write at positions of a buffer the compensation has just streamed
    past the caches, so each position is a miss: the line ZERO_AHEAD positions ahead is prefetched
    for writing (cost_notes item 44). */
@@ -3480,6 +3531,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_chunk_quantize.restype = ctypes.c_int
     lib_.ac_chunk_quantize.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp]
     lib_.ac_chunk_decode.argtypes = [vp, vp, ctypes.c_int, vp, vp, i64, i64, i64, i64, vp, vp]
+    lib_.ac_chunk_mean.restype = ctypes.c_int
+    lib_.ac_chunk_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, ctypes.c_int, vp, i64, i64, i64, i64,
+                                   ctypes.c_float, i64, vp, vp, vp, vp, vp, vp]
     lib_.ac_sub_at.restype = ctypes.c_int
     lib_.ac_sub_at.argtypes = [vp, vp, i64, vp, vp, i64]
     h = lib_.ac_rth_largest_strided
@@ -4040,6 +4094,38 @@ def chunk_decode(indices: Tensor, codes: Tensor, bits: int, scales: Tensor, leve
     negzero = lib.ac_chunk_decode(indices.data_ptr(), codes.data_ptr(), bits, scales.data_ptr(), levels.data_ptr(),
                                   full, k_row, k_tail, chunk, pos.data_ptr(), vals.data_ptr())
     return pos, vals, bool(negzero)
+
+
+CHUNK_MEAN_SLAB = 1 << 18  # elements a slab of ac_chunk_mean covers: its decoded ranks stay in L2
+
+
+def chunk_mean(out: Tensor, payloads: list[tuple[Tensor, Tensor, Tensor]], bits: int, levels: Tensor, full: int,
+               k_row: int, k_tail: int, chunk: int, divisor: int) -> bool:
+    """:func:`sparse_mean` of every rank's :func:`chunk_decode` (``payloads``: (codes, scales, int16
+    indices) per rank, in rank order) into the flat float32 ``out``, decoding slab by slab in C
+    without writing the decoded positions and values (the same bits). False where the caller's
+    path must run: a layout the C call does not take, or a scale that could decode to -0.0 (then
+    nothing was written), or positions out of order (then ``out`` may be partly written)."""
+    lib = library()
+    world, kept, rows = len(payloads), full * k_row + k_tail, full + (1 if k_tail else 0)
+    if (lib is None or not world or bits not in PACK_BITS or not _cpu_contiguous(out, torch.float32)
+            or not usable(levels) or levels.numel() != 1 << bits or not 0 < chunk <= 1 << 16):
+        return False
+    for codes, scales, idx in payloads:
+        if (idx.dtype != torch.int16 or not idx.is_cpu or not idx.is_contiguous() or idx.numel() != kept
+                or not _bytes_ok(codes) or codes.numel() * 8 < kept * bits or not usable(scales)
+                or scales.numel() < rows):
+            return False
+    slab = max(1, CHUNK_MEAN_SLAB // chunk)
+    cap = slab * k_row + k_tail
+    pos = _reused("chunk_mean_pos", world * cap, torch.int64)
+    vals = _reused("chunk_mean_vals", world * cap, torch.float32)
+    iptr, vptr, counts, at = _pointer_arrays(world)
+    ip, cp, sp = ((ctypes.c_void_p * world)(*(t.data_ptr() for t in col)) for col in
+                  ([p[2] for p in payloads], [p[0] for p in payloads], [p[1] for p in payloads]))
+    return lib.ac_chunk_mean(out.data_ptr(), out.numel(), world, ip, cp, sp, bits, levels.data_ptr(), full, k_row,
+                             k_tail, chunk, float(divisor), slab, pos.data_ptr(), vals.data_ptr(), iptr, vptr, counts,
+                             at) == 0
 
 
 def sub_at(out: Tensor, t: Tensor, idx: Tensor, vals: Tensor) -> bool:
