@@ -1482,7 +1482,9 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
    (100-400 us each, ~50 tensors of ResNet-50) and a gather. Returns the count; -2 where torch must
    answer a row (bad_in set, a NaN, fewer than q + 1 candidates, a tie at a row's cut, or a tie at
    the r-th largest v[q]: -3, and the caller passes torch.topk's choice of those rows as extra_in,
-   1 where a row takes q + 1): the caller's general path runs; -1 on a
+   1 where a row takes q + 1): the caller's general path runs. With tied_out, a row tied at its cut
+   is left out instead and flagged there (1: it takes q, 2: q + 1; *ntied counts them) for the
+   caller's torch.topk; -1 on a
    position out of range or not ascending. An all-zero row (bad_in 2, a dead unit's) takes zero_cols
    (torch.topk's columns on a row of equal values: the first q ascending, then the q + 1 of a row
    taking one more) with x's values there. keys: max(m, n) + 8 uint32; rows nc int64 (written:
@@ -1490,8 +1492,10 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
 int64_t ac_row_finish(const float* vals, const int64_t* flat, int64_t nc, int64_t m, int64_t n, int64_t q,
                       int64_t r, int signed_vals, const uint8_t* bad_in, uint32_t* keys, int64_t* rows,
                       float* stats, int64_t* counts, uint8_t* nan, float* thr, int64_t* out, float* out_vals,
-                      const float* x, const int64_t* zero_cols, const uint8_t* extra_in) {
+                      const float* x, const int64_t* zero_cols, const uint8_t* extra_in, uint8_t* tied_out,
+                      int64_t* ntied) {
     if (q < 1 || r < 0 || r >= m || n < 1) return -1;
+    if (ntied) *ntied = 0;
     for (int64_t i = 0, row = 0; i < nc; ++i) {
         if (flat[i] < 0 || flat[i] >= m * n || (i > 0 && flat[i] <= flat[i - 1])) return -1;
         while (flat[i] >= (row + 1) * n) ++row;
@@ -1525,8 +1529,15 @@ int64_t ac_row_finish(const float* vals, const int64_t* flat, int64_t nc, int64_
         __builtin_memcpy(&u, s + 1, sizeof u);
         const int extra = r > 0 && (extra_in != NULL ? extra_in[i] != 0 : u >= cut);
         thr[i] = (float)extra;  /* (an all-zero row's threshold is unused: it keeps whether it takes q + 1) */
+        if (tied_out) tied_out[i] = 0;
         if (bad_in[i] == 2 && counts[i] == 0) continue;  /* an all-zero row: torch.topk's columns for it */
-        if (extra ? s[1] <= s[0] : s[2] <= s[1]) return -2;
+        if (extra ? s[1] <= s[0] : s[2] <= s[1]) {  /* a tie at the row's cut: torch.topk's choice */
+            if (!tied_out) return -2;
+            tied_out[i] = (uint8_t)(1 + extra);  /* the caller's torch.topk takes q (1) or q + 1 (2) */
+            ++*ntied;
+            thr[i] = __builtin_nanf("");  /* none of its candidates is emitted here */
+            continue;
+        }
         thr[i] = extra ? s[1] : s[2];
     }
     int64_t w = 0, at = 0;
@@ -3491,7 +3502,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_row_kth.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_row_finish.restype = ctypes.c_int64
     lib_.ac_row_finish.argtypes = [vp, vp, i64, i64, i64, i64, i64, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp,
-                                   vp, vp, vp, vp]
+                                   vp, vp, vp, vp, vp, vp]
     lib_.ac_add.restype = None
     lib_.ac_add.argtypes = [vp, vp, vp, i64]
     lib_.ac_sub.restype = None
@@ -4494,8 +4505,18 @@ def row_chosen(mag: Tensor, flat: Tensor, row: Tensor, thr: Tensor, chose: Tenso
     return out[:w].clone() if 0 <= w < nc // 2 else (out[:w] if w >= 0 else None)
 
 
+class RowFinish(NamedTuple):
+    """:func:`row_finish`'s answer: the chosen positions (ascending), their values (signed
+    candidates only) and, where rows tied at their cut were left out, their flags (1: the row takes
+    q, 2: q + 1; else None)."""
+
+    idx: Tensor
+    vals: Tensor | None
+    tied: Tensor | None
+
+
 def row_finish(vals: Tensor, flat: Tensor, bad: Tensor, m: int, q: int, r: int, n: int, signed: bool = False,
-               x: Tensor | None = None, zero_cols: Tensor | None = None) -> tuple[Tensor, Tensor | None] | None:
+               x: Tensor | None = None, zero_cols: Tensor | None = None) -> RowFinish | None:
     """ADTopk's selection from a tensor's candidates (ascending positions ``flat`` in the (m, n)
     view, their ``vals``: magnitudes, or the signed values where ``signed``; ``bad`` rows (m,): bool,
     or :func:`row_candidates`' flags, whose 2 marks an all-zero row) in one C call, bitwise what
@@ -4503,8 +4524,9 @@ def row_finish(vals: Tensor, flat: Tensor, bad: Tensor, m: int, q: int, r: int, 
     rows with the largest (q+1)-th magnitude, torch.topk's choice where they tie) largest; with
     their signed values where ``signed`` (else None). An all-zero row (a dead unit's) takes
     ``zero_cols`` (:func:`adacomp.compressors._rowtopk._zero_row_cols`) with ``x``'s values there.
-    None where a row needs torch.topk (a NaN, too few candidates, a tie at a cut) or the layout does
-    not fit: the caller's general path answers."""
+    A row tied at its cut is left out and flagged in ``tied`` (1: it takes q, 2: q + 1) for the
+    caller's torch.topk. None where a row needs torch.topk otherwise (a NaN, too few candidates) or
+    the layout does not fit: the caller's general path answers."""
     lib = library()
     nc = flat.numel()
     if (lib is None or not usable(vals) or vals.numel() != nc or bad.dtype not in (torch.bool, torch.uint8)
@@ -4523,6 +4545,8 @@ def row_finish(vals: Tensor, flat: Tensor, bad: Tensor, m: int, q: int, r: int, 
     thr = torch.empty(m, dtype=torch.float32)
     out = torch.empty(cap, dtype=torch.int64)
     out_vals = torch.empty(cap, dtype=torch.float32) if signed else None
+    tied = torch.empty(m, dtype=torch.uint8)
+    ntied = ctypes.c_int64(0)
     extra: Tensor | None = None
     for _ in range(2):  # a second call where the rows taking one more tie: with torch.topk's choice of them
         w = int(lib.ac_row_finish(vals.data_ptr(), flat.data_ptr(), nc, m, n, q, r, int(signed), bad.data_ptr(),
@@ -4531,16 +4555,18 @@ def row_finish(vals: Tensor, flat: Tensor, bad: Tensor, m: int, q: int, r: int, 
                                   out_vals.data_ptr() if out_vals is not None else None,
                                   x.data_ptr() if zeros and x is not None else None,
                                   zero_cols.data_ptr() if zeros and zero_cols is not None else None,
-                                  extra.data_ptr() if extra is not None else None))
+                                  extra.data_ptr() if extra is not None else None, tied.data_ptr(),
+                                  ctypes.byref(ntied)))
         if w != -3 or extra is not None:
             break
         extra = torch.zeros(m, dtype=torch.uint8)  # as fast_row_topk's torch sequence picks them
         extra[torch.topk(stats.view(m, 3)[:, 1], r, sorted=False).indices] = 1
     if w < 0:
         return None
+    tied_rows = tied if ntied.value else None
     if w < cap // 2:
-        return out[:w].clone(), out_vals[:w].clone() if out_vals is not None else None
-    return out[:w], out_vals[:w] if out_vals is not None else None
+        return RowFinish(out[:w].clone(), out_vals[:w].clone() if out_vals is not None else None, tied_rows)
+    return RowFinish(out[:w], out_vals[:w] if out_vals is not None else None, tied_rows)
 
 
 def row_kth(a: Tensor, r: int) -> Tensor | None:

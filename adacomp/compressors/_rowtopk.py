@@ -291,8 +291,16 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
         done = _native.row_finish(c.mag, c.flat, c.flags if c.flags is not None else c.bad, m, q, r, n,
                                   signed=c.signed, x=tensor if zero else None,
                                   zero_cols=_zero_row_cols(n, q, r) if zero else None)
-        if done is not None:
-            return RowPick(done[0], 0, done[1])
+        if done is not None and done.tied is None:
+            return RowPick(done.idx, 0, done.vals)
+        if done is not None:  # rows tied at their cut: torch.topk's own choice, spliced in ascending
+            assert done.tied is not None
+            rows_b = torch.nonzero(done.tied).view(-1)
+            more = done.tied.index_select(0, rows_b) == 2
+            _, cols_b = _exact_rows(tensor.reshape(m, n, 1), rows_b, q, r)
+            back = torch.cat([(rows_b * n).repeat_interleave(q) + cols_b[:, :q].reshape(-1),
+                              rows_b[more] * n + (cols_b[more, q] if r else cols_b[:0, 0])])
+            return RowPick(merge_ascending(done.idx, back), int(rows_b.numel()))
     cmag = c.mag.abs() if c.signed else c.mag
     crow = c.row if c.row is not None else c.flat // n
     # v[q+1], v[q], v[q-1] (0-based, descending) of each row's candidates, -1 where it has too few:
