@@ -235,7 +235,7 @@ def _zero_row_cols(n: int, q: int, r: int) -> Tensor:
     sort), so one call on a row of zeros answers every such row: on VGG-16's own gradients about
     half the rows of fc6 / fc7 and of the last conv layers, which went to torch.topk one by one
     (~500 ms a step)."""
-    _, cols = _exact_rows(torch.zeros(1, n, 1), torch.zeros(1, dtype=torch.int64), q, r)
+    _, cols = _exact_rows(torch.zeros(1, n, 1, dtype=torch.float32), torch.zeros(1, dtype=torch.int64), q, r)
     parts = [cols[0, :q]] + ([cols[0, :q + 1]] if r else [])
     return torch.cat([torch.sort(c).values for c in parts]).contiguous()
 
