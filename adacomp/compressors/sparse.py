@@ -192,7 +192,8 @@ def sample_value(a: Tensor, fraction: float, size: int | None = None, absolute: 
     ``|a|``). A speed hint only: every caller's answer is exact whatever it returns.
 
     The sample is ``size / SAMPLE_LINE`` runs of :data:`SAMPLE_LINE` consecutive elements spread
-    over ``a`` (:func:`sample_starts`; all of ``a`` when it is no larger than ``size``): one read of
+    over ``a`` (``size`` by default :func:`sample_size`; :func:`sample_starts`; all of ``a`` when it
+    is no larger than ``size``): one read of
     that many cache lines, where a strided sample touches every line of any tensor under
     ``16 * size`` elements."""
     return sampled_value(sample_lines(a, size), fraction, absolute)
