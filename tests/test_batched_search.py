@@ -176,6 +176,8 @@ def _config(method: str) -> dict:
         return {**base, "compressor": {**base["compressor"], "rng": "counter"}}
     if method == "bf16":  # one entry per tensor, each cast into its own span of the bucket's buffer
         return {**arm_config(method)[0], "fusion": {"fuse_before_compress": False}}
+    if method == "adtopk_dead":  # ADTopk on a net with dead units (see _train_both_ways)
+        return arm_config("adtopk")[0]
     return arm_config(method)[0]
 
 
@@ -194,7 +196,14 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 
     def net() -> torch.nn.Module:
         torch.manual_seed(0)  # tensors above and below the 2^16 compaction size
-        return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+        if method != "adtopk_dead":
+            return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+        # every other unit of a ReLU layer never fires: all-zero rows in its weight's gradient, as
+        # VGG-16's dead units give (ADTopk's all-zero rows, cost_notes item 54)
+        body = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        with torch.no_grad():
+            body[0].bias[::2] = -1e3
+        return body
 
     def run() -> torch.Tensor:
         trained = net()
@@ -221,6 +230,17 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
         must = {"alltoall": (TopkCompressor, "compensate_mean_into", lambda a, k: True),
                 "dgc": (DGCCompressor, "accumulate_into", lambda a, k: k.get("zeroed") is not None),
                 "chunktopk": (ChunkTopkCompressor, "compensate_owed", lambda a, k: True)}.get(method)
+        # ADTopk's one-call selection must answer (with all-zero rows: which zeros a dead row sends
+        # cannot change the parameters; test_adtopk_speed checks those columns against torch.topk's)
+        if method in ("adtopk", "adtopk_dead"):
+            from adacomp.compressors import _native
+            finish = _native.row_finish
+
+            def answered(*args: Any, **kw: Any) -> Any:
+                got = finish(*args, **kw)
+                dests.append(int(got is not None and (method == "adtopk" or bool((args[2] == 2).any()))))
+                return got
+            _native.row_finish = answered  # type: ignore[assignment]
         if must is not None:
             cls, attr, counts = must
             plain = getattr(cls, attr)
@@ -242,14 +262,15 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     error_feedback.with_dest = given  # type: ignore[assignment]
     adacomp.shutdown()
     # the means went into the gradients; the fused passes named above ran
-    needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk"))
+    needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "adtopk",
+                                                                   "adtopk_dead"))
     return same and (sum(dests) > 0 or not needs)
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd",
+                                   "adtopk_dead", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd",
                                    "qsgd_counter", "bf16"]]
         + [("dest", m) for m in ["topk", "gaussiank", "adtopk", "alltoall", "chunktopk", "dgc"]])
 

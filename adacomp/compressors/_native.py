@@ -1474,20 +1474,21 @@ int64_t ac_row_chosen(const float* mag, const int64_t* flat, const int64_t* row,
     return w;
 }
 /* ADTopk's whole selection from one tensor's candidates (ascending positions flat[] in an (m, n)
-   matrix, their values vals[], magnitudes or, with signed_vals, the signed values) where no row
-   needs torch.topk: each row's v[q+1], v[q], v[q-1] (ac_row_order_stats); the r rows with the
-   largest v[q] take q + 1; each row's candidates reaching its threshold (v[q] in those rows, v[q-1]
-   in the others), in their order (ac_row_chosen), with their values where out_vals is given (signed:
-   the payload's, no gather from the tensor). It was ~30 small torch calls per tensor in Python
-   (100-400 us each, ~50 tensors of ResNet-50) and a gather. Returns the count; -2 where torch must
-   answer a row (bad_in set, a NaN, fewer than q + 1 candidates, a tie at a row's cut, or a tie at
-   the r-th largest v[q]: -3, and the caller passes torch.topk's choice of those rows as extra_in,
-   1 where a row takes q + 1): the caller's general path runs. With tied_out, a row tied at its cut
-   is left out instead and flagged there (1: it takes q, 2: q + 1; *ntied counts them) for the
-   caller's torch.topk; -1 on a
-   position out of range or not ascending. An all-zero row (bad_in 2, a dead unit's) takes zero_cols
-   (torch.topk's columns on a row of equal values: the first q ascending, then the q + 1 of a row
-   taking one more) with x's values there. keys: max(m, n) + 8 uint32; rows nc int64 (written:
+   matrix, their values vals[], magnitudes or, with signed_vals, the signed values): each row's
+   v[q+1], v[q], v[q-1] (ac_row_order_stats); the r rows with the largest v[q] take q + 1; each row's
+   candidates reaching its threshold (v[q] in those rows, v[q-1] in the others), in their order (as
+   ac_row_chosen), with their values where out_vals is given (signed: the payload's, no gather from
+   the tensor). It was ~30 small torch calls per tensor in Python (100-400 us each, ~50 tensors of
+   ResNet-50) and a gather. Returns the count, or:
+   -1  a position out of range or not ascending;
+   -2  a row torch.topk must answer: bad_in 1, a NaN, fewer than q + 1 candidates (or, without
+       tied_out, a tie at a row's cut): the caller's general path runs;
+   -3  a tie at the r-th largest v[q]: the caller calls again with torch.topk's choice of the rows
+       taking q + 1 in extra_in (1 where a row does).
+   With tied_out, a row tied at its cut is left out and flagged there (1: it takes q, 2: q + 1;
+   *ntied counts them) for the caller's torch.topk. An all-zero row (bad_in 2, a dead unit's) takes
+   zero_cols (torch.topk's columns on a row of equal values: the first q ascending, then the q + 1 of
+   a row taking one more) with x's values there. keys: max(m, n) + 8 uint32; rows nc int64 (written:
    each candidate's row); stats 3m floats; counts m; nan, thr m. */
 int64_t ac_row_finish(const float* vals, const int64_t* flat, int64_t nc, int64_t m, int64_t n, int64_t q,
                       int64_t r, int signed_vals, const uint8_t* bad_in, uint32_t* keys, int64_t* rows,
@@ -2537,39 +2538,10 @@ int ac_chunk_quantize(const float* v, int64_t rows, int64_t k, int top, float* s
     }
     return 0;
 }
-/* Chunk-Top-k's payload as flat positions and float32 values (adacomp.compressors.chunktopk's
-   kept_positions / kept_values): position = the int16 local index (its uint16 pattern above 32767)
-   + the chunk's start; value = levels[code] * the chunk's scale (one IEEE product), codes packed
-   LSB-first at b bits. Rows 0 .. full - 1 keep k_row values, then k_tail in the partial chunk.
-   Returns 1 when a value is -0.0 (the caller's sum from a +0 start would lose that sign), else 0. */
-int ac_chunk_decode(const int16_t* idx, const uint8_t* codes, int b, const float* scales, const float* levels,
-                    int64_t full, int64_t k_row, int64_t k_tail, int64_t chunk, int64_t* pos, float* vals) {
-    const unsigned mask = (1u << b) - 1u;
-    const int64_t kept = full * k_row + k_tail;
-    uint32_t negzero = 0;
-    int64_t i = 0;
-    int shift = 0;
-    if (kept == 0) return 0;
-    unsigned byte = codes[0];
-    for (int64_t row = 0; row <= full; ++row) {
-        const int64_t m = row < full ? k_row : k_tail, base = row * chunk;
-        const float s = m > 0 ? scales[row] : 0.0f;
-        for (int64_t j = 0; j < m; ++j, ++i) {
-            const float v = levels[(byte >> shift) & mask] * s;
-            shift += b;
-            if (shift == 8 && i + 1 < kept) { shift = 0; byte = codes[(i + 1) * b / 8]; }
-            uint32_t u;
-            __builtin_memcpy(&u, &v, sizeof u);
-            negzero |= u == 0x80000000u;
-            vals[i] = v;
-            pos[i] = base + (int64_t)(uint16_t)idx[i];
-        }
-    }
-    return negzero != 0;
-}
-/* Chunk-Top-k's rows [row0, row1) of one payload decoded as ac_chunk_decode decodes them, positions
-   relative to row0's chunk; the count. (Rows before the partial one keep k_row each, so row r's
-   first kept value is the (r k_row)-th; b divides 8, so a code never straddles two bytes.) */
+/* Chunk-Top-k's rows [row0, row1) of one payload: positions (the int16 local index, its uint16
+   pattern above 32767, + the chunk's start, relative to row0's chunk) and values (levels[code] * the
+   chunk's scale); the count. Rows before the partial one keep k_row each, so row r's first kept
+   value is the (r k_row)-th; b divides 8, so a code never straddles two bytes. */
 static int64_t chunk_decode_rows(const int16_t* idx, const uint8_t* codes, int b, const float* scales,
                                  const float* levels, int64_t row0, int64_t row1, int64_t full, int64_t k_row,
                                  int64_t k_tail, int64_t chunk, int64_t* pos, float* vals) {
@@ -2585,6 +2557,23 @@ static int64_t chunk_decode_rows(const int16_t* idx, const uint8_t* codes, int b
         }
     }
     return w;
+}
+/* Chunk-Top-k's payload as flat positions and float32 values (adacomp.compressors.chunktopk's
+   kept_positions / kept_values): position = the int16 local index (its uint16 pattern above 32767)
+   + the chunk's start; value = levels[code] * the chunk's scale (one IEEE product), codes packed
+   LSB-first at b bits. Rows 0 .. full - 1 keep k_row values, then k_tail in the partial chunk.
+   Returns 1 when a value is -0.0 (the caller's sum from a +0 start would lose that sign), else 0. */
+int ac_chunk_decode(const int16_t* idx, const uint8_t* codes, int b, const float* scales, const float* levels,
+                    int64_t full, int64_t k_row, int64_t k_tail, int64_t chunk, int64_t* pos, float* vals) {
+    const int64_t kept = chunk_decode_rows(idx, codes, b, scales, levels, 0, full + 1, full, k_row, k_tail, chunk,
+                                           pos, vals);
+    uint32_t negzero = 0;
+    for (int64_t i = 0; i < kept; ++i) {
+        uint32_t u;
+        __builtin_memcpy(&u, vals + i, sizeof u);
+        negzero |= u == 0x80000000u;
+    }
+    return negzero != 0;
 }
 /* Chunk-Top-k's mean over the ranks' payloads straight from their codes: ac_sparse_mean of what
    ac_chunk_decode gives each rank, slab by slab (`slab` chunks: each rank's decoded slab, positions
