@@ -40,7 +40,7 @@ def _launch(name: str, *args: str, cwd: Path) -> str:
 
 def test_bench_lists_every_benchmark_module_with_its_launch_line(tmp_path):
     from adacomp.tools.bench_cmd import benchmarks
-    modules = {p.stem for p in (ROOT / "adacomp" / "bench").glob("*.py")} - {"__init__", "common", "cost_shapes"}
+    modules = {p.stem for p in (ROOT / "adacomp" / "bench").glob("*.py")} - {"__init__", "common", "cost_shapes", "cost_passes"}
     found = benchmarks()
     assert set(found) == modules and len(modules) >= 18
     out = _run(BENCH, tmp_path).stdout  # the installed command, outside the checkout
@@ -287,6 +287,32 @@ def test_cost_floor_report_before_and_after(tmp_path):
     assert "median of 3 runs" in md
     assert "| topk |" in md and "2.0x (1.0-4.0)" in md and "4.0x ✗ (2.0-8.0)" in md
 
+
+
+def test_cost_passes_against_another_library(tmp_path):
+    """``cost passes`` loads this checkout's C library and one built from another ``_native.py`` side
+    by side and times each fused pass with both in one process (here a copy whose prefetch distance
+    differs: another library, the same bits). A library whose pass gives other bits is refused, and so
+    is an ``--against`` that is neither a file nor a revision."""
+    import json
+    src = (ROOT / "adacomp" / "compressors" / "_native.py").read_text()
+    assert src.count("#define AC_AHEAD_BYTES 4096") == 1
+    (tmp_path / "other.py").write_text(src.replace("#define AC_AHEAD_BYTES 4096", "#define AC_AHEAD_BYTES 1024"))
+    out = _run([*BENCH, "cost", "passes", "--against", "other.py", "--models", "split10", "--rounds", "1",
+                "--passes", "add_select,chunk_scan,row_candidates", "--json", "p.json"], tmp_path).stdout
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["pass"] for r in rows] == ["add_select", "chunk_scan", "row_candidates"]
+    assert all(r["before_s"] > 0 and r["after_s"] > 0 and r["tensors"] == 10 for r in rows)
+    assert "| add_select | split10 |" in out and "after / before" in out
+    wrong = "const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));"
+    assert src.count(wrong) >= 1  # add_select's sums, made differences in the broken copy
+    (tmp_path / "broken.py").write_text(src.replace(wrong, wrong.replace("_mm256_add_ps", "_mm256_sub_ps")))
+    bad = subprocess.run([*BENCH, "cost", "passes", "--against", "broken.py", "--models", "split10", "--rounds", "1",
+                          "--passes", "add_select"], cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode != 0 and "results differ" in bad.stderr
+    bad = subprocess.run([*BENCH, "cost", "passes", "--against", "no-such-revision", "--models", "split10"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode != 0 and "neither a file nor a revision" in bad.stderr
 
 def test_cost_cells_on_the_models_own_gradients(tmp_path):
     """``--grads model``: each cell's gradients come from the zoo model's backward passes, laid out

@@ -41,7 +41,9 @@ from typing import Any, Callable
 
 import torch
 
+from adacomp.bench import cost_passes
 from adacomp.bench.common import RESULTS, bench_command, module_command, write_result
+from adacomp.bench.cost_shapes import SPLIT_TOTAL, model_shapes
 from adacomp.tools.stepclock import time_steps
 
 LAUNCH = "adacomp bench cost run --json /tmp/cost.json"  # one fresh process per cell; then `backward` and `report`
@@ -107,7 +109,6 @@ MINIMUM: dict[str, tuple[str, ...]] = {
 GRADIENT_SETS = 2
 GRADIENT_BATCH = {"resnet50": 8, "gpt2_small": 4, "vgg16": 4, "lstm_lm": 20}  # as BATCHES (at batch 1 a
 # linear layer's gradient is an outer product of two vectors: rank one, a pathological input)
-SPLIT_TOTAL = 1 << 23  # elements of the tensor-count sweep
 BUCKET_BYTES = 25 * 2 ** 20
 MIN_NUMEL = 1024
 GRADS = ("randn", "model")
@@ -116,10 +117,7 @@ GRADS_HELP = ("the gradients' values: iid normal (randn) or the zoo model's own 
 
 
 def _shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
-    from adacomp.bench import cost_shapes as S
-    if model.startswith("split"):
-        return S.equal_split(SPLIT_TOTAL, int(model[5:]))
-    return S.MODELS[model]()
+    return model_shapes(model)
 
 
 def _buckets(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[list[list[tuple[str, tuple[int, ...]]]], int]:
@@ -646,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--before", help="an earlier run's JSON: its ratio goes beside each model's")
     f.add_argument("--out", default=f"{RESULTS}/compress_floor.md")
     f.add_argument("--note", default="", help="a paragraph on the run's conditions")
+    cost_passes.add_parser(sub)
     p = sub.add_parser("report")
     p.add_argument("--after", required=True)
     p.add_argument("--before")
@@ -660,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cell(args.model, args.method, args.steps, args.grads, args.grads_file)))
     else:
         {"run": run, "backward": backward, "report": report, "report-floor": report_floor,
-         "floors": floors}[args.cmd](args)
+         "floors": floors, "passes": cost_passes.passes}[args.cmd](args)
     return 0
 
 

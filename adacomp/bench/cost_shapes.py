@@ -78,6 +78,17 @@ def equal_split(total: int, count: int) -> list[tuple[str, tuple[int, ...]]]:
     return [(f"t{i}", (rows, max(1, per // rows))) for i in range(count)]
 
 
+SPLIT_TOTAL = 1 << 23  # elements of the tensor-count sweep (models ``split<count>``)
+
+
+def model_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A zoo model's gradient shapes (:data:`MODELS`), or ``split<count>``: :data:`SPLIT_TOTAL`
+    elements in ``count`` equal tensors."""
+    if model.startswith("split"):
+        return equal_split(SPLIT_TOTAL, int(model[5:]))
+    return MODELS[model]()
+
+
 MODELS = {"resnet50": resnet50, "vgg16": vgg16, "gpt2_small": gpt2_small, "lstm_lm": lstm_lm}
 
 

@@ -3402,24 +3402,29 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("ADACOMP_CACHE", Path.home() / ".cache" / "adacomp")) / "native"
 
 
-def _build() -> ctypes.CDLL:
+def _build(source: str | None = None) -> ctypes.CDLL:
+    """The library of this module's C, or of ``source`` (another version's ``_SOURCE``, which must
+    define every function :func:`_load` declares), built once per text and compiler."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler {cc!r} on PATH")
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
+    text = _SOURCE if source is None else source
+    key = hashlib.sha256((text + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
     try:
-        return _load(_compiled(cc, _cache_dir() / f"adacomp_native_{key}.so"))
+        return _load(_compiled(cc, _cache_dir() / f"adacomp_native_{key}.so", text))
     except OSError:  # a read-only home: build in the temporary directory instead
         return _load(_compiled(cc, Path(tempfile.gettempdir()) / f"adacomp-native-{os.getuid()}"
-                               / f"adacomp_native_{key}.so"))
+                               / f"adacomp_native_{key}.so", text))
 
 
-def _compiled(cc: str, out: Path) -> Path:
+def _compiled(cc: str, out: Path, source: str | None = None) -> Path:
+    """``out`` built from ``source`` (this module's C; another version's for ``adacomp bench cost
+    passes --against``) unless it exists."""
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             src = Path(tmp) / "native.c"
-            src.write_text(_SOURCE)
+            src.write_text(_SOURCE if source is None else source)
             lib = Path(tmp) / out.name
             proc = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True)
             if proc.returncode != 0:

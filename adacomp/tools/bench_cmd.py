@@ -38,7 +38,7 @@ def benchmarks() -> dict[str, Benchmark]:
         source = path.read_text()
         tree = ast.parse(source)
         if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-            continue  # a shared module (common, cost_shapes)
+            continue  # a shared module (common, cost_shapes, cost_passes)
         doc = ast.get_docstring(tree) or ""
         summary = " ".join(doc.split("\n\n")[0].split())
         summary = summary.split(". ", 1)[0].rstrip(".") + "."  # its first sentence
