@@ -22,7 +22,7 @@ import math
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,10 +47,17 @@ class Arrays:
     u: Tensor | None = None
     v: Tensor | None = None
     u_out: Tensor | None = None
+    extra: dict[str, Tensor] = field(default_factory=dict)  # other passes' outputs, made on first use
 
     @property
     def n(self) -> int:
         return self.g.numel()
+
+    def buffer(self, key: str, numel: int, dtype: torch.dtype) -> Tensor:
+        got = self.extra.get(key)
+        if got is None:
+            got = self.extra[key] = torch.empty(numel, dtype=dtype)
+        return got
 
 
 def _rows(a: Arrays) -> Any:
@@ -61,6 +68,50 @@ def _rows(a: Arrays) -> Any:
     blocks = min(32, cols)
     return _native.row_candidates(a.out.view(m, cols), max(1, blocks // 8), blocks, 1e-30, 0.02, 1 << 40,
                                   add=(a.g.view(m, cols), a.r.view(m, cols)), signed=True)
+
+
+def _qsgd(a: Arrays) -> bool:
+    """QSGD's coding pass (4 bits, buckets of 512, ``rng: counter``) with its bucket norms."""
+    from adacomp.compressors import _native
+    size, nb = 512, -(-a.n // 512)
+    return _native.qsgd_compress(a.g, nb * size, a.buffer("safe", nb, torch.float32), size, 15, 4, None,
+                                 a.buffer("codes", -(-a.n * 4 // 8), torch.uint8),
+                                 norms=a.buffer("norms", nb, torch.float32), key=(12345, 678))
+
+
+def _from_bf16(a: Arrays) -> bool:
+    """bf16's decoding pass (the gradient rounded to bfloat16, widened back)."""
+    from adacomp.compressors import _native
+    src = a.extra.get("bf16_in")
+    if src is None:
+        src = a.extra["bf16_in"] = a.g.to(torch.bfloat16)
+    return _native.from_bf16(src, a.out)
+
+
+def _factors(a: Arrays, rank: int = 4) -> tuple[int, int, Tensor, Tensor, Tensor]:
+    """The tensor as a (first dim, the rest) matrix and rank-``rank`` factors P0, Q0 and Q for it
+    (made once, seeded)."""
+    rows = a.shape[0]
+    cols = a.n // rows
+    if "p0" not in a.extra:
+        gen = torch.Generator().manual_seed(1)
+        a.extra.update(p0=torch.randn(rows, rank, generator=gen), q0=torch.randn(cols, rank, generator=gen),
+                       q=torch.randn(cols, rank, generator=gen))
+    return rows, cols, a.extra["p0"], a.extra["q0"], a.extra["q"]
+
+
+def _owed_mm(a: Arrays) -> Any:
+    """PowerSGD's compensation with its residual owed and its first product, in one pass."""
+    from adacomp.compressors import _native
+    rows, cols, p0, q0, q = _factors(a)
+    return _native.owed_mm(a.g.view(rows, cols), a.r.view(rows, cols), p0, q0, a.out.view(rows, cols), q)
+
+
+def _outer_sub(a: Arrays) -> bool:
+    """ACP-SGD's residual of a low-rank step, added to the next gradient (``g + (a - P Q^T)``)."""
+    from adacomp.compressors import _native
+    rows, cols, p0, q0, _ = _factors(a)
+    return _native.outer_fma_sub(a.r.view(rows, cols), p0, q0, a.out.view(rows, cols), g=a.g.view(rows, cols))
 
 
 def _passes() -> dict[str, Callable[[Arrays], Any]]:
@@ -76,6 +127,11 @@ def _passes() -> dict[str, Callable[[Arrays], Any]]:
         "add": lambda a: _native.add_into(a.g, a.r, a.out),
         "momentum_select": lambda a: _native.momentum_select(a.u, a.g, a.v, a.u_out, a.out, 0.9, 4.0, 0.02),
         "add_cascade": lambda a: _native.add_cascade(a.g, a.r, a.out, absolute=True, signs=True),
+        "to_bf16": lambda a: _native.to_bf16(a.g, a.buffer("bf16", a.n, torch.bfloat16)),
+        "from_bf16": _from_bf16,
+        "qsgd": _qsgd,
+        "owed_mm": _owed_mm,
+        "outer_fma_sub": _outer_sub,
     }
 
 
@@ -161,7 +217,7 @@ def time_pass(fn: Callable[[Arrays], Any], arrays: list[Arrays], libs: dict[str,
                 if not (got if isinstance(got, bool) else got is not None):
                     raise RuntimeError(f"the pass declined on a tensor of shape {a.shape} with the {name} library")
                 if i == 0:
-                    seen.append(_snapshot([got, a.out]))
+                    seen.append(_snapshot([got, a.out, *a.extra.values()]))
             if not _same_bits(seen[0], seen[-1]):
                 raise RuntimeError(f"the {names[0]} and {name} libraries' results differ (shape {arrays[0].shape})")
         for rnd in range(rounds):

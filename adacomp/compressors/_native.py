@@ -78,6 +78,20 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
    Gaussian-k reads it straight back, from the caches up to there (GPT-2-small's Gaussian-k cost cell
    was 2-3 % slower with it streamed from 2^16, while the other passes' outputs gained). */
 #define AC_CASCADE_STREAM_MIN (1 << 20)
+/* The fused passes' inputs are prefetched AC_AHEAD_BYTES ahead of the element being read, LINES cache
+   lines of 64 bytes from there (a 64-element block of floats: 4 lines). The hardware's stream
+   prefetcher does not run ahead across 4 KiB pages, and a pass that selects, sums or emits between
+   its loads leaves it time it does not use: on the Xeon, over the zoo models' tensors of >= 2^16
+   elements, the selecting passes took 5-18 % less with it (2048, 4096 and 8192 bytes alike), and
+   DGC's momentum pass (three inputs) and the cascade sum nothing, so those two go without (cost_notes
+   item 55; `adacomp bench cost passes` times each pass against another version's library).
+   A prefetch never faults: the address past an array's end is formed as an integer and never read. */
+#define AC_AHEAD_BYTES 4096
+#define AC_AHEAD(P, I, LINES)                                                           \
+    do {                                                                                \
+        for (int l_ = 0; l_ < (LINES); ++l_)                                            \
+            __builtin_prefetch((const void*)((uintptr_t)((P) + (I)) + AC_AHEAD_BYTES + 64u * l_)); \
+    } while (0)
 /* The 16-element test per block is one bit mask (SSE compares where the target has them), so a
    block with no passing element costs no branch per element; passing ones are read off the mask
    in ascending order. NaN: ordered compares fail, so v >= t and v > t are false and !(v < t) true. */
@@ -92,20 +106,6 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
 #define CMP_NOT_LT(x, y) _mm_cmpnlt_ps(x, y)
 #define LOAD_AS_IS(p) _mm_loadu_ps(p)
 #define LOAD_ABS(p) _mm_andnot_ps(_mm_set1_ps(-0.0f), _mm_loadu_ps(p))
-/* The fused passes' inputs are prefetched AC_AHEAD_BYTES ahead of the element being read, LINES cache
-   lines of 64 bytes from there (a 64-element block of floats: 4 lines). The hardware's stream
-   prefetcher does not run ahead across 4 KiB pages, and a pass that selects, sums or emits between
-   its loads leaves it time it does not use:
-   on the Xeon, over ResNet-50's and GPT-2-small's tensors of >= 2^16 elements, the selecting passes
-   took 8-23 % less with it (2048, 4096 and 8192 bytes alike), the plain add 2-4 %, and DGC's momentum
-   pass (three inputs) and the cascade sum nothing, so those two go without (cost_notes item 55).
-   A prefetch never faults: the address past an array's end is formed as an integer and never read. */
-#define AC_AHEAD_BYTES 4096
-#define AC_AHEAD(P, I, LINES)                                                           \
-    do {                                                                                \
-        for (int l_ = 0; l_ < (LINES); ++l_)                                            \
-            __builtin_prefetch((const void*)((uintptr_t)((P) + (I)) + AC_AHEAD_BYTES + 64u * l_)); \
-    } while (0)
 /* The passing elements of one mask M (bit j: element AT + j), in ascending order, into idx / vals
    (VALUE: what is written, j in scope) while c < cap; c counts them all. */
 #define AC_EMIT(M, CTZ, AT, VALUE)                                                      \
@@ -2723,6 +2723,7 @@ __attribute__((target("avx2"))) static int64_t to_bf16_avx2(const uint32_t* x, u
     const int stream = n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
+        AC_AHEAD(x, i, 1);
         const __m256i a = bf16_round_avx2(_mm256_loadu_si256((const __m256i*)(x + i)));
         const __m256i b = bf16_round_avx2(_mm256_loadu_si256((const __m256i*)(x + i + 8)));
         const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
