@@ -38,15 +38,12 @@ CHUNK, CHUNK_K = 4096, 82  # Chunk-Top-k's defaults (density 0.02)
 
 @dataclass
 class Arrays:
-    """One tensor's inputs and outputs; the momentum arrays only when a pass needs them."""
+    """One tensor's inputs and output; what other passes need is made on first use (``extra``)."""
 
     shape: tuple[int, ...]
     g: Tensor
     r: Tensor
     out: Tensor
-    u: Tensor | None = None
-    v: Tensor | None = None
-    u_out: Tensor | None = None
     extra: dict[str, Tensor] = field(default_factory=dict)  # other passes' outputs, made on first use
 
     @property
@@ -114,6 +111,16 @@ def _outer_sub(a: Arrays) -> bool:
     return _native.outer_fma_sub(a.r.view(rows, cols), p0, q0, a.out.view(rows, cols), g=a.g.view(rows, cols))
 
 
+def _momentum(a: Arrays) -> Any:
+    """DGC's momentum correction with its candidates (u, v: seeded values made once)."""
+    from adacomp.compressors import _native
+    if "u" not in a.extra:
+        gen = torch.Generator().manual_seed(2)
+        a.extra.update(u=torch.randn(a.n, generator=gen), v=torch.randn(a.n, generator=gen))
+    return _native.momentum_select(a.extra["u"], a.g, a.extra["v"], a.buffer("u_out", a.n, torch.float32), a.out,
+                                   0.9, 4.0, 0.02)
+
+
 def _passes() -> dict[str, Callable[[Arrays], Any]]:
     """Pass name -> a call that returns something truthy where the C pass ran."""
     from adacomp.compressors import _native
@@ -125,7 +132,7 @@ def _passes() -> dict[str, Callable[[Arrays], Any]]:
         "row_candidates": _rows,
         "select": lambda a: _native.select(a.g, THRESHOLD, "abs_ge", 0.02),
         "add": lambda a: _native.add_into(a.g, a.r, a.out),
-        "momentum_select": lambda a: _native.momentum_select(a.u, a.g, a.v, a.u_out, a.out, 0.9, 4.0, 0.02),
+        "momentum_select": _momentum,
         "add_cascade": lambda a: _native.add_cascade(a.g, a.r, a.out, absolute=True, signs=True),
         "to_bf16": lambda a: _native.to_bf16(a.g, a.buffer("bf16", a.n, torch.bfloat16)),
         "from_bf16": _from_bf16,
@@ -165,17 +172,15 @@ def against_library(spec: str) -> ctypes.CDLL:
                          "compare versions with the same C functions") from exc
 
 
-def arrays_for(model: str, momentum: bool) -> list[Arrays]:
+def arrays_for(model: str) -> list[Arrays]:
     gen = torch.Generator().manual_seed(0)
     out = []
     for _, shape in model_shapes(model):
         n = math.prod(shape)
         if n < MIN_NUMEL:
             continue
-        a = Arrays(tuple(shape), torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.5, torch.empty(n))
-        if momentum:
-            a.u, a.v, a.u_out = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.empty(n)
-        out.append(a)
+        out.append(Arrays(tuple(shape), torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.5,
+                          torch.empty(n)))
     return out
 
 
@@ -254,7 +259,7 @@ def passes(args: argparse.Namespace) -> None:
     lines = [f"before = {args.against}, after = this checkout; ms over the model's tensors of >= 2^16 elements",
              "", "| pass | model | before ms | after ms | after / before |", "|---|---|---:|---:|---:|"]
     for model in args.models.split(","):
-        arrays = arrays_for(model, "momentum_select" in chosen)
+        arrays = arrays_for(model)
         for name in chosen:
             got = time_pass(table[name], arrays, libs, args.rounds)
             rows.append({"pass": name, "model": model, "before_s": got["before"], "after_s": got["after"],
