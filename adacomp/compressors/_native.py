@@ -82,9 +82,11 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
    lines of 64 bytes from there (a 64-element block of floats: 4 lines). The hardware's stream
    prefetcher does not run ahead across 4 KiB pages, and a pass that selects, sums or emits between
    its loads leaves it time it does not use: on the Xeon, over the zoo models' tensors of >= 2^16
-   elements, the selecting passes took 5-18 % less with it (2048, 4096 and 8192 bytes alike), and
-   DGC's momentum pass (three inputs) and the cascade sum nothing, so those two go without (cost_notes
-   item 55; `adacomp bench cost passes` times each pass against another version's library).
+   elements, the selecting passes took 5-22 % less with it (2048, 4096 and 8192 bytes alike) and bf16's
+   cast 22-27 %; the plain streamed add, DGC's momentum pass, the cascade sum, QSGD's coding, the
+   bf16 widening and the low-rank passes gained nothing (the last two lost 3-12 % with prefetches of
+   their 8 and 16 row streams), so those go without (cost_notes item 55; `adacomp bench cost passes`
+   times each pass against another version's library).
    A prefetch never faults: the address past an array's end is formed as an integer and never read. */
 #define AC_AHEAD_BYTES 4096
 #define AC_AHEAD(P, I, LINES)                                                           \
@@ -290,7 +292,6 @@ __attribute__((target("avx2"))) static int64_t add_stream(const float* g, const 
                                                           int subtract) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        if ((i & 15) == 0) { AC_AHEAD(g, i, 1); AC_AHEAD(r, i, 1); }
         const __m256 x = _mm256_loadu_ps(g + i), y = _mm256_loadu_ps(r + i);
         _mm256_stream_ps(out + i, subtract ? _mm256_sub_ps(x, y) : _mm256_add_ps(x, y));
     }
@@ -1863,7 +1864,6 @@ __attribute__((target("avx2"))) static int64_t sm_add_select_avx2(const float* m
     const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
     int64_t c = *count, j = 0;
     for (; j + 8 <= len; j += 8) {
-        if ((j & 15) == 0) AC_AHEAD(r, j, 1);  /* past the block too: r runs on in the next one */
         const __m256 v = _mm256_add_ps(_mm256_load_ps(m + j), _mm256_loadu_ps(r + j));
         if (stream) _mm256_stream_ps(out + j, v); else _mm256_storeu_ps(out + j, v);
         unsigned msk = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ));
