@@ -167,22 +167,24 @@ def test_selection_from_the_candidates_in_one_c_call_equals_the_torch_sequence(m
         assert False in answered  # a NaN row goes back to torch.topk
 
 
-@pytest.mark.parametrize("q", [1, 6, 40, 130])
+@pytest.mark.parametrize("q", [1, 6, 40, 130, 251])
 def test_row_order_statistics_kernel_against_a_sort(q, avx2_switch):
     """ac_row_order_stats' three ranks per row (the (q+2)-th, (q+1)-th and q-th largest magnitude, -1
-    where the row has fewer) equal a descending sort of each row's magnitude bits: rows of 1 to 300
-    candidates (the AVX2 rank count up to 128, quickselects above), ties, zeros, inf and NaN."""
+    where the row has fewer) equal a descending sort of each row's magnitude bits: rows of 1 to 400
+    candidates (the AVX2 rank count up to 128; above, one quickselect and the next two ranks from the
+    smallest of its front: VGG-16's fc6 has q = 251 and ~350 candidates a row), ties, zeros, inf and
+    NaN."""
     from adacomp.compressors import _native
     if _native.library() is None:
         pytest.skip(f"no C library here ({_native.why_unavailable()})")
     g = gen(q)
-    lens = [1, 2, 3, 7, 8, 9, 15, 16, 17, q, q + 1, q + 2, q + 3, 63, 64, 65, 127, 128, 129, 200, 300]
+    lens = [1, 2, 3, 7, 8, 9, 15, 16, 17, q, q + 1, q + 2, q + 3, 63, 64, 65, 127, 128, 129, 200, 300, 350, 400]
     rows = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(lens)])
     mag = torch.randn(rows.numel(), generator=g).abs()
     mag[::5] = torch.randint(0, 3, (mag[::5].numel(),), generator=g).float()  # ties and zeros
     mag[7] = float("inf")
     mag[40] = float("nan")
-    got = _native.row_order_stats(mag, rows, len(lens), q, 300)
+    got = _native.row_order_stats(mag, rows, len(lens), q, 400)
     assert got is not None
     for i, n in enumerate(lens):
         bits = mag[rows == i].view(torch.int32).sort(descending=True).values  # |x| orders as its bits

@@ -121,6 +121,20 @@ def _momentum(a: Arrays) -> Any:
                                    0.9, 4.0, 0.02)
 
 
+def _row_stats(a: Arrays) -> Any:
+    """ADTopk's per-row order statistics of its candidates (q = 1 % of a row; ~1.4 q + 2 candidates
+    a row, the row's first magnitudes)."""
+    from adacomp.compressors import _native
+    rows = a.shape[0]
+    cols = a.n // rows
+    q = max(1, cols // 100)
+    per = min(cols, 14 * q // 10 + 2)
+    if "rs_rows" not in a.extra:
+        a.extra["rs_mag"] = a.g.view(rows, cols)[:, :per].abs().contiguous().view(-1)
+        a.extra["rs_rows"] = torch.arange(rows).repeat_interleave(per)
+    return _native.row_order_stats(a.extra["rs_mag"], a.extra["rs_rows"], rows, q, per)
+
+
 def _passes() -> dict[str, Callable[[Arrays], Any]]:
     """Pass name -> a call that returns something truthy where the C pass ran."""
     from adacomp.compressors import _native
@@ -130,6 +144,7 @@ def _passes() -> dict[str, Callable[[Arrays], Any]]:
         "add_moments_select": lambda a: _native.add_moments_select(a.g, a.r, a.out, THRESHOLD, 0.02),
         "chunk_scan": lambda a: _native.chunk_topk(a.out, a.n // CHUNK, CHUNK, CHUNK_K, add=(a.g, a.r)),
         "row_candidates": _rows,
+        "row_order_stats": _row_stats,
         "select": lambda a: _native.select(a.g, THRESHOLD, "abs_ge", 0.02),
         "add": lambda a: _native.add_into(a.g, a.r, a.out),
         "momentum_select": _momentum,
