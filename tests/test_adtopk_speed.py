@@ -132,7 +132,7 @@ def test_selection_from_the_candidates_in_one_c_call_equals_the_torch_sequence(m
     declines (None: that sequence answers) wherever a row needs torch.topk's own choice."""
     monkeypatch.setattr(rowtopk, "ROW_MIN_NUMEL", 0)
     from adacomp.compressors import _native
-    real, answered, tied = _native.row_finish, [], []
+    real, answered, tied, signed_tied = _native.row_finish, [], [], []
 
     def counted(*a, **kw):
         got = real(*a, **kw)
@@ -157,6 +157,20 @@ def test_selection_from_the_candidates_in_one_c_call_equals_the_torch_sequence(m
                 assert torch.equal(fast.vals.view(torch.int32), x.reshape(-1)[fast.idx].view(torch.int32))
             if answered and answered[-1] and fast.exact == 0:
                 assert set(fast.idx.tolist()) == plain_row_selection(x, split, density)
+        # the candidates error feedback's pass finds carry their signed values: the payload's values
+        # come from them, and a tied row's from the tensor, spliced in with its indices
+        out = torch.empty_like(x)
+        known = rowtopk.compensated_candidates(x, torch.zeros_like(x), out, m, n, rr, k) if rr == 1 else False
+        if isinstance(known, rowtopk.Candidates) and slow is not None:
+            monkeypatch.setattr(_native, "row_finish", counted)
+            pick = adtopk.fast_row_topk(out, m, n, rr, k, Workspace(), known=known)
+            if pick is not None:  # x + 0.0 only turns -0.0 into +0.0: the same magnitudes, the same picks
+                assert torch.equal(pick.idx, slow.idx)
+                if pick.vals is not None:  # (None where the torch sequence answered: a NaN row)
+                    assert torch.equal(pick.vals.view(torch.int32), out.reshape(-1)[pick.idx].view(torch.int32))
+                signed_tied.append(pick.exact > 0 and pick.vals is not None)
+    if kind == "grid":  # the tied rows' values spliced in, not the whole payload gathered
+        assert True in signed_tied
     if kind in ("gauss", "t3", "rowscale"):
         assert answered and all(answered)  # no ties, no NaN: the one call chose every tensor
     if kind == "deadrows":  # all-zero rows answered where the candidates came from row_candidates
@@ -322,7 +336,8 @@ def test_large_tensor_takes_the_fast_path_through_the_compressor(monkeypatch):
 @pytest.mark.parametrize("runs", [1, 3, rowtopk.MERGE_RUNS + 5])
 def test_merge_ascending_is_the_sort_of_the_union(runs):
     """Tied rows' indices spliced into the fast path's ascending payload: the sort of the union,
-    with extra runs at the start, in between and at the end (and past MERGE_RUNS, the sort itself)."""
+    with extra runs at the start, in between and at the end (and past MERGE_RUNS, the sort itself);
+    with values beside the indices, those values in the same order."""
     g = gen(runs)
     pool = torch.randperm(100_000, generator=g)
     ordered = torch.sort(pool[:5000]).values
@@ -331,6 +346,9 @@ def test_merge_ascending_is_the_sort_of_the_union(runs):
         for more in (extra, extra[:1], torch.cat([extra, torch.tensor([100_001, 100_002])])):
             got = rowtopk.merge_ascending(case, more)
             assert torch.equal(got, torch.sort(torch.cat([case, more])).values)
+            union = torch.cat([case, more])
+            idx, vals = rowtopk.merge_ascending(case, more, -case.double(), -more.double())
+            assert torch.equal(idx, got) and torch.equal(vals, -got.double())  # each value with its index
     # one tied row of a rows-split matrix: its indices are one run inside the payload
     row = torch.arange(30_000, 30_200)
     kept = ordered[(ordered < 30_000) | (ordered >= 30_200)]

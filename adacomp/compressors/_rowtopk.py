@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -300,7 +300,11 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
             _, cols_b = _exact_rows(tensor.reshape(m, n, 1), rows_b, q, r)
             back = torch.cat([(rows_b * n).repeat_interleave(q) + cols_b[:, :q].reshape(-1),
                               rows_b[more] * n + (cols_b[more, q] if r else cols_b[:0, 0])])
-            return RowPick(merge_ascending(done.idx, back), int(rows_b.numel()))
+            if done.vals is None:
+                return RowPick(merge_ascending(done.idx, back), int(rows_b.numel()))
+            # the tied rows' values gathered alone (a few rows), not the whole payload's
+            idx, vals = merge_ascending(done.idx, back, done.vals, tensor.reshape(-1).index_select(0, back))
+            return RowPick(idx, int(rows_b.numel()), vals)
     cmag = c.mag.abs() if c.signed else c.mag
     crow = c.row if c.row is not None else c.flat // n
     # v[q+1], v[q], v[q-1] (0-based, descending) of each row's candidates, -1 where it has too few:
@@ -366,23 +370,43 @@ def fast_row_topk(tensor: Tensor, m: int, n: int, rr: int, k: int, ws: Workspace
 MERGE_RUNS = 64
 
 
-def merge_ascending(ordered: Tensor, extra: Tensor) -> Tensor:
+@overload
+def merge_ascending(ordered: Tensor, extra: Tensor) -> Tensor: ...
+
+
+@overload
+def merge_ascending(ordered: Tensor, extra: Tensor, ordered_vals: Tensor, extra_vals: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+def merge_ascending(ordered: Tensor, extra: Tensor, ordered_vals: Tensor | None = None,
+                    extra_vals: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """``torch.sort(torch.cat([ordered, extra])).values`` for an ascending ``ordered`` and a few
     ``extra`` values none of which is in it: ``extra`` sorted alone, then spliced in where
     ``searchsorted`` puts it. The indices of a row that torch.topk answered are one run (rows
     contiguous in memory, none of its indices among ``ordered``), so a tied row costs one copy of
-    the payload instead of a sort of it (VGG-16's fc6: ~1M indices, 50 ms)."""
-    extra = torch.sort(extra).values
+    the payload instead of a sort of it (VGG-16's fc6: ~1M indices, 50 ms). With ``ordered_vals``
+    and ``extra_vals`` (one per index), also those values in the merged order."""
+    extra, order = torch.sort(extra)
     at = torch.searchsorted(ordered, extra)
     cuts = torch.nonzero(at[1:] != at[:-1]).view(-1) + 1
     if cuts.numel() >= MERGE_RUNS:
-        return torch.sort(torch.cat([ordered, extra])).values
-    starts = [0] + cuts.tolist()
-    ends = starts[1:] + [extra.numel()]
-    pos = at.index_select(0, torch.tensor(starts, dtype=torch.long, device=at.device)).tolist()
-    parts, prev = [], 0
-    for lo, hi, p in zip(starts, ends, pos):
-        parts += [ordered[prev:p], extra[lo:hi]]
-        prev = p
-    parts.append(ordered[prev:])
-    return torch.cat(parts)
+        merged, perm = torch.sort(torch.cat([ordered, extra]))
+
+        def spliced(a: Tensor, b: Tensor) -> Tensor:
+            return torch.cat([a, b]).index_select(0, perm)
+    else:
+        starts = [0] + cuts.tolist()
+        ends = starts[1:] + [extra.numel()]
+        pos = at.index_select(0, torch.tensor(starts, dtype=torch.long, device=at.device)).tolist()
+
+        def spliced(a: Tensor, b: Tensor) -> Tensor:  # b's runs put into a where extra's went
+            parts, prev = [], 0
+            for lo, hi, p in zip(starts, ends, pos):
+                parts += [a[prev:p], b[lo:hi]]
+                prev = p
+            parts.append(a[prev:])
+            return torch.cat(parts)
+        merged = spliced(ordered, extra)
+    if ordered_vals is None or extra_vals is None:
+        return merged
+    return merged, spliced(ordered_vals, extra_vals.index_select(0, order))
