@@ -23,6 +23,10 @@ decompress; no second process competes for the cores): fusion buckets of 25 MB, 
     adacomp bench cost backward --json /tmp/backward.json
     adacomp bench cost report --before /tmp/before.json --after /tmp/after.json \\
         --backward /tmp/backward.json --out docs/results/cost.md
+
+A kernel change is better judged pass by pass, both libraries in one process (``cost_passes``):
+
+    adacomp bench cost passes --against <git revision or _native.py> --models resnet50,gpt2_small
 """
 from __future__ import annotations
 

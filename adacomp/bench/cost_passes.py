@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from adacomp.bench.cost_shapes import model_shapes
+from adacomp.bench.cost_shapes import MODELS, model_shapes
 
 MIN_NUMEL = 1 << 16  # below this the passes are cached and the selections take other paths
 THRESHOLD = 2.7  # |x| of iid N(0, 1.25) sums above it: ~1.6 %, a Top-k prefilter's share
@@ -263,6 +263,9 @@ def passes(args: argparse.Namespace) -> None:
     unknown = sorted(set(chosen) - set(table))
     if unknown:
         raise SystemExit(f"--passes: unknown {unknown}; valid: {sorted(table)}")
+    bad = [m for m in args.models.split(",") if m not in MODELS and not (m.startswith("split") and m[5:].isdigit())]
+    if bad:
+        raise SystemExit(f"--models: unknown {bad}; valid: {sorted(MODELS)} or split<count>")
     mine = _native.library()
     if mine is None:
         raise SystemExit(f"the C library is unavailable here: {_native.why_unavailable()}")
@@ -290,10 +293,12 @@ def passes(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("passes", help="the fused C passes, this library against another version's (see cost_passes)")
+    p = sub.add_parser("passes", help="the fused C passes, this library against another version's (see cost_passes)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", required=True, help="a git revision of this repository or a path to a _native.py")
-    p.add_argument("--models", default="resnet50,gpt2_small")
-    p.add_argument("--passes", default="", help="comma-separated (default: all)")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--models", default="resnet50,gpt2_small",
+                   help="comma-separated zoo models (or split<count>) whose tensor shapes are used")
+    p.add_argument("--passes", default="", help=f"comma-separated (default: all of {', '.join(_passes())})")
+    p.add_argument("--rounds", type=int, default=4, help="alternations of the two libraries (the median is kept)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the C passes run on one)")
     p.add_argument("--json", help="write the rows here too")
