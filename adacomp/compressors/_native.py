@@ -82,10 +82,10 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
    lines of 64 bytes from there (a 64-element block of floats: 4 lines). The hardware's stream
    prefetcher does not run ahead across 4 KiB pages, and a pass that selects, sums or emits between
    its loads leaves it time it does not use: on the Xeon, over the zoo models' tensors of >= 2^16
-   elements, the selecting passes took 5-22 % less with it (2048, 4096 and 8192 bytes alike) and bf16's
-   cast 22-27 %; the plain streamed add, DGC's momentum pass, the cascade sum, QSGD's coding, the
+   elements, the selecting passes took 4-20 % less with it (2048, 4096 and 8192 bytes alike) and bf16's
+   cast 24-28 %; the plain streamed add, DGC's momentum pass, the cascade sum, QSGD's coding, the
    bf16 widening and the low-rank passes gained nothing (the last two lost 3-12 % with prefetches of
-   their 8 and 16 row streams), so those go without (cost_notes item 55; `adacomp bench cost passes`
+   their 8 and 16 input streams), so those go without (cost_notes item 55; `adacomp bench cost passes`
    times each pass against another version's library).
    A prefetch never faults: the address past an array's end is formed as an integer and never read. */
 #define AC_AHEAD_BYTES 4096
@@ -3451,14 +3451,13 @@ def _build(source: str | None = None) -> ctypes.CDLL:
                                / f"adacomp_native_{key}.so", text))
 
 
-def _compiled(cc: str, out: Path, source: str | None = None) -> Path:
-    """``out`` built from ``source`` (this module's C; another version's for ``adacomp bench cost
-    passes --against``) unless it exists."""
+def _compiled(cc: str, out: Path, source: str) -> Path:
+    """``out`` built from the C text ``source`` unless it exists."""
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             src = Path(tmp) / "native.c"
-            src.write_text(_SOURCE if source is None else source)
+            src.write_text(source)
             lib = Path(tmp) / out.name
             proc = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True)
             if proc.returncode != 0:
