@@ -44,7 +44,7 @@ class Arrays:
     g: Tensor
     r: Tensor
     out: Tensor
-    extra: dict[str, Tensor] = field(default_factory=dict)  # other passes' outputs, made on first use
+    extra: dict[str, Tensor] = field(default_factory=dict)  # what other passes read or write, made on first use
 
     @property
     def n(self) -> int:
