@@ -286,6 +286,13 @@ def test_cost_floor_report_before_and_after(tmp_path):
     md = (tmp_path / "median.md").read_text()
     assert "median of 3 runs" in md
     assert "| topk |" in md and "2.0x (1.0-4.0)" in md and "4.0x ✗ (2.0-8.0)" in md
+    # another checkout's runs of the same session: their median ratio in a column of its own
+    _run([*BENCH, "cost", "report-floor", "--after", "r0.json", "--previous", "r2.json,r0.json,r1.json",
+          "--out", "previous.md"], tmp_path)
+    md = (tmp_path / "previous.md").read_text()
+    assert "split10 previous x floor" in md and "before x floor" not in md
+    topk = next(line for line in md.splitlines() if line.startswith("| topk |")).split(" | ")
+    assert topk[1] == "2.0x" and topk[4] == "1.0x"  # previous: the median of 1, 2, 4; after: r0's
 
 
 

@@ -559,15 +559,19 @@ def _median_rows(paths: list[str]) -> tuple[dict[tuple[str, str], dict], dict[tu
 def report_floor(args: argparse.Namespace) -> None:
     """docs/results/compress_floor.md: each cell's step over its memory floor, measured in the same
     cell; with ``--before``, the same ratio of an earlier run beside it. ``--after`` may name several
-    runs (comma-separated): each cell then shows the median run's figures and the range."""
+    runs (comma-separated): each cell then shows the median run's figures and the range. ``--previous``
+    (runs, comma-separated): the median ratio of another checkout measured in the same session, so
+    that a change of the machine's state between two days is not read as a change of the code."""
     paths = [p for p in args.after.split(",") if p]
     after = json.loads(Path(paths[0]).read_text())
     rows, ratios = _median_rows(paths)
     before = _floor_rows(args.before) if args.before else {}
+    previous = _median_rows([p for p in args.previous.split(",") if p])[0] if args.previous else {}
     methods = [m for m in METHODS if any(k[1] == m for k in rows)]
     models = [m for m in MODELS if any(k[0] == m for k in rows)]
     models += sorted({k[0] for k in rows} - set(models))  # e.g. the equal-split sizes
-    per_model = (["before x floor"] if before else []) + ["ms/step", "floor ms", "x floor", "minimum x floor"]
+    per_model = ((["before x floor"] if before else []) + (["previous x floor"] if previous else [])
+                 + ["ms/step", "floor ms", "x floor", "minimum x floor"])
     lines = [
         f"One process, {after['rows'][0]['threads']} thread(s), each cell a fresh process running the method's whole "
         "per-step path on the model's gradient shapes as rank 0 of a world of two (compensate, compress, memory update, "
@@ -585,6 +589,8 @@ def report_floor(args: argparse.Namespace) -> None:
         + (f" Each cell is the median of {len(paths)} runs of the same command (by x floor; its range in "
            "brackets)." if len(paths) > 1 else "")
         + (f" **before x floor**: the same ratio from `{args.before}` (its own floors)." if before else "")
+        + (f" **previous x floor**: the median ratio of `{args.previous}`, another checkout's runs of the same "
+           "command in the same session (its own floors)." if previous else "")
         + (" Gradients: " + ("the zoo models' own, from backward passes on their synthetic batches "
                              f"(`--grads model`, {GRADIENT_SETS} batches, the steps cycling through them)"
                              if after["rows"][0].get("grads") == "model" else "iid normal values (`--grads randn`)")
@@ -596,7 +602,9 @@ def report_floor(args: argparse.Namespace) -> None:
         for model in models:
             r, b = rows.get((model, meth)), before.get((model, meth))
             if before:
-                cells.append(f"{b['step_s'] / b['floor_s']:.1f}x" if b else "")
+                cells.append(f"{_ratio(b):.1f}x" if b else "")
+            if previous:
+                cells.append(f"{_ratio(previous[(model, meth)]):.1f}x" if (model, meth) in previous else "")
             if r is None:
                 cells += ["", "", "", ""]
                 continue
@@ -646,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("report-floor", help="write compress_floor.md from a run's JSON")
     f.add_argument("--after", required=True, help="a run's JSON, or several comma-separated (each cell: their median)")
     f.add_argument("--before", help="an earlier run's JSON: its ratio goes beside each model's")
+    f.add_argument("--previous", help="runs of another checkout from the same session (comma-separated JSONs): "
+                                      "their median ratio goes beside each model's")
     f.add_argument("--out", default=f"{RESULTS}/compress_floor.md")
     f.add_argument("--note", default="", help="a paragraph on the run's conditions")
     cost_passes.add_parser(sub)
