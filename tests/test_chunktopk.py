@@ -326,6 +326,55 @@ def test_chunk_selection_floor_guess_paths(monkeypatch):
     assert torch.equal(idx, idx_t) and torch.equal(vals.view(torch.int32), vals_t.view(torch.int32))
 
 
+@pytest.mark.parametrize("case", ["dead", "drop", "jump", "ties", "nan", "subnormal"])
+def test_chunk_selection_refloored_paths(case, avx2_switch, monkeypatch):
+    """Chunks whose floor from the neighbouring chunk misses are scanned again from the caches at a
+    better floor (the k-th of the first candidates, half the floor, any nonzero magnitude) before the
+    whole chunk's select: dead units' rows (all +-0.0, or fewer than k nonzero), a scale that drops
+    or jumps 10^4 between neighbours, ties at the refined floor, a NaN in a chunk of a few nonzeros,
+    subnormal magnitudes. Positions and value bits equal torch's path, plain and with the
+    compensation inside the scan (``add``)."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import chunk_select
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    gen_ = torch.Generator().manual_seed(3)
+    rows, chunk, k = 24, 1024, 20
+    x = torch.randn(rows, chunk, generator=gen_)
+    if case == "dead":
+        x[2:6] = 0.0
+        x[4] = -0.0
+        x[7] = 0.0
+        x[7, ::300] = torch.tensor([1.5, -2.0, 0.25, 3.0])  # 4 nonzero: the k-th is 0
+        x[9:12] = 0.0
+        x[10, 17] = -1e-3
+    elif case in ("drop", "jump"):
+        scale = torch.tensor([1.0, 1.0, 1e-4, 1e-4, 1.0, 1e4, 1e4, 1.0] * 3)
+        x *= (scale if case == "drop" else 1.0 / scale).unsqueeze(1)
+    elif case == "ties":
+        x[3:] = torch.randint(-2, 3, (rows - 3, chunk), generator=gen_).float() * 0.5
+    elif case == "nan":  # a tiny floor, halved to any nonzero: the NaN among the few nonzero ones
+        x[4] *= 1e-37
+        x[5:8] = 0.0
+        x[6, 40] = float("nan")
+    elif case == "subnormal":
+        x[4:9] *= 1e-41
+        x[6, :500] = 0.0
+    idx, vals = chunk_select(x.clone(), k)
+    g, r = x * 0.75, x * 0.25  # exact in float32: g + r == x
+    out = torch.empty(rows * chunk)
+    fused = _native.chunk_topk(out, rows, chunk, k, add=(g.view(-1), r.view(-1)))
+    monkeypatch.setattr(_native, "usable", lambda a: False)  # torch's path: the reference
+    want_idx, want_vals = chunk_select(x, k)
+    assert torch.equal(idx, want_idx) and torch.equal(vals.view(torch.int32), want_vals.view(torch.int32))
+    assert torch.equal(out.view(torch.int32), torch.add(g, r).view(-1).view(torch.int32))
+    if case == "nan":
+        assert fused is None  # the C path declines; torch's answers
+        return
+    assert fused is not None
+    assert torch.equal(fused[0], want_idx) and torch.equal(fused[1].view(torch.int32), want_vals.view(torch.int32))
+
+
 @pytest.mark.parametrize("owed", ["none", "owed"])
 @pytest.mark.parametrize("chunk,rows", [(4096, 40), (1000, 90), (100, 700), (300, 9)])
 @pytest.mark.parametrize("case", ["gauss", "scales", "nan", "ties"])

@@ -18,8 +18,9 @@ A full chunk keeps ``k = max(1, round(density * c))`` coordinates, the partial o
 (no padding, so a position past the tensor's end can never be chosen); ties at the k-th magnitude
 go to the lowest positions and a NaN ranks above every number, so the choice depends on the values
 only (:func:`chunk_select`: in C, the candidates at or above a floor just below the previous chunk's
-k-th magnitude, one radix select among those, the whole chunk where the floor passed too few or too
-many; or torch's path; the same bytes).
+k-th magnitude, one radix select among those; where the floor passed too few or too many, the chunk
+scanned again from the caches at a better one, and the whole chunk selected only where that fails;
+or torch's path; the same bytes).
 The payload size therefore depends only on the shape (``fixed_size``: ``allgather_fast`` works).
 
 Values (``b = bits`` < 32): per chunk the scale is ``s = max |kept value|`` (float32), and each kept
