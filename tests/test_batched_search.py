@@ -168,7 +168,7 @@ def _config(method: str) -> dict:
     """The zoo's config of ``method``; Chunk-Top-k (SparseLoCo's compressor, not a zoo arm) on the
     zoo's allgather_fast with residual memory; QSGD with ``rng: counter``; bf16 cast tensor by tensor."""
     from adacomp.bench.zoo import arm_config
-    if method == "chunktopk":
+    if method in ("chunktopk", "chunktopk_dead"):
         base = arm_config("topk")[0]
         return {**base, "compressor": {"name": "chunktopk", "density": 0.02, "chunk": 256, "bits": 2}, "layers": []}
     if method == "qsgd_counter":  # QSGD's counter-based stream: the C loop against its torch twin
@@ -201,10 +201,11 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
             # a wrong statistic mostly shows as a tie, which torch.topk then answers, so the statistics
             # themselves are checked against a sort in test_adtopk_speed)
             return torch.nn.Sequential(torch.nn.Linear(13000, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
-        if method != "adtopk_dead":
+        if method not in ("adtopk_dead", "chunktopk_dead"):
             return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
         # every other unit of a ReLU layer never fires: all-zero rows in its weight's gradient, as
-        # VGG-16's dead units give (ADTopk's all-zero rows, cost_notes item 54)
+        # VGG-16's dead units give (ADTopk's all-zero rows, cost_notes item 54; Chunk-Top-k's all-zero
+        # chunks, whose k-th is 0 and which keep the candidate floor, item 58)
         body = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
         with torch.no_grad():
             body[0].bias[::2] = -1e3
@@ -235,6 +236,16 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
         must = {"alltoall": (TopkCompressor, "compensate_mean_into", lambda a, k: True),
                 "dgc": (DGCCompressor, "accumulate_into", lambda a, k: k.get("zeroed") is not None),
                 "chunktopk": (ChunkTopkCompressor, "compensate_owed", lambda a, k: True)}.get(method)
+        if method == "chunktopk_dead":  # the C selection must answer for a tensor holding all-zero chunks
+            from adacomp.compressors import _native
+            select = _native.chunk_topk
+
+            def chunks_answered(a: torch.Tensor, rows: int, chunk: int, *args: Any, **kw: Any) -> Any:
+                got = select(a, rows, chunk, *args, **kw)
+                dead = bool((a[:rows * chunk].view(rows, chunk) == 0).all(1).any())
+                dests.append(int(got is not None and dead))
+                return got
+            _native.chunk_topk = chunks_answered  # type: ignore[assignment]
         # ADTopk's one-call selection must answer (with all-zero rows: which zeros a dead row sends
         # cannot change the parameters; test_adtopk_speed checks those columns against torch.topk's)
         if method in ("adtopk", "adtopk_dead", "adtopk_wide"):
@@ -269,15 +280,15 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     error_feedback.with_dest = given  # type: ignore[assignment]
     adacomp.shutdown()
     # the means went into the gradients; the fused passes named above ran
-    needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "adtopk",
-                                                                   "adtopk_dead", "adtopk_wide"))
+    needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
+                                                                   "adtopk", "adtopk_dead", "adtopk_wide"))
     return same and (sum(dests) > 0 or not needs)
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "qsgd",
+                                   "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "chunktopk_dead", "qsgd",
                                    "qsgd_counter", "bf16"]]
         + [("dest", m) for m in ["topk", "gaussiank", "adtopk", "alltoall", "chunktopk", "dgc"]])
 
