@@ -1241,24 +1241,34 @@ static void chunk_owed_fix(float* a, const float* g, const float* r, int64_t lo,
    too many: the k-th largest of the first cap candidates (at least k of the chunk's magnitudes reach
    it, so the rescan passes k or more); too few: half the floor, or any nonzero magnitude (bit
    pattern >= 1) where none passed. On the models' own gradients the floor from the neighbouring
-   chunk missed on 20-60 % of the chunks (rows of different scales, dead units' zero rows; on iid
+   chunk missed on 20-80 % of the chunks (rows of different scales, dead units' zero rows; on iid
    values on 1 %). Returns the count at the final floor *flo (c > cap: the first cap in craw /
    cpos; *flo == 1 and c < k: every nonzero one, so the k-th magnitude is 0). keys: scratch. */
 #define REFLOOR_TRIES 4
+/* The r-th largest magnitude (and its rank among the ties) of the m candidates craw (bit patterns,
+   sign included), all at or above the floor `flo`, into keys; -1 on a NaN among them. They share the
+   bits above the highest bit where flo and their largest differ: the first radix digit starts there
+   (the exponent digit would put nearly all of them in one bucket and cost a pass). */
+static int candidates_kth(const uint32_t* craw, int64_t m, int64_t r, uint32_t flo, uint32_t* keys, uint32_t* kth,
+                          int64_t* ties) {
+    uint32_t top = 0;
+    for (int64_t t = 0; t < m; ++t) {
+        keys[t] = craw[t] & 0x7fffffffu;
+        top = keys[t] > top ? keys[t] : top;
+    }
+    if (top > 0x7f800000u) return -1;  /* a NaN */
+    const int high = top > flo ? 31 - __builtin_clz(top ^ flo) : 30;
+    keys_kth(keys, m, r, high - 7, 8, kth, ties);
+    return 0;
+}
 static int64_t chunk_refloor(const uint32_t* u, int64_t chunk, int64_t k, int64_t cap, uint32_t* keys,
                              uint32_t* craw, int32_t* cpos, int64_t c, uint32_t* flo) {
     for (int t = 0; t < REFLOOR_TRIES && (c > cap || c < k); ++t) {
         uint32_t next;
         if (c > cap) {
-            uint32_t top = 0;
-            for (int64_t q = 0; q < cap; ++q) {
-                keys[q] = craw[q] & 0x7fffffffu;
-                top = keys[q] > top ? keys[q] : top;
-            }
-            if (top > 0x7f800000u) return c;  /* a NaN: the whole chunk's path reports it */
             int64_t ties;
-            const int high = top > *flo ? 31 - __builtin_clz(top ^ *flo) : 30;
-            keys_kth(keys, cap, k, high - 7, 8, &next, &ties);
+            if (candidates_kth(craw, cap, k, *flo, keys, &next, &ties) != 0) return c;  /* a NaN: the whole
+                                                                                      chunk's path reports it */
             if (next <= *flo) return c;  /* ties at the floor: no higher floor passes k */
         } else {
             if (*flo <= 1) return c;  /* fewer than k nonzero: the caller's zero k-th */
@@ -1326,17 +1336,7 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
         const int64_t c0 = c;
         if (guess) c = chunk_refloor(u, chunk, k, cap, keys, craw, cpos, c, &flo);
         if (c >= k && c <= cap) {
-            uint32_t top = 0;
-            for (int64_t t = 0; t < c; ++t) {
-                keys[t] = craw[t] & 0x7fffffffu;
-                top = keys[t] > top ? keys[t] : top;
-            }
-            if (top > 0x7f800000u) return -1;  /* a NaN */
-            /* every candidate lies in [flo, top], so they share the bits above the highest bit where
-               flo and top differ: the first radix digit starts there (the exponent digit would put
-               nearly all of them in one bucket and cost a pass) */
-            const int high = top > flo ? 31 - __builtin_clz(top ^ flo) : 30;
-            keys_kth(keys, c, k, high - 7, 8, &kth, &ties);
+            if (candidates_kth(craw, c, k, flo, keys, &kth, &ties) != 0) return -1;  /* a NaN */
             for (int64_t t = 0; t < c && w < k; ++t) {  /* branch-free: every candidate is written, */
                 const uint32_t b = craw[t], v = b & 0x7fffffffu;  /* the kept ones advance w */
                 const int64_t eq = v == kth;
