@@ -326,20 +326,12 @@ def test_chunk_selection_floor_guess_paths(monkeypatch):
     assert torch.equal(idx, idx_t) and torch.equal(vals.view(torch.int32), vals_t.view(torch.int32))
 
 
-@pytest.mark.parametrize("case", ["dead", "drop", "jump", "ties", "nan", "subnormal"])
-def test_chunk_selection_refloored_paths(case, avx2_switch, monkeypatch):
-    """Chunks whose floor from the neighbouring chunk misses are scanned again from the caches at a
-    better floor (the k-th of the first candidates, half the floor, any nonzero magnitude) before the
-    whole chunk's select: dead units' rows (all +-0.0, or fewer than k nonzero), a scale that drops
-    or jumps 10^4 between neighbours, ties at the refined floor, a NaN in a chunk of a few nonzeros,
-    subnormal magnitudes. Positions and value bits equal torch's path, plain and with the
-    compensation inside the scan (``add``)."""
-    from adacomp.compressors import _native
-    from adacomp.compressors.chunktopk import chunk_select
-    if _native.library() is None:
-        pytest.skip(f"no C library here ({_native.why_unavailable()})")
-    gen_ = torch.Generator().manual_seed(3)
-    rows, chunk, k = 24, 1024, 20
+REFLOOR_CASES = ["dead", "drop", "jump", "ties", "nan", "subnormal"]
+
+
+def _refloor_case(case: str, rows: int = 24, chunk: int = 1024, seed: int = 3) -> torch.Tensor:
+    """Rows that make the C selection's floor guesses miss (see the test below)."""
+    gen_ = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, chunk, generator=gen_)
     if case == "dead":
         x[2:6] = 0.0
@@ -360,6 +352,23 @@ def test_chunk_selection_refloored_paths(case, avx2_switch, monkeypatch):
     elif case == "subnormal":
         x[4:9] *= 1e-41
         x[6, :500] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("case", REFLOOR_CASES)
+def test_chunk_selection_refloored_paths(case, avx2_switch, monkeypatch):
+    """Chunks whose floor from the neighbouring chunk misses are scanned again from the caches at a
+    better floor (the k-th of the first candidates, half the floor, any nonzero magnitude) before the
+    whole chunk's select: dead units' rows (all +-0.0, or fewer than k nonzero), a scale that drops
+    or jumps 10^4 between neighbours, ties at the refined floor, a NaN in a chunk of a few nonzeros,
+    subnormal magnitudes. Positions and value bits equal torch's path, plain and with the
+    compensation inside the scan (``add``)."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import chunk_select
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    rows, chunk, k = 24, 1024, 20
+    x = _refloor_case(case, rows, chunk)
     idx, vals = chunk_select(x.clone(), k)
     g, r = x * 0.75, x * 0.25  # exact in float32: g + r == x
     out = torch.empty(rows * chunk)
@@ -374,6 +383,46 @@ def test_chunk_selection_refloored_paths(case, avx2_switch, monkeypatch):
     assert fused is not None
     assert torch.equal(fused[0], want_idx) and torch.equal(fused[1].view(torch.int32), want_vals.view(torch.int32))
 
+
+
+@pytest.mark.parametrize("hint", ["unknown", "own", "high", "low", "dead", "random"])
+@pytest.mark.parametrize("case", REFLOOR_CASES)
+def test_chunk_selection_row_hints_change_only_speed(case, hint, avx2_switch, monkeypatch):
+    """The per-row floors a tensor's previous call left (``hint``) never change the answer, however
+    wrong: unknown (0), the rows' own k-th, 10^3 too high or too low, the zero-k-th marker (1) on live
+    rows, random finite bit patterns; each row's hint is overwritten with its k-th magnitude's bits
+    (1 for a zero k-th). Then a second call on the rows grown 4x (error feedback's residual growing)
+    reads those hints: positions and value bits equal torch's path both times."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import chunk_select
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    rows, chunk, k = 24, 1024, 20
+    x = _refloor_case(case, rows, chunk)
+    mags = torch.where(torch.isnan(x), torch.full_like(x, float("inf")), x.abs())
+    own = torch.topk(mags, k, dim=1).values[:, -1].contiguous().view(torch.int32)
+    gen_ = torch.Generator().manual_seed(5)
+    hints = {"unknown": torch.zeros(rows, dtype=torch.int32), "own": own.clone(),
+             "high": (own.view(torch.float32) * 1e3).view(torch.int32),
+             "low": (own.view(torch.float32) * 1e-3).view(torch.int32),
+             "dead": torch.ones(rows, dtype=torch.int32),
+             "random": torch.randint(1, 0x7effffff, (rows,), generator=gen_, dtype=torch.int32)}
+    h = hints[hint].clone()
+    for step, y in enumerate((x, x * 4.0)):
+        g, r = y * 0.75, y * 0.25  # exact in float32: g + r == y
+        out = torch.empty(rows * chunk)
+        fused = _native.chunk_topk(out, rows, chunk, k, add=(g.view(-1), r.view(-1)), hint=h)
+        with monkeypatch.context() as m:
+            m.setattr(_native, "usable", lambda a: False)  # torch's path: the reference
+            want_idx, want_vals = chunk_select(y, k)
+        assert torch.equal(out.view(torch.int32), torch.add(g, r).view(-1).view(torch.int32))
+        if case == "nan":
+            assert fused is None  # the C path declines; torch's answers
+            return
+        assert fused is not None, step
+        assert torch.equal(fused[0], want_idx) and torch.equal(fused[1].view(torch.int32), want_vals.view(torch.int32))
+        kth = torch.gather(y.abs(), 1, want_idx).amin(1).contiguous().view(torch.int32)
+        assert torch.equal(h, torch.where(kth == 0, torch.ones_like(kth), kth)), step
 
 @pytest.mark.parametrize("owed", ["none", "owed"])
 @pytest.mark.parametrize("chunk,rows", [(4096, 40), (1000, 90), (100, 700), (300, 9)])

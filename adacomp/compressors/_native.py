@@ -1224,7 +1224,12 @@ static int64_t chunk_at_least(const uint32_t* u, int64_t n, uint32_t lo, int64_t
    between k and cap = 4 k + 64 elements: then the k-th is found among those alone (every element
    at or above it passed); else the chunk is scanned again at a better floor (chunk_refloor), and
    over the whole chunk only where that fails too. A zero k-th (a dead unit's chunk) leaves the
-   floor as it was. keys: chunk + 2 cap uint32 of scratch.
+   floor as it was. hint (rows uint32, or NULL): each row's k-th of the tensor's previous call (0:
+   unknown, 1: it was zero), overwritten with this call's. A row's scale changes less from step to
+   step than from row to row (a layer's units differ, a dead unit's row is dead again), so a hinted
+   row's floor is its own last k-th, times the drift the hinted rows before it showed (grow: error
+   feedback's residual still growing; smoothed over rows) and its own factor fh. Only the speed
+   depends on the floors. keys: chunk + 2 cap uint32 of scratch.
    -1 on a NaN (torch answers). */
 /* r's owed subtractions (positions pp, ascending, from *pj on, values pv) within [lo, hi) of the
    sum a = g + r just written: a = g + (r - pv) there (ac_sub_at's residual, then the add) */
@@ -1285,20 +1290,31 @@ static int64_t chunk_refloor(const uint32_t* u, int64_t chunk, int64_t k, int64_
 }
 static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys, int64_t* pos,
                            float* vals, const float* g, const float* plus, const int64_t* pp, const float* pv,
-                           int64_t np, int64_t* done, int64_t* pj) {
+                           int64_t np, uint32_t* hint, int64_t* done, int64_t* pj) {
     const int64_t cap = 4 * k + 64;
     const int guessing = 2 * cap <= chunk;
     uint32_t* craw = keys + chunk;  /* the candidates' bit patterns, sign included */
     int32_t* cpos = (int32_t*)(keys + chunk + cap);
     uint32_t lo = 0;
-    float f = 0.875f;
+    float fn = 0.875f, fh = 0.875f;  /* the floors' factors on the neighbour's k-th and on the row's own */
+    float grow = 1.0f;  /* the last hinted row's k-th over its previous one: the scale's drift since */
 #if defined(AC_AVX2)
     const int fuse = g != NULL && use_avx2();
     const int stream = rows * chunk >= AC_SELECT_STREAM_MIN && chunk % 8 == 0 && ((uintptr_t)a & 31) == 0;
 #endif
     for (int64_t row = 0; row < rows; ++row) {
         float* x = a + row * chunk;
-        const int guess = guessing && lo > 0;
+        /* the floor: this row's k-th of the previous call where known, else the neighbour's */
+        uint32_t lo_row = lo;
+        const int hinted = hint != NULL && hint[row] > 0;
+        if (hinted) {  /* 1: a zero k-th, so any nonzero magnitude is a candidate */
+            float h;
+            __builtin_memcpy(&h, hint + row, sizeof h);
+            h *= hint[row] > 1 ? grow * fh : 1.0f;
+            __builtin_memcpy(&lo_row, &h, sizeof lo_row);
+            lo_row = lo_row > 0 ? lo_row : 1;
+        }
+        const int guess = guessing && lo_row > 0;
         int64_t c = 0;
 #if defined(AC_AVX2)
         if (fuse && guess) {
@@ -1309,14 +1325,14 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
             const int64_t cnt = *pj - p0;
             if (cnt <= 512 && (cnt == 0 || chunk <= OWE_MAX)) {
                 for (int64_t t = 0; t < cnt; ++t) rel[t] = pp[p0 + t] - base;
-                c = chunk_add_at_least_avx2(g + base, plus + base, x, chunk, lo, cap, craw, cpos, stream, rel,
+                c = chunk_add_at_least_avx2(g + base, plus + base, x, chunk, lo_row, cap, craw, cpos, stream, rel,
                                             pv + p0, cnt);
             } else {
-                c = chunk_add_at_least_avx2(g + base, plus + base, x, chunk, lo, cap, craw, cpos, stream, NULL,
+                c = chunk_add_at_least_avx2(g + base, plus + base, x, chunk, lo_row, cap, craw, cpos, stream, NULL,
                                             NULL, 0);
                 *pj = p0;
                 chunk_owed_fix(x, g, plus, base, base + chunk, pp, pv, np, pj);
-                c = chunk_at_least((const uint32_t*)x, chunk, lo, cap, craw, cpos);  /* the fixed sums' candidates */
+                c = chunk_at_least((const uint32_t*)x, chunk, lo_row, cap, craw, cpos);  /* the fixed sums' candidates */
             }
         } else
 #endif
@@ -1325,13 +1341,13 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
                 for (int64_t j = 0; j < chunk; ++j) x[j] = g[row * chunk + j] + plus[row * chunk + j];
                 chunk_owed_fix(x, g, plus, row * chunk, (row + 1) * chunk, pp, pv, np, pj);
             }
-            if (guess) c = chunk_at_least((const uint32_t*)x, chunk, lo, cap, craw, cpos);
+            if (guess) c = chunk_at_least((const uint32_t*)x, chunk, lo_row, cap, craw, cpos);
         }
         *done = row + 1;
         const uint32_t* u = (const uint32_t*)x;
         int64_t* p = pos + row * k;
         float* o = vals + row * k;
-        uint32_t kth, flo = lo;
+        uint32_t kth, flo = lo_row;
         int64_t ties, w = 0;
         const int64_t c0 = c;
         if (guess) c = chunk_refloor(u, chunk, k, cap, keys, craw, cpos, c, &flo);
@@ -1360,15 +1376,26 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
             }
         }
         if (guessing) {  /* the next chunk's floor */
-            if (c0 > cap) f = 0.5f * (1.0f + f);
-            else if (c0 < k && lo > 0) f *= 0.75f;
+            float* f = hinted ? &fh : &fn;  /* each factor learns from its own floors' misses */
+            if (c0 > cap) *f = 0.5f * (1.0f + *f);
+            else if (c0 < k && lo_row > 1) *f *= 0.75f;
             float g;
             uint32_t b = kth;
             __builtin_memcpy(&g, &b, sizeof g);
-            g *= f;
+            g *= fn;
             __builtin_memcpy(&b, &g, sizeof b);
             /* a zero k-th (a dead unit's chunk) keeps the floor: the next live chunk guesses from it */
             lo = kth >= 0x7f000000u ? 0 : b > 0 ? b : lo;
+        }
+        if (hint != NULL) {
+            if (hinted && hint[row] > 1 && kth > 0 && kth < 0x7f000000u) {
+                float now, was;
+                __builtin_memcpy(&now, &kth, sizeof now);
+                __builtin_memcpy(&was, hint + row, sizeof was);
+                grow = __builtin_sqrtf(grow * (now / was));  /* smoothed: one row's drift is noisy */
+                grow = grow < 0x1p-8f ? 0x1p-8f : grow > 0x1p8f ? 0x1p8f : grow;
+            }
+            hint[row] = kth >= 0x7f000000u ? 0 : kth > 0 ? kth : 1;  /* the next call's floor */
         }
     }
     return 0;
@@ -1378,9 +1405,9 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
    just before it is read (the compensation's pass and the selection's in one); the sum is written
    whole even where a NaN stops the selection (-1: torch's path answers). */
 int ac_chunk_topk(float* a, int64_t rows, int64_t chunk, int64_t k, uint32_t* keys, int64_t* pos, float* vals,
-                  const float* g, const float* plus, const int64_t* pp, const float* pv, int64_t np) {
+                  const float* g, const float* plus, const int64_t* pp, const float* pv, int64_t np, uint32_t* hint) {
     int64_t done = 0, pj = 0;
-    const int rc = chunk_topk_rows(a, rows, chunk, k, keys, pos, vals, g, plus, pp, pv, np, &done, &pj);
+    const int rc = chunk_topk_rows(a, rows, chunk, k, keys, pos, vals, g, plus, pp, pv, np, hint, &done, &pj);
     if (g != NULL) {
         for (int64_t i = done * chunk; i < rows * chunk; ++i) a[i] = g[i] + plus[i];
         chunk_owed_fix(a + done * chunk, g, plus, done * chunk, rows * chunk, pp, pv, np, &pj);
@@ -3640,7 +3667,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_zero_at.argtypes = [vp, i64, vp, i64]
     lib_.ac_take.restype = ctypes.c_int
     lib_.ac_take.argtypes = [vp, i64, vp, i64, vp]
-    lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp, i64]
+    lib_.ac_chunk_topk.argtypes = [vp, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp, i64, vp]
     lib_.ac_chunk_decode.restype = ctypes.c_int
     lib_.ac_chunk_quantize.restype = ctypes.c_int
     lib_.ac_chunk_quantize.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp]
@@ -4151,7 +4178,7 @@ def rth_largest_strided(a: Tensor, step: int, r: int, absolute: bool = False) ->
 
 
 def chunk_topk(a: Tensor, rows: int, chunk: int, k: int, add: tuple[Tensor, Tensor] | None = None,
-               owed: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor] | None:
+               owed: tuple[Tensor, Tensor] | None = None, hint: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """Per run of ``chunk`` elements of contiguous float32 ``a`` (``rows`` runs): the positions
     (``rows x k`` int64, ascending in each row) and values of the k largest ``|a|``, ties at the
     k-th magnitude to the lowest positions; None where torch's path must answer (a NaN). ``add =
@@ -4159,9 +4186,14 @@ def chunk_topk(a: Tensor, rows: int, chunk: int, k: int, add: tuple[Tensor, Tens
     just before it is read, and written whole even where None is returned. ``owed = (positions,
     values)`` (with ``add``; int64 strictly ascending positions in the runs, float32 values): ``plus``
     is read as ``plus - value`` there, the residual :func:`sub_at` would have written (Chunk-Top-k's
-    residual left to this pass)."""
+    residual left to this pass). ``hint``: ``rows`` int32 (contiguous, CPU), each row's k-th magnitude
+    (bit pattern; 0: unknown) from the previous call on the same tensor, read as the row's candidate
+    floor and overwritten with this call's: only the speed depends on it (a row's scale changes little
+    from step to step; the neighbouring chunk's k-th missed on 20-80 % of the models' own gradients'
+    chunks, cost_notes item 59)."""
     lib = library()
     assert lib is not None and usable(a) and a.numel() >= rows * chunk and 1 <= k <= chunk
+    assert hint is None or (_cpu_contiguous(hint, torch.int32) and hint.numel() == rows)
     if add is not None:
         assert all(usable(t) and t.numel() >= rows * chunk and t.data_ptr() != a.data_ptr() for t in add)
     keys = _keys(chunk + 2 * (4 * k + 64))
@@ -4173,7 +4205,8 @@ def chunk_topk(a: Tensor, rows: int, chunk: int, k: int, add: tuple[Tensor, Tens
         assert owed[0].numel() == owed[1].numel() and (not owed[0].numel() or int(owed[0][-1]) < rows * chunk)
         owe = (owed[0].data_ptr(), owed[1].data_ptr(), owed[0].numel())
     if lib.ac_chunk_topk(a.data_ptr(), rows, chunk, k, keys.data_ptr(), pos.data_ptr(), vals.data_ptr(),
-                         *((add[0].data_ptr(), add[1].data_ptr()) if add is not None else (None, None)), *owe) != 0:
+                         *((add[0].data_ptr(), add[1].data_ptr()) if add is not None else (None, None)), *owe,
+                         None if hint is None else hint.data_ptr()) != 0:
         return None
     return pos, vals
 

@@ -211,6 +211,7 @@ class ChunkTopkCompressor(Compressor):
         self.chunk = check_chunk(chunk)
         self.bits = check_bits(bits)
         self.workspace = Workspace()
+        self.row_floors: dict[str, Tensor] = {}  # per tensor: the C selection's per-chunk floors, see _row_floors
 
     # ------------------------------------------------------------------ knobs
     def density(self) -> float | None:
@@ -264,10 +265,20 @@ class ChunkTopkCompressor(Compressor):
                 torch.add(gf[body:], rf[body:], out=flat[body:])
             if owed is not None and tail_pos.numel():  # the residual's subtraction, then the add
                 flat[tail_pos] = gf[tail_pos] + (rf[tail_pos] - tail_vals)
-        got = _native.chunk_topk(flat[:body], ctx.full, ctx.chunk, ctx.k_row, add=(gf[:body], rf[:body]), owed=in_body)
+        got = _native.chunk_topk(flat[:body], ctx.full, ctx.chunk, ctx.k_row, add=(gf[:body], rf[:body]), owed=in_body,
+                                 hint=self._row_floors(name, ctx.full))
         if got is not None:  # None: a NaN (the sum is written; torch's path selects)
             self._kept().keep(name, flat, got)
         return True
+
+    def _row_floors(self, name: str, rows: int) -> Tensor:
+        """Tensor ``name``'s per-chunk k-th magnitudes of the previous step (zeros at first): the C
+        selection's candidate floors, a speed hint that never changes a payload, so it is neither
+        checkpointed nor shared."""
+        got = self.row_floors.get(name)
+        if got is None or got.numel() != rows:
+            got = self.row_floors[name] = torch.zeros(rows, dtype=torch.int32)
+        return got
 
     def defer_residual(self, tensor: Tensor, payload: Payload, ctx: Any) -> Any:
         """The kept positions and decoded values, where the residual only subtracts them: the next
