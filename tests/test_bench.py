@@ -258,13 +258,15 @@ def test_cost_floor_report_before_and_after(tmp_path):
     """``adacomp bench cost run`` measures each cell's memory floor beside its step, and
     ``report-floor --before`` puts an earlier run's ratio beside the new one (equal-split shapes,
     one step: plumbing, not numbers)."""
-    out = _run([*BENCH, "cost", "run", "--json", "a.json", "--models", "split10", "--methods", "topk,qsgd,qsgd_counter",
-                "--counts", "", "--steps", "1"], tmp_path).stdout
-    assert "[1/3 " in out and "[3/3 " in out and "min left]" in out  # progress on a run of ~50 minutes
+    out = _run([*BENCH, "cost", "run", "--json", "a.json", "--models", "split10", "--methods",
+                "topk,qsgd,qsgd_counter,oktopk", "--counts", "", "--steps", "1"], tmp_path).stdout
+    assert "[1/4 " in out and "[4/4 " in out and "min left]" in out  # progress on a run of ~50 minutes
     import json
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {"topk", "qsgd", "qsgd_counter"}
+    assert {r["method"] for r in rows} == {"topk", "qsgd", "qsgd_counter", "oktopk"}
     assert all(r["floor_s"] > 0 and r["step_s"] > 0 and 0 < r["bytes_ratio"] < 1 for r in rows)
+    # Ok-Topk's owners need real peers: its cell ran on two processes, rank 0 reporting
+    assert [(r["method"], r["processes"], r["rank"]) for r in rows if r["processes"] != 1] == [("oktopk", 2, 0)]
     # the data-flow minimum, timed beside them: error feedback's add and the output's write for Top-k
     # (more than the floor's one read and one write), one read, the write and the uniform numbers
     # (torch's generator) for QSGD
@@ -278,6 +280,7 @@ def test_cost_floor_report_before_and_after(tmp_path):
     md = (tmp_path / "floor.md").read_text()
     assert "split10 before x floor" in md and "split10 x floor" in md and "| topk |" in md and "| qsgd |" in md
     assert "split10 minimum x floor" in md
+    assert "| oktopk |" in md and "oktopk: its exchange needs real peers" in md
     # several runs: each cell the median run's figures with the range (made-up ratios 1, 2, 4 per cell)
     for i, scale in enumerate((1.0, 2.0, 4.0)):
         (tmp_path / f"r{i}.json").write_text(json.dumps({"rows": [

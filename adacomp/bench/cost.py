@@ -62,6 +62,7 @@ METHODS: dict[str, tuple[str, dict, str, str]] = {
     "artopk": ("topk", {"density": 0.01}, "artopk", "residual"),
     "sidco": ("sidco", {"density": 0.01}, "allgather", "residual"),
     "alltoall": ("topk", {"density": 0.01}, "alltoall", "residual"),
+    "oktopk": ("oktopk", {"density": 0.01}, "oktopk", "residual"),
     "gtopk": ("gtopk", {"density": 0.01}, "allgather", "residual"),
     "mstopk": ("mstopk", {"density": 0.01}, "allgather", "residual"),
     "randomk": ("randomk", {"density": 0.01}, "allreduce", "residual"),
@@ -74,6 +75,13 @@ METHODS: dict[str, tuple[str, dict, str, str]] = {
     "acpsgd": ("acpsgd", {"rank": 4}, "allreduce", "residual"),
 }
 MODELS = ("resnet50", "gpt2_small", "vgg16", "lstm_lm")
+PEERS = frozenset({"oktopk"})
+"""Methods whose exchange a mirror of this rank cannot answer: Ok-Topk's owner of a region sums what
+the other ranks selected there and the final allgather brings the other owners' regions. Their cells
+run on two local processes (``adacomp run``'s launch: gloo on loopback, one thread each), both ranks
+timing the same steps, floors and minima with a barrier before each (so the floor shares the step's
+two-process load on the memory), rank 0 reporting. The step then includes the collectives' time over
+loopback, and the rank waiting for the slower one."""
 
 # The passes over every gradient that a method's data flow cannot avoid, whatever the code: its
 # "minimum", timed in the same cell as the step and the floor. ``ef``: error feedback's compensation
@@ -95,7 +103,7 @@ RNG_CHUNK = 1 << 16  # the ``rng`` pass's scratch: 256 KB, resident in L2 while 
 
 MINIMUM: dict[str, tuple[str, ...]] = {
     **{m: ("ef", "write") for m in ("efsignsgd", "topk", "adtopk", "artopk", "sidco", "gtopk",
-                                    "mstopk", "randomk", "redsync", "chunktopk")},
+                                    "mstopk", "randomk", "redsync", "chunktopk", "oktopk")},
     "alltoall": ("ef", "write", "ef/2", "write/2"),
     "gaussiank": ("ef", "read", "write"),
     "dgc": ("ef", "rw", "write", "sample"),
@@ -202,9 +210,11 @@ def model_gradients(model: str, sets: int = GRADIENT_SETS) -> list[dict[str, tor
 
 
 def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_file: str | None = None) -> dict:
-    """One (model, method) measurement in this process. ``grads_from``: ``randn`` (iid normal
-    gradients) or ``model`` (:func:`model_gradients`, read from ``grads_file`` when given)."""
+    """One (model, method) measurement in this process (a method of :data:`PEERS`: this rank's, in a
+    job of two started by a launcher). ``grads_from``: ``randn`` (iid normal gradients) or ``model``
+    (:func:`model_gradients`, read from ``grads_file`` when given)."""
     from adacomp import communicators, compressors, memories
+    from adacomp.backends import create, detect
     from adacomp.bench.cost_shapes import MirrorBackend
     from adacomp.communicators.base import CommEnv, Entry
     from adacomp.engine.error_feedback import exchange, with_dest
@@ -227,7 +237,16 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
         raise ValueError(f"grads_from must be 'randn' or 'model', got {grads_from!r}")
     grads = sets[0]
     model_bytes = sum(4 * g.numel() for g in grads.values()) + dense_small
-    backend = MirrorBackend(2)
+    if method in PEERS:
+        if detect() == "local":
+            raise RuntimeError(f"cost cell {model}/{method}: its exchange needs real peers; run it with "
+                               f"`adacomp bench cost cell`, which starts two processes")
+        backend = create()
+        if backend.size() != 2:
+            raise RuntimeError(f"cost cell {model}/{method}: a world of 2 measures it, got {backend.size()}")
+        barrier: Callable[[], None] | None = backend.barrier
+    else:
+        backend, barrier = MirrorBackend(2), None
     # the memory floor: one read and one write of every gradient (abs into a buffer of its own),
     # allocated before the baseline so the resident-set figures count the method's memory only
     floor_out = {n: torch.empty_like(g) for n, g in grads.items()}
@@ -247,6 +266,8 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
     cur = SimpleNamespace(step=-1, stats=StepStats(), outs=[], fresh={})
 
     def prepare() -> None:
+        if barrier is not None:
+            barrier()
         cur.step += 1
         cur.stats = StepStats()
         cur.outs = []  # the previous step's means are released, as zero_grad(set_to_none) releases grads
@@ -267,15 +288,15 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
     # two untimed steps: error feedback's second buffer is first written on the second one (its page
     # faults cost up to 20x a step), so with one the median of three timed steps was the slower of two
     time_steps(one_step, 0, 2, sync=prepare)
-    time_steps(floor_pass, 0, 1)
-    time_steps(minimum_pass, 0, 1)
+    time_steps(floor_pass, 0, 1, sync=barrier)
+    time_steps(minimum_pass, 0, 1, sync=barrier)
     times: list[float] = []
     floors: list[float] = []
     minima: list[float] = []
     for _ in range(steps):  # alternating, so all three see the same machine load
         times += time_steps(one_step, 1, sync=prepare)
-        floors += time_steps(floor_pass, 1)
-        minima += time_steps(minimum_pass, 1)
+        floors += time_steps(floor_pass, 1, sync=barrier)
+        minima += time_steps(minimum_pass, 1, sync=barrier)
     sent, dense = cur.stats.bytes_sent, cur.stats.dense_bytes  # the last step's
     if not 0 < sent < dense:  # a cost of a path that compressed nothing would measure the wrong thing
         raise RuntimeError(f"cost cell {model}/{method}: sent {sent} bytes of {dense} dense")
@@ -289,7 +310,21 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
             "minimum": list(MINIMUM[method]), "model_bytes": model_bytes,
             "held_bytes": held, "rss_extra_bytes": max(0, peak - base_rss),
             "bytes_ratio": (sent + dense_small) / max(1, dense + dense_small), "threads": torch.get_num_threads(),
-            "grads": grads_from}
+            "grads": grads_from, "processes": backend.size() if method in PEERS else 1, "rank": backend.rank()}
+
+
+def peer_cell(argv: list[str]) -> dict:
+    """The cell subcommand ``argv`` run on two local processes (a method of :data:`PEERS`): rank 0's
+    result. Why not the mirror: see :data:`PEERS`."""
+    import io
+    from adacomp.tools.launch import run_local
+    out = io.StringIO()
+    rc = run_local([*module_command("cost"), *argv], 2, out=out)
+    lines = out.getvalue().splitlines()
+    found = [line[len("[0] "):] for line in lines if line.startswith("[0] {")]
+    if rc or not found:
+        raise RuntimeError(f"cost {' '.join(argv)} on two processes failed (exit {rc}):\n" + "\n".join(lines[-30:]))
+    return dict(json.loads(found[-1]))
 
 
 def floors(args: argparse.Namespace) -> None:
@@ -617,9 +652,13 @@ def report_floor(args: argparse.Namespace) -> None:
         lines.append(f"| {meth} | " + " | ".join(cells) + f" | {GOAL.get(meth, 3.0):.0f}x |")
     if args.note:
         lines += ["", args.note]
-    lines += ["", "✗ = above the goal. OkTopk is not in the table: its communicator's exchange needs real peers "
-              "(the mirror backend answers only symmetric collectives). Tensors under 1024 elements go dense and are "
-              "outside both the step and the floor."]
+    lines += ["", "✗ = above the goal. Tensors under 1024 elements go dense and are outside both the step and the floor."]
+    if any(k[1] in PEERS for k in rows):
+        lines += ["", f"{', '.join(sorted(PEERS & {k[1] for k in rows}))}: its exchange needs real peers (an owner sums "
+                  "the regions the other ranks send it), so its cells ran on two processes (gloo on loopback, one "
+                  "thread each, a barrier before every timed step, floor and minimum): rank 0's step includes the "
+                  "collectives and any wait for the other rank, and its floor shares the memory with the other "
+                  "rank's, as the step does."]
     write_result(args.out, "Compression cost against the memory floor", lines, args.command)
 
 
@@ -669,8 +708,14 @@ def main(argv: list[str] | None = None) -> int:
     args.command = bench_command("cost", argv)
     if args.cmd == "cell":
         import torch
+        from adacomp.backends import detect
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        print(json.dumps(cell(args.model, args.method, args.steps, args.grads, args.grads_file)))
+        if args.method in PEERS and detect() == "local":
+            print(json.dumps(peer_cell(list(sys.argv[1:] if argv is None else argv))))
+            return 0
+        got = cell(args.model, args.method, args.steps, args.grads, args.grads_file)
+        if args.method not in PEERS or got["rank"] == 0:
+            print(json.dumps(got))
     else:
         {"run": run, "backward": backward, "report": report, "report-floor": report_floor,
          "floors": floors, "passes": cost_passes.passes}[args.cmd](args)
