@@ -236,10 +236,40 @@ def test_compensation_and_block_selection_share_one_pass(kind: str, shape: tuple
     _fused_and_separate_agree(lambda: compressors.get(kind, density=0.01), grads, fuses)
 
 
-def _fused_and_separate_agree(make: Any, grads: list[torch.Tensor], fuses: bool) -> None:
+def test_oktopk_compensation_selects_at_the_reused_threshold() -> None:
+    """Between estimations Ok-Topk's threshold is known before error feedback's add, so the add lists
+    ``|g + r| >= thr`` in the same pass (``compensate_into``): the compensated tensors, payloads and
+    residuals are bitwise those of the plain add and the selection's own pass, through the count
+    band's nudges and a re-estimation (a gradient 3x larger passes more than 2k) and a period's
+    estimation step (period 3)."""
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
+    scales = (1.0, 1.0, 1.1, 3.0, 1.0, 0.9, 1.0)
+    grads = [torch.randn(1 << 16, generator=gen(80 + i)) * s for i, s in enumerate(scales)]
+    grads[4][100:300] = 0.0  # exact zeros and ties
+    grads[4][300:340] = 2.5
+
+    def make() -> Any:
+        comp = compressors.get("oktopk", density=0.01, period=3)
+        step = iter(range(100))
+        compress = comp.compress
+
+        def stepping(t: torch.Tensor, name: str) -> Any:  # the optimizer's on_step before each round
+            out = compress(t, name)
+            comp.on_step(next(step) + 1)
+            return out
+        comp.compress = stepping
+        return comp
+    _fused_and_separate_agree(make, grads, True, kept_at=lambda comp, step: step > 0 and not comp.due("w"))
+
+
+def _fused_and_separate_agree(make: Any, grads: list[torch.Tensor], fuses: bool,
+                              kept_at: Any = None) -> None:
     """Residual memory through ``make()``'s compressor with its fused compensation (``compensate_into``)
     and with the plain add: the compensated tensors, the payloads and the last residual are bitwise
-    equal, and what the fused pass found (where it ran: ``fuses``) the selection took."""
+    equal, and what the fused pass found (where it ran: ``fuses``; ``kept_at(comp, step)``: at which
+    steps) the selection took."""
     from adacomp import memories
     runs = []
     for fused in (True, False):
@@ -249,8 +279,9 @@ def _fused_and_separate_agree(make: Any, grads: list[torch.Tensor], fuses: bool)
             comp.defer_residual = lambda *a: None
         out = []
         for step, g in enumerate(grads):
+            runs_now = kept_at(comp, step) if kept_at is not None else step > 0  # step 0: no residual
             t = mem.compensate(g.clone(), "w", 2, compressor=comp)
-            assert ("w" in comp._kept()) == (fused and fuses and step > 0)  # step 0: no residual
+            assert ("w" in comp._kept()) == (fused and fuses and runs_now)
             payload, ctx = comp.compress(t, "w")
             assert "w" not in comp._kept()  # taken by the selection
             out.append((t.clone(), [p.clone() for p in payload]))

@@ -57,6 +57,7 @@ from torch import Tensor
 from adacomp.backends.base import Backend
 from adacomp.communicators.allgather import layout, pack, unpack
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
+from adacomp.compressors import _native
 from adacomp.compressors._band import HARD_HIGH, HARD_LOW, judge
 from adacomp.compressors.base import Compressor
 from adacomp.compressors.sparse import divide_touched, k_for
@@ -117,7 +118,7 @@ class _Pending:
     offsets: list[int]
     idx: Tensor            # this rank's selected global indices, ascending (int64)
     vals: Tensor           # their values
-    perm: Tensor           # position of each sorted pair in the concatenated payloads
+    perm: Tensor | None    # position of each sorted pair in the concatenated payloads (None: in order)
     bounds: list[int]
     handle: Any
     recv_counts: list[int]
@@ -167,8 +168,11 @@ class OkTopkCommunicator(Communicator):
                 env.stats.add_gain_of(e.payload[0], e.tensor)
                 numel += e.tensor.numel()
                 k += k_for(e.tensor.numel(), float(e.compressor.density() or 1.0))
-            idx, perm = torch.sort(torch.cat(idx_parts))
-            vals = torch.cat(val_parts).index_select(0, perm)
+            idx, perm = torch.cat(idx_parts), None
+            vals = torch.cat(val_parts)
+            if not _native.ascending_within(idx, numel):  # sparsifiers list positions ascending: no sort then
+                idx, perm = torch.sort(idx)
+                vals = vals.index_select(0, perm)
         key = entries[0].name
         bounds = self._bounds(key, numel, idx, backend, env.step)
         idx_dtype = torch.int32 if numel < 2 ** 31 else torch.int64
@@ -314,9 +318,13 @@ class OkTopkCommunicator(Communicator):
     def _report_kept(p: _Pending, g_idx: Tensor) -> None:
         """Report this rank's pairs whose index the global selection kept: the residual the
         engine stores keeps every compensated value the aggregate did not use (both stages' drops)."""
-        kept = torch.isin(p.idx, g_idx)
-        kept_unsorted = torch.empty_like(kept)
-        kept_unsorted[p.perm] = kept
+        kept = _native.sorted_member(p.idx, g_idx)  # both ascending: one merge
+        if kept is None:
+            kept = torch.isin(p.idx, g_idx)
+        kept_unsorted = kept
+        if p.perm is not None:
+            kept_unsorted = torch.empty_like(kept)
+            kept_unsorted[p.perm] = kept
         start = 0
         for e in p.entries:
             n = e.payload[0].numel()  # type: ignore[index]
@@ -331,11 +339,13 @@ class OkTopkCommunicator(Communicator):
         cuts = torch.searchsorted(g_idx, torch.tensor(p.offsets + [2 ** 62], dtype=torch.int64,
                                                   device=g_idx.device)).tolist()
         for i, e in enumerate(p.entries):
-            acc = torch.zeros(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device)
             lo, hi = cuts[i], cuts[i + 1]
             idx = g_idx[lo:hi] - p.offsets[i]
-            acc.index_add_(0, idx, g_vals[lo:hi].to(acc.dtype))
-            out.append(divide_touched(acc, idx, world).view(e.tensor.shape))
+            acc = torch.empty(e.tensor.numel(), dtype=e.tensor.dtype, device=e.tensor.device)
+            if not _native.sparse_mean(acc, [idx], [g_vals[lo:hi]], world):  # zeros, add, divide: one C write
+                acc.zero_().index_add_(0, idx, g_vals[lo:hi].to(acc.dtype))
+                divide_touched(acc, idx, world)
+            out.append(acc.view(e.tensor.shape))
         return out
 
     def state_dict(self) -> dict[str, Any]:

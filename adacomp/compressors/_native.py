@@ -952,6 +952,15 @@ int ac_ascending_within(const int64_t* idx, int64_t m, int64_t n) {
     }
     return 1;
 }
+/* kept[i] = whether a[i] is among b's m values (a's n and b's m both ascending): a merge, one read
+   of each (torch.isin sorts both first). */
+void ac_sorted_member(const int64_t* a, int64_t n, const int64_t* b, int64_t m, uint8_t* kept) {
+    int64_t j = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        while (j < m && b[j] < a[i]) ++j;
+        kept[i] = j < m && b[j] == a[i];
+    }
+}
 /* Counted in blocks into a 32-bit counter, which the compiler vectorises (a 64-bit one it does
    not, on SSE2). */
 #define COUNT_T(NAME, PASS, VAL)                                                        \
@@ -3581,6 +3590,8 @@ def _load(out: Path) -> ctypes.CDLL:
                                                vp, i64]
     lib_.ac_ascending_within.restype = ctypes.c_int
     lib_.ac_ascending_within.argtypes = [vp, i64, i64]
+    lib_.ac_sorted_member.restype = None
+    lib_.ac_sorted_member.argtypes = [vp, i64, vp, i64, vp]
     lib_.ac_take_grouped.restype = ctypes.c_int
     lib_.ac_take_grouped.argtypes = [vp, i64, vp, i64, ctypes.c_int, vp, vp, vp]
     lib_.ac_pick_pairs.restype = ctypes.c_int64
@@ -5028,6 +5039,23 @@ def ascending_within(idx: Tensor, n: int) -> bool:
     if lib is None or not _cpu_contiguous(idx, torch.int64) or idx.dim() != 1:
         return False
     return bool(lib.ac_ascending_within(idx.data_ptr(), idx.numel(), n))
+
+
+def sorted_member(a: Tensor, b: Tensor) -> Tensor | None:
+    """``torch.isin(a, b)`` for ascending int64 ``a`` and ``b`` (1-D), by one merge; None where the C
+    library does not serve (or either is not ascending, checked: a wrong order would answer wrongly)."""
+    lib = library()
+    if (lib is None or not (_cpu_contiguous(a, torch.int64) and _cpu_contiguous(b, torch.int64))
+            or a.dim() != 1 or b.dim() != 1 or not (_ascending(lib, a) and _ascending(lib, b))):
+        return None
+    kept = torch.empty(a.numel(), dtype=torch.bool)
+    lib.ac_sorted_member(a.data_ptr(), a.numel(), b.data_ptr(), b.numel(), kept.data_ptr())
+    return kept
+
+
+def _ascending(lib: ctypes.CDLL, idx: Tensor) -> bool:
+    """Whether int64 ``idx`` is strictly ascending and non-negative."""
+    return not idx.numel() or bool(lib.ac_ascending_within(idx.data_ptr(), idx.numel(), 2 ** 62))
 
 
 _STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) on 64-bit targets (the layout ac_mt_uniform reads)

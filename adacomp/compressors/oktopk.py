@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors._band import judge
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
@@ -70,20 +71,47 @@ class OkTopkCompressor(SparseCompressor):
         super().set_density(density)
         self._estimated_at.clear()  # a new k needs a new threshold at the next call
 
+    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+        """Between two estimations the threshold is known before the compensation, so error
+        feedback's add ``out = g + r`` lists the positions of ``|out| >= thr`` (the selection, as
+        :meth:`select` makes it) and the first position of the largest magnitude from the same pass,
+        kept for :meth:`select`: |g| is neither written nor read again. False (the caller adds) at an
+        estimation step, or where the C pass cannot run."""
+        thr = self._threshold.get(name)
+        if thr is None or self.due(name) or out.dtype != torch.float32:
+            return False
+        flat = out.reshape(-1)
+        k = k_for(flat.numel(), self._density)
+        if k >= flat.numel():
+            return False
+        got = _native.add_abs_stats(g.reshape(-1), r.reshape(-1), flat, thr, strict=False,
+                                    expected=min(1.0, 2.0 * k / flat.numel()))
+        if got.done and got.stats is not None and got.cands is not None:
+            self._kept().keep(name, flat, (got.cands[0], got.stats.argmax))
+        return got.done
+
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return torch.arange(flat.numel(), device=flat.device)
         ws = self._workspace()
         if not self.due(name):
-            a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
-            idx = ThresholdCounter(a, strict=False, workspace=ws).select(self._threshold[name], self._density)
+            known = self._kept().take(name, flat)  # the compensation's pass selected already
+            a: Tensor | None = None
+            if isinstance(known, tuple):
+                idx, first_max = known
+            else:
+                a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
+                idx = ThresholdCounter(a, strict=False, workspace=ws).select(self._threshold[name], self._density)
             verdict = judge(self._threshold[name], idx.numel(), k)
             if not verdict.reestimate:
                 self._threshold[name] = verdict.threshold
-                return idx if idx.numel() else a.argmax().view(1)
+                if idx.numel():
+                    return idx
+                return a.argmax().view(1) if a is not None else torch.tensor([first_max], dtype=torch.int64)
         idx = topk_indices(flat.float(), k, ws)  # exactly the k largest at an estimation step
-        self._threshold[name] = float(ws.magnitudes(flat).index_select(0, idx).min())
+        kth = flat.index_select(0, idx).abs() if flat.dtype == torch.float32 else ws.magnitudes(flat).index_select(0, idx)
+        self._threshold[name] = float(kth.min())  # |the k selected| only: no pass over the tensor
         self._estimated_at[name] = self._step
         return idx
 
