@@ -1695,3 +1695,20 @@ def test_residual_of_a_product_formed_in_registers(n: int, m: int, r: int, avx2_
     for _ in range(2):  # the first call of a layout decides; the second takes the fused path where it may
         got = residual_of_product(a, p, q, torch.empty(n, m), ws)
         assert torch.equal(bits(got), bits(torch.sub(a, p @ q.t())))  # the reference: torch's product
+
+
+def test_sorted_member_is_isin_on_ascending_positions():
+    """``sorted_member``: torch.isin of ascending int64 positions by one merge (Ok-Topk's pairs the
+    global selection kept); None where either side is not strictly ascending (a merge would answer
+    wrongly), and empty sides."""
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    g = torch.Generator().manual_seed(4)
+    for n, m in [(1000, 300), (5, 0), (0, 7), (4000, 4000)]:
+        a = torch.unique(torch.randint(0, 3 * max(n, 1), (n,), generator=g))
+        b = torch.unique(torch.randint(0, 3 * max(m, 1), (m,), generator=g))
+        got = _native.sorted_member(a, b)
+        assert got is not None and torch.equal(got, torch.isin(a, b))
+    assert _native.sorted_member(torch.tensor([3, 1]), torch.tensor([1, 3])) is None
+    assert _native.sorted_member(torch.tensor([1, 3]), torch.tensor([3, 3])) is None
