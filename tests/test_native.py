@@ -1712,3 +1712,26 @@ def test_sorted_member_is_isin_on_ascending_positions():
         assert got is not None and torch.equal(got, torch.isin(a, b))
     assert _native.sorted_member(torch.tensor([3, 1]), torch.tensor([1, 3])) is None
     assert _native.sorted_member(torch.tensor([1, 3]), torch.tensor([3, 3])) is None
+
+
+def test_merge_sum_is_unique_and_index_add():
+    """``merge_sum``: runs of ascending positions (each rank's pairs at an Ok-Topk owner) merged, the
+    values at a shared position summed in run order from +0.0: bitwise torch.unique and index_add_
+    into zeros (a -0.0 alone sums to +0.0, as there), for 1-4 runs, empty ones among them; None
+    where a run is not strictly ascending."""
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    g = torch.Generator().manual_seed(6)
+    for sizes in [(700,), (500, 600), (0, 300, 5), (200, 0, 250, 90)]:
+        idx = [torch.unique(torch.randint(0, 900, (n,), generator=g)) for n in sizes]
+        vals = [torch.randn(i.numel(), generator=g) for i in idx]
+        for v in vals:
+            v[::7] = -0.0
+        got = _native.merge_sum(idx, vals)
+        cat_i, cat_v = torch.cat(idx), torch.cat(vals)
+        uniq, inv = torch.unique(cat_i, sorted=True, return_inverse=True)
+        want = torch.zeros(uniq.numel()).index_add_(0, inv, cat_v)
+        assert got is not None and torch.equal(got[0], uniq)
+        assert torch.equal(got[1].view(torch.int32), want.view(torch.int32))
+    assert _native.merge_sum([torch.tensor([2, 1])], [torch.tensor([1.0, 2.0])]) is None

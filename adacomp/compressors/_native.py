@@ -961,6 +961,26 @@ void ac_sorted_member(const int64_t* a, int64_t n, const int64_t* b, int64_t m, 
         kept[i] = j < m && b[j] == a[i];
     }
 }
+/* The sum of the values sharing a position over `parts` runs of strictly ascending positions
+   idx[p] (values vals[p], counts[p]): ascending distinct positions into out_idx and each one's
+   +0.0 + v_0 + v_1 ... in run order into out_vals (torch.unique then index_add_ into zeros: the same
+   bits). A merge, one read of each run; pos: parts int64 of scratch. Returns how many. */
+int64_t ac_merge_sum(int parts, const int64_t* const* idx, const float* const* vals, const int64_t* counts,
+                     int64_t* pos, int64_t* out_idx, float* out_vals) {
+    int64_t w = 0;
+    for (int p = 0; p < parts; ++p) pos[p] = 0;
+    for (;;) {
+        int64_t low = INT64_MAX;
+        for (int p = 0; p < parts; ++p)
+            if (pos[p] < counts[p] && idx[p][pos[p]] < low) low = idx[p][pos[p]];
+        if (low == INT64_MAX) return w;
+        float sum = 0.0f;
+        for (int p = 0; p < parts; ++p)
+            if (pos[p] < counts[p] && idx[p][pos[p]] == low) sum += vals[p][pos[p]++];
+        out_idx[w] = low;
+        out_vals[w++] = sum;
+    }
+}
 /* Counted in blocks into a 32-bit counter, which the compiler vectorises (a 64-bit one it does
    not, on SSE2). */
 #define COUNT_T(NAME, PASS, VAL)                                                        \
@@ -3592,6 +3612,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_ascending_within.argtypes = [vp, i64, i64]
     lib_.ac_sorted_member.restype = None
     lib_.ac_sorted_member.argtypes = [vp, i64, vp, i64, vp]
+    lib_.ac_merge_sum.restype = ctypes.c_int64
+    lib_.ac_merge_sum.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, vp]
     lib_.ac_take_grouped.restype = ctypes.c_int
     lib_.ac_take_grouped.argtypes = [vp, i64, vp, i64, ctypes.c_int, vp, vp, vp]
     lib_.ac_pick_pairs.restype = ctypes.c_int64
@@ -3938,17 +3960,20 @@ class AddStats(NamedTuple):
     done: bool
     stats: AbsStats | None = None
     cands: tuple[Tensor, Tensor] | None = None
+    passed: int = -1
+    """How many passed the threshold (-1: not asked, or a NaN)."""
 
 
 def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, strict: bool = True,
-                  expected: float = 1.0) -> AddStats:
+                  expected: float = 1.0, upto: int | None = None) -> AddStats:
     """``torch.add(g, r, out=out)`` (bitwise; ``out`` may be ``g`` when no ``thr``) and, from the same
     pass, :func:`abs_stats` of ``out`` (nothing else written) and, with a finite ``thr``, the
     positions of ``|out| > thr`` (``strict``) or ``>= thr`` as :func:`select` lists them in mode
     ``abs_gt`` / ``abs_ge``, with ``out``'s signed values there (not select's magnitudes, so that a
     payload takes its values from them): error feedback's compensation with the statistics and the
-    candidates RedSync's and MSTop-k's searches read first. Not ``done`` where this cannot run
-    (nothing written)."""
+    candidates RedSync's and MSTop-k's searches read first. ``upto``: room for that many candidates
+    and no second read when more pass (then ``cands`` is None and ``passed`` says how many: Ok-Topk
+    re-estimates above twice its k anyway). Not ``done`` where this cannot run (nothing written)."""
     lib = library()
     n = out.numel()
     select = thr is not None and math.isfinite(thr)
@@ -3965,13 +3990,17 @@ def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, s
         return max(passed[0], 0)
 
     cands = None
-    if thr is not None and select:
+    if thr is not None and select and upto is not None:
+        i, v = _compaction_buffers(upto)
+        c = call(i.data_ptr(), v.data_ptr(), upto)
+        cands = _trimmed(i, v, c, upto) if c <= upto else None
+    elif thr is not None and select:
         cands = _compacted(call, n, expected, _signed_again(lib, "abs_gt" if strict else "abs_ge", out, thr))
     else:
         call(0, 0, 0)
     if passed[0] < 0:
         return AddStats(True)
-    return AddStats(True, _stats_of(stats, amax, n), cands)
+    return AddStats(True, _stats_of(stats, amax, n), cands, passed[0])
 
 
 def _std_of(sumsq: float, n: int) -> float:
@@ -5051,6 +5080,22 @@ def sorted_member(a: Tensor, b: Tensor) -> Tensor | None:
     kept = torch.empty(a.numel(), dtype=torch.bool)
     lib.ac_sorted_member(a.data_ptr(), a.numel(), b.data_ptr(), b.numel(), kept.data_ptr())
     return kept
+
+
+def merge_sum(idx: list[Tensor], vals: list[Tensor]) -> tuple[Tensor, Tensor] | None:
+    """Ascending distinct positions of the runs ``idx`` (each strictly ascending int64, checked) and
+    the sum of the float32 ``vals`` at each, in run order from +0.0: bitwise ``torch.unique`` of the
+    concatenation and ``index_add_`` into zeros, by one merge. None where the C library does not serve."""
+    lib = library()
+    arrays = _sparse_arrays(idx, vals)
+    if lib is None or arrays is None or not all(_ascending(lib, i) for i in idx):
+        return None
+    iptr, vptr, counts, pos = arrays
+    total = sum(i.numel() for i in idx)
+    out_idx = torch.empty(total, dtype=torch.int64)
+    out_vals = torch.empty(total, dtype=torch.float32)
+    c = int(lib.ac_merge_sum(len(idx), iptr, vptr, counts, pos, out_idx.data_ptr(), out_vals.data_ptr()))
+    return out_idx[:c], out_vals[:c]
 
 
 def _ascending(lib: ctypes.CDLL, idx: Tensor) -> bool:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors import _native
-from adacomp.compressors._band import judge
+from adacomp.compressors._band import HARD_HIGH, judge
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
 from adacomp.compressors.topk import topk_indices
@@ -84,10 +84,12 @@ class OkTopkCompressor(SparseCompressor):
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return False
-        got = _native.add_abs_stats(g.reshape(-1), r.reshape(-1), flat, thr, strict=False,
-                                    expected=min(1.0, 2.0 * k / flat.numel()))
-        if got.done and got.stats is not None and got.cands is not None:
-            self._kept().keep(name, flat, (got.cands[0], got.stats.argmax))
+        # room for the count band's top (HARD_HIGH k): above it the step re-estimates, so a larger
+        # selection is counted, not listed (early in training the residual grows past it)
+        got = _native.add_abs_stats(g.reshape(-1), r.reshape(-1), flat, thr, strict=False, upto=int(HARD_HIGH * k))
+        if got.done and got.stats is not None and got.passed >= 0:
+            self._kept().keep(name, flat, (got.cands[0] if got.cands is not None else None, got.passed,
+                                           got.stats.argmax))
         return got.done
 
     def select(self, flat: Tensor, name: str) -> Tensor:
@@ -96,15 +98,17 @@ class OkTopkCompressor(SparseCompressor):
             return torch.arange(flat.numel(), device=flat.device)
         ws = self._workspace()
         if not self.due(name):
-            known = self._kept().take(name, flat)  # the compensation's pass selected already
+            known = self._kept().take(name, flat)  # the compensation's pass selected (or counted) already
             a: Tensor | None = None
+            idx: Tensor | None = None
             if isinstance(known, tuple):
-                idx, first_max = known
+                idx, count, first_max = known
             else:
                 a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
                 idx = ThresholdCounter(a, strict=False, workspace=ws).select(self._threshold[name], self._density)
-            verdict = judge(self._threshold[name], idx.numel(), k)
-            if not verdict.reestimate:
+                count = idx.numel()
+            verdict = judge(self._threshold[name], count, k)
+            if not verdict.reestimate and idx is not None:
                 self._threshold[name] = verdict.threshold
                 if idx.numel():
                     return idx
