@@ -267,6 +267,7 @@ def test_cost_floor_report_before_and_after(tmp_path):
     assert all(r["floor_s"] > 0 and r["step_s"] > 0 and 0 < r["bytes_ratio"] < 1 for r in rows)
     # Ok-Topk's owners need real peers: its cell ran on two processes, rank 0 reporting
     assert [(r["method"], r["processes"], r["rank"]) for r in rows if r["processes"] != 1] == [("oktopk", 2, 0)]
+    assert all((r["collective_s"] > 0) == (r["method"] == "oktopk") for r in rows)  # its collectives, timed apart
     # the data-flow minimum, timed beside them: error feedback's add and the output's write for Top-k
     # (more than the floor's one read and one write), one read, the write and the uniform numbers
     # (torch's generator) for QSGD

@@ -7,12 +7,14 @@ benchmark must run on the code of any branch (``PYTHONPATH=/work/main`` measures
 """
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from adacomp.backends.base import Backend, Handle, gather_into
+from adacomp.backends.forwarding import ForwardingBackend
 
 
 def resnet50() -> list[tuple[str, tuple[int, ...]]]:
@@ -140,3 +142,48 @@ class MirrorBackend(Backend):
 
     def barrier(self) -> None:
         return None
+
+
+class CollectiveClock(ForwardingBackend):
+    """A real backend whose collectives' time (each call, and the wait on its handle) adds up in
+    ``seconds``. A benchmarking aid: a cost cell with real peers (``adacomp.bench.cost.PEERS``)
+    reports its step without it, as the mirror's collectives cost nothing, so that the cell measures
+    compression, decompression and error feedback alone (the wait for a slower peer is in it too)."""
+
+    def __init__(self, inner: Backend):
+        super().__init__(inner)
+        self.seconds = 0.0
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _handle(self, h: Handle) -> Handle:
+        return Handle(lambda: self._timed(h.wait))
+
+    def allreduce_async(self, tensor: Tensor, average: bool = False) -> Handle:
+        return self._handle(self._timed(self.inner.allreduce_async, tensor, average))
+
+    def allgather_async(self, tensor: Tensor, sizes: list[int] | None = None, out: Tensor | None = None) -> Handle:
+        return self._handle(self._timed(self.inner.allgather_async, tensor, sizes, out))
+
+    def broadcast_async(self, tensor: Tensor, root: int = 0) -> Handle:
+        return self._handle(self._timed(self.inner.broadcast_async, tensor, root))
+
+    def alltoall_async(self, tensor: Tensor, splits: list[int], recv_splits: list[int] | None = None) -> Handle:
+        return self._handle(self._timed(self.inner.alltoall_async, tensor, splits, recv_splits))
+
+    def reduce_async(self, tensor: Tensor, op: str) -> Handle:
+        return self._handle(self._timed(self.inner.reduce_async, tensor, op))
+
+    def alltoall_splits(self, splits: list[int]) -> list[int]:
+        return list(self._timed(self.inner.alltoall_splits, splits))
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self._timed(self.inner.broadcast_object, obj, root)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return list(self._timed(self.inner.allgather_object, obj))
