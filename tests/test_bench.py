@@ -268,6 +268,8 @@ def test_cost_floor_report_before_and_after(tmp_path):
     # Ok-Topk's owners need real peers: its cell ran on two processes, rank 0 reporting
     assert [(r["method"], r["processes"], r["rank"]) for r in rows if r["processes"] != 1] == [("oktopk", 2, 0)]
     assert all((r["collective_s"] > 0) == (r["method"] == "oktopk") for r in rows)  # its collectives, timed apart
+    # bucket granularity: one selection over each flattened bucket, as the engine runs it
+    assert [r["method"] for r in rows if r["fused_buckets"]] == ["oktopk"]
     # the data-flow minimum, timed beside them: error feedback's add and the output's write for Top-k
     # (more than the floor's one read and one write), one read, the write and the uniform numbers
     # (torch's generator) for QSGD
@@ -282,6 +284,7 @@ def test_cost_floor_report_before_and_after(tmp_path):
     assert "split10 before x floor" in md and "split10 x floor" in md and "| topk |" in md and "| qsgd |" in md
     assert "split10 minimum x floor" in md
     assert "| oktopk |" in md and "oktopk: its exchange needs real peers" in md
+    assert "oktopk: bucket granularity" in md
     # several runs: each cell the median run's figures with the range (made-up ratios 1, 2, 4 per cell)
     for i, scale in enumerate((1.0, 2.0, 4.0)):
         (tmp_path / f"r{i}.json").write_text(json.dumps({"rows": [

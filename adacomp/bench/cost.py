@@ -268,6 +268,11 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
 
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cur = SimpleNamespace(step=-1, stats=StepStats(), outs=[], fresh={})
+    # a bucket-granularity compressor (Ok-Topk, gTop-k) selects over its whole bucket: the engine
+    # flattens the bucket's gradients into a buffer it reuses (error_feedback._flatten) and writes each
+    # parameter's piece of the mean back into its gradient; the cell does the same
+    fused = comp.granularity == "bucket"
+    flats = [torch.empty(sum(grads[n].numel() for n, _ in b)) for b in buckets] if fused else []
 
     def prepare() -> None:
         if barrier is not None:
@@ -282,6 +287,18 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
         for bi, b in enumerate(buckets):
             # AR-Topk: even steps make this rank the root (it runs Top-k); see MirrorBackend
             env = CommEnv(backend, cur.stats, step=2 * cur.step, bucket_index=bi)
+            if fused:
+                key, gs = f"bucket{bi}", [cur.fresh[n] for n, _ in b]
+                flat = torch.cat([g.reshape(-1) for g in gs], out=flats[bi])
+                entry = Entry(key, memory.compensate(flat, key, backend.size(), compressor=comp,
+                                                     pieces=comm.pieces(key, flat.numel(), backend.size())), comp, memory)
+                (mean,) = exchange(comm, [entry], env)
+                off = 0
+                for g in gs:
+                    g.view(-1).copy_(mean.view(-1)[off:off + g.numel()])
+                    off += g.numel()
+                cur.outs.append(mean)
+                continue
             # the engine's entries: the raw gradient takes the mean where nothing reads it again
             entries = [with_dest(Entry(n, memory.compensate(cur.fresh[n], n, backend.size(), compressor=comp,
                                                             pieces=comm.pieces(n, cur.fresh[n].numel(), backend.size())),
@@ -319,7 +336,7 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
             "held_bytes": held, "rss_extra_bytes": max(0, peak - base_rss),
             "bytes_ratio": (sent + dense_small) / max(1, dense + dense_small), "threads": torch.get_num_threads(),
             "grads": grads_from, "processes": backend.size() if method in PEERS else 1, "rank": backend.rank(),
-            "collective_s": statistics.median(collective)}
+            "collective_s": statistics.median(collective), "fused_buckets": fused}
 
 
 def peer_cell(argv: list[str]) -> dict:
@@ -662,6 +679,12 @@ def report_floor(args: argparse.Namespace) -> None:
     if args.note:
         lines += ["", args.note]
     lines += ["", "✗ = above the goal. Tensors under 1024 elements go dense and are outside both the step and the floor."]
+    fused_rows = sorted({k[1] for k, r in rows.items() if r.get("fused_buckets")})
+    if fused_rows:
+        lines += ["", f"{', '.join(fused_rows)}: bucket granularity (one selection over each 25 MB fusion bucket), so "
+                  "their cells flatten each bucket's gradients into a reused buffer and write the mean's pieces back "
+                  "into the gradients, as the engine does: two passes over the gradients that the per-tensor "
+                  "methods do not make."]
     if any(k[1] in PEERS for k in rows):
         lines += ["", f"{', '.join(sorted(PEERS & {k[1] for k in rows}))}: its exchange needs real peers (an owner sums "
                   "the regions the other ranks send it), so its cells ran on two processes (gloo on loopback, one "
