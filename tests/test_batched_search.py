@@ -288,7 +288,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "chunktopk_dead", "qsgd",
+                                   "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "chunktopk_dead",
+                                   "oktopk", "qsgd",
                                    "qsgd_counter", "bf16"]]
         + [("dest", m) for m in ["topk", "gaussiank", "adtopk", "alltoall", "chunktopk", "dgc"]])
 

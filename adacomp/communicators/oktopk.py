@@ -102,10 +102,7 @@ def sparse_sum(idx: Tensor, vals: Tensor, runs: list[int] | None = None) -> tupl
     """Sum of the values sharing an index: ascending unique indices and their sums. ``runs``: the
     lengths of ascending runs ``idx`` is made of (each rank's pairs), merged in C where they serve."""
     if runs is not None and len(runs) > 1:
-        cuts = [0]
-        for c in runs:
-            cuts.append(cuts[-1] + c)
-        got = _native.merge_sum([idx[a:b] for a, b in zip(cuts, cuts[1:])], [vals[a:b] for a, b in zip(cuts, cuts[1:])])
+        got = _native.merge_sum(list(idx.split(runs)), list(vals.split(runs)))
         if got is not None:
             return got
     uniq, inv = torch.unique(idx, sorted=True, return_inverse=True)
