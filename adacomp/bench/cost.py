@@ -269,8 +269,9 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cur = SimpleNamespace(step=-1, stats=StepStats(), outs=[], fresh={})
     # a bucket-granularity compressor (Ok-Topk, gTop-k) selects over its whole bucket: the engine
-    # flattens the bucket's gradients into a buffer it reuses (error_feedback._flatten) and writes each
-    # parameter's piece of the mean back into its gradient; the cell does the same
+    # flattens the bucket's gradients into a buffer it reuses (error_feedback._flatten) and hands each
+    # parameter its piece of the flat mean as its new gradient, a view (StepEngine._write: no copy);
+    # the cell does the same, holding the mean until the next step as the gradients would
     fused = comp.granularity == "bucket"
     flats = [torch.empty(sum(grads[n].numel() for n, _ in b)) for b in buckets] if fused else []
 
@@ -293,10 +294,6 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
                 entry = Entry(key, memory.compensate(flat, key, backend.size(), compressor=comp,
                                                      pieces=comm.pieces(key, flat.numel(), backend.size())), comp, memory)
                 (mean,) = exchange(comm, [entry], env)
-                off = 0
-                for g in gs:
-                    g.view(-1).copy_(mean.view(-1)[off:off + g.numel()])
-                    off += g.numel()
                 cur.outs.append(mean)
                 continue
             # the engine's entries: the raw gradient takes the mean where nothing reads it again
@@ -682,9 +679,9 @@ def report_floor(args: argparse.Namespace) -> None:
     fused_rows = sorted({k[1] for k, r in rows.items() if r.get("fused_buckets")})
     if fused_rows:
         lines += ["", f"{', '.join(fused_rows)}: bucket granularity (one selection over each 25 MB fusion bucket), so "
-                  "their cells flatten each bucket's gradients into a reused buffer and write the mean's pieces back "
-                  "into the gradients, as the engine does: two passes over the gradients that the per-tensor "
-                  "methods do not make."]
+                  "their cells flatten each bucket's gradients into a reused buffer, as the engine does: a pass over the "
+                  "gradients that the per-tensor methods do not make (the mean's pieces become the gradients as "
+                  "views, no copy back, as in the optimizer's step)."]
     if any(k[1] in PEERS for k in rows):
         lines += ["", f"{', '.join(sorted(PEERS & {k[1] for k in rows}))}: its exchange needs real peers (an owner sums "
                   "the regions the other ranks send it), so its cells ran on two processes (gloo on loopback, one "
