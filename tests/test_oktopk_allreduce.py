@@ -3,6 +3,8 @@ one-process simulation of the algorithm, traffic per step stays ~k (not P x k), 
 conserves what was dropped, and ``oktopk`` is the compressor's default communicator."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -168,3 +170,62 @@ def test_through_distributed_optimizer_models_stay_identical():
     res = tensors(run_workers(_train_worker, 2, 6))
     for a, b in zip(res[0][0], res[1][0]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _bucket_worker(front: str, method: str, steps: int) -> list:
+    """``steps`` of ``method`` (bucket granularity) through ``front``, with the bucket's compensation
+    read from the gradients where they lie and with the flattened copy: parameters and component
+    state of both, and how often the first path ran."""
+    import adacomp
+    import adacomp.backends
+    from adacomp.memories.base import ResidualMemory
+    backend = adacomp.backends.create("torch")
+    cfg = {"backend": "torch", "compressor": {"name": method, "density": 0.02, "period": 4},
+           "memory": "residual", "min_numel": 0, "fusion": {"bucket_mb": 0.05}}
+    if method != "oktopk":
+        cfg["compressor"] = {"name": method, "density": 0.02}
+    out, ran = [], [0]
+    real = ResidualMemory.compensate_gathered
+
+    def counted(self: Any, *a: Any, **k: Any) -> Any:
+        got = real(self, *a, **k)
+        ran[0] += got is not None
+        return got
+    for gathered in (True, False):
+        ResidualMemory.compensate_gathered = counted if gathered else (lambda self, *a, **k: None)  # type: ignore
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 96),
+                                    torch.nn.ReLU(), torch.nn.Linear(96, 10))
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if front == "optimizer":
+            run, opt = model, adacomp.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                                           config=cfg, backend=backend)
+            holder: Any = opt
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            run, opt = DDP(model, bucket_cap_mb=0.05), inner
+            holder = adacomp.ddp.register(run, cfg)
+        g = torch.Generator().manual_seed(backend.rank())
+        for _ in range(steps):
+            x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(run(x), y).backward()
+            opt.step()
+        out.append(([p.detach().clone() for p in model.parameters()], holder.adacomp_state_dict()))
+        if front == "optimizer":
+            opt.remove_hooks()
+    ResidualMemory.compensate_gathered = real  # type: ignore[method-assign]
+    return plain((out, ran[0]))
+
+
+@pytest.mark.parametrize("front", ["optimizer", "hook"])
+def test_bucket_compensation_from_the_gradients_changes_nothing(front: str) -> None:
+    """The fused bucket's compensation written from the gradients where they lie (no flattened
+    copy: ``Memory.compensate_gathered``) gives the flattened path's parameters and state bitwise,
+    through both front ends, on every rank; and it ran."""
+    from tests.test_checkpoint_resume import state_diff
+    for res in tensors(run_workers(_bucket_worker, 2, front, "oktopk", 9)):
+        (a, b), ran = res
+        assert ran > 0
+        assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        assert not state_diff(a[1], b[1])

@@ -264,6 +264,53 @@ def test_oktopk_compensation_selects_at_the_reused_threshold() -> None:
     _fused_and_separate_agree(make, grads, True, kept_at=lambda comp, step: step > 0 and not comp.due("w"))
 
 
+@pytest.mark.parametrize("sizes", [(5000, 333, 1 << 15, 27203), (1 << 16,) * 2, (0, 64, 65_600, 7)])
+def test_oktopk_bucket_compensation_reads_the_gradients_where_they_lie(sizes: tuple[int, ...]) -> None:
+    """A fusion bucket's Ok-Topk compensation from its gradients where they lie
+    (``Memory.compensate_gathered``, no flattened copy) gives the flattened path's compensated
+    tensor, payload and residual bitwise, through a re-estimation (more than the band passes), a
+    step where nothing passes (the first largest magnitude), a NaN step and a period's estimation;
+    pieces of odd lengths put the sums at unaligned offsets."""
+    from adacomp import memories
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the pass over the pieces needs it")
+    n = sum(sizes)
+    scales = (1.0, 1.0, 1.1, 3.0, 1e-30, 0.9, 1.0, 1.0, 1.0, 1.0, float("nan"))
+    grads = [torch.randn(n, generator=gen(90 + i)) * s for i, s in enumerate(scales)]
+    grads[5][100:300] = 0.0
+    grads[-2][n // 2] = float("nan")  # one NaN among the candidates, then a NaN gradient
+    runs, gathered_at = [], []
+    for gathered in (True, False):
+        comp, mem = compressors.get("oktopk", density=0.01, period=4), memories.get("residual")
+        out = []
+        for step, g in enumerate(grads):
+            parts = [p.clone() for p in torch.split(g, list(sizes))]
+            t = mem.compensate_gathered(parts, "b", comp) if gathered else None
+            if gathered:  # wherever the threshold is known before the add (compensate_into's steps)
+                assert (t is not None) == (step > 0 and not comp.due("b"))
+                gathered_at.append(t is not None)
+                assert all(_same(p, q) for p, q in zip(parts, torch.split(g, list(sizes))))  # read only
+            if t is None:
+                t = mem.compensate(torch.cat(parts), "b", 2, compressor=comp)
+            payload, ctx = comp.compress(t, "b")
+            comp.on_step(step + 1)
+            out.append((t.clone(), [p.clone() for p in payload]))
+            mem.update(t, "b", comp, payload, ctx)
+        out.append(mem.residuals["b"].clone())
+        runs.append(out)
+    for a, b in zip(runs[0][:-1], runs[1][:-1]):
+        assert _same(a[0], b[0]) and all(_same(x, y) for x, y in zip(a[1], b[1]))
+    assert _same(runs[0][-1], runs[1][-1])
+    assert sum(gathered_at) >= 5, gathered_at
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaNs in the same places."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a.view(-1).view(torch.uint8) == b.view(-1).view(torch.uint8)).all()) \
+        if a.dtype.is_floating_point else torch.equal(a, b)
+
+
 def _fused_and_separate_agree(make: Any, grads: list[torch.Tensor], fuses: bool,
                               kept_at: Any = None) -> None:
     """Residual memory through ``make()``'s compressor with its fused compensation (``compensate_into``)

@@ -219,7 +219,7 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
     from adacomp.backends.base import Backend
     from adacomp.bench.cost_shapes import CollectiveClock, MirrorBackend
     from adacomp.communicators.base import CommEnv, Entry
-    from adacomp.engine.error_feedback import exchange, with_dest
+    from adacomp.engine.error_feedback import compensate_bucket, exchange, with_dest
     from adacomp.engine.metrics import StepStats
 
     cname, cparams, comm_name, mem_name = METHODS[method]
@@ -269,9 +269,10 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cur = SimpleNamespace(step=-1, stats=StepStats(), outs=[], fresh={})
     # a bucket-granularity compressor (Ok-Topk, gTop-k) selects over its whole bucket: the engine
-    # flattens the bucket's gradients into a buffer it reuses (error_feedback._flatten) and hands each
-    # parameter its piece of the flat mean as its new gradient, a view (StepEngine._write: no copy);
-    # the cell does the same, holding the mean until the next step as the gradients would
+    # compensates the bucket from its gradients where they lie where it can, else flattens them into a
+    # buffer it reuses (error_feedback.compensate_bucket), and hands each parameter its piece of the
+    # flat mean as its new gradient, a view (StepEngine._write: no copy); the cell does the same,
+    # holding the mean until the next step as the gradients would
     fused = comp.granularity == "bucket"
     flats = [torch.empty(sum(grads[n].numel() for n, _ in b)) for b in buckets] if fused else []
 
@@ -290,9 +291,10 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
             env = CommEnv(backend, cur.stats, step=2 * cur.step, bucket_index=bi)
             if fused:
                 key, gs = f"bucket{bi}", [cur.fresh[n] for n, _ in b]
-                flat = torch.cat([g.reshape(-1) for g in gs], out=flats[bi])
-                entry = Entry(key, memory.compensate(flat, key, backend.size(), compressor=comp,
-                                                     pieces=comm.pieces(key, flat.numel(), backend.size())), comp, memory)
+                summed = compensate_bucket(memory, key, gs, backend.size(), comp,
+                                           comm.pieces(key, flats[bi].numel(), backend.size()),
+                                           lambda: torch.cat([g.reshape(-1) for g in gs], out=flats[bi]))
+                entry = Entry(key, summed, comp, memory)
                 (mean,) = exchange(comm, [entry], env)
                 cur.outs.append(mean)
                 continue

@@ -253,7 +253,7 @@ SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
    passing ones read back from the block's copy on the stack. */
 __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_avx2(
         const float* g, const float* r, float* out, int64_t n, float t, int64_t* idx, float* vals, int64_t cap,
-        int64_t* count, const int stream) {
+        int64_t* count, const int stream, const int ordered) {
     const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
     float blk[64] __attribute__((aligned(32)));
     int64_t c = *count, i = 0;
@@ -265,8 +265,9 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
             const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
             if (stream) _mm256_stream_ps(out + i + 8 * q, v); else _mm256_storeu_ps(out + i + 8 * q, v);
             _mm256_store_ps(blk + 8 * q, v);
-            m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
-                 << (8 * q);
+            const __m256 a = _mm256_andnot_ps(sign, v);
+            m |= (uint64_t)(unsigned)_mm256_movemask_ps(ordered ? _mm256_cmp_ps(a, tv, _CMP_GE_OQ)
+                                                                : _mm256_cmp_ps(a, tv, _CMP_NLT_UQ)) << (8 * q);
         }
         AC_EMIT64(m, i, blk[j])
     }
@@ -276,13 +277,15 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
 }
 __attribute__((target("avx2"))) static int64_t add_select_stream(const float* g, const float* r, float* out,
                                                                  int64_t n, float t, int64_t* idx, float* vals,
-                                                                 int64_t cap, int64_t* count) {
-    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1);
+                                                                 int64_t cap, int64_t* count, int ordered) {
+    return ordered ? add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1, 1)
+                   : add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1, 0);
 }
 __attribute__((target("avx2"))) static int64_t add_select_store(const float* g, const float* r, float* out,
                                                                 int64_t n, float t, int64_t* idx, float* vals,
-                                                                int64_t cap, int64_t* count) {
-    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0);
+                                                                int64_t cap, int64_t* count, int ordered) {
+    return ordered ? add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0, 1)
+                   : add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0, 0);
 }
 #endif
 /* out = g + r (one IEEE add per element, as torch.add) into a buffer of its own: error feedback's
@@ -320,14 +323,15 @@ AC_CLONES void ac_sub(const float* a, const float* b, float* out, int64_t n) {
    ResNet-50's Top-k cost cell (alternating runs): 22.4, 22.7, 22.4 ms at 2^16 against 23.8, 23.4, 25.2 ms
    at 2^20; VGG-16 73.7, 75.8 against 77.4, 76.7 ms. */
 #define AC_SELECT_STREAM_MIN (1 << 16)
-int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
-                                 int64_t* idx, float* vals, int64_t cap) {
+/* ordered: |sum| >= t, which a NaN fails (Ok-Topk's selection); else !(|sum| < t) */
+static int64_t add_select_mode(const float* g, const float* r, float* out, int64_t n, float t,
+                               int64_t* idx, float* vals, int64_t cap, const int ordered) {
     int64_t c = 0, i = 0;
 #if defined(AC_AVX2)
     if (n >= AC_SELECT_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2())
-        i = add_select_stream(g, r, out, n, t, idx, vals, cap, &c);
+        i = add_select_stream(g, r, out, n, t, idx, vals, cap, &c, ordered);
     else if (n >= 64 && use_avx2())
-        i = add_select_store(g, r, out, n, t, idx, vals, cap, &c);
+        i = add_select_store(g, r, out, n, t, idx, vals, cap, &c, ordered);
 #endif
 #if defined(__SSE2__)
     const __m128 tv = _mm_set1_ps(t), sign = _mm_set1_ps(-0.0f);
@@ -335,8 +339,9 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
         unsigned m = 0;
         for (int q = 0; q < 4; ++q) {
             const __m128 v = _mm_add_ps(_mm_loadu_ps(g + i + 4 * q), _mm_loadu_ps(r + i + 4 * q));
+            const __m128 a = _mm_andnot_ps(sign, v);
             _mm_storeu_ps(out + i + 4 * q, v);
-            m |= (unsigned)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_andnot_ps(sign, v), tv)) << (4 * q);
+            m |= (unsigned)_mm_movemask_ps(ordered ? _mm_cmpge_ps(a, tv) : _mm_cmpnlt_ps(a, tv)) << (4 * q);
         }
         AC_EMIT(m, __builtin_ctz, i, out[i + j])
     }
@@ -344,7 +349,33 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
     for (; i < n; ++i) {
         const float v = g[i] + r[i];
         out[i] = v;
-        if (!(__builtin_fabsf(v) < t)) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }
+        if (ordered ? __builtin_fabsf(v) >= t : !(__builtin_fabsf(v) < t)) {
+            if (c < cap) { idx[c] = i; vals[c] = v; }
+            ++c;
+        }
+    }
+    return c;
+}
+int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
+                                 int64_t* idx, float* vals, int64_t cap) {
+    return add_select_mode(g, r, out, n, t, idx, vals, cap, 0);
+}
+/* out = g + r and the positions / signed sums of |sum| >= t (a NaN fails it, as in
+   ac_add_abs_stats_select's non-strict selection), g = the concatenation of nseg segments (gs[s],
+   lens[s] elements each) read where they lie: a fusion bucket's compensation without its flattened
+   copy (a read and a write of the bucket). Positions are the concatenation's; the count goes on past
+   cap. The sums and the list are one call's over the flattened g: the same adds and tests, the same
+   ascending order. */
+int64_t ac_add_select_abs_ge_segments(const int64_t* gs, const int64_t* lens, int64_t nseg, const float* r,
+                                      float* out, float t, int64_t* idx, float* vals, int64_t cap) {
+    int64_t c = 0, off = 0;
+    for (int64_t s = 0; s < nseg; ++s) {
+        const int64_t at = c < cap ? c : cap;
+        const int64_t got = add_select_mode((const float*)(intptr_t)gs[s], r + off, out + off, lens[s], t,
+                                            idx + at, vals + at, cap - at, 1);
+        for (int64_t j = at; j < c + got && j < cap; ++j) idx[j] += off;
+        c += got;
+        off += lens[s];
     }
     return c;
 }
@@ -3649,6 +3680,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_add_abs_stats_select.restype = ctypes.c_int64
     lib_.ac_add_abs_stats_select.argtypes = [vp, vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64]
     lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
+    lib_.ac_add_select_abs_ge_segments.restype = ctypes.c_int64
+    lib_.ac_add_select_abs_ge_segments.argtypes = [vp, vp, i64, vp, vp, ctypes.c_float, vp, vp, i64]
     lib_.ac_chunk_topk.restype = ctypes.c_int
     lib_.ac_pick_largest.restype = ctypes.c_int
     lib_.ac_pick_largest.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp]
@@ -3814,6 +3847,29 @@ def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 
     return _compacted(lambda i, v, cap: lib.ac_add_select_abs_not_lt(g.data_ptr(), r.data_ptr(), out.data_ptr(), n,
                                                                      thr, i, v, cap), n, expected,
                       _signed_again(lib, "abs_not_lt", out, thr))
+
+
+def add_select_ge_segments(gs: list[Tensor], r: Tensor, out: Tensor, thr: float,
+                        upto: int) -> tuple[Tensor, Tensor] | int | None:
+    """:func:`add_select` of ``g = torch.cat(gs)`` read from the pieces where they lie (a fusion
+    bucket's gradients: no flattened copy), room for ``upto`` candidates: (positions, signed values)
+    where at most that many pass, else just how many did. None (nothing written) where it cannot run.
+    Unlike :func:`add_select` the test is ``|sum| >= thr`` (:func:`add_abs_stats`'s non-strict one),
+    which a NaN fails."""
+    lib = library()
+    n = out.numel()
+    if (lib is None or not gs or not (usable(r) and usable(out)) or r.numel() != n
+            or sum(g.numel() for g in gs) != n or not all(usable(g) for g in gs)
+            or out.data_ptr() == r.data_ptr()
+            or any(g.untyped_storage().data_ptr() in (out.untyped_storage().data_ptr(), r.untyped_storage().data_ptr())
+                   for g in gs)):
+        return None
+    ptrs = torch.tensor([g.data_ptr() for g in gs], dtype=torch.int64)
+    lens = torch.tensor([g.numel() for g in gs], dtype=torch.int64)
+    i, v = _compaction_buffers(upto)
+    c = int(lib.ac_add_select_abs_ge_segments(ptrs.data_ptr(), lens.data_ptr(), len(gs), r.data_ptr(),
+                                                  out.data_ptr(), thr, i.data_ptr(), v.data_ptr(), upto))
+    return _trimmed(i, v, c, upto) if c <= upto else c
 
 
 _CASCADE_PROBES = (8, 37, 1000, 4133, 65_573, 300_007)

@@ -92,6 +92,35 @@ class OkTopkCompressor(SparseCompressor):
                                            got.stats.argmax))
         return got.done
 
+    def compensate_segments(self, gs: list[Tensor], r: Tensor, out: Tensor, name: str) -> bool:
+        """:meth:`compensate_into` of ``g = torch.cat(gs)`` (a fusion bucket's gradients) read where the
+        pieces lie, so the engine makes no flattened copy of the bucket (a read and a write of it):
+        the same sums, the same list, kept the same way. False (nothing written) where it would
+        decline, or the C pass cannot run."""
+        thr = self._threshold.get(name)
+        if thr is None or self.due(name) or out.dtype != torch.float32:
+            return False
+        flat = out.reshape(-1)
+        k = k_for(flat.numel(), self._density)
+        if k >= flat.numel():
+            return False
+        got = _native.add_select_ge_segments([g.reshape(-1) for g in gs], r.reshape(-1), flat, thr,
+                                             int(HARD_HIGH * k))
+        if got is None:
+            return False
+        # with a NaN sum compensate_into keeps nothing and the selection counts |sum| >= thr itself,
+        # which a NaN fails: the list here, where no NaN passes either
+        if isinstance(got, int):
+            self._kept().keep(name, flat, (None, got, -1))  # above the band: re-estimated, no list read
+            return True
+        idx, _ = got
+        first_max = -1
+        if not idx.numel():  # nothing passed: the selection falls back to the first largest magnitude
+            stats = _native.abs_stats(flat, None)
+            first_max = stats.argmax if stats is not None else int(flat.abs().argmax())
+        self._kept().keep(name, flat, (idx, idx.numel(), first_max))
+        return True
+
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():

@@ -44,12 +44,11 @@ def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor]
     offload worker's pinned copies."""
     mem = b.route.memory
     if b.fused_compressor is not None:
-        flat = _flatten(b, grads)
         if used is not None and not any(used):
-            return [Entry(b.fused_key, flat, b.fused_compressor, _NO_MEMORY)]
-        return [Entry(b.fused_key, mem.compensate(flat, b.fused_key, world, compressor=b.fused_compressor,
-                                                  pieces=b.communicator.pieces(b.fused_key, flat.numel(), world)),
-                      b.fused_compressor, mem)]
+            return [Entry(b.fused_key, _flatten(b, grads), b.fused_compressor, _NO_MEMORY)]
+        pieces = b.communicator.pieces(b.fused_key, sum(g.numel() for g in grads), world)
+        return [Entry(b.fused_key, compensate_bucket(mem, b.fused_key, grads, world, b.fused_compressor, pieces,
+                                                     lambda: _flatten(b, grads)), b.fused_compressor, mem)]
     out = []
     for i, (n, g) in enumerate(zip(b.names, grads)):
         m = mem if used is None or used[i] else _NO_MEMORY
@@ -58,6 +57,16 @@ def entries(b: "Bucket", grads: list[Tensor], compressors: dict[str, Compressor]
                   compressors[n], m)
         out.append(with_dest(e, g) if dest else e)
     return out
+
+
+def compensate_bucket(mem: Memory, key: str, grads: list[Tensor], world: int, compressor: Compressor,
+                      pieces: Any, flatten: Callable[[], Tensor]) -> Tensor:
+    """A fused bucket's compensated gradient: written from the gradients where they lie where the
+    memory and compressor can (``Memory.compensate_gathered``), else the compensation of
+    ``flatten()``, their concatenation: that copy is a read and a write of the whole bucket."""
+    summed = mem.compensate_gathered(grads, key, compressor, pieces) if len(grads) > 1 else None
+    return summed if summed is not None else mem.compensate(flatten(), key, world, compressor=compressor,
+                                                            pieces=pieces)
 
 
 def with_dest(e: Entry, g: Tensor) -> Entry:

@@ -79,6 +79,13 @@ class Memory:
         values after ``update`` copies them first."""
         raise NotImplementedError
 
+    def compensate_gathered(self, grads: list[Tensor], name: str, compressor: Any = None,
+                            pieces: Pieces | None = None) -> Tensor | None:
+        """:meth:`compensate` of the concatenation of ``grads`` (a fusion bucket's gradients, in
+        order) written from the pieces where they lie, so the caller makes no flattened copy; None
+        where this memory or ``compressor`` cannot (the caller flattens and calls :meth:`compensate`)."""
+        return None
+
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         raise NotImplementedError
 
@@ -331,6 +338,17 @@ class ResidualMemory(Memory):
                 return tensor
             return tensor.add_(r)
         return tensor.add_(r, alpha=self.beta)
+
+    def compensate_gathered(self, grads: list[Tensor], name: str, compressor: Any = None,
+                            pieces: Pieces | None = None) -> Tensor | None:
+        # the in-place route of compensate() (sum into the spare buffer), by the compressor's pass
+        # over the pieces (compensate_segments): the same adds and the same selection
+        fused = getattr(compressor, "compensate_segments", None)
+        numel = sum(g.numel() for g in grads)
+        key = whole_key(name, numel, pieces)
+        if fused is None or key is None:
+            return None
+        return self.compensate_with(name, numel, compressor, lambda r, out: bool(fused(grads, r, out, key)))
 
     def compensate_with(self, name: str, numel: int, compressor: Any,
                         write: Callable[[Tensor, Tensor], bool]) -> Tensor | None:
