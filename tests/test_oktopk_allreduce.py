@@ -181,9 +181,9 @@ def _bucket_worker(front: str, method: str, steps: int) -> list:
     from adacomp.memories.base import ResidualMemory
     backend = adacomp.backends.create("torch")
     cfg = {"backend": "torch", "compressor": {"name": method, "density": 0.02, "period": 4},
-           "memory": "residual", "min_numel": 0, "fusion": {"bucket_mb": 0.05}}
+           "memory": "residual", "min_numel": 0, "fusion": {"bucket_mb": 0.5}}
     if method != "oktopk":
-        cfg["compressor"] = {"name": method, "density": 0.02}
+        cfg["compressor"], cfg["communicator"] = {"name": method, "density": 0.02}, "allgather"
     out, ran = [], [0]
     real = ResidualMemory.compensate_gathered
 
@@ -194,8 +194,9 @@ def _bucket_worker(front: str, method: str, steps: int) -> list:
     for gathered in (True, False):
         ResidualMemory.compensate_gathered = counted if gathered else (lambda self, *a, **k: None)  # type: ignore
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 96),
-                                    torch.nn.ReLU(), torch.nn.Linear(96, 10))
+        # buckets of several tensors, each over gTop-k's prefilter size (2^16 elements)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 192),
+                                    torch.nn.ReLU(), torch.nn.Linear(192, 10))
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if front == "optimizer":
             run, opt = model, adacomp.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
@@ -203,7 +204,7 @@ def _bucket_worker(front: str, method: str, steps: int) -> list:
             holder: Any = opt
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            run, opt = DDP(model, bucket_cap_mb=0.05), inner
+            run, opt = DDP(model, bucket_cap_mb=0.5), inner
             holder = adacomp.ddp.register(run, cfg)
         g = torch.Generator().manual_seed(backend.rank())
         for _ in range(steps):
@@ -218,13 +219,14 @@ def _bucket_worker(front: str, method: str, steps: int) -> list:
     return plain((out, ran[0]))
 
 
+@pytest.mark.parametrize("method", ["oktopk", "gtopk"])
 @pytest.mark.parametrize("front", ["optimizer", "hook"])
-def test_bucket_compensation_from_the_gradients_changes_nothing(front: str) -> None:
+def test_bucket_compensation_from_the_gradients_changes_nothing(front: str, method: str) -> None:
     """The fused bucket's compensation written from the gradients where they lie (no flattened
     copy: ``Memory.compensate_gathered``) gives the flattened path's parameters and state bitwise,
     through both front ends, on every rank; and it ran."""
     from tests.test_checkpoint_resume import state_diff
-    for res in tensors(run_workers(_bucket_worker, 2, front, "oktopk", 9)):
+    for res in tensors(run_workers(_bucket_worker, 2, front, method, 9)):
         (a, b), ran = res
         assert ran > 0
         assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))

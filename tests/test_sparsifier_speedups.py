@@ -264,13 +264,15 @@ def test_oktopk_compensation_selects_at_the_reused_threshold() -> None:
     _fused_and_separate_agree(make, grads, True, kept_at=lambda comp, step: step > 0 and not comp.due("w"))
 
 
-@pytest.mark.parametrize("sizes", [(5000, 333, 1 << 15, 27203), (1 << 16,) * 2, (0, 64, 65_600, 7)])
-def test_oktopk_bucket_compensation_reads_the_gradients_where_they_lie(sizes: tuple[int, ...]) -> None:
-    """A fusion bucket's Ok-Topk compensation from its gradients where they lie
-    (``Memory.compensate_gathered``, no flattened copy) gives the flattened path's compensated
-    tensor, payload and residual bitwise, through a re-estimation (more than the band passes), a
-    step where nothing passes (the first largest magnitude), a NaN step and a period's estimation;
-    pieces of odd lengths put the sums at unaligned offsets."""
+@pytest.mark.parametrize("method", ["oktopk", "gtopk"])
+@pytest.mark.parametrize("sizes", [(5000, 333, 1 << 15, 27503), (1 << 16,) * 2, (0, 64, 65_600, 7)])
+def test_bucket_compensation_reads_the_gradients_where_they_lie(method: str, sizes: tuple[int, ...]) -> None:
+    """A fusion bucket's compensation from its gradients where they lie (``Memory.compensate_gathered``:
+    the compressor's ``compensate_segments``, no flattened copy) gives the flattened path's
+    compensated tensor, payload and residual bitwise: Ok-Topk through a re-estimation (more than the
+    band passes), a step where nothing passes (the first largest magnitude), a NaN among the
+    candidates, a NaN gradient and a period's estimation; gTop-k's sampled floor and candidates
+    through the same steps. Pieces of odd lengths put the sums at unaligned offsets."""
     from adacomp import memories
     from adacomp.compressors import _native
     if _native.library() is None:
@@ -282,13 +284,16 @@ def test_oktopk_bucket_compensation_reads_the_gradients_where_they_lie(sizes: tu
     grads[-2][n // 2] = float("nan")  # one NaN among the candidates, then a NaN gradient
     runs, gathered_at = [], []
     for gathered in (True, False):
-        comp, mem = compressors.get("oktopk", density=0.01, period=4), memories.get("residual")
+        comp = compressors.get(method, density=0.01, **({"period": 4} if method == "oktopk" else {}))
+        mem = memories.get("residual")
         out = []
         for step, g in enumerate(grads):
             parts = [p.clone() for p in torch.split(g, list(sizes))]
             t = mem.compensate_gathered(parts, "b", comp) if gathered else None
-            if gathered:  # wherever the threshold is known before the add (compensate_into's steps)
-                assert (t is not None) == (step > 0 and not comp.due("b"))
+            if gathered:  # wherever the compressor's own fused pass runs (Ok-Topk: a known threshold)
+                # (gTop-k: a finite sampled floor; the NaN gradient's is not)
+                ran = not comp.due("b") if method == "oktopk" else step < len(grads) - 1
+                assert (t is not None) == (step > 0 and ran)
                 gathered_at.append(t is not None)
                 assert all(_same(p, q) for p, q in zip(parts, torch.split(g, list(sizes))))  # read only
             if t is None:
@@ -303,6 +308,20 @@ def test_oktopk_bucket_compensation_reads_the_gradients_where_they_lie(sizes: tu
         assert _same(a[0], b[0]) and all(_same(x, y) for x, y in zip(a[1], b[1]))
     assert _same(runs[0][-1], runs[1][-1])
     assert sum(gathered_at) >= 5, gathered_at
+
+
+@pytest.mark.parametrize("sizes", [(5000, 333, 1 << 15, 27503), (0, 17, 1 << 20, 5, 4099), (1 << 18,)])
+def test_sample_of_pieces_is_the_sample_of_their_concatenation(sizes: tuple[int, ...]) -> None:
+    """gTop-k's floor over a bucket's pieces samples the same lines of the sum as over the
+    flattened bucket (``sample_lines_pieces``), lines that straddle two pieces included."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.sparse import sample_lines, sample_lines_pieces
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    parts = [torch.randn(k, generator=gen(7 + i)) for i, k in enumerate(sizes)]
+    r = torch.randn(sum(sizes), generator=gen(3))
+    got = sample_lines_pieces(parts, r)
+    assert got is not None and torch.equal(got, sample_lines(torch.cat(parts), plus=r))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

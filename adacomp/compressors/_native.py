@@ -360,19 +360,19 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
                                  int64_t* idx, float* vals, int64_t cap) {
     return add_select_mode(g, r, out, n, t, idx, vals, cap, 0);
 }
-/* out = g + r and the positions / signed sums of |sum| >= t (a NaN fails it, as in
-   ac_add_abs_stats_select's non-strict selection), g = the concatenation of nseg segments (gs[s],
-   lens[s] elements each) read where they lie: a fusion bucket's compensation without its flattened
-   copy (a read and a write of the bucket). Positions are the concatenation's; the count goes on past
-   cap. The sums and the list are one call's over the flattened g: the same adds and tests, the same
-   ascending order. */
-int64_t ac_add_select_abs_ge_segments(const int64_t* gs, const int64_t* lens, int64_t nseg, const float* r,
-                                      float* out, float t, int64_t* idx, float* vals, int64_t cap) {
+/* out = g + r and the positions / signed sums of the sums passing (ordered: |sum| >= t, which a NaN
+   fails, as ac_add_abs_stats_select's non-strict selection; else !(|sum| < t), as
+   ac_add_select_abs_not_lt), g = the concatenation of nseg segments (gs[s], lens[s] elements each)
+   read where they lie: a fusion bucket's compensation without its flattened copy (a read and a write
+   of the bucket). Positions are the concatenation's; the count goes on past cap. The sums and the
+   list are one call's over the flattened g: the same adds and tests, the same ascending order. */
+int64_t ac_add_select_segments(const int64_t* gs, const int64_t* lens, int64_t nseg, const float* r,
+                               float* out, float t, int ordered, int64_t* idx, float* vals, int64_t cap) {
     int64_t c = 0, off = 0;
     for (int64_t s = 0; s < nseg; ++s) {
         const int64_t at = c < cap ? c : cap;
         const int64_t got = add_select_mode((const float*)(intptr_t)gs[s], r + off, out + off, lens[s], t,
-                                            idx + at, vals + at, cap - at, 1);
+                                            idx + at, vals + at, cap - at, ordered);
         for (int64_t j = at; j < c + got && j < cap; ++j) idx[j] += off;
         c += got;
         off += lens[s];
@@ -2179,6 +2179,19 @@ void ac_copy_many(uint8_t* buf, int64_t total, int64_t m, const void* const* src
    sample_line(j, lines, m) of a, or of a + b (one IEEE add, as torch.add) when b is given.
    The lines lie far apart (a tensor's memory, not in cache while a step streams the model): each is
    prefetched SAMPLE_AHEAD lines before it is read, so many misses are in flight at once. */
+/* ac_sample_lines of a = the concatenation of nseg segments (gs[s], lens[s] elements each), read
+   where they lie, plus b (not NULL): the same positions, the same adds. */
+void ac_sample_lines_segments(const int64_t* gs, const int64_t* lens, int64_t nseg, const float* b, int64_t lines,
+                              int64_t m, float* out) {
+    int64_t s = 0, off = 0;  /* the segment holding the position reached (positions ascend) */
+    for (int64_t j = 0; j < m; ++j) {
+        const int64_t at = sample_line(j, lines, m) * 16;
+        for (int t = 0; t < 16; ++t) {
+            while (s < nseg && at + t >= off + lens[s]) off += lens[s++];
+            out[j * 16 + t] = ((const float*)(intptr_t)gs[s])[at + t - off] + b[at + t];
+        }
+    }
+}
 void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, float* out) {
     for (int64_t j = 0; j < m; ++j) {
         if (j + SAMPLE_AHEAD < m) {
@@ -3680,8 +3693,10 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_add_abs_stats_select.restype = ctypes.c_int64
     lib_.ac_add_abs_stats_select.argtypes = [vp, vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64]
     lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
-    lib_.ac_add_select_abs_ge_segments.restype = ctypes.c_int64
-    lib_.ac_add_select_abs_ge_segments.argtypes = [vp, vp, i64, vp, vp, ctypes.c_float, vp, vp, i64]
+    lib_.ac_add_select_segments.restype = ctypes.c_int64
+    lib_.ac_add_select_segments.argtypes = [vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64]
+    lib_.ac_sample_lines_segments.restype = None
+    lib_.ac_sample_lines_segments.argtypes = [vp, vp, i64, vp, i64, i64, vp]
     lib_.ac_chunk_topk.restype = ctypes.c_int
     lib_.ac_pick_largest.restype = ctypes.c_int
     lib_.ac_pick_largest.argtypes = [vp, vp, i64, i64, vp, vp, vp, vp]
@@ -3849,27 +3864,53 @@ def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 
                       _signed_again(lib, "abs_not_lt", out, thr))
 
 
-def add_select_ge_segments(gs: list[Tensor], r: Tensor, out: Tensor, thr: float,
-                        upto: int) -> tuple[Tensor, Tensor] | int | None:
+def _segments(gs: list[Tensor], n: int, *others: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The pointers and lengths of the 1-D pieces ``gs`` of a concatenation of ``n`` elements for the
+    C passes over segments; None where they cannot read them (or a piece shares memory with one of
+    ``others``, which they write or read beside)."""
+    if (not gs or sum(g.numel() for g in gs) != n or not all(usable(g) for g in gs)
+            or any(g.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for g in gs for o in others)):
+        return None
+    return (torch.tensor([g.data_ptr() for g in gs], dtype=torch.int64),
+            torch.tensor([g.numel() for g in gs], dtype=torch.int64))
+
+
+def add_select_segments(gs: list[Tensor], r: Tensor, out: Tensor, thr: float, ordered: bool,
+                        upto: int | None = None, expected: float = 1.0) -> tuple[Tensor, Tensor] | int | None:
     """:func:`add_select` of ``g = torch.cat(gs)`` read from the pieces where they lie (a fusion
-    bucket's gradients: no flattened copy), room for ``upto`` candidates: (positions, signed values)
-    where at most that many pass, else just how many did. None (nothing written) where it cannot run.
-    Unlike :func:`add_select` the test is ``|sum| >= thr`` (:func:`add_abs_stats`'s non-strict one),
-    which a NaN fails."""
+    bucket's gradients: no flattened copy). ``ordered``: the test is ``|sum| >= thr``
+    (:func:`add_abs_stats`'s non-strict one), which a NaN fails; else :func:`add_select`'s, which it
+    passes. ``upto``: room for that many, and just how many passed where more did (else the list
+    whatever its length). None (nothing written) where it cannot run."""
     lib = library()
     n = out.numel()
-    if (lib is None or not gs or not (usable(r) and usable(out)) or r.numel() != n
-            or sum(g.numel() for g in gs) != n or not all(usable(g) for g in gs)
-            or out.data_ptr() == r.data_ptr()
-            or any(g.untyped_storage().data_ptr() in (out.untyped_storage().data_ptr(), r.untyped_storage().data_ptr())
-                   for g in gs)):
+    seg = _segments(gs, n, out, r) if lib is not None and usable(r) and usable(out) and r.numel() == n else None
+    if lib is None or seg is None or out.data_ptr() == r.data_ptr():
         return None
-    ptrs = torch.tensor([g.data_ptr() for g in gs], dtype=torch.int64)
-    lens = torch.tensor([g.numel() for g in gs], dtype=torch.int64)
+    ptrs, lens = seg
+
+    def call(i: int, v: int, cap: int) -> int:
+        return int(lib.ac_add_select_segments(ptrs.data_ptr(), lens.data_ptr(), len(gs), r.data_ptr(), out.data_ptr(),
+                                              thr, int(ordered), i, v, cap))
+    if upto is None:
+        return _compacted(call, n, expected, _signed_again(lib, "abs_ge" if ordered else "abs_not_lt", out, thr))
     i, v = _compaction_buffers(upto)
-    c = int(lib.ac_add_select_abs_ge_segments(ptrs.data_ptr(), lens.data_ptr(), len(gs), r.data_ptr(),
-                                                  out.data_ptr(), thr, i.data_ptr(), v.data_ptr(), upto))
+    c = call(i.data_ptr(), v.data_ptr(), upto)
     return _trimmed(i, v, c, upto) if c <= upto else c
+
+
+def sample_lines_segments(gs: list[Tensor], b: Tensor, lines: int, m: int) -> Tensor | None:
+    """:func:`sample_lines` of ``torch.cat(gs)`` plus ``b``, the pieces read where they lie. None where
+    torch must run."""
+    lib = library()
+    n = b.numel()
+    seg = _segments(gs, n) if lib is not None and usable(b) else None
+    if lib is None or seg is None or not (0 < m <= lines and lines * 16 <= n):
+        return None
+    out = torch.empty(m * 16, dtype=torch.float32)
+    lib.ac_sample_lines_segments(seg[0].data_ptr(), seg[1].data_ptr(), len(gs), b.data_ptr(), lines, m,
+                                 out.data_ptr())
+    return out
 
 
 _CASCADE_PROBES = (8, 37, 1000, 4133, 65_573, 300_007)

@@ -104,8 +104,8 @@ class OkTopkCompressor(SparseCompressor):
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
             return False
-        got = _native.add_select_ge_segments([g.reshape(-1) for g in gs], r.reshape(-1), flat, thr,
-                                             int(HARD_HIGH * k))
+        got = _native.add_select_segments([g.reshape(-1) for g in gs], r.reshape(-1), flat, thr, ordered=True,
+                                          upto=int(HARD_HIGH * k))
         if got is None:
             return False
         # with a NaN sum compensate_into keeps nothing and the selection counts |sum| >= thr itself,

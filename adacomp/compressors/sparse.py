@@ -231,6 +231,17 @@ def sample_lines(a: Tensor, size: int | None = None, plus: Tensor | None = None)
     return a[:lines * SAMPLE_LINE].view(lines, SAMPLE_LINE).index_select(0, pick).view(-1)
 
 
+def sample_lines_pieces(gs: list[Tensor], plus: Tensor) -> Tensor | None:
+    """:func:`sample_lines` of ``torch.cat(gs)`` with ``plus`` (default size: the same elements), the
+    pieces read where they lie; None where that sample is the whole tensor or the C pass cannot run."""
+    n = plus.numel()
+    size = sample_size(n)
+    lines = n // SAMPLE_LINE
+    if n <= size or lines < 2:
+        return None
+    return _native.sample_lines_segments(gs, plus, lines, max(1, size // SAMPLE_LINE))
+
+
 def sampled_value(s: Tensor, fraction: float, absolute: bool = False) -> float:
     """The value exceeded by about ``fraction`` of the sample ``s`` (see :func:`sample_value`)."""
     r = min(s.numel(), max(1, math.ceil(fraction * s.numel())))

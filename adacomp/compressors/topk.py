@@ -27,7 +27,8 @@ from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import (SAMPLE_LINE, SAMPLE_SIZE, TINY, SparseCompressor, SparseCtx, ThresholdCounter,
                                         Workspace, check_density, k_for, largest_k, largest_k_values, sample_lines,
-                                        sample_size, sample_value, sampled_value, scatter, sparse_residual)
+                                        sample_lines_pieces, sample_size, sample_value, sampled_value, scatter,
+                                        sparse_residual)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 WIDEN_MAX = 8.0  # the most a tensor's candidate target grows after its floors fell short
@@ -145,6 +146,32 @@ class TopkCompressor(SparseCompressor):
         if not math.isfinite(floor):
             return False
         idx, vals = _native.add_select(g.reshape(-1), r.reshape(-1), flat, floor, expected)
+        self._passed(name, vals.numel(), k)
+        self._kept().keep(name, flat, Candidates(idx, vals, floor))
+        return True
+
+    def compensate_segments(self, gs: list[Tensor], r: Tensor, out: Tensor, name: str) -> bool:
+        """:meth:`compensate_into` of ``g = torch.cat(gs)`` (a fusion bucket's gradients: gTop-k) read
+        where the pieces lie, so the engine makes no flattened copy of the bucket (a read and a write
+        of it): the same sample, floor, sums and candidates. False (nothing written) where it would
+        decline, or a C pass cannot run."""
+        flat = out.reshape(-1)
+        n = flat.numel()
+        k = k_for(n, self._density)
+        if not (prefilters(flat, k) and _native.usable(r) and r.numel() == n):
+            return False
+        expected = self._target(name, k, n)
+        pieces = [g.reshape(-1) for g in gs]
+        sample = sample_lines_pieces(pieces, r.reshape(-1))
+        if sample is None:
+            return False
+        floor = max(sampled_value(sample, expected, absolute=True), TINY)
+        if not math.isfinite(floor):
+            return False
+        got = _native.add_select_segments(pieces, r.reshape(-1), flat, floor, ordered=False, expected=expected)
+        if not isinstance(got, tuple):
+            return False
+        idx, vals = got
         self._passed(name, vals.numel(), k)
         self._kept().keep(name, flat, Candidates(idx, vals, floor))
         return True
