@@ -270,17 +270,23 @@ def test_bucket_compensation_reads_the_gradients_where_they_lie(method: str, siz
     """A fusion bucket's compensation from its gradients where they lie (``Memory.compensate_gathered``:
     the compressor's ``compensate_segments``, no flattened copy) gives the flattened path's
     compensated tensor, payload and residual bitwise: Ok-Topk through a re-estimation (more than the
-    band passes), a step where nothing passes (the first largest magnitude), a NaN among the
-    candidates, a NaN gradient and a period's estimation; gTop-k's sampled floor and candidates
-    through the same steps. Pieces of odd lengths put the sums at unaligned offsets."""
+    band passes, then listed from a sampled floor where the band misses again, and where the sample
+    misjudged), a step where nothing passes, a NaN among the candidates, a NaN gradient and a period's
+    estimation; gTop-k's sampled floor and candidates through the same steps. Pieces of odd lengths
+    put the sums at unaligned offsets."""
     from adacomp import memories
     from adacomp.compressors import _native
     if _native.library() is None:
         pytest.skip(f"no C library here ({_native.why_unavailable()}): the pass over the pieces needs it")
+    from adacomp.compressors.sparse import SAMPLE_LINE, sample_size, sample_starts
     n = sum(sizes)
-    scales = (1.0, 1.0, 1.1, 3.0, 1e-30, 0.9, 1.0, 1.0, 1.0, 1.0, float("nan"))
+    scales = (1.0, 1.0, 1.1, 3.0, 1e-30, 1e-30, 0.9, 1.0, 1.0, 1.0, 9.0, 27.0, 81.0, 1.0, float("nan"))
     grads = [torch.randn(n, generator=gen(90 + i)) * s for i, s in enumerate(scales)]
-    grads[5][100:300] = 0.0
+    # step 4, after a re-estimation above the band: a fifth of the lines a sample reads are large, so
+    # the sample foresees another one (Ok-Topk lists from its floor) but the count stays in the band
+    lines = sample_starts(n // SAMPLE_LINE, sample_size(n) // SAMPLE_LINE)[::5]
+    grads[4].view(-1)[:n // SAMPLE_LINE * SAMPLE_LINE].view(-1, SAMPLE_LINE)[lines] = 40.0
+    grads[6][100:300] = 0.0
     grads[-2][n // 2] = float("nan")  # one NaN among the candidates, then a NaN gradient
     runs, gathered_at = [], []
     for gathered in (True, False):

@@ -253,7 +253,7 @@ SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
    passing ones read back from the block's copy on the stack. */
 __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_avx2(
         const float* g, const float* r, float* out, int64_t n, float t, int64_t* idx, float* vals, int64_t cap,
-        int64_t* count, const int stream, const int ordered) {
+        int64_t* count, const int stream) {
     const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
     float blk[64] __attribute__((aligned(32)));
     int64_t c = *count, i = 0;
@@ -265,9 +265,8 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
             const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
             if (stream) _mm256_stream_ps(out + i + 8 * q, v); else _mm256_storeu_ps(out + i + 8 * q, v);
             _mm256_store_ps(blk + 8 * q, v);
-            const __m256 a = _mm256_andnot_ps(sign, v);
-            m |= (uint64_t)(unsigned)_mm256_movemask_ps(ordered ? _mm256_cmp_ps(a, tv, _CMP_GE_OQ)
-                                                                : _mm256_cmp_ps(a, tv, _CMP_NLT_UQ)) << (8 * q);
+            m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
+                 << (8 * q);
         }
         AC_EMIT64(m, i, blk[j])
     }
@@ -277,15 +276,13 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
 }
 __attribute__((target("avx2"))) static int64_t add_select_stream(const float* g, const float* r, float* out,
                                                                  int64_t n, float t, int64_t* idx, float* vals,
-                                                                 int64_t cap, int64_t* count, int ordered) {
-    return ordered ? add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1, 1)
-                   : add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1, 0);
+                                                                 int64_t cap, int64_t* count) {
+    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1);
 }
 __attribute__((target("avx2"))) static int64_t add_select_store(const float* g, const float* r, float* out,
                                                                 int64_t n, float t, int64_t* idx, float* vals,
-                                                                int64_t cap, int64_t* count, int ordered) {
-    return ordered ? add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0, 1)
-                   : add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0, 0);
+                                                                int64_t cap, int64_t* count) {
+    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0);
 }
 #endif
 /* out = g + r (one IEEE add per element, as torch.add) into a buffer of its own: error feedback's
@@ -323,15 +320,14 @@ AC_CLONES void ac_sub(const float* a, const float* b, float* out, int64_t n) {
    ResNet-50's Top-k cost cell (alternating runs): 22.4, 22.7, 22.4 ms at 2^16 against 23.8, 23.4, 25.2 ms
    at 2^20; VGG-16 73.7, 75.8 against 77.4, 76.7 ms. */
 #define AC_SELECT_STREAM_MIN (1 << 16)
-/* ordered: |sum| >= t, which a NaN fails (Ok-Topk's selection); else !(|sum| < t) */
-static int64_t add_select_mode(const float* g, const float* r, float* out, int64_t n, float t,
-                               int64_t* idx, float* vals, int64_t cap, const int ordered) {
+int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
+                                 int64_t* idx, float* vals, int64_t cap) {
     int64_t c = 0, i = 0;
 #if defined(AC_AVX2)
     if (n >= AC_SELECT_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2())
-        i = add_select_stream(g, r, out, n, t, idx, vals, cap, &c, ordered);
+        i = add_select_stream(g, r, out, n, t, idx, vals, cap, &c);
     else if (n >= 64 && use_avx2())
-        i = add_select_store(g, r, out, n, t, idx, vals, cap, &c, ordered);
+        i = add_select_store(g, r, out, n, t, idx, vals, cap, &c);
 #endif
 #if defined(__SSE2__)
     const __m128 tv = _mm_set1_ps(t), sign = _mm_set1_ps(-0.0f);
@@ -339,9 +335,8 @@ static int64_t add_select_mode(const float* g, const float* r, float* out, int64
         unsigned m = 0;
         for (int q = 0; q < 4; ++q) {
             const __m128 v = _mm_add_ps(_mm_loadu_ps(g + i + 4 * q), _mm_loadu_ps(r + i + 4 * q));
-            const __m128 a = _mm_andnot_ps(sign, v);
             _mm_storeu_ps(out + i + 4 * q, v);
-            m |= (unsigned)_mm_movemask_ps(ordered ? _mm_cmpge_ps(a, tv) : _mm_cmpnlt_ps(a, tv)) << (4 * q);
+            m |= (unsigned)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_andnot_ps(sign, v), tv)) << (4 * q);
         }
         AC_EMIT(m, __builtin_ctz, i, out[i + j])
     }
@@ -349,30 +344,85 @@ static int64_t add_select_mode(const float* g, const float* r, float* out, int64
     for (; i < n; ++i) {
         const float v = g[i] + r[i];
         out[i] = v;
-        if (ordered ? __builtin_fabsf(v) >= t : !(__builtin_fabsf(v) < t)) {
-            if (c < cap) { idx[c] = i; vals[c] = v; }
-            ++c;
-        }
+        if (!(__builtin_fabsf(v) < t)) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }
     }
     return c;
 }
-int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
-                                 int64_t* idx, float* vals, int64_t cap) {
-    return add_select_mode(g, r, out, n, t, idx, vals, cap, 0);
+/* Ok-Topk's compensation of a fusion bucket read from its pieces (gs[s], lens[s] elements each, where
+   they lie): out = g + r (torch.add's bits), *counted = how many |sum| >= tc (the reused threshold's
+   selection size, which the count band judges), the positions (the concatenation's, ascending) and
+   signed sums of |sum| >= tl listed (at most cap written, the count returned goes on past it), and
+   *nan = whether a sum is NaN (both tests fail it). tl <= tc lists the threshold's selection among
+   others; a higher tl, taken from a sample where the band will re-estimate, lists just enough for the
+   exact top-k without a second pass. */
+#if defined(AC_AVX2)
+__attribute__((target("avx2,popcnt"))) static int64_t add_count_select_avx2(
+        const float* g, const float* r, float* out, int64_t n, float tc, float tl, int64_t base, int64_t* idx,
+        float* vals, int64_t cap, int64_t* count, int64_t* counted, int* nan) {
+    const __m256 cv = _mm256_set1_ps(tc), lv = _mm256_set1_ps(tl), sign = _mm256_set1_ps(-0.0f);
+    __m256 bad = _mm256_setzero_ps();
+    float blk[64] __attribute__((aligned(32)));
+    int64_t c = *count, above = 0, i = 0;
+    const int stream = n >= AC_SELECT_STREAM_MIN && ((uintptr_t)out & 31) == 0;
+    for (; i + 64 <= n; i += 64) {
+        uint64_t m = 0, k = 0;
+        AC_AHEAD(g, i, 4);
+        AC_AHEAD(r, i, 4);
+        for (int q = 0; q < 8; ++q) {
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
+            if (stream) _mm256_stream_ps(out + i + 8 * q, v); else _mm256_storeu_ps(out + i + 8 * q, v);
+            _mm256_store_ps(blk + 8 * q, v);
+            const __m256 a = _mm256_andnot_ps(sign, v);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, lv, _CMP_GE_OQ)) << (8 * q);
+            k |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, cv, _CMP_GE_OQ)) << (8 * q);
+        }
+        above += __builtin_popcountll(k);
+        AC_EMIT64(m, base + i, blk[j])
+    }
+    if (stream) _mm_sfence();
+    *count = c;
+    *counted += above;
+    *nan |= _mm256_movemask_ps(bad) != 0;
+    return i;
 }
-/* out = g + r and the positions / signed sums of the sums passing (ordered: |sum| >= t, which a NaN
-   fails, as ac_add_abs_stats_select's non-strict selection; else !(|sum| < t), as
-   ac_add_select_abs_not_lt), g = the concatenation of nseg segments (gs[s], lens[s] elements each)
+#endif
+int64_t ac_add_count_select_segments(const int64_t* gs, const int64_t* lens, int64_t nseg, const float* r,
+                                     float* out, float tc, float tl, int64_t* idx, float* vals, int64_t cap,
+                                     int64_t* counted, int* nan) {
+    int64_t c = 0, off = 0;
+    *counted = 0;
+    *nan = 0;
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float* g = (const float*)(intptr_t)gs[s];
+        const int64_t n = lens[s];
+        int64_t i = 0;
+#if defined(AC_AVX2)
+        if (n >= 64 && use_avx2())
+            i = add_count_select_avx2(g, r + off, out + off, n, tc, tl, off, idx, vals, cap, &c, counted, nan);
+#endif
+        for (; i < n; ++i) {
+            const float v = g[i] + r[off + i], a = __builtin_fabsf(v);
+            out[off + i] = v;
+            if (v != v) *nan = 1;
+            *counted += a >= tc;
+            if (a >= tl) { if (c < cap) { idx[c] = off + i; vals[c] = v; } ++c; }
+        }
+        off += n;
+    }
+    return c;
+}
+/* ac_add_select_abs_not_lt of g = the concatenation of nseg segments (gs[s], lens[s] elements each)
    read where they lie: a fusion bucket's compensation without its flattened copy (a read and a write
    of the bucket). Positions are the concatenation's; the count goes on past cap. The sums and the
    list are one call's over the flattened g: the same adds and tests, the same ascending order. */
 int64_t ac_add_select_segments(const int64_t* gs, const int64_t* lens, int64_t nseg, const float* r,
-                               float* out, float t, int ordered, int64_t* idx, float* vals, int64_t cap) {
+                               float* out, float t, int64_t* idx, float* vals, int64_t cap) {
     int64_t c = 0, off = 0;
     for (int64_t s = 0; s < nseg; ++s) {
         const int64_t at = c < cap ? c : cap;
-        const int64_t got = add_select_mode((const float*)(intptr_t)gs[s], r + off, out + off, lens[s], t,
-                                            idx + at, vals + at, cap - at, ordered);
+        const int64_t got = ac_add_select_abs_not_lt((const float*)(intptr_t)gs[s], r + off, out + off, lens[s], t,
+                                                     idx + at, vals + at, cap - at);
         for (int64_t j = at; j < c + got && j < cap; ++j) idx[j] += off;
         c += got;
         off += lens[s];
@@ -3693,8 +3743,11 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_add_abs_stats_select.restype = ctypes.c_int64
     lib_.ac_add_abs_stats_select.argtypes = [vp, vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64]
     lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
+    lib_.ac_add_count_select_segments.restype = ctypes.c_int64
+    lib_.ac_add_count_select_segments.argtypes = [vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_float, vp, vp, i64,
+                                                  vp, vp]
     lib_.ac_add_select_segments.restype = ctypes.c_int64
-    lib_.ac_add_select_segments.argtypes = [vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64]
+    lib_.ac_add_select_segments.argtypes = [vp, vp, i64, vp, vp, ctypes.c_float, vp, vp, i64]
     lib_.ac_sample_lines_segments.restype = None
     lib_.ac_sample_lines_segments.argtypes = [vp, vp, i64, vp, i64, i64, vp]
     lib_.ac_chunk_topk.restype = ctypes.c_int
@@ -3875,13 +3928,10 @@ def _segments(gs: list[Tensor], n: int, *others: Tensor) -> tuple[Tensor, Tensor
             torch.tensor([g.numel() for g in gs], dtype=torch.int64))
 
 
-def add_select_segments(gs: list[Tensor], r: Tensor, out: Tensor, thr: float, ordered: bool,
-                        upto: int | None = None, expected: float = 1.0) -> tuple[Tensor, Tensor] | int | None:
+def add_select_segments(gs: list[Tensor], r: Tensor, out: Tensor, thr: float,
+                        expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
     """:func:`add_select` of ``g = torch.cat(gs)`` read from the pieces where they lie (a fusion
-    bucket's gradients: no flattened copy). ``ordered``: the test is ``|sum| >= thr``
-    (:func:`add_abs_stats`'s non-strict one), which a NaN fails; else :func:`add_select`'s, which it
-    passes. ``upto``: room for that many, and just how many passed where more did (else the list
-    whatever its length). None (nothing written) where it cannot run."""
+    bucket's gradients: no flattened copy). None (nothing written) where it cannot run."""
     lib = library()
     n = out.numel()
     seg = _segments(gs, n, out, r) if lib is not None and usable(r) and usable(out) and r.numel() == n else None
@@ -3891,12 +3941,38 @@ def add_select_segments(gs: list[Tensor], r: Tensor, out: Tensor, thr: float, or
 
     def call(i: int, v: int, cap: int) -> int:
         return int(lib.ac_add_select_segments(ptrs.data_ptr(), lens.data_ptr(), len(gs), r.data_ptr(), out.data_ptr(),
-                                              thr, int(ordered), i, v, cap))
-    if upto is None:
-        return _compacted(call, n, expected, _signed_again(lib, "abs_ge" if ordered else "abs_not_lt", out, thr))
-    i, v = _compaction_buffers(upto)
-    c = call(i.data_ptr(), v.data_ptr(), upto)
-    return _trimmed(i, v, c, upto) if c <= upto else c
+                                              thr, i, v, cap))
+    return _compacted(call, n, expected, _signed_again(lib, "abs_not_lt", out, thr))
+
+
+class Counted(NamedTuple):
+    """What :func:`add_count_select` found: how many passed the count's test, how many the list's,
+    their positions and signed values (None where more than the room passed) and whether a sum is NaN."""
+    counted: int
+    listed: int
+    idx: Tensor | None
+    vals: Tensor | None
+    nan: bool
+
+
+def add_count_select(gs: list[Tensor], r: Tensor, out: Tensor, tc: float, tl: float, cap: int) -> Counted | None:
+    """``out = torch.cat(gs) + r`` (torch.add's bits) written from the pieces where they lie, with how
+    many ``|out| >= tc`` and the positions / signed values of ``|out| >= tl`` (room for ``cap``), from
+    the same pass (``ac_add_count_select_segments``: Ok-Topk's compensation). None (nothing written)
+    where it cannot run."""
+    lib = library()
+    n = out.numel()
+    seg = _segments(gs, n, out, r) if lib is not None and usable(r) and usable(out) and r.numel() == n else None
+    if lib is None or seg is None or out.data_ptr() == r.data_ptr():
+        return None
+    i, v = _compaction_buffers(cap)
+    counted = torch.empty(1, dtype=torch.int64)
+    nan = torch.zeros(1, dtype=torch.int32)
+    c = int(lib.ac_add_count_select_segments(seg[0].data_ptr(), seg[1].data_ptr(), len(gs), r.data_ptr(),
+                                             out.data_ptr(), tc, tl, i.data_ptr(), v.data_ptr(), cap,
+                                             counted.data_ptr(), nan.data_ptr()))
+    idx, vals = _trimmed(i, v, c, cap) if c <= cap else (None, None)
+    return Counted(int(counted), c, idx, vals, bool(nan))
 
 
 def sample_lines_segments(gs: list[Tensor], b: Tensor, lines: int, m: int) -> Tensor | None:
@@ -4057,20 +4133,17 @@ class AddStats(NamedTuple):
     done: bool
     stats: AbsStats | None = None
     cands: tuple[Tensor, Tensor] | None = None
-    passed: int = -1
-    """How many passed the threshold (-1: not asked, or a NaN)."""
 
 
 def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, strict: bool = True,
-                  expected: float = 1.0, upto: int | None = None) -> AddStats:
+                  expected: float = 1.0) -> AddStats:
     """``torch.add(g, r, out=out)`` (bitwise; ``out`` may be ``g`` when no ``thr``) and, from the same
     pass, :func:`abs_stats` of ``out`` (nothing else written) and, with a finite ``thr``, the
     positions of ``|out| > thr`` (``strict``) or ``>= thr`` as :func:`select` lists them in mode
     ``abs_gt`` / ``abs_ge``, with ``out``'s signed values there (not select's magnitudes, so that a
     payload takes its values from them): error feedback's compensation with the statistics and the
-    candidates RedSync's and MSTop-k's searches read first. ``upto``: room for that many candidates
-    and no second read when more pass (then ``cands`` is None and ``passed`` says how many: Ok-Topk
-    re-estimates above twice its k anyway). Not ``done`` where this cannot run (nothing written)."""
+    candidates RedSync's and MSTop-k's searches read first. Not ``done`` where this cannot run
+    (nothing written)."""
     lib = library()
     n = out.numel()
     select = thr is not None and math.isfinite(thr)
@@ -4087,17 +4160,13 @@ def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, s
         return max(passed[0], 0)
 
     cands = None
-    if thr is not None and select and upto is not None:
-        i, v = _compaction_buffers(upto)
-        c = call(i.data_ptr(), v.data_ptr(), upto)
-        cands = _trimmed(i, v, c, upto) if c <= upto else None
-    elif thr is not None and select:
+    if thr is not None and select:
         cands = _compacted(call, n, expected, _signed_again(lib, "abs_gt" if strict else "abs_ge", out, thr))
     else:
         call(0, 0, 0)
     if passed[0] < 0:
         return AddStats(True)
-    return AddStats(True, _stats_of(stats, amax, n), cands, passed[0])
+    return AddStats(True, _stats_of(stats, amax, n), cands)
 
 
 def _std_of(sumsq: float, n: int) -> float:

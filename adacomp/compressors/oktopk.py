@@ -26,7 +26,7 @@ Communicators: ``oktopk`` (default), ``allgather``.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,8 +34,9 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors._band import HARD_HIGH, judge
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import SparseCompressor, ThresholdCounter, k_for
-from adacomp.compressors.topk import topk_indices
+from adacomp.compressors.sparse import (SparseCompressor, ThresholdCounter, k_for, largest_k, sample_lines_pieces,
+                                        sampled_value)
+from adacomp.compressors.topk import _expected, topk_indices
 
 
 @register("oktopk")
@@ -73,53 +74,48 @@ class OkTopkCompressor(SparseCompressor):
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """Between two estimations the threshold is known before the compensation, so error
-        feedback's add ``out = g + r`` lists the positions of ``|out| >= thr`` (the selection, as
-        :meth:`select` makes it) and the first position of the largest magnitude from the same pass,
-        kept for :meth:`select`: |g| is neither written nor read again. False (the caller adds) at an
-        estimation step, or where the C pass cannot run."""
-        thr = self._threshold.get(name)
-        if thr is None or self.due(name) or out.dtype != torch.float32:
-            return False
-        flat = out.reshape(-1)
-        k = k_for(flat.numel(), self._density)
-        if k >= flat.numel():
-            return False
-        # room for the count band's top (HARD_HIGH k): above it the step re-estimates, so a larger
-        # selection is counted, not listed (early in training the residual grows past it)
-        got = _native.add_abs_stats(g.reshape(-1), r.reshape(-1), flat, thr, strict=False, upto=int(HARD_HIGH * k))
-        if got.done and got.stats is not None and got.passed >= 0:
-            self._kept().keep(name, flat, (got.cands[0] if got.cands is not None else None, got.passed,
-                                           got.stats.argmax))
-        return got.done
+        feedback's add ``out = g + r`` counts ``|out| >= thr`` (the selection's size, which the count
+        band judges) and lists the selection, or, where the band will re-estimate, enough of the
+        largest for the exact top-k (:class:`Known`), kept for :meth:`select`: |g| is neither written
+        nor read again. False (the caller adds) at an estimation step, or where the C pass cannot run."""
+        return self.compensate_segments([g], r, out, name)
 
     def compensate_segments(self, gs: list[Tensor], r: Tensor, out: Tensor, name: str) -> bool:
         """:meth:`compensate_into` of ``g = torch.cat(gs)`` (a fusion bucket's gradients) read where the
-        pieces lie, so the engine makes no flattened copy of the bucket (a read and a write of it):
-        the same sums, the same list, kept the same way. False (nothing written) where it would
-        decline, or the C pass cannot run."""
+        pieces lie, so the engine makes no flattened copy of the bucket (a read and a write of it).
+        False (nothing written) where it would decline, or the C pass cannot run."""
         thr = self._threshold.get(name)
         if thr is None or self.due(name) or out.dtype != torch.float32:
             return False
-        flat = out.reshape(-1)
-        k = k_for(flat.numel(), self._density)
-        if k >= flat.numel():
+        flat, rf = out.reshape(-1), r.reshape(-1)
+        n = flat.numel()
+        k = k_for(n, self._density)
+        if k >= n:
             return False
-        got = _native.add_select_segments([g.reshape(-1) for g in gs], r.reshape(-1), flat, thr, ordered=True,
-                                          upto=int(HARD_HIGH * k))
+        pieces = [g.reshape(-1) for g in gs]
+        # room for the count band's top (HARD_HIGH k): above it the step re-estimates. Where the last
+        # call on this tensor re-estimated so (early in training the residual grows past the reused
+        # threshold) and a sample of the sum says it will again, the list starts at the sample's floor
+        # for ~1.5 k instead, so the exact top-k comes from it without a second pass
+        floor, cap = thr, int(HARD_HIGH * k)
+        if name in self._hot():
+            sample = sample_lines_pieces(pieces, rf)
+            if sample is not None:
+                share = _expected(k, n)
+                above = float((sample.abs() >= thr).sum()) / sample.numel()
+                if above * n > 2 * HARD_HIGH * k:
+                    floor = max(thr, sampled_value(sample, share, absolute=True))
+                    cap = max(cap, int(2 * share * n))
+        got = _native.add_count_select(pieces, rf, flat, thr, floor, cap)
         if got is None:
             return False
-        # with a NaN sum compensate_into keeps nothing and the selection counts |sum| >= thr itself,
-        # which a NaN fails: the list here, where no NaN passes either
-        if isinstance(got, int):
-            self._kept().keep(name, flat, (None, got, -1))  # above the band: re-estimated, no list read
-            return True
-        idx, _ = got
-        first_max = -1
-        if not idx.numel():  # nothing passed: the selection falls back to the first largest magnitude
-            stats = _native.abs_stats(flat, None)
-            first_max = stats.argmax if stats is not None else int(flat.abs().argmax())
-        self._kept().keep(name, flat, (idx, idx.numel(), first_max))
+        if not got.nan:  # with a NaN the selection counts itself, which a NaN fails (Known.pick's sets)
+            self._kept().keep(name, flat, Known(got.idx, got.vals, got.counted, got.listed, floor))
         return True
+
+    def _hot(self) -> set[str]:
+        """Tensors whose last selection re-estimated above the band: a speed hint, never state."""
+        return self.__dict__.setdefault("hot", set())
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
@@ -127,26 +123,37 @@ class OkTopkCompressor(SparseCompressor):
             return torch.arange(flat.numel(), device=flat.device)
         ws = self._workspace()
         if not self.due(name):
-            known = self._kept().take(name, flat)  # the compensation's pass selected (or counted) already
-            a: Tensor | None = None
-            idx: Tensor | None = None
-            if isinstance(known, tuple):
-                idx, count, first_max = known
-            else:
+            thr = self._threshold[name]
+            known = self._kept().take(name, flat)  # the compensation's pass counted, and listed
+            if not isinstance(known, Known):
                 a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
-                idx = ThresholdCounter(a, strict=False, workspace=ws).select(self._threshold[name], self._density)
-                count = idx.numel()
-            verdict = judge(self._threshold[name], count, k)
-            if not verdict.reestimate and idx is not None:
+                idx = ThresholdCounter(a, strict=False, workspace=ws).select(thr, self._density)
+                known = Known(idx, None, idx.numel(), idx.numel(), thr)
+            verdict = judge(thr, known.counted, k)
+            (self._hot().add if verdict.reestimate and known.counted > HARD_HIGH * k else self._hot().discard)(name)
+            chosen = known.top(k) if verdict.reestimate else known.at(thr)
+            if chosen is not None:
+                if verdict.reestimate:  # the exact top-k, as the estimation below finds it
+                    self._estimate(flat, name, chosen)
+                else:
+                    self._threshold[name] = verdict.threshold
+                if chosen.numel():
+                    return chosen
+                return _first_max(flat).view(1)
+            if not verdict.reestimate:  # listed from a floor above the threshold: the selection's own pass
+                idx = ThresholdCounter(ws.magnitudes(flat), strict=False, workspace=ws).select(thr, self._density)
                 self._threshold[name] = verdict.threshold
-                if idx.numel():
-                    return idx
-                return a.argmax().view(1) if a is not None else torch.tensor([first_max], dtype=torch.int64)
+                return idx if idx.numel() else _first_max(flat).view(1)
         idx = topk_indices(flat.float(), k, ws)  # exactly the k largest at an estimation step
-        kth = flat.index_select(0, idx).abs() if flat.dtype == torch.float32 else ws.magnitudes(flat).index_select(0, idx)
-        self._threshold[name] = float(kth.min())  # |the k selected| only: no pass over the tensor
-        self._estimated_at[name] = self._step
+        self._estimate(flat, name, idx)
         return idx
+
+    def _estimate(self, flat: Tensor, name: str, idx: Tensor) -> None:
+        """The threshold of an estimation step: the smallest |value| of the k selected (no pass)."""
+        ws = self._workspace()
+        kth = flat.index_select(0, idx).abs() if flat.dtype == torch.float32 else ws.magnitudes(flat).index_select(0, idx)
+        self._threshold[name] = float(kth.min())
+        self._estimated_at[name] = self._step
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self._step, "threshold": dict(self._threshold), "estimated_at": dict(self._estimated_at)}
@@ -158,3 +165,38 @@ class OkTopkCompressor(SparseCompressor):
 
     def __repr__(self) -> str:
         return f"OkTopkCompressor(density={self._density}, period={self.period})"
+
+
+class Known(NamedTuple):
+    """What Ok-Topk's compensation pass found of a compensated tensor (kept until its selection):
+    how many ``|x| >= thr`` (``counted``), and the positions (ascending) and signed values of
+    ``|x| >= floor`` (``listed`` of them; ``idx`` None where more than the room passed). NaN-free:
+    with a NaN nothing is kept."""
+
+    idx: Tensor | None
+    vals: Tensor | None
+    counted: int
+    listed: int
+    floor: float
+
+    def at(self, thr: float) -> Tensor | None:
+        """The selection ``|x| >= thr``, where the list holds it."""
+        if self.idx is None or self.floor > thr:
+            return None
+        if self.floor == thr or self.vals is None:
+            return self.idx
+        return self.idx[self.vals.abs() >= thr]
+
+    def top(self, k: int) -> Tensor | None:
+        """The exact top-k (:func:`topk_indices`'s: every ``|x| >= floor`` is listed, and k of them at
+        least, so the k-th magnitude and its ties are among them), where the list holds it."""
+        if self.idx is None or self.vals is None or self.listed < k:
+            return None
+        got = _native.pick_largest(self.vals, self.idx, k, None)
+        return got[0] if got is not None else largest_k(self.idx, self.vals, k)
+
+
+def _first_max(flat: Tensor) -> Tensor:
+    """The first position of the largest magnitude: what a selection that passed nothing sends."""
+    stats = _native.abs_stats(flat, None) if _native.usable(flat) and flat.numel() else None
+    return torch.tensor(stats.argmax) if stats is not None else flat.abs().argmax()

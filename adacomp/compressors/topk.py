@@ -168,7 +168,7 @@ class TopkCompressor(SparseCompressor):
         floor = max(sampled_value(sample, expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
-        got = _native.add_select_segments(pieces, r.reshape(-1), flat, floor, ordered=False, expected=expected)
+        got = _native.add_select_segments(pieces, r.reshape(-1), flat, floor, expected)
         if not isinstance(got, tuple):
             return False
         idx, vals = got
