@@ -118,9 +118,13 @@ class OkTopkCompressor(SparseCompressor):
         return self.__dict__.setdefault("hot", set())
 
     def select(self, flat: Tensor, name: str) -> Tensor:
+        return self.choose(flat, name)[0]
+
+    def choose(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor | None]:
+        """The selection, with its values where the compensation's list holds them (no gather)."""
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
-            return torch.arange(flat.numel(), device=flat.device)
+            return torch.arange(flat.numel(), device=flat.device), None
         ws = self._workspace()
         if not self.due(name):
             thr = self._threshold[name]
@@ -134,25 +138,27 @@ class OkTopkCompressor(SparseCompressor):
             chosen = known.top(k) if verdict.reestimate else known.at(thr)
             if chosen is not None:
                 if verdict.reestimate:  # the exact top-k, as the estimation below finds it
-                    self._estimate(flat, name, chosen)
+                    self._estimate(flat, name, *chosen)
                 else:
                     self._threshold[name] = verdict.threshold
-                if chosen.numel():
+                if chosen[0].numel():
                     return chosen
-                return _first_max(flat).view(1)
+                return _first_max(flat).view(1), None
             if not verdict.reestimate:  # listed from a floor above the threshold: the selection's own pass
                 idx = ThresholdCounter(ws.magnitudes(flat), strict=False, workspace=ws).select(thr, self._density)
                 self._threshold[name] = verdict.threshold
-                return idx if idx.numel() else _first_max(flat).view(1)
+                return (idx if idx.numel() else _first_max(flat).view(1)), None
         idx = topk_indices(flat.float(), k, ws)  # exactly the k largest at an estimation step
-        self._estimate(flat, name, idx)
-        return idx
+        self._estimate(flat, name, idx, None)
+        return idx, None
 
-    def _estimate(self, flat: Tensor, name: str, idx: Tensor) -> None:
-        """The threshold of an estimation step: the smallest |value| of the k selected (no pass)."""
-        ws = self._workspace()
-        kth = flat.index_select(0, idx).abs() if flat.dtype == torch.float32 else ws.magnitudes(flat).index_select(0, idx)
-        self._threshold[name] = float(kth.min())
+    def _estimate(self, flat: Tensor, name: str, idx: Tensor, vals: Tensor | None) -> None:
+        """The threshold of an estimation step: the smallest |value| of the k selected (``vals``:
+        their values, where at hand), no pass over the tensor."""
+        if vals is None:
+            vals = flat.index_select(0, idx) if flat.dtype == torch.float32 else \
+                self._workspace().magnitudes(flat).index_select(0, idx)
+        self._threshold[name] = float(vals.abs().min())
         self._estimated_at[name] = self._step
 
     def state_dict(self) -> dict[str, Any]:
@@ -179,21 +185,26 @@ class Known(NamedTuple):
     listed: int
     floor: float
 
-    def at(self, thr: float) -> Tensor | None:
-        """The selection ``|x| >= thr``, where the list holds it."""
+    def at(self, thr: float) -> tuple[Tensor, Tensor | None] | None:
+        """The selection ``|x| >= thr`` and its values (None: not listed), where the list holds it."""
         if self.idx is None or self.floor > thr:
             return None
         if self.floor == thr or self.vals is None:
-            return self.idx
-        return self.idx[self.vals.abs() >= thr]
+            return self.idx, self.vals
+        keep = self.vals.abs() >= thr
+        return self.idx[keep], self.vals[keep]
 
-    def top(self, k: int) -> Tensor | None:
-        """The exact top-k (:func:`topk_indices`'s: every ``|x| >= floor`` is listed, and k of them at
-        least, so the k-th magnitude and its ties are among them), where the list holds it."""
+    def top(self, k: int) -> tuple[Tensor, Tensor] | None:
+        """The exact top-k and its values (:func:`topk_indices`'s set: every ``|x| >= floor`` is
+        listed, and k of them at least, so the k-th magnitude and its ties are among them), where the
+        list holds it."""
         if self.idx is None or self.vals is None or self.listed < k:
             return None
         got = _native.pick_largest(self.vals, self.idx, k, None)
-        return got[0] if got is not None else largest_k(self.idx, self.vals, k)
+        if got is not None:
+            return got
+        idx = largest_k(self.idx, self.vals, k)
+        return idx, self.vals[torch.searchsorted(self.idx, idx)]
 
 
 def _first_max(flat: Tensor) -> Tensor:
