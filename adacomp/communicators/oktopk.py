@@ -334,10 +334,10 @@ class OkTopkCommunicator(Communicator):
         start = 0
         for e in p.entries:
             n = e.payload[0].numel()  # type: ignore[index]
-            mask = kept_unsorted[start:start + n]
+            at = kept_unsorted[start:start + n].nonzero().view(-1)  # then two gathers: half a mask index's time
             start += n
             vals, idx = e.payload[0].reshape(-1), e.payload[1].reshape(-1)  # type: ignore[index]
-            e.report(e.compressor, [vals[mask], idx[mask]], e.ctx)
+            e.report(e.compressor, [vals.index_select(0, at), idx.index_select(0, at)], e.ctx)
 
     @staticmethod
     def _means(p: _Pending, g_idx: Tensor, g_vals: Tensor, world: int, ws: Workspace) -> list[Tensor]:
