@@ -681,9 +681,9 @@ def report_floor(args: argparse.Namespace) -> None:
     fused_rows = sorted({k[1] for k, r in rows.items() if r.get("fused_buckets")})
     if fused_rows:
         lines += ["", f"{', '.join(fused_rows)}: bucket granularity (one selection over each 25 MB fusion bucket), so "
-                  "their cells flatten each bucket's gradients into a reused buffer, as the engine does: a pass over the "
-                  "gradients that the per-tensor methods do not make (the mean's pieces become the gradients as "
-                  "views, no copy back, as in the optimizer's step)."]
+                  "their cells run each bucket as the engine does: compensated from its gradients where they lie "
+                  "(error_feedback.compensate_bucket; flattened into a reused buffer where that path declines), "
+                  "the mean's pieces handed over as the gradients (views, no copy back, as in the optimizer's step)."]
     if any(k[1] in PEERS for k in rows):
         lines += ["", f"{', '.join(sorted(PEERS & {k[1] for k in rows}))}: its exchange needs real peers (an owner sums "
                   "the regions the other ranks send it), so its cells ran on two processes (gloo on loopback, one "
