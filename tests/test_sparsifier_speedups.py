@@ -280,7 +280,7 @@ def test_bucket_compensation_reads_the_gradients_where_they_lie(method: str, siz
         pytest.skip(f"no C library here ({_native.why_unavailable()}): the pass over the pieces needs it")
     from adacomp.compressors.sparse import SAMPLE_LINE, sample_size, sample_starts
     n = sum(sizes)
-    scales = (1.0, 1.0, 1.1, 3.0, 1e-30, 1e-30, 0.9, 1.0, 1.0, 1.0, 9.0, 27.0, 81.0, 1.0, float("nan"))
+    scales = (1.0, 1.0, 1.1, 3.0, 1e-30, 1e-30, 0.9, 1.0, 1.0, 1.0, 9.0, 27.0, 81.0, 1e-30, 1.0, float("nan"))
     grads = [torch.randn(n, generator=gen(90 + i)) * s for i, s in enumerate(scales)]
     # step 4, after a re-estimation above the band: a fifth of the lines a sample reads are large, so
     # the sample foresees another one (Ok-Topk lists from its floor) but the count stays in the band

@@ -34,8 +34,8 @@ from torch import Tensor
 from adacomp.compressors import _native
 from adacomp.compressors._band import HARD_HIGH, judge
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import (SparseCompressor, ThresholdCounter, k_for, largest_k, sample_lines_pieces,
-                                        sampled_value)
+from adacomp.compressors.sparse import (TINY, SparseCompressor, ThresholdCounter, k_for, largest_k,
+                                        sample_lines_pieces, sampled_value)
 from adacomp.compressors.topk import _expected, topk_indices
 
 
@@ -94,18 +94,22 @@ class OkTopkCompressor(SparseCompressor):
             return False
         pieces = [g.reshape(-1) for g in gs]
         # room for the count band's top (HARD_HIGH k): above it the step re-estimates. Where the last
-        # call on this tensor re-estimated so (early in training the residual grows past the reused
-        # threshold) and a sample of the sum says it will again, the list starts at the sample's floor
-        # for ~1.5 k instead, so the exact top-k comes from it without a second pass
+        # call on this tensor re-estimated (early in training the residual grows past the reused
+        # threshold), a sample of the sum says how many will pass: far above the band the list starts
+        # at the sample's floor for ~1.5 k, below k at the lower of that floor and the threshold, and
+        # the room is larger, so an exact top-k comes from the list without a second pass
         floor, cap = thr, int(HARD_HIGH * k)
         if name in self._hot():
             sample = sample_lines_pieces(pieces, rf)
             if sample is not None:
                 share = _expected(k, n)
-                above = float((sample.abs() >= thr).sum()) / sample.numel()
-                if above * n > 2 * HARD_HIGH * k:
-                    floor = max(thr, sampled_value(sample, share, absolute=True))
-                    cap = max(cap, int(2 * share * n))
+                expect = float((sample.abs() >= thr).sum()) / sample.numel() * n
+                at = max(sampled_value(sample, share, absolute=True), TINY)
+                if expect > 3 * k:
+                    floor = max(thr, at)
+                elif expect < k:
+                    floor = min(thr, at)
+                cap = max(4 * k, int(2 * share * n))
         got = _native.add_count_select(pieces, rf, flat, thr, floor, cap)
         if got is None:
             return False
@@ -114,7 +118,7 @@ class OkTopkCompressor(SparseCompressor):
         return True
 
     def _hot(self) -> set[str]:
-        """Tensors whose last selection re-estimated above the band: a speed hint, never state."""
+        """Tensors whose last selection missed the band: a speed hint, never state."""
         return self.__dict__.setdefault("hot", set())
 
     def select(self, flat: Tensor, name: str) -> Tensor:
@@ -134,7 +138,7 @@ class OkTopkCompressor(SparseCompressor):
                 idx = ThresholdCounter(a, strict=False, workspace=ws).select(thr, self._density)
                 known = Known(idx, None, idx.numel(), idx.numel(), thr)
             verdict = judge(thr, known.counted, k)
-            (self._hot().add if verdict.reestimate and known.counted > HARD_HIGH * k else self._hot().discard)(name)
+            (self._hot().add if verdict.reestimate else self._hot().discard)(name)
             chosen = known.top(k) if verdict.reestimate else known.at(thr)
             if chosen is not None:
                 if verdict.reestimate:  # the exact top-k, as the estimation below finds it
