@@ -251,6 +251,12 @@ SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
 #if defined(AC_AVX2)
 /* Large tensors with AVX2: 64 sums a block, streamed to out (32-byte aligned; see AC_STREAM_MIN), the
    passing ones read back from the block's copy on the stack. */
+/* V = the q-th 8 sums g + r of the 64-element block at i, written to out (streamed where stream) and
+   to the block's stack copy blk */
+#define AC_SUM8(V)                                                                      \
+    const __m256 V = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q)); \
+    if (stream) _mm256_stream_ps(out + i + 8 * q, V); else _mm256_storeu_ps(out + i + 8 * q, V); \
+    _mm256_store_ps(blk + 8 * q, V)
 __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_avx2(
         const float* g, const float* r, float* out, int64_t n, float t, int64_t* idx, float* vals, int64_t cap,
         int64_t* count, const int stream) {
@@ -262,9 +268,7 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
         AC_AHEAD(g, i, 4);
         AC_AHEAD(r, i, 4);
         for (int q = 0; q < 8; ++q) {
-            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
-            if (stream) _mm256_stream_ps(out + i + 8 * q, v); else _mm256_storeu_ps(out + i + 8 * q, v);
-            _mm256_store_ps(blk + 8 * q, v);
+            AC_SUM8(v);
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
                  << (8 * q);
         }
@@ -369,9 +373,7 @@ __attribute__((target("avx2,popcnt"))) static int64_t add_count_select_avx2(
         AC_AHEAD(g, i, 4);
         AC_AHEAD(r, i, 4);
         for (int q = 0; q < 8; ++q) {
-            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));
-            if (stream) _mm256_stream_ps(out + i + 8 * q, v); else _mm256_storeu_ps(out + i + 8 * q, v);
-            _mm256_store_ps(blk + 8 * q, v);
+            AC_SUM8(v);
             const __m256 a = _mm256_andnot_ps(sign, v);
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, lv, _CMP_GE_OQ)) << (8 * q);
