@@ -93,12 +93,13 @@ class OkTopkCompressor(SparseCompressor):
         if k >= n:
             return False
         pieces = [g.reshape(-1) for g in gs]
-        # room for the count band's top (HARD_HIGH k): above it the step re-estimates. Where the last
-        # call on this tensor re-estimated (early in training the residual grows past the reused
-        # threshold), a sample of the sum says how many will pass: far above the band the list starts
-        # at the sample's floor for ~1.5 k, below k at the lower of that floor and the threshold, and
-        # the room is larger, so an exact top-k comes from the list without a second pass
-        floor, cap = thr, int(HARD_HIGH * k)
+        # room for twice the count band's top (HARD_HIGH k): a selection that passes more than the top
+        # re-estimates, and while it is listed whole the exact top-k comes from the list (no second
+        # pass). Where the last call on this tensor missed the band (early in training the residual
+        # grows past the reused threshold), a sample of the sum says how many will pass: far above
+        # the band the list starts at the sample's floor for ~1.5 k, below k at the lower of that
+        # floor and the threshold
+        floor, cap = thr, int(2 * HARD_HIGH * k)
         if name in self._hot():
             sample = sample_lines_pieces(pieces, rf)
             if sample is not None:
@@ -109,7 +110,7 @@ class OkTopkCompressor(SparseCompressor):
                     floor = max(thr, at)
                 elif expect < k:
                     floor = min(thr, at)
-                cap = max(4 * k, int(2 * share * n))
+                cap = max(cap, int(2 * share * n))
         got = _native.add_count_select(pieces, rf, flat, thr, floor, cap)
         if got is None:
             return False
