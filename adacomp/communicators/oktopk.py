@@ -109,6 +109,21 @@ def sparse_sum(idx: Tensor, vals: Tensor, runs: list[int] | None = None) -> tupl
     return uniq, torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device).index_add_(0, inv, vals)
 
 
+def sparse_sum_runs(idx: list[Tensor], vals: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`sparse_sum` of the ascending runs ``idx`` / ``vals`` (each rank's pairs), without joining
+    them first where the C merge serves."""
+    if len(idx) > 1:
+        got = _native.merge_sum(idx, vals)
+        if got is not None:
+            return got
+    return sparse_sum(_joined(idx), _joined(vals))
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)``, or the one part itself (read only): no copy of a one-entry bucket."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def kth_largest(mags: Tensor, k: int) -> float:
     """The k-th largest of ``mags`` (the smallest of them all when there are fewer than k)."""
     if mags.numel() == 0:
@@ -169,13 +184,14 @@ class OkTopkCommunicator(Communicator):
             for e in entries:
                 e.payload, e.ctx = e.compressor.compress(e.tensor, e.name)
                 offsets.append(numel)
-                idx_parts.append(e.payload[1].reshape(-1).to(torch.int64) + numel)
+                pidx = e.payload[1].reshape(-1).to(torch.int64)
+                idx_parts.append(pidx + numel if numel else pidx)  # read only from here: no copy needed
                 val_parts.append(e.payload[0].reshape(-1).to(e.tensor.dtype))
                 env.stats.add_gain_of(e.payload[0], e.tensor)
                 numel += e.tensor.numel()
                 k += k_for(e.tensor.numel(), float(e.compressor.density() or 1.0))
-            idx, perm = torch.cat(idx_parts), None
-            vals = torch.cat(val_parts)
+            idx, perm = _joined(idx_parts), None
+            vals = _joined(val_parts)
             if not _native.ascending_within(idx, numel):  # sparsifiers list positions ascending: no sort then
                 idx, perm = torch.sort(idx)
                 vals = vals.index_select(0, perm)
@@ -230,13 +246,14 @@ class OkTopkCommunicator(Communicator):
                 segs, tot = layout([p.vals, torch.empty(0, dtype=p.idx_dtype)], [c, c])
                 v, i = unpack(received[off:off + tot], segs)
                 segs_val.append(v)
-                segs_idx.append(i.to(torch.int64) + p.bounds[me])
+                segs_idx.append(i.to(torch.int64, copy=True).add_(p.bounds[me]))
                 off += tot
-            ridx, rvals = sparse_sum(torch.cat(segs_idx), torch.cat(segs_val), [i.numel() for i in segs_idx])
+            ridx, rvals = sparse_sum_runs(segs_idx, segs_val)
             mags = rvals.abs()
         with env.stats.timing("comm"):
             sel, counts = self._global_select(p.key, p.k, mags, backend, env)
-            gidx, gvals = ridx[sel], rvals[sel]
+            at = sel.nonzero().view(-1)  # then gathers: half a boolean index's time
+            gidx, gvals = ridx.index_select(0, at), rvals.index_select(0, at)
             tensors = [gvals, gidx.to(p.idx_dtype)]
             layouts = [layout(tensors, [c, c]) for c in counts]
             buf = pack(tensors, layouts[me][0], layouts[me][1], gvals.device)
@@ -251,9 +268,12 @@ class OkTopkCommunicator(Communicator):
             for c, (s, tot) in zip(counts, layouts):
                 v, i = unpack(gathered[off:off + tot], s)
                 all_vals.append(v)
-                all_idx.append(i.to(torch.int64))
+                all_idx.append(i)
                 off += tot
-            g_idx, g_vals = torch.cat(all_idx), torch.cat(all_vals)  # ascending: regions are ordered
+            # ascending: regions are ordered; the positions widened to int64 as they are joined
+            g_idx = torch.cat(all_idx, out=torch.empty(sum(counts), dtype=torch.int64, device=gvals.device)) \
+                if len(all_idx) > 1 else all_idx[0].to(torch.int64)
+            g_vals = _joined(all_vals)
             self._report_kept(p, g_idx)
             return self._means(p, g_idx, g_vals, world, _workspace(self))
 
