@@ -172,18 +172,21 @@ def test_through_distributed_optimizer_models_stay_identical():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def _bucket_worker(front: str, method: str, steps: int) -> list:
-    """``steps`` of ``method`` (bucket granularity) through ``front``, with the bucket's compensation
-    read from the gradients where they lie and with the flattened copy: parameters and component
-    state of both, and how often the first path ran."""
+def _bucket_worker(front: str, method: str) -> list:
+    """Five steps of ``method`` (a fused bucket) through ``front`` (tests._fronts), with the bucket's
+    compensation read from the gradients where they lie and with the flattened copy: the parameters
+    of both, and how often the first path ran."""
+    import torch.distributed as dist
+
     import adacomp
-    import adacomp.backends
     from adacomp.memories.base import ResidualMemory
-    backend = adacomp.backends.create("torch")
-    cfg = {"backend": "torch", "compressor": {"name": method, "density": 0.02, "period": 4},
-           "memory": "residual", "min_numel": 0, "fusion": {"bucket_mb": 0.5}}
-    if method != "oktopk":
-        cfg["compressor"], cfg["communicator"] = {"name": method, "density": 0.02}, "allgather"
+    from tests._fronts import train_through
+    dist.init_process_group("gloo")
+    adacomp.init()
+    rank = dist.get_rank()
+    comp: dict[str, Any] = {"name": method, "density": 0.02, **({"period": 4} if method == "oktopk" else {})}
+    cfg = {"compressor": comp, "memory": "residual", "min_numel": 0, "fusion": {"bucket_mb": 0.5},
+           "communicator": "oktopk" if method == "oktopk" else "allgather"}
     out, ran = [], [0]
     real = ResidualMemory.compensate_gathered
 
@@ -194,40 +197,25 @@ def _bucket_worker(front: str, method: str, steps: int) -> list:
     for gathered in (True, False):
         ResidualMemory.compensate_gathered = counted if gathered else (lambda self, *a, **k: None)  # type: ignore
         torch.manual_seed(0)
-        # buckets of several tensors, each over gTop-k's prefilter size (2^16 elements)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 192),
-                                    torch.nn.ReLU(), torch.nn.Linear(192, 10))
-        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        if front == "optimizer":
-            run, opt = model, adacomp.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                                           config=cfg, backend=backend)
-            holder: Any = opt
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            run, opt = DDP(model, bucket_cap_mb=0.5), inner
-            holder = adacomp.ddp.register(run, cfg)
-        g = torch.Generator().manual_seed(backend.rank())
-        for _ in range(steps):
-            x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(run(x), y).backward()
-            opt.step()
-        out.append(([p.detach().clone() for p in model.parameters()], holder.adacomp_state_dict()))
-        if front == "optimizer":
-            opt.remove_hooks()
+        # buckets (and FSDP units) of several tensors, over gTop-k's prefilter size (2^16 elements)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 192),
+                                  torch.nn.ReLU(), torch.nn.Linear(192, 10))
+        hook = train_through(front, net, cfg, rank, 32, {"bucket_cap_mb": 0.5})
+        out.append(([p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                     for p in net.parameters()], hook.adacomp_state_dict() if hook is not None else {}))
     ResidualMemory.compensate_gathered = real  # type: ignore[method-assign]
+    adacomp.shutdown()
     return plain((out, ran[0]))
 
 
 @pytest.mark.parametrize("method", ["oktopk", "gtopk"])
-@pytest.mark.parametrize("front", ["optimizer", "hook"])
+@pytest.mark.parametrize("front", ["optimizer", "hook", "outer", "fsdp"])
 def test_bucket_compensation_from_the_gradients_changes_nothing(front: str, method: str) -> None:
     """The fused bucket's compensation written from the gradients where they lie (no flattened
-    copy: ``Memory.compensate_gathered``) gives the flattened path's parameters and state bitwise,
-    through both front ends, on every rank; and it ran."""
+    copy: ``Memory.compensate_gathered``) gives the flattened path's parameters bitwise, through
+    every front end, on every rank (and the hook's component state); and it ran."""
     from tests.test_checkpoint_resume import state_diff
-    for res in tensors(run_workers(_bucket_worker, 2, front, method, 9)):
-        (a, b), ran = res
+    for (a, b), ran in tensors(run_workers(_bucket_worker, 2, front, method, timeout=300)):
         assert ran > 0
         assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
         assert not state_diff(a[1], b[1])

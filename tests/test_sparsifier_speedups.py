@@ -268,8 +268,9 @@ def test_oktopk_compensation_selects_at_the_reused_threshold() -> None:
 @pytest.mark.parametrize("sizes", [(5000, 333, 1 << 15, 27503), (1 << 16,) * 2, (0, 64, 65_600, 7)])
 def test_bucket_compensation_reads_the_gradients_where_they_lie(method: str, sizes: tuple[int, ...]) -> None:
     """A fusion bucket's compensation from its gradients where they lie (``Memory.compensate_gathered``:
-    the compressor's ``compensate_segments``, no flattened copy) gives the flattened path's
-    compensated tensor, payload and residual bitwise: Ok-Topk through a re-estimation (more than the
+    the compressor's ``compensate_segments``, no flattened copy, the selection from its pass's list)
+    gives the compensated tensor, payload and residual of the flattened bucket's plain add and the
+    selection's own passes bitwise: Ok-Topk through a re-estimation (more than the
     band passes, then listed from a sampled floor where the band misses again, and where the sample
     misjudged), a step where nothing passes, a NaN among the candidates, a NaN gradient and a period's
     estimation; gTop-k's sampled floor and candidates through the same steps. Pieces of odd lengths
@@ -292,6 +293,8 @@ def test_bucket_compensation_reads_the_gradients_where_they_lie(method: str, siz
     for gathered in (True, False):
         comp = compressors.get(method, density=0.01, **({"period": 4} if method == "oktopk" else {}))
         mem = memories.get("residual")
+        if not gathered:  # the reference: the flattened bucket, the plain add, the selection's own passes
+            comp.compensate_into = lambda *a: False
         out = []
         for step, g in enumerate(grads):
             parts = [p.clone() for p in torch.split(g, list(sizes))]

@@ -114,8 +114,8 @@ class OkTopkCompressor(SparseCompressor):
         got = _native.add_count_select(pieces, rf, flat, thr, floor, cap)
         if got is None:
             return False
-        if not got.nan:  # with a NaN the selection counts itself, which a NaN fails (Known.pick's sets)
-            self._kept().keep(name, flat, Known(got.idx, got.vals, got.counted, got.listed, floor))
+        if not got.nan:  # with a NaN the selection counts |x| >= thr itself, which a NaN fails, as the list does
+            self._kept().keep(name, flat, Known(got.idx, got.vals, got.counted, floor))
         return True
 
     def _hot(self) -> set[str]:
@@ -137,7 +137,7 @@ class OkTopkCompressor(SparseCompressor):
             if not isinstance(known, Known):
                 a = ws.magnitudes(flat)  # |g| in a reused buffer: one pass, no page faults
                 idx = ThresholdCounter(a, strict=False, workspace=ws).select(thr, self._density)
-                known = Known(idx, None, idx.numel(), idx.numel(), thr)
+                known = Known(idx, None, idx.numel(), thr)
             verdict = judge(thr, known.counted, k)
             (self._hot().add if verdict.reestimate else self._hot().discard)(name)
             chosen = known.top(k) if verdict.reestimate else known.at(thr)
@@ -180,14 +180,13 @@ class OkTopkCompressor(SparseCompressor):
 
 class Known(NamedTuple):
     """What Ok-Topk's compensation pass found of a compensated tensor (kept until its selection):
-    how many ``|x| >= thr`` (``counted``), and the positions (ascending) and signed values of
-    ``|x| >= floor`` (``listed`` of them; ``idx`` None where more than the room passed). NaN-free:
-    with a NaN nothing is kept."""
+    how many ``|x| >= thr`` (``counted``), and the positions (ascending) and signed values of every
+    ``|x| >= floor`` (``idx`` None where more than the room passed). NaN-free: with a NaN nothing is
+    kept."""
 
     idx: Tensor | None
     vals: Tensor | None
     counted: int
-    listed: int
     floor: float
 
     def at(self, thr: float) -> tuple[Tensor, Tensor | None] | None:
@@ -203,7 +202,7 @@ class Known(NamedTuple):
         """The exact top-k and its values (:func:`topk_indices`'s set: every ``|x| >= floor`` is
         listed, and k of them at least, so the k-th magnitude and its ties are among them), where the
         list holds it."""
-        if self.idx is None or self.vals is None or self.listed < k:
+        if self.idx is None or self.vals is None or self.idx.numel() < k:
             return None
         got = _native.pick_largest(self.vals, self.idx, k, None)
         if got is not None:
