@@ -469,3 +469,37 @@ def test_topk_compensation_and_prefilter_share_one_pass() -> None:
     want = g1 + mem.residuals["w"]
     assert torch.equal(mem.compensate(g1.clone(), "w", compressor=comp, pieces=[]), want)
     assert "w" not in comp._kept()
+
+
+def test_sidco_fits_read_the_candidates_of_its_compensation(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    """SIDCo's add keeps the elements passing a sampled floor (a little more than its first fit
+    passed last time), and the fit's pass (one stage: the selection; more: the later stages'
+    compaction) reads those where its threshold lies above that floor: the compensated tensors,
+    payloads and residuals are bitwise the plain add's and the fit's own passes', over stage changes
+    both ways, a heavy-tailed step, a zero step and ties; and the fused run reads the tensor whole
+    on fewer steps."""
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
+    n = 1 << 18
+    seen: list[str] = []  # "run" when a run starts (the fused one first), "full" per pass over the tensor
+    orig = _native.select
+
+    def recorded(a: torch.Tensor, thr: float, mode: str, expected: float = 1.0):
+        if a.numel() == n:
+            seen.append("full")
+        return orig(a, thr, mode, expected)
+    monkeypatch.setattr(_native, "select", recorded)
+
+    def make() -> Any:
+        seen.append("run")
+        return compressors.get("sidco", density=0.01, adapt_every=2)
+    # adapt_every 2 on normal values: one stage (steps 0-1), two (2-3), then three, whose first fit
+    # passes ~20 %, too many to keep (candidates declined: full passes, as the plain path's)
+    grads = [torch.randn(n, generator=gen(80 + i)) for i in range(14)]
+    grads[5] = grads[5] ** 3  # heavy tails
+    grads[2] = grads[2].round()  # ties at every threshold, read from the candidates
+    grads[9] = torch.zeros(n)
+    _fused_and_separate_agree(make, grads, True)
+    fused, plain = "".join(x[0] for x in seen).split("r")[1:]
+    assert len(plain) == len(grads) and len(fused) <= len(plain) - 3, (fused, plain)

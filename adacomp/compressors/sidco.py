@@ -40,10 +40,12 @@ import torch
 from torch import Tensor
 
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import Magnitudes, SparseCompressor, ThresholdCounter, compensate_with_stats, k_for
+from adacomp.compressors.sparse import (Magnitudes, SparseCompressor, ThresholdCounter, compensate_with_stats, k_for,
+                                        search_share)
 
 _EPS = 1e-12
 STALE_WINDOWS = 10  # a stage count's measured error is forgotten after this many windows
+CANDIDATES_MAX = 0.15  # the largest share error feedback's add keeps as candidates for the fits
 
 
 def _mean(x: Tensor, mean: float | None) -> float:
@@ -118,6 +120,10 @@ class SIDCoCompressor(SparseCompressor):
         self.tolerance = float(tolerance)
         # per tensor name: stages, running window sum / count, window index, {stages: [error, window]}
         self._state: dict[str, dict[str, Any]] = {}
+        # per tensor name: its last fit's stages and the shares its first stage and its selection passed, hints of
+        # the next step's sizes (not state: a wrong guess costs a pass, never another answer; on
+        # real gradients the one-stage fit's first window passes up to ~10x the density)
+        self._passed: dict[str, tuple[int, float, float]] = {}
 
     def max_stages(self) -> int:
         """Upper bound on stages, ceil(log2(1 / density)) as in the authors' code."""
@@ -184,9 +190,29 @@ class SIDCoCompressor(SparseCompressor):
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """SIDCo-E's first fit reads only |g|'s mean: error feedback's add gives it (and max, argmax)
-        from the same pass (:func:`compensate_with_stats`), and |g| is never written. The other fits
+        from the same pass (:func:`compensate_with_stats`), and |g| is never written. The add also
+        keeps the elements passing a sampled floor aimed at a little more than the share the
+        tensor's first fit passed last time (:meth:`_share`), so the fit's pass (the selection, or
+        the later stages' compaction) reads those instead of the tensor where its threshold lies
+        above that floor (a full pass otherwise, as without them: the same answers). The other fits
         read |g| whole (its variance, its logarithms): the caller adds."""
-        return self.distribution == "exponential" and compensate_with_stats(self, g, r, out, name, compact=False)
+        if self.distribution != "exponential":
+            return False
+        share = self._share(name)
+        return compensate_with_stats(self, g, r, out, name, compact=share is not None, share=share)
+
+    def _share(self, name: str) -> float | None:
+        """The share of tensor ``name`` the add keeps as candidates: 1.25 times what its first fit
+        passed last time (before any, or with another number of stages since: ``density ** (1 /
+        stages)``, what the fit aims at), at least
+        :func:`search_share` of the density (a fit's threshold moves between steps); None where that exceeds
+        :data:`CANDIDATES_MAX` (writing the candidates would cost about the read they save)."""
+        st = self._state.get(name)
+        stages = int(st["stages"]) if st is not None else min(self.stages, self.max_stages())
+        passed = self._passed.get(name)
+        first = 1.25 * passed[1] if passed is not None and passed[0] == stages else self._density ** (1 / stages)
+        share = max(search_share(self._density, self.search_factor), first)
+        return share if share <= CANDIDATES_MAX else None
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         k = k_for(flat.numel(), self._density)
@@ -198,9 +224,19 @@ class SIDCoCompressor(SparseCompressor):
         mag = Magnitudes(flat, ws, write=self.distribution != "exponential", known=self._kept().take(name, flat))
         a = mag.a if mag.a is not None else flat
         counter = ThresholdCounter(a, True, ws, absolute=mag.a is None)  # scratch mask; stages' thresholds vary
+        cands = mag.candidates(strict=True)
+        if cands is not None:  # the add's candidates: a threshold above their floor reads them alone
+            counter.adopt(*cands, signed=True)
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})
-        idx = counter.select(self.threshold(a, int(st["stages"]), counter, mag.mean()), self._density)
+        stages = int(st["stages"])
+        last = self._passed.get(name, (0, 0.0, 0.0))[2]
+        thr = self.threshold(a, stages, counter, mag.mean())
+        idx = counter.select(thr, max(self._density, 1.25 * last))  # a guess of its size: a short one costs a pass
+        n = flat.numel()
+        # the first fit's pass: the later stages' compaction (its kept set), else the selection itself
+        kept = counter.vals.numel() if stages > 1 and counter.vals is not None else idx.numel()
+        self._passed[name] = (stages, kept / n, idx.numel() / n)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
         return idx if idx.numel() else mag.argmax()

@@ -304,14 +304,23 @@ class Magnitudes:
         """:meth:`ThresholdCounter.for_search` on the magnitudes: on ``a``, or on ``flat`` with
         absolute answers where ``a`` was not written."""
         if self.a is None:
-            k = self._known
-            if (k is not None and k.cands is not None and k.strict == strict
-                    and k.expected == search_share(density, factor)):  # for_search's compaction, done
+            cands = self.candidates(strict, search_share(density, factor))
+            if cands is not None:  # for_search's compaction, done
                 counter = ThresholdCounter(self.flat, strict, workspace, absolute=True)
-                counter.adopt(k.floor, *k.cands, signed=True)  # compensate_with_stats keeps the signed sums
+                counter.adopt(*cands, signed=True)  # compensate_with_stats keeps the signed sums
                 return counter
             return ThresholdCounter.for_search(self.flat, strict, density, workspace, factor, absolute=True)
         return ThresholdCounter.for_search(self.a, strict, density, workspace, factor)
+
+    def candidates(self, strict: bool, expected: float | None = None) -> tuple[float, Tensor, Tensor] | None:
+        """The floor, positions and signed values :func:`compensate_with_stats` kept while writing
+        ``flat`` (compared ``> floor`` if ``strict``, else ``>=``; kept for a share ``expected`` when
+        given), for an absolute counter on ``flat`` to adopt; None where there are none."""
+        k = self._known
+        if (self.a is not None or k is None or k.cands is None or k.strict != strict
+                or (expected is not None and k.expected != expected)):
+            return None
+        return (k.floor, *k.cands)
 
     def written(self) -> Tensor:
         """``a``, which the default ``write=True`` always holds."""
@@ -392,18 +401,19 @@ class KnownMagnitudes(NamedTuple):
     expected: float
 
 
-def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: str, compact: bool = True) -> bool:
+def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: str, compact: bool = True,
+                          share: float | None = None) -> bool:
     """``compensate_into`` of the searches that read |g|'s max, min and mean first and then count
-    from candidates (RedSync, MSTop-k; ``comp.search_strict``: whether they count ``> thr``):
+    from candidates (RedSync, MSTop-k, SIDCo; ``comp.search_strict``: whether they count ``> thr``):
     ``out = g + r`` (error feedback's compensation, torch.add's bits) with those statistics and
     :meth:`ThresholdCounter.for_search`'s compaction from the same pass (its sampled floor taken
-    from ``g + r`` at the same positions before the sum is written), kept for the
-    :class:`Magnitudes` of ``out``: two reads of the tensor less (one with ``compact`` False: the
-    statistics alone, for SIDCo, whose compaction threshold comes from the mean). False (nothing
+    from ``g + r`` at the same positions before the sum is written; aimed at ``share`` of the
+    tensor where given, else at :func:`search_share`), kept for the :class:`Magnitudes` of ``out``:
+    two reads of the tensor less (one with ``compact`` False: the statistics alone). False (nothing
     written) where the C pass cannot run: the caller adds."""
     flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
     density = comp.density() or 1.0
-    expected = search_share(density, comp.search_factor)
+    expected = search_share(density, comp.search_factor) if share is None else share
     floor = math.nan
     if compact and flat.numel() >= SEARCH_COMPACT_MIN and _native.usable(gf) and _native.usable(rf):
         floor = sampled_value(sample_lines(gf, plus=rf), expected, absolute=True)
@@ -478,6 +488,12 @@ class ThresholdCounter:
         """Keep the elements passing ``floor``; ``keep_nan`` also keeps NaNs (for callers that must
         see them, as torch.topk ranks NaN first), after which only ``vals`` / ``idx`` are valid."""
         if not math.isfinite(floor):
+            return
+        if self.covers(floor) and not (keep_nan or self.nan_kept) and self.native and _native.usable(self.vals):
+            # what passes ``floor`` passes the kept floor too: narrowed from the kept set, no pass over ``a``
+            assert self.idx is not None and self.vals is not None  # set with floor by adopt()
+            at = self._kept_at(floor, expected)
+            self.adopt(floor, self.idx.index_select(0, at), self.vals.index_select(0, at), signed=self.signed)
             return
         self.nan_kept = keep_nan
         if self.native:
