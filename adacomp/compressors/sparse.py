@@ -489,9 +489,9 @@ class ThresholdCounter:
         see them, as torch.topk ranks NaN first), after which only ``vals`` / ``idx`` are valid."""
         if not math.isfinite(floor):
             return
-        if self.covers(floor) and not (keep_nan or self.nan_kept) and self.native and _native.usable(self.vals):
+        if (self.covers(floor) and not (keep_nan or self.nan_kept) and self.native and self.vals is not None
+                and self.idx is not None and _native.usable(self.vals)):
             # what passes ``floor`` passes the kept floor too: narrowed from the kept set, no pass over ``a``
-            assert self.idx is not None and self.vals is not None  # set with floor by adopt()
             at = self._kept_at(floor, expected)
             self.adopt(floor, self.idx.index_select(0, at), self.vals.index_select(0, at), signed=self.signed)
             return
