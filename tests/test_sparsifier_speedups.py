@@ -160,6 +160,30 @@ def test_threshold_counter_equals_full_passes(strict: bool) -> None:
 
 
 @pytest.mark.parametrize("signed", [False, True])
+def test_a_compaction_above_the_kept_floor_narrows_the_kept_set(signed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compact`` at a floor the kept set covers keeps what a fresh compaction of the tensor would
+    (positions, values, signed or not) without reading the tensor; below the kept floor it reads it."""
+    from adacomp.compressors import _native
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the narrowing runs on the C passes")
+    x = torch.randn(1 << 17, generator=gen(12))
+    x[7] = 2.5  # a value at the new floor (strict: not kept)
+    counter = ThresholdCounter(x if signed else x.abs(), True, Workspace(), absolute=signed)
+    kept = torch.nonzero(x.abs() > 1.5).view(-1)
+    counter.adopt(1.5, kept, x[kept] if signed else x.abs()[kept], signed=signed)
+    reads: list[int] = []
+    orig = _native.select
+    monkeypatch.setattr(_native, "select", lambda a, *rest: (reads.append(a.numel()), orig(a, *rest))[1])
+    counter.compact(2.5, 0.01)
+    want = torch.nonzero(x.abs() > 2.5).view(-1)
+    assert counter.floor == 2.5 and torch.equal(counter.idx, want) and x.numel() not in reads
+    assert torch.equal(counter.vals, x[want] if signed else x.abs()[want])
+    assert counter.count(3.0) == int((x.abs() > 3.0).sum())
+    counter.compact(1.0, 0.1)  # below the kept floor: a pass over the tensor
+    assert x.numel() in reads and torch.equal(counter.idx, torch.nonzero(x.abs() > 1.0).view(-1))
+
+
+@pytest.mark.parametrize("signed", [False, True])
 def test_a_count_below_the_kept_floor_keeps_what_passes_it(signed: bool) -> None:
     """A threshold search's count below its candidates' floor (a sampled floor that passed too few)
     keeps what passes that threshold from the same pass, so the search's later counts above it
@@ -503,3 +527,49 @@ def test_sidco_fits_read_the_candidates_of_its_compensation(monkeypatch: pytest.
     _fused_and_separate_agree(make, grads, True)
     fused, plain = "".join(x[0] for x in seen).split("r")[1:]
     assert len(plain) == len(grads) and len(fused) <= len(plain) - 3, (fused, plain)
+
+
+@pytest.mark.parametrize("kind", ["mstopk", "redsync"])
+def test_a_search_whose_candidates_fell_short_widens_the_next_floor(kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                                   one_thread: None) -> None:
+    """MSTop-k and RedSync search near k (RedSync up to 2k) among the candidates error feedback's add
+    kept above a sampled floor; where that floor passed fewer, the search counted below it, a pass
+    over the tensor. The next add then aims at twice the share (a speed hint, not state), and the
+    payloads stay the plain path's (the add without candidates, the search's own passes)."""
+    import importlib
+
+    from adacomp import memories
+    from adacomp.compressors import _native
+    from adacomp.compressors import sparse as S
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
+    n = 1 << 18
+    k = k_for(n, 0.01)
+    shares: list[float | None] = []
+    orig = S.compensate_with_stats
+
+    def recorded(comp, g, r, out, name, compact=True, share=None):
+        shares.append(share)
+        return orig(comp, g, r, out, name, compact, share)
+    monkeypatch.setattr(importlib.import_module(f"adacomp.compressors.{kind}"), "compensate_with_stats", recorded)
+    sampled = S.sampled_value
+    wrong: list[float] = []  # a floor the next sample gives instead of its own (a misjudged tail)
+    monkeypatch.setattr(S, "sampled_value", lambda *a, **kw: wrong.pop() if wrong else sampled(*a, **kw))
+    fused, plain = compressors.get(kind, density=0.01), compressors.get(kind, density=0.01)
+    plain.compensate_into = lambda *a: False
+    mems = [memories.get("residual"), memories.get("residual")]
+    for step in range(5):
+        g = torch.randn(n, generator=gen(90 + step))
+        if step == 1:  # the first compensated step: a floor that passes k / 2
+            x = g + mems[0].residuals["w"]
+            wrong.append(float(torch.topk(x.abs(), k // 2).values.min()))
+        payloads = []
+        for comp, mem in zip((fused, plain), mems):
+            t = mem.compensate(g.clone(), "w", 2, compressor=comp)
+            payload, ctx = comp.compress(t, "w")
+            payloads.append([p.clone() for p in payload])
+            mem.update(t, "w", comp, payload, ctx)
+        assert all(torch.equal(a, b) for a, b in zip(*payloads)), step
+    base = S.search_share(0.01, fused.search_factor)
+    assert shares[0] == pytest.approx(base) and shares[1] == pytest.approx(2 * base), shares
+    assert "widen" not in str(fused.state_dict())

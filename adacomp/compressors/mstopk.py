@@ -27,7 +27,7 @@ from torch import Tensor
 
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (BISECT_LEVELS, LazyBest, Magnitudes, SparseCompressor, ThresholdCounter,
-                                        bisect_thresholds, compensate_with_stats, k_for)
+                                        bisect_thresholds, compensate_with_stats, k_for, search_share)
 
 
 @register("mstopk")
@@ -35,7 +35,12 @@ class MSTopkCompressor(SparseCompressor):
     """Threshold Top-k by ``rounds`` bisection steps between mean and max of |g|."""
 
     fixed_size = False
-    compensate_into = compensate_with_stats  # |g|'s statistics read while error feedback writes g
+    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
+        """|g|'s statistics and the search's candidates read while error feedback writes g
+        (:func:`compensate_with_stats`), the candidates' share widened for a tensor whose floor
+        recently passed fewer than k (a search near k then counts below it: passes over the tensor)."""
+        share = self._widened(name, search_share(self._density, self.search_factor))
+        return compensate_with_stats(self, g, r, out, name, share=share)
     search_strict = False  # its counts are of |g| >= thr
     # the closest count to k ends the search next to k: candidates at 1.5 k hold it with a margin for
     # the sampled floor's noise (3 k cost GPT-2-small's step ~8 % more: a wider compaction, longer counts)
@@ -115,6 +120,8 @@ class MSTopkCompressor(SparseCompressor):
                    if m is not None else
                    ThresholdCounter.for_search(mag, False, self._density, self._workspace(), self.search_factor))
         thr = self.threshold(mag, k, counter, hi, mean)
+        if m is not None:
+            m.judge(self, name, k)
         got = counter.pick(thr, self._density)
         return got if got is not None else (counter.select(thr, self._density), None)
 

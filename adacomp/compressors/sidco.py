@@ -123,7 +123,7 @@ class SIDCoCompressor(SparseCompressor):
         # per tensor name: its last fit's stages and the shares its first stage and its selection passed, hints of
         # the next step's sizes (not state: a wrong guess costs a pass, never another answer; on
         # real gradients the one-stage fit's first window passes up to ~10x the density)
-        self._passed: dict[str, tuple[int, float, float]] = {}
+        self._fit_shares: dict[str, tuple[int, float, float]] = {}
 
     def max_stages(self) -> int:
         """Upper bound on stages, ceil(log2(1 / density)) as in the authors' code."""
@@ -209,7 +209,7 @@ class SIDCoCompressor(SparseCompressor):
         :data:`CANDIDATES_MAX` (writing the candidates would cost about the read they save)."""
         st = self._state.get(name)
         stages = int(st["stages"]) if st is not None else min(self.stages, self.max_stages())
-        passed = self._passed.get(name)
+        passed = self._fit_shares.get(name)
         first = 1.25 * passed[1] if passed is not None and passed[0] == stages else self._density ** (1 / stages)
         share = max(search_share(self._density, self.search_factor), first)
         return share if share <= CANDIDATES_MAX else None
@@ -230,13 +230,13 @@ class SIDCoCompressor(SparseCompressor):
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})
         stages = int(st["stages"])
-        last = self._passed.get(name, (0, 0.0, 0.0))[2]
+        last = self._fit_shares.get(name, (0, 0.0, 0.0))[2]
         thr = self.threshold(a, stages, counter, mag.mean())
         idx = counter.select(thr, max(self._density, 1.25 * last))  # a guess of its size: a short one costs a pass
         n = flat.numel()
         # the first fit's pass: the later stages' compaction (its kept set), else the selection itself
         kept = counter.vals.numel() if stages > 1 and counter.vals is not None else idx.numel()
-        self._passed[name] = (stages, kept / n, idx.numel() / n)
+        self._fit_shares[name] = (stages, kept / n, idx.numel() / n)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
         return idx if idx.numel() else mag.argmax()

@@ -68,6 +68,7 @@ tensor: a gather + scatter costs ~10x more per element than a dense pass."""
 
 
 SEARCH_FACTOR = 3.0
+WIDEN_MAX = 8.0  # the most a tensor's candidate target grows after its floors fell short (SparseCompressor._passed)
 """A threshold search's candidates are what a sampled floor passes at this multiple of its density."""
 SEARCH_COMPACT_MIN = 1 << 16
 """Tensors from this many elements are compacted before a search (smaller ones are counted whole)."""
@@ -304,23 +305,29 @@ class Magnitudes:
         """:meth:`ThresholdCounter.for_search` on the magnitudes: on ``a``, or on ``flat`` with
         absolute answers where ``a`` was not written."""
         if self.a is None:
-            cands = self.candidates(strict, search_share(density, factor))
-            if cands is not None:  # for_search's compaction, done
+            cands = self.candidates(strict)
+            if cands is not None:  # for_search's compaction, done (at whatever share: the same answers)
                 counter = ThresholdCounter(self.flat, strict, workspace, absolute=True)
                 counter.adopt(*cands, signed=True)  # compensate_with_stats keeps the signed sums
                 return counter
             return ThresholdCounter.for_search(self.flat, strict, density, workspace, factor, absolute=True)
         return ThresholdCounter.for_search(self.a, strict, density, workspace, factor)
 
-    def candidates(self, strict: bool, expected: float | None = None) -> tuple[float, Tensor, Tensor] | None:
+    def candidates(self, strict: bool) -> tuple[float, Tensor, Tensor] | None:
         """The floor, positions and signed values :func:`compensate_with_stats` kept while writing
-        ``flat`` (compared ``> floor`` if ``strict``, else ``>=``; kept for a share ``expected`` when
-        given), for an absolute counter on ``flat`` to adopt; None where there are none."""
+        ``flat`` (compared ``> floor`` if ``strict``, else ``>=``), for an absolute counter on ``flat``
+        to adopt; None where there are none."""
         k = self._known
-        if (self.a is not None or k is None or k.cands is None or k.strict != strict
-                or (expected is not None and k.expected != expected)):
+        if self.a is not None or k is None or k.cands is None or k.strict != strict:
             return None
         return (k.floor, *k.cands)
+
+    def judge(self, comp: "SparseCompressor", name: str, need: int) -> None:
+        """Tell ``comp`` how many candidates its compensation's floor passed for ``name`` against the
+        ``need`` its search counts near (:meth:`SparseCompressor._passed`: the next floor's share)."""
+        k = self._known
+        if k is not None and k.cands is not None:
+            comp._passed(name, k.cands[0].numel(), need)
 
     def written(self) -> Tensor:
         """``a``, which the default ``write=True`` always holds."""
@@ -736,6 +743,23 @@ class SparseCompressor(Compressor):
 
     def set_density(self, density: float) -> None:
         self._density = check_density(density)
+
+    def _widened(self, name: str, share: float) -> float:
+        """``share`` (a fused pass's candidate target) times ``name``'s widening (:meth:`_passed`), at most 1."""
+        return min(1.0, share * self.__dict__.get("widen", {}).get(name, 1.0))
+
+    def _passed(self, name: str, count: int, need: int) -> None:
+        """How many candidates the fused pass's sampled floor passed for ``name`` (the selection
+        needs ``need`` of them). A speed hint, never state: a layer whose sample misjudges its tail
+        (a few large rows) falls short on most steps, each a pass over the tensor more, so its target
+        doubles after each shortfall (up to WIDEN_MAX) and shrinks back while more than twice
+        ``need`` pass."""
+        widen = self.__dict__.setdefault("widen", {})
+        w = widen.get(name, 1.0)
+        if count < need:
+            widen[name] = min(WIDEN_MAX, 2.0 * w)
+        elif w > 1.0 and count > 2 * need:
+            widen[name] = max(1.0, 0.8 * w)
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         """Indices (into ``flat``) of the elements to send."""

@@ -31,7 +31,6 @@ from adacomp.compressors.sparse import (SAMPLE_LINE, SAMPLE_SIZE, TINY, SparseCo
                                         sparse_residual)
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
-WIDEN_MAX = 8.0  # the most a tensor's candidate target grows after its floors fell short
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
 """On a GPU (H100, docs/results/cuda.md) torch.topk alone took 0.17-0.54 ms up to 2^24 elements against the
 prefilter's 0.61-0.89 ms, and 1.6-7.8 ms at 2^26-2^28 against the prefilter's 1.1-6.7 ms."""
@@ -169,20 +168,8 @@ class TopkCompressor(SparseCompressor):
 
     def _target(self, name: str, k: int, n: int) -> float:
         """The fused pass's candidate share for ``name``: :func:`_expected`, widened for a tensor whose
-        sampled floor recently passed fewer than k (:meth:`_passed`)."""
-        return min(1.0, _expected(k, n) * self.__dict__.get("widen", {}).get(name, 1.0))
-
-    def _passed(self, name: str, count: int, k: int) -> None:
-        """How many the fused pass's floor passed for ``name`` (k needed). A speed hint, never state: a
-        layer whose sample misjudges its tail (a few large rows) falls short on most steps, each a
-        pass over the tensor more, so its target doubles after each shortfall (up to WIDEN_MAX) and
-        shrinks back while more than twice k pass."""
-        widen = self.__dict__.setdefault("widen", {})
-        w = widen.get(name, 1.0)
-        if count < k:
-            widen[name] = min(WIDEN_MAX, 2.0 * w)
-        elif w > 1.0 and count > 2 * k:
-            widen[name] = max(1.0, 0.8 * w)
+        sampled floor recently passed fewer than k (:meth:`~adacomp.compressors.sparse.SparseCompressor._passed`)."""
+        return self._widened(name, _expected(k, n))
 
     def compensate_mean_into(self, idx: list[Tensor], vals: list[Tensor], divisor: int, r: Tensor, out: Tensor,
                              name: str) -> bool:
