@@ -529,13 +529,13 @@ def test_sidco_fits_read_the_candidates_of_its_compensation(monkeypatch: pytest.
     assert len(plain) == len(grads) and len(fused) <= len(plain) - 3, (fused, plain)
 
 
-@pytest.mark.parametrize("kind", ["mstopk", "redsync"])
-def test_a_search_whose_candidates_fell_short_widens_the_next_floor(kind: str, monkeypatch: pytest.MonkeyPatch,
+def test_a_search_whose_candidates_fell_short_widens_the_next_floor(monkeypatch: pytest.MonkeyPatch,
                                                                    one_thread: None) -> None:
-    """MSTop-k and RedSync search near k (RedSync up to 2k) among the candidates error feedback's add
-    kept above a sampled floor; where that floor passed fewer, the search counted below it, a pass
-    over the tensor. The next add then aims at twice the share (a speed hint, not state), and the
-    payloads stay the plain path's (the add without candidates, the search's own passes)."""
+    """MSTop-k's bisection searches near k among the candidates error feedback's add kept above a
+    sampled floor; where that floor passed fewer, the search counted below it, a pass over the
+    tensor. The next add then aims at twice the share (a speed hint, not state), and the payloads
+    stay the plain path's (the add without candidates, the search's own passes)."""
+    kind = "mstopk"
     import importlib
 
     from adacomp import memories

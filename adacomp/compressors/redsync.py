@@ -30,7 +30,7 @@ from torch import Tensor
 
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (BISECT_LEVELS, LazyBest, Magnitudes, SparseCompressor, ThresholdCounter,
-                                        bisect_thresholds, compensate_with_stats, k_for, search_share)
+                                        bisect_thresholds, compensate_with_stats, k_for)
 
 
 @register("redsync")
@@ -41,12 +41,7 @@ class RedSyncCompressor(SparseCompressor):
     ``max_steps``: most halvings of the search interval (each one is a pass over the tensor).
     """
 
-    def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
-        """|g|'s statistics and the search's candidates read while error feedback writes g
-        (:func:`compensate_with_stats`), the candidates' share widened for a tensor whose floor
-        recently passed fewer than 2k (a threshold passing 2k then lies below it: a pass over the tensor)."""
-        share = self._widened(name, search_share(self._density, self.search_factor))
-        return compensate_with_stats(self, g, r, out, name, share=share)
+    compensate_into = compensate_with_stats  # |g|'s statistics read while error feedback writes g
     search_strict = True  # its counts are of |g| > thr
     batch_counts = False  # one by one was faster on an H100 (SparseCompressor.batch_counts)
     # a threshold below the candidate floor is skipped once the kept set reaches 2k, and the search ends
@@ -115,7 +110,6 @@ class RedSyncCompressor(SparseCompressor):
         counter = mag.search_counter(self.search_strict, self._density, self._workspace(), self.search_factor)
         a = mag.a if mag.a is not None else flat  # (threshold reads only the counter, max and mean given)
         thr = self.threshold(a, k, counter, mag.max(), mag.mean())
-        mag.judge(self, name, 2 * k)
         got = counter.pick(thr, self._density)
         if got is not None and got[0].numel():
             return got
