@@ -353,3 +353,33 @@ def test_merge_ascending_is_the_sort_of_the_union(runs):
     row = torch.arange(30_000, 30_200)
     kept = ordered[(ordered < 30_000) | (ordered >= 30_200)]
     assert torch.equal(rowtopk.merge_ascending(kept, row.flip(0)), torch.sort(torch.cat([kept, row])).values)
+
+
+@pytest.mark.parametrize("n", [1024, 2048, 5000, 1 << 17])
+@pytest.mark.parametrize("kind", ["gauss", "ties", "nan"])
+def test_a_one_dimensional_tensor_is_picked_whole_canonically(n: int, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ADTopk's one-row tensors (ResNet-50's 1024-2048-element norm parameters) below the
+    prefilter's size are picked whole in one C call with their values: the canonical top-k
+    (largest |x|, ties to the lowest positions, a NaN first) and the tensor's own values, as the
+    prefiltered path and torch's give; 2^17 elements take the prefilter, the same set."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.sparse import largest_k
+    whole: list[int] = []
+    orig = _native.pick_largest
+    monkeypatch.setattr(_native, "pick_largest",
+                        lambda mags, idx, k, flat: (whole.append(mags.numel()) if idx is None else None,
+                                                    orig(mags, idx, k, flat))[1])
+    x = make("gauss", (n,), 7)
+    if kind == "ties":
+        x = x.round()
+    if kind == "nan":
+        x[n // 3] = float("nan")
+    c = compressors.get("adtopk", density=0.01)
+    (vals, idx), _ = c.compress(x.clone(), "w")
+    k = max(1, round(0.01 * n))
+    mags = torch.where(torch.isnan(x), torch.full_like(x, float("inf")), x.abs())
+    want = largest_k(torch.arange(n), mags, k)
+    assert torch.equal(idx, want)
+    assert torch.equal(vals.view(torch.int32), x[want].view(torch.int32))
+    assert_same_topk(payload_set([vals, idx]), payload_set(plain("adtopk", density=0.01).compress(x.clone(), "w")[0]), n)
+    assert (n in whole) == (n < 1 << 16 and _native.library() is not None)

@@ -53,7 +53,7 @@ from adacomp.compressors.base import Payload, register
 from adacomp.compressors._rowtopk import (Candidates, compensated_candidates, fast_eligible, fast_row_topk,
                                           matrix_shape, row_topk)
 from adacomp.compressors.sparse import SparseCompressor, SparseCtx, k_for, nonzero_1d
-from adacomp.compressors.topk import topk_indices
+from adacomp.compressors.topk import prefilters, topk_indices
 
 SPLITS = ("rows", "dim1")
 
@@ -121,6 +121,12 @@ class ADTopkCompressor(SparseCompressor):
         k = k_for(numel, self._density)
         known = self._kept().take(name, tensor.reshape(-1)) if name is not None else None
         if m == 1:
+            flat = tensor.reshape(-1)
+            if (self.fast_cpu and fast_eligible(tensor) and k < numel and not prefilters(flat, k)
+                    and flat.device.type == "cpu"):
+                whole = _native.pick_largest(flat, None, k, None)  # a small 1-D tensor whole in one C call
+                if whole is not None:  # (None on a NaN: torch's path below)
+                    return whole
             return self.topk(tensor, k), None
         if self.fast_cpu and fast_eligible(tensor) and k < numel:
             got = fast_row_topk(tensor, m, n, rr, k, self._workspace(),
