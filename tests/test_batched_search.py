@@ -178,6 +178,8 @@ def _config(method: str) -> dict:
         return {**arm_config(method)[0], "fusion": {"fuse_before_compress": False}}
     if method in ("adtopk_dead", "adtopk_wide"):  # ADTopk on other nets (see _train_both_ways)
         return arm_config("adtopk")[0]
+    if method == "adtopk_1d":  # the biases compressed too (the zoo sends them dense): one-row tensors
+        return {**arm_config("adtopk")[0], "layers": []}
     return arm_config(method)[0]
 
 
@@ -221,6 +223,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     devices.EMULATE = False
     given = error_feedback.with_dest
     dests: list[int] = []
+    whole: list[int] = []  # ADTopk's one-row tensors picked whole
     if switch == "native":
         os.environ["ADACOMP_NATIVE"] = "0"
     elif switch == "dest":  # the reference keeps every mean in an output of its own
@@ -259,6 +262,24 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 dests.append(int(got is not None and shown))
                 return got
             _native.row_finish = answered  # type: ignore[assignment]
+        if method == "sidco":  # SIDCo's fit must read the candidates error feedback's add kept
+            from adacomp.compressors import _native
+            from adacomp.compressors.sparse import ThresholdCounter
+            adopt = ThresholdCounter.adopt
+
+            def adopted(self: Any, floor: float, *args: Any, **kw: Any) -> Any:
+                dests.append(int(kw.get("signed", False) and self.floor is None))  # the add's set, first
+                return adopt(self, floor, *args, **kw)
+            ThresholdCounter.adopt = adopted  # type: ignore[method-assign]
+        if method == "adtopk_1d":  # a one-row tensor (a bias) picked whole in one C call
+            from adacomp.compressors import _native
+            pick = _native.pick_largest
+
+            def picked(mags: torch.Tensor, idx: Any, k: int, flat: Any) -> Any:
+                got = pick(mags, idx, k, flat)
+                whole.append(int(idx is None and got is not None))
+                return got
+            _native.pick_largest = picked  # type: ignore[assignment]
         if must is not None:
             cls, attr, counts = must
             plain = getattr(cls, attr)
@@ -281,14 +302,14 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     adacomp.shutdown()
     # the means went into the gradients; the fused passes named above ran
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
-                                                                   "adtopk", "adtopk_dead", "adtopk_wide"))
-    return same and (sum(dests) > 0 or not needs)
+                                                                   "adtopk", "adtopk_dead", "adtopk_wide", "sidco"))
+    return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not (switch == "native" and method == "adtopk_1d"))
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "chunktopk_dead",
+                                   "adtopk_1d", "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "chunktopk_dead",
                                    "oktopk", "qsgd",
                                    "qsgd_counter", "bf16"]]
         + [("dest", m) for m in ["topk", "gaussiank", "adtopk", "alltoall", "chunktopk", "dgc"]])

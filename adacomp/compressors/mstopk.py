@@ -35,6 +35,7 @@ class MSTopkCompressor(SparseCompressor):
     """Threshold Top-k by ``rounds`` bisection steps between mean and max of |g|."""
 
     fixed_size = False
+
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """|g|'s statistics and the search's candidates read while error feedback writes g
         (:func:`compensate_with_stats`), the candidates' share widened for a tensor whose floor

@@ -68,8 +68,8 @@ tensor: a gather + scatter costs ~10x more per element than a dense pass."""
 
 
 SEARCH_FACTOR = 3.0
-WIDEN_MAX = 8.0  # the most a tensor's candidate target grows after its floors fell short (SparseCompressor._passed)
 """A threshold search's candidates are what a sampled floor passes at this multiple of its density."""
+WIDEN_MAX = 8.0  # the most a tensor's candidate target grows after its floors fell short (SparseCompressor._passed)
 SEARCH_COMPACT_MIN = 1 << 16
 """Tensors from this many elements are compacted before a search (smaller ones are counted whole)."""
 REFLOOR_ROOM = 8  # a count below the kept floor keeps what passes where this many times the kept set does
