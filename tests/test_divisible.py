@@ -4,6 +4,8 @@ optimizer's CPU offload worker (``offload: true`` / ``set_route(offload=True)``)
 bitwise the same training as compressing inline."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -44,6 +46,38 @@ def test_joined_parts_decompress_like_one_tensor(name: str, params: dict) -> Non
     if comp.sparse:
         vals, idx = joined.payload()
         assert torch.equal(torch.zeros(x.numel()).index_put_((idx,), vals).view_as(x), want)
+
+
+@pytest.mark.parametrize("memory,joins", [("residual", False), ("none", False), ("dgc", True)])
+def test_the_joined_payload_is_built_only_for_a_memory_that_reads_it(memory: str, joins: bool) -> None:
+    """A memory that reads the payload only through the compressor (``payload_blind``: residual,
+    none) gets the parts' own tensors, no concatenation; DGC's (it masks the sent indices) the
+    joined payload. The step's bytes and gain are the joined payload's either way."""
+    from adacomp.communicators.base import Entry
+    from adacomp.engine.metrics import StepStats
+    comm = communicators.get("alltoall")
+    comp = compressors.get("topk", density=0.1)
+    x = torch.randn(10, 9, generator=torch.Generator().manual_seed(1))
+    e = Entry("w", x, comp, memories.get(memory))
+    comm.precompress([e], 4)
+    joined = e.ctx
+    assert isinstance(joined, _Joined) and e.payload is not None
+    if joins:
+        assert e.payload is joined.payload()
+    else:
+        assert joined._joined is None  # nothing concatenated
+        assert [t.data_ptr() for t in e.payload] == [t.data_ptr() for p in joined.parts for t in p.payload]
+    want = sum(t.numel() * t.element_size() for t in joined.payload())
+    for track in (False, True):
+        stats = StepStats()
+        stats.track_gain = track
+        comm.record([e], SimpleNamespace(stats=stats))
+        assert stats.bytes_sent == want and stats.dense_bytes == 4 * x.numel()
+        if track:
+            ref = StepStats()
+            ref.track_gain = True
+            ref.add_gain_of(joined.payload()[0], x)
+            assert stats.gain == ref.gain
 
 
 def simulate(world: int, steps: int, name: str, params: dict, feedback: bool) -> list[list[torch.Tensor]]:

@@ -118,14 +118,30 @@ class _Joined:
         # each part's residual may overwrite its own span, as the compressor's may (residual memory
         # then keeps the compensated buffer instead of allocating a new one each step)
         self.residual_in_place = bool(getattr(comp, "residual_in_place", False))
+        self._joined: list[Tensor] | None = None
 
     def payload(self) -> list[Tensor]:
+        """The parts' payloads as one (sparse: values, then global int64 indices); built once."""
+        if self._joined is None:
+            if not self.sparse:
+                self._joined = self.pieces()
+            else:
+                live = [(p, lo) for p, (lo, hi) in zip(self.parts, self.spans) if hi > lo]
+                vals = torch.cat([p.payload[0].reshape(-1) for p, _ in live])
+                idx = torch.cat([p.payload[1].reshape(-1).to(torch.int64) + lo for p, lo in live])
+                self._joined = [vals, idx]
+        return self._joined
+
+    def pieces(self) -> list[Tensor]:
+        """Every part's payload tensors, as they travel (no copy)."""
+        return [t for p in self.parts for t in p.payload]
+
+    def nbytes(self) -> int:
+        """The bytes of :meth:`payload`, without building it."""
         if not self.sparse:
-            return [t for p in self.parts for t in p.payload]
-        live = [(p, lo) for p, (lo, hi) in zip(self.parts, self.spans) if hi > lo]
-        vals = torch.cat([p.payload[0].reshape(-1) for p, _ in live])
-        idx = torch.cat([p.payload[1].reshape(-1).to(torch.int64) + lo for p, lo in live])
-        return [vals, idx]
+            return sum(t.numel() * t.element_size() for t in self.pieces())
+        live = [p for p, (lo, hi) in zip(self.parts, self.spans) if hi > lo]
+        return sum(p.payload[0].numel() * p.payload[0].element_size() + p.payload[1].numel() * 8 for p in live)
 
     def decompress(self, payload: Any = None, ctx: Any = None) -> Tensor:
         out = torch.empty(self.like.numel(), dtype=self.like.dtype, device=self.like.device)
@@ -172,6 +188,12 @@ class AlltoallCommunicator(Communicator):
             raise self.incompatible("alltoall", compressor,
                                     f"it needs {compressor.rounds} communication rounds of summed payloads")
 
+    def sent_bytes(self, e: Entry) -> int:
+        return int(e.ctx.nbytes())  # the joined payload's, which e.payload may not hold (compress_one)
+
+    def sent_values(self, e: Entry) -> Tensor:
+        return e.ctx.payload()[0]
+
     def pieces(self, name: str, numel: int, world: int) -> list[tuple[str, int, int]]:
         """Part ``j`` of every tensor is compressed on its own under ``name/part{j}``."""
         return [(f"{name}/part{j}", lo, hi) for j, (lo, hi) in enumerate(bounds(numel, world))]
@@ -183,7 +205,9 @@ class AlltoallCommunicator(Communicator):
         parts = [_compress(e.compressor, flat[lo:hi], key) for key, lo, hi in pieces]
         spans = [(lo, hi) for _, lo, hi in pieces]
         joined = _Joined(e.compressor, parts, spans, e.tensor)
-        e.payload, e.ctx = joined.payload(), joined
+        # the joined payload (two model-wide concatenations) only for a memory that reads it:
+        # VGG-16's 1.4M selected pairs cost ~11 ms a step to join (cost_notes item 65)
+        e.payload, e.ctx = (joined.pieces() if e.memory.payload_blind else joined.payload()), joined
         e.report(joined, e.payload, None)
 
     def precompress(self, entries: list[Entry], world: int) -> None:

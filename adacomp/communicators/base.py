@@ -177,15 +177,23 @@ class Communicator:
             self.precompress(entries, env.backend.size())
         self.record(entries, env)
 
-    @staticmethod
-    def record(entries: list[Entry], env: CommEnv) -> None:
+    def record(self, entries: list[Entry], env: CommEnv) -> None:
         """Bytes sent, dense bytes and compression gain of compressed ``entries``."""
         for e in entries:
-            assert e.payload is not None  # compressed entries carry a payload
-            env.stats.bytes_sent += sum(p.numel() * p.element_size() for p in e.payload)
+            env.stats.bytes_sent += self.sent_bytes(e)
             env.stats.dense_bytes += e.tensor.numel() * e.tensor.element_size()
-            if e.compressor.sparse:  # gain E||g_c||^2 / E||g_e||^2 (AR-Topk §2-C3), when tracked
-                env.stats.add_gain_of(e.payload[0], e.tensor)
+            if e.compressor.sparse and env.stats.track_gain:  # gain E||g_c||^2 / E||g_e||^2 (AR-Topk §2-C3)
+                env.stats.add_gain_of(self.sent_values(e), e.tensor)
+
+    def sent_bytes(self, e: Entry) -> int:
+        """The bytes of what ``e`` sends (its compressed payload)."""
+        assert e.payload is not None  # compressed entries carry a payload
+        return sum(p.numel() * p.element_size() for p in e.payload)
+
+    def sent_values(self, e: Entry) -> Tensor:
+        """A sparse payload's values (the gain's numerator)."""
+        assert e.payload is not None
+        return e.payload[0]
 
     @staticmethod
     def incompatible(comm: str, compressor: Compressor, why: str,

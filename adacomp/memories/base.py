@@ -63,6 +63,10 @@ class Memory:
     payload of the last round) and the compressor that made it."""
 
     name: ClassVar[str] = "base"
+    payload_blind: ClassVar[bool] = False
+    """Whether :meth:`update` reads the payload only through its compressor (``residual``,
+    ``defer_residual``), never itself: a communicator whose compressor stands for several
+    (``alltoall``'s parts) then need not join their payloads into one per step."""
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
                    pieces: Pieces | None = None) -> Tensor:
@@ -234,6 +238,8 @@ def names() -> list[str]:
 class NoneMemory(Memory):
     """No error feedback: what compression drops is lost."""
 
+    payload_blind = True
+
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
                    pieces: Pieces | None = None) -> Tensor:
         return tensor
@@ -264,6 +270,7 @@ class ResidualMemory(Memory):
     """
 
     owed_keys = ("residuals",)
+    payload_blind = True  # update hands the payload to the compressor's residual / defer_residual only
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
         if not 0.0 <= beta <= 1.0:
