@@ -719,6 +719,48 @@ def test_pick_largest_equals_largest_k_and_gather(m: int, k: int, avx2_switch: s
     assert tied is not None and torch.equal(tied[0], torch.arange(k)) and torch.equal(bits(tied[1]), bits(zeros[:k]))
 
 
+@pytest.mark.parametrize("kind", ["gauss", "ties", "heavy", "mostly_zeros", "all_tied", "nan_off_sample"])
+@pytest.mark.parametrize("m,k", [(4096, 41), (32768, 328), (65535, 8191), (100000, 3)])
+def test_a_whole_tensor_pick_through_a_sampled_floor_is_the_full_select(kind: str, m: int, k: int, avx2_switch: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole tensor with few kept (k <= m / 8) is picked from what passes a floor sampled at ~3x
+    the kept share: the same positions, tie order and values as the radix select over every
+    element (ac_pick_largest), and as largest_k. Where the floor keeps too many (all tied, mostly
+    zeros) it declines and the full select answers; a NaN the sample missed still goes to torch."""
+    from adacomp.compressors.sparse import largest_k
+    g = torch.Generator().manual_seed(m + k + len(kind))
+    x = torch.randn(m, generator=g)
+    if kind == "ties":
+        x = x.round(decimals=1)
+    elif kind == "heavy":
+        x = torch.distributions.StudentT(torch.tensor(1.2)).sample((m,)) * (torch.rand(m, generator=g) + 0.5)
+    elif kind == "mostly_zeros":
+        x = torch.where(torch.rand(m, generator=g) < 0.97, torch.zeros(m), x)
+    elif kind == "all_tied":
+        x = torch.full((m,), 0.5) * torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0)
+    elif kind == "nan_off_sample":
+        x[1] = float("nan")  # the sample reads positions j * m / 512: 0 and m / 512, not 1
+    lib = _native.library()
+    assert lib is not None
+    took: list[int] = []
+    orig = _native._pick_filtered
+    monkeypatch.setattr(_native, "_pick_filtered", lambda *a: (took.append(orig(*a)), took[-1])[1])
+    got = _native.pick_largest(x, None, k, None)
+    keys = torch.empty(m, dtype=torch.int32)
+    oi, ov = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    full = lib.ac_pick_largest(x.data_ptr(), None, m, k, None, keys.data_ptr(), oi.data_ptr(), ov.data_ptr())
+    if kind == "nan_off_sample":
+        assert got is None and full != 0 and took == [-1]
+        return
+    assert got is not None and full == 0
+    assert torch.equal(got[0], oi) and torch.equal(bits(got[1]), bits(ov))
+    assert torch.equal(got[0], largest_k(torch.arange(m), x.abs(), k)) and torch.equal(bits(got[1]), bits(x[got[0]]))
+    if kind == "all_tied":  # the floor passes everything: declined
+        assert took == [0]
+    elif kind != "mostly_zeros":  # (there the floor is +0 or a value, by the sample)
+        assert took == [1]
+
+
 @pytest.mark.parametrize("keys", ["narrow", "span_4095", "span_4096", "span_4097", "zero_to_inf", "equal",
                                   "two_values", "subnormal", "mostly_zeros", "cluster"])
 def test_radix_select_over_the_keys_own_range(keys: str, avx2_switch: str) -> None:
