@@ -1934,7 +1934,8 @@ int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k
    radix select over all m keys (a histogram and a digit pass, scalar, then a selection loop: ~3.5 ns
    an element, 113 us on alltoall's 32K-element parts of ResNet-50) replaced by a floor from a strided
    sample of PICK_SAMPLE keys at about 3x the kept share, one vectorised pass keeping what passes it
-   (!(|x| < floor): a NaN passes and is then seen by the select), and the select over those alone.
+   (!(|x| < floor): a NaN passes and is then seen by the select; a floor of +0 is raised to the least
+   nonzero), and the select over those alone.
    Every element ranked at or above the k-th largest passes the floor once at least k do, so the
    positions, ties and values are ac_pick_largest's. Returns 1 when picked so; 0 when the floor kept
    fewer than k or more than cap (nothing written: the caller runs ac_pick_largest); -1 on a NaN.
@@ -1950,6 +1951,9 @@ int ac_pick_largest_filtered(const float* vals, int64_t m, int64_t k, const floa
     int64_t r = (3 * k * PICK_SAMPLE + m - 1) / m;  /* ceil(3 k / m of the sample) */
     if (r > PICK_SAMPLE) return 0;
     if (radix_kth(samp, 1, 0xffffffffu, PICK_SAMPLE, r, keys, &floor_key, &ties) != 0) return -1;
+    /* a sample of mostly exact zeros (alltoall's second stage: the mean of a few sparse payloads and
+       a residual as sparse) floors at the nonzeros, which pass whenever at least k are */
+    floor_key = floor_key ? floor_key : 1u;
     float floor_v;
     __builtin_memcpy(&floor_v, &floor_key, sizeof floor_v);
     float* cv = (float*)keys;  /* the candidates' |x|, then the select's own scratch past cap */
