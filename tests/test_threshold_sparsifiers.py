@@ -273,6 +273,27 @@ def test_gaussiank_caps_at_the_band_with_the_largest():
     assert largest_k(torch.arange(10, 17), mags, 4).tolist() == [10, 11, 13, 16]
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_gaussiank_caps_a_tensor_counted_whole_in_one_c_pick(ties: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the compaction's size a tensor is counted whole, so its selection has no values; the
+    cap then gathers them and ranks them in one C call: the same payload, bit for bit, as torch's
+    path (ADACOMP_NATIVE=0: largest_k over the gathered magnitudes, ties to the lowest positions)."""
+    from adacomp.compressors import _native
+    g = gen(11)
+    n = 20_000
+    x = torch.where(torch.rand(n, generator=g) < 0.1, torch.randn(n, generator=g), torch.zeros(n))
+    if ties:
+        x = x.round(decimals=1)
+    picks: list[bool] = []
+    orig = _native.pick_largest
+    monkeypatch.setattr(_native, "pick_largest", lambda v, i, k, f: (picks.append(v is not None), orig(v, i, k, f))[1])
+    (vals, idx), _ = compressors.get("gaussiank", density=0.01, max_adjust=0).compress(x.clone(), "x")
+    assert picks == [True] and idx.numel() == 4 * round(n * 0.01) // 3
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")
+    (want_vals, want_idx), _ = compressors.get("gaussiank", density=0.01, max_adjust=0).compress(x.clone(), "x")
+    assert torch.equal(idx, want_idx) and torch.equal(vals.view(torch.int32), want_vals.view(torch.int32))
+
+
 # ------------------------------------------------------------------------------------------------
 # Edge cases shared by all of them, parameter checks, configs
 # ------------------------------------------------------------------------------------------------

@@ -163,7 +163,10 @@ class GaussianKCompressor(SparseCompressor):
         cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
             # the candidates' signed values ranked by magnitude in one C call, the kept ones' values
-            # with them (largest_k's set; torch's path on a NaN or without values)
+            # with them (largest_k's set; torch's path on a NaN); a selection without values (a
+            # tensor counted whole) gathers them first: ``a`` is ``signed`` where C serves
+            if vals is None and native:
+                vals = _native.take(a, idx)
             got = _native.pick_largest(vals, idx, cap, None) if vals is not None else None
             idx, vals = got if got is not None else (
                 largest_k(idx, vals.abs() if vals is not None else _native.take(a, idx).abs_(), cap), None)
