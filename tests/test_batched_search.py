@@ -180,6 +180,11 @@ def _config(method: str) -> dict:
         return arm_config("adtopk")[0]
     if method == "adtopk_1d":  # the biases compressed too (the zoo sends them dense): one-row tensors
         return {**arm_config("adtopk")[0], "layers": []}
+    if method == "alltoall_small":  # alltoall on a net with a 16K-element layer (see _train_both_ways)
+        return arm_config("alltoall")[0]
+    if method == "gaussiank_capped":  # no corrections: the normal fit of a half-dead layer passes past the cap
+        base = arm_config("gaussiank")[0]
+        return {**base, "compressor": {**base["compressor"], "max_adjust": 0}}
     return arm_config(method)[0]
 
 
@@ -203,7 +208,10 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
             # a wrong statistic mostly shows as a tie, which torch.topk then answers, so the statistics
             # themselves are checked against a sort in test_adtopk_speed)
             return torch.nn.Sequential(torch.nn.Linear(13000, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
-        if method not in ("adtopk_dead", "chunktopk_dead"):
+        if method == "alltoall_small":  # parts of 8192 elements: Top-k's whole-tensor pick from a sampled floor
+            return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64),
+                                       torch.nn.Tanh(), torch.nn.Linear(64, 10))
+        if method not in ("adtopk_dead", "chunktopk_dead", "gaussiank_capped"):
             return torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
         # every other unit of a ReLU layer never fires: all-zero rows in its weight's gradient, as
         # VGG-16's dead units give (ADTopk's all-zero rows, cost_notes item 54; Chunk-Top-k's all-zero
@@ -223,7 +231,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     devices.EMULATE = False
     given = error_feedback.with_dest
     dests: list[int] = []
-    whole: list[int] = []  # ADTopk's one-row tensors picked whole
+    whole: list[int] = []  # whole-tensor picks that must have run (ADTopk's rows, Top-k's floor, Gaussian-k's cap)
     if switch == "native":
         os.environ["ADACOMP_NATIVE"] = "0"
     elif switch == "dest":  # the reference keeps every mean in an output of its own
@@ -271,6 +279,34 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 dests.append(int(kw.get("signed", False) and self.floor is None))  # the add's set, first
                 return adopt(self, floor, *args, **kw)
             ThresholdCounter.adopt = adopted  # type: ignore[method-assign]
+        if method == "alltoall_small":  # a whole part picked from its sampled floor; no joined payload built
+            from adacomp.communicators.alltoall import _Joined
+            from adacomp.compressors import _native
+            filtered = _native._pick_filtered
+
+            def floored(*args: Any) -> int:
+                got = filtered(*args)
+                whole.append(int(got == 1))
+                return got
+            _native._pick_filtered = floored  # type: ignore[assignment]
+
+            def joined(self: Any) -> Any:
+                raise AssertionError("alltoall joined its parts' payloads for a residual memory")
+            _Joined.payload = joined  # type: ignore[method-assign]
+        if method == "gaussiank_capped":  # a tensor counted whole, capped: its gathered values ranked in C
+            from adacomp.compressors import _native
+            take, pick_all = _native.take, _native.pick_largest
+            taken: list[Any] = [None]
+
+            def took(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+                taken[0] = take(x, idx)
+                return taken[0]
+
+            def capped(mags: torch.Tensor, idx: Any, k: int, flat: Any) -> Any:
+                got = pick_all(mags, idx, k, flat)
+                whole.append(int(mags is taken[0] and got is not None))
+                return got
+            _native.take, _native.pick_largest = took, capped  # type: ignore[assignment]
         if method == "adtopk_1d":  # a one-row tensor (a bias) picked whole in one C call
             from adacomp.compressors import _native
             pick = _native.pick_largest
@@ -303,13 +339,15 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     # the means went into the gradients; the fused passes named above ran
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
                                                                    "adtopk", "adtopk_dead", "adtopk_wide", "sidco"))
-    return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not (switch == "native" and method == "adtopk_1d"))
+    picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped")
+    return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not picks)
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
         + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
-                                   "adtopk_1d", "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall", "artopk", "dgc", "chunktopk", "chunktopk_dead",
+                                   "adtopk_1d", "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall",
+                                   "alltoall_small", "gaussiank_capped", "artopk", "dgc", "chunktopk", "chunktopk_dead",
                                    "oktopk", "qsgd",
                                    "qsgd_counter", "bf16"]]
         + [("dest", m) for m in ["topk", "gaussiank", "adtopk", "alltoall", "chunktopk", "dgc"]])
@@ -321,7 +359,9 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     """Every front end (optimizer, DDP hook, the outer loop's compressed pseudo-gradient, FSDP2's
     reduce-scatter per unit), 2 real gloo
     ranks: the same parameters with the GPU's batched counts as without (the torch path on both
-    sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (the compensation
+    sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (whole small tensors'
+    and parts' picks from a sampled floor, with no joined alltoall payload built, and Gaussian-k's
+    capped whole-counted tensors ranked in C, all three required to have run; the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
     signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass, Chunk-Top-k's
     kept values and DGC's masking, both required to have run; bf16's casts

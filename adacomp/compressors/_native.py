@@ -1944,7 +1944,7 @@ int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k
 int ac_pick_largest_filtered(const float* vals, int64_t m, int64_t k, const float* flat, uint32_t* keys,
                              int64_t* cand, int64_t cap, int64_t* out_idx, float* out_vals) {
     const uint32_t* u = (const uint32_t*)vals;
-    uint32_t samp[PICK_SAMPLE], floor_key, kth;
+    uint32_t samp[PICK_SAMPLE], floor_key;
     int64_t ties;
     if (m < PICK_SAMPLE || cap < PICK_SAMPLE || k < 1) return 0;
     for (int64_t j = 0; j < PICK_SAMPLE; ++j) samp[j] = u[j * m / PICK_SAMPLE] & 0x7fffffffu;
@@ -1959,19 +1959,8 @@ int ac_pick_largest_filtered(const float* vals, int64_t m, int64_t k, const floa
     float* cv = (float*)keys;  /* the candidates' |x|, then the select's own scratch past cap */
     const int64_t w = ac_select_abs_not_lt(vals, m, floor_v, cand, cv, cap);
     if (w < k || w > cap) return 0;
-    if (radix_kth((const uint32_t*)cv, 1, 0xffffffffu, w, k, keys + cap, &kth, &ties) != 0) return -1;
-    const uint32_t* cu = (const uint32_t*)cv;
-    int64_t o = 0;
-    for (int64_t j = 0; j < w && o < k; ++j) {
-        const uint32_t v = cu[j];
-        if (v > kth || (v == kth && ties-- > 0)) {
-            const int64_t at = cand[j];
-            out_idx[o] = at;
-            out_vals[o] = flat != NULL ? flat[at] : vals[at];
-            ++o;
-        }
-    }
-    return 1;
+    /* the pick over those candidates, their values from the tensor */
+    return ac_pick_largest(cv, cand, w, k, flat != NULL ? flat : vals, keys + cap, out_idx, out_vals) != 0 ? -1 : 1;
 }
 /* The mean of every rank's sparse payload into the dense output: +0.0 outside the union of the
    ranks' positions, and at a position ((0 + v_0) + v_1 + ...) / divisor with the ranks' values
