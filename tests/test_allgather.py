@@ -130,11 +130,15 @@ def test_aggregate_gathered_in_one_c_call_is_bitwise_the_per_entry_path(world: i
     from adacomp.compressors.workspace import Workspace
     topk, qsgd, signs = compressors.get("topk", density=0.05), compressors.get("qsgd"), compressors.get("efsignsgd")
     qsgd2 = compressors.get("qsgd", bits=4, bucket_size=100)
-    shapes = [(40, 30), (5000,), (300,), (1 << 18,), (1000,), (64, 64), (1037,)]
-    which = [topk, topk, qsgd, topk, signs, signs, qsgd2]
+    chunk2, chunk4 = (compressors.get("chunktopk", density=0.05, chunk=256, bits=b) for b in (2, 4))
+    chunk8 = compressors.get("chunktopk", density=0.05, chunk=256, bits=8)  # no packed decode: per entry
+    shapes = [(40, 30), (5000,), (300,), (1 << 18,), (1000,), (64, 64), (1037,),
+              (1000,), (16, 32), (100,), (300,), (700,), (600,)]
+    which = [topk, topk, qsgd, topk, signs, signs, qsgd2, chunk2, chunk2, chunk4, chunk2, chunk8, chunk2]
+    zeroed = {2, 10}  # one rank sends zeros: a QSGD bucket of norm 0; Chunk-Top-k scales of 0 (C refuses)
     ranks = []
     for r in range(world):
-        xs = [torch.randn(*sh, generator=gen(10 * r + i)) * (0 if (r, i) == (world - 1, 2) else 1)
+        xs = [torch.randn(*sh, generator=gen(10 * r + i)) * (0 if r == world - 1 and i in zeroed else 1)
               for i, sh in enumerate(shapes)]
         es = [Entry(f"t{i}", x, which[i], memories.get("none")) for i, x in enumerate(xs)]
         for e in es:
@@ -153,14 +157,19 @@ def test_aggregate_gathered_in_one_c_call_is_bitwise_the_per_entry_path(world: i
     starts = [sum(b.numel() for b in bufs[:r]) for r in range(world)]
     calls: list = []
     real, real_signs, real_q = ag._native.sparse_means_packed, ag._native.sign_means_packed, ag._native.qsgd_means_packed
+    real_c = ag._native.chunk_means_packed
     monkeypatch.setattr(ag._native, "sparse_means_packed", lambda *a: calls.append(real(*a)) or calls[-1])
     monkeypatch.setattr(ag._native, "sign_means_packed", lambda *a: calls.append(real_signs(*a)) or calls[-1])
     monkeypatch.setattr(ag._native, "qsgd_means_packed", lambda *a: calls.append(("q", real_q(*a))) or calls[-1][1])
+    monkeypatch.setattr(ag._native, "chunk_means_packed", lambda *a: calls.append(("c", real_c(*a))) or calls[-1][1])
     got = ag.aggregate_gathered(ranks[0], counts, gathered, segs, starts, Workspace())
     # one call for the three Top-k entries (C refused the descending one), one for the two EF-SignSGD
     # entries, one for the two QSGD ones (one bucket, and buckets of 100 with a partial
-    # last one; a rank that sent zeros); a world of one averages one entry at a time, as mean_into does
-    assert calls == [[True, False, True]] + ([("q", True), True] if world > 1 else [])
+    # last one; a rank that sent zeros), one for the 2- and 4-bit Chunk-Top-k entries (full chunks and
+    # a partial one, full chunks only, a partial chunk only; C refuses the one with zero scales; 8 bits
+    # are not taken); a world of one averages one entry at a time, as mean_into does
+    assert calls == [[True, False, True]] + ([("q", True), True, ("c", [True, True, True, False, True])]
+                                             if world > 1 else [])
     want = ag.aggregate_gathered(ranks[0], counts, gathered, segs, starts, None)  # no workspace: torch per entry
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -546,3 +546,36 @@ def test_quantizer_c_path_equals_torch(bits):
     assert _native.chunk_quantize(v, bits) is None
     v[7, 3] = float("inf")  # inf / inf: left to torch as well
     assert _native.chunk_quantize(v, bits) is None
+
+
+@pytest.mark.parametrize("bits,chunk,n", [(2, 4096, 3 * 4096 + 1000), (2, 4096, 1000), (2, 256, 1024),
+                                          (1, 64, 640 + 35), (4, 48, 2048), (1, 40000, 3 * 40000 + 7),
+                                          (2, 100, 100 * 7 + 9), (4, 24, 24 * 5 + 5)])
+@pytest.mark.parametrize("case", ["gauss", "zeros", "inf"])
+def test_payload_written_in_one_c_call_a_run_equals_torchs_sequence(bits, chunk, n, case, monkeypatch):
+    """The payload from _native.chunk_encode (scales, codes packed from the run's first code on, the
+    partial run's codes finishing the byte the full chunks began, int16 positions, their uint16
+    pattern above 32767) is byte for byte the torch sequence's (concatenations, chunk_quantize,
+    pack_bits, the int16 conversion); an infinity leaves it to torch's path."""
+    from adacomp.compressors import _native
+    c = compressors.get("chunktopk", density=0.03, chunk=chunk, bits=bits)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n + bits))
+    if case == "zeros":
+        x[:chunk] = 0.0  # a chunk of scale 0 (code 0 throughout)
+    if case == "inf":
+        x[n // 2] = float("inf")
+    calls: list = []
+    real = _native.chunk_encode
+    monkeypatch.setattr(_native, "chunk_encode", lambda *a: calls.append(real(*a)) or calls[-1])
+    got, ctx = c.compress(x, "w")
+    runs = [end for end in (ctx.full * chunk if ctx.full else 0, n if ctx.tail else 0) if end]
+    if case == "inf":  # the runs before the one holding it are written, that one is refused
+        runs = runs[:next(i for i, end in enumerate(runs) if n // 2 < end) + 1]
+    assert calls == [True] * (len(runs) - (case == "inf")) + [False] * (case == "inf")
+    monkeypatch.setattr(_native, "chunk_encode", lambda *a: False)
+    want, _ = c.compress(x, "w")
+    assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.uint8, torch.float32, torch.int16]
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if case != "inf":
+        assert torch.equal(c.decompress(got, ctx), c.decompress(want, ctx))

@@ -475,6 +475,40 @@ def test_lazy_counts_below_the_floor_give_the_eager_threshold(name: str, steps: 
         assert all(len(v) == 1 for v in found.values()), found
 
 
+@pytest.mark.parametrize("steps", [20, 3, 1])
+@pytest.mark.parametrize("absolute", [True, False])
+def test_redsync_search_over_full_counts_in_one_c_call_is_the_loops(steps: int, absolute: bool, monkeypatch) -> None:
+    """Below the compaction size every count of RedSync's search is a full pass, and the whole
+    bisection runs in one C call (_native.bisect_band): the threshold is the eager loop's and the
+    Python loop's, when the band is hit, when the steps run out (the best of them), where even the
+    mean passes fewer than k (the [0, mean] segment), on normal, heavy-tailed, tied, mostly zero and
+    constant magnitudes, counted on |g| or on g with absolute answers."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.sparse import ThresholdCounter
+    from adacomp.compressors.workspace import Workspace
+    g = torch.Generator().manual_seed(steps)
+    comp = compressors.get("redsync", density=0.01, max_steps=steps)
+    calls: list = []
+    real = _native.bisect_band
+    monkeypatch.setattr(_native, "bisect_band", lambda *a: calls.append(real(*a)) or calls[-1])
+    xs = [torch.randn(5000, generator=g), torch.randn(40000, generator=g) ** 5, torch.randn(1024, generator=g).round(),
+          torch.randn(3000, generator=g) * (torch.rand(3000, generator=g) < 0.05), torch.full((2048,), -0.5)]
+    for t, x in enumerate(xs):
+        a = x.abs()
+        at_mean = int((a > float(a.mean())).sum())  # k where the mean passes exactly k: its segment
+        for k in (1, max(1, int(0.01 * x.numel())), int(0.45 * x.numel()), max(1, at_mean)):
+            counter = lambda: ThresholdCounter(x if absolute else a, True, Workspace(), absolute=absolute)  # noqa: E731
+            top, mean = float(a.max()), float(a.mean())
+            before = len(calls)
+            got = comp.threshold(a, k, counter(), top, mean)
+            assert len(calls) == before + 1 and calls[-1] is not None
+            assert got == _eager_redsync(comp, a, k, counter(), top, mean), (t, k)
+            with monkeypatch.context() as m:
+                m.setattr(_native, "bisect_band", lambda *a: None)
+                assert got == comp.threshold(a, k, counter(), top, mean), (t, k)
+    assert any(not found for _, _, found in calls) and any(found for _, _, found in calls)
+
+
 def test_gaussiank_skips_counts_the_kept_set_decides() -> None:
     """Gaussian-k's corrections take the kept set's size for a threshold below its floor when that
     size already exceeds the band (the step is the same); the threshold equals the search that

@@ -36,6 +36,7 @@ from adacomp.backends.base import Backend, Handle
 from adacomp.communicators.base import CommEnv, Communicator, Entry, register
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor
+from adacomp.compressors.chunktopk import unit_levels
 from adacomp.compressors.sparse import Workspace, divide_touched
 
 ALIGN = 8  # bytes; every segment starts at a multiple of the largest element size
@@ -199,11 +200,33 @@ def _qsgd_means(gathered: Tensor, outs: list[Tensor], entries: list[Entry], firs
     return [done] * len(outs)
 
 
-# payload layouts one C call averages for a whole bucket: (which entries it takes, the call)
-_PACKED_MEANS: dict[str, tuple[Callable[[Entry, list[list[Segment]], int], bool],
+def _chunk_batch(e: Entry, segs: list[list[Segment]], j: int) -> bool:
+    """Whether one C call may average entry ``e`` as Chunk-Top-k's codes, scales and int16 positions."""
+    c = e.ctx
+    if not (len(segs) >= 2 and e.compressor.packed_mean() == "chunk" and e.tensor.dtype == torch.float32
+            and getattr(c, "dtype", None) == torch.float32 and getattr(c, "numel", None) == e.tensor.numel()
+            and c.kept and c.bits in _native.PACK_BITS):
+        return False
+    return all(s[j].dtype == torch.uint8 and s[j].numel * 8 >= c.kept * c.bits and s[j + 1].dtype == torch.float32
+               and s[j + 1].numel >= c.chunks and s[j + 2].dtype == torch.int16 and s[j + 2].numel == c.kept
+               for s in segs)
+
+
+def _chunk_means(gathered: Tensor, outs: list[Tensor], entries: list[Entry], first: list[int],
+                 segs: list[list[Segment]], starts: list[int]) -> list[bool]:
+    ctxs = [e.ctx for e in entries]
+    done = _native.chunk_means_packed(
+        gathered, outs, _offsets(first, 0, segs, starts), _offsets(first, 1, segs, starts),
+        _offsets(first, 2, segs, starts), [(c.bits, unit_levels(c.bits), c.full, c.k_row, c.k_tail, c.chunk) for c in ctxs])
+    return done if done is not None else [False] * len(outs)
+
+
+# payload layouts one C call averages for a whole bucket: (segments per entry, which entries it takes, the call)
+_PACKED_MEANS: dict[str, tuple[int, Callable[[Entry, list[list[Segment]], int], bool],
                                Callable[[Tensor, list[Tensor], list[Entry], list[int], list[list[Segment]], list[int]],
                                         list[bool]]]] = {
-    "sparse": (_sparse_batch, _sparse_means), "signs": (_signs_batch, _sign_means), "qsgd": (_qsgd_batch, _qsgd_means)}
+    "sparse": (2, _sparse_batch, _sparse_means), "signs": (2, _signs_batch, _sign_means),
+    "qsgd": (2, _qsgd_batch, _qsgd_means), "chunk": (3, _chunk_batch, _chunk_means)}
 
 
 def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor, segs: list[list[Segment]],
@@ -221,8 +244,8 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
     batches: dict[str, list[tuple[int, int]]] = {}
     j = 0
     for i, (e, c) in enumerate(zip(entries, counts)):
-        if ws is not None and c == 2 and e.tensor.device.type == "cpu":
-            kind = next((k for k, (takes, _) in _PACKED_MEANS.items() if takes(e, segs, j)), None)
+        if ws is not None and e.tensor.device.type == "cpu":
+            kind = next((k for k, (n, takes, _) in _PACKED_MEANS.items() if n == c and takes(e, segs, j)), None)
             if kind is not None:
                 batches.setdefault(kind, []).append((i, j))
         j += c
@@ -231,7 +254,7 @@ def aggregate_gathered(entries: list[Entry], counts: list[int], gathered: Tensor
         # in the entries' own shapes (the C calls read data_ptr and numel only): no view per entry;
         # into the raw gradient where the engine allows it (Entry.dest)
         outs = [dest_or_output(entries[i], ws) for i, _ in items]
-        done = _PACKED_MEANS[kind][1](gathered, outs, [entries[i] for i, _ in items], [j for _, j in items], segs, starts)
+        done = _PACKED_MEANS[kind][2](gathered, outs, [entries[i] for i, _ in items], [j for _, j in items], segs, starts)
         for (i, _), o, ok in zip(items, outs, done):
             if ok:
                 out[i] = o

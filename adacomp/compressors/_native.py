@@ -2900,6 +2900,28 @@ int ac_chunk_mean(float* out, int64_t n, int world, const int16_t* const* idx, c
     }
     return 0;
 }
+/* ac_chunk_mean for m Chunk-Top-k entries in one call, their payloads read where they lie in the
+   gathered bytes at base: rank r's packed codes, float32 scales and int16 positions of entry i at byte
+   code_off / scale_off / idx_off[i * world + r]; the layout of entry i in bits .. chunk[i] and its
+   slab[i] (per-entry calls from Python cost ~40 us a tensor, more than the C work on small tensors).
+   status[i]: ac_chunk_mean's result. ip, cp, sp: world pointers of scratch; the rest as ac_chunk_mean's,
+   pos / vals sized for the largest entry. */
+void ac_chunk_mean_many(int64_t m, float* const* outs, const int64_t* ns, int world, const uint8_t* base,
+                        const int64_t* code_off, const int64_t* scale_off, const int64_t* idx_off,
+                        const int32_t* bits, const float* const* levels, const int64_t* full, const int64_t* k_row,
+                        const int64_t* k_tail, const int64_t* chunk, const int64_t* slab, float divisor,
+                        const int16_t** ip, const uint8_t** cp, const float** sp, int64_t* pos, float* vals,
+                        const int64_t** iptr, const float** vptr, int64_t* counts, int64_t* at, int32_t* status) {
+    for (int64_t i = 0; i < m; ++i) {
+        for (int r = 0; r < world; ++r) {
+            ip[r] = (const int16_t*)(base + idx_off[i * world + r]);
+            cp[r] = base + code_off[i * world + r];
+            sp[r] = (const float*)(base + scale_off[i * world + r]);
+        }
+        status[i] = ac_chunk_mean(outs[i], ns[i], world, ip, cp, sp, bits[i], levels[i], full[i], k_row[i], k_tail[i],
+                                  chunk[i], divisor, slab[i], pos, vals, iptr, vptr, counts, at);
+    }
+}
 /* The sparse residuals below write at positions of a buffer the compensation has just streamed
    past the caches, so each position is a miss: the line ZERO_AHEAD positions ahead is prefetched
    for writing (cost_notes item 44). */
@@ -3069,6 +3091,26 @@ AC_CLONES void ac_pack(const uint8_t* codes, int64_t n, int b, uint8_t* out) {
         out[full] = (uint8_t)v;
     }
 }
+/* Chunk-Top-k's payload of one run of `rows` chunks, k kept in each (their in-chunk positions and
+   values as ac_chunk_topk gives them), in one call: ac_chunk_quantize's scales and codes (into
+   scratch, rows * k bytes), the codes packed LSB-first from code number `first` of the payload's
+   stream (ac_pack's bytes; b divides 8, so the run's first codes finish the byte a previous run
+   began, whose higher bits ac_pack left zero) and the positions as int16 (their uint16 pattern
+   above 32767). -1 (codes and positions not written) where ac_chunk_quantize refuses: torch's path. */
+int ac_chunk_encode(const int64_t* pos, const float* vals, int64_t rows, int64_t k, int b, int64_t first,
+                    uint8_t* scratch, float* scales, uint8_t* packed, int16_t* idx) {
+    if (ac_chunk_quantize(vals, rows, k, (1 << b) - 1, scales, scratch) != 0) return -1;
+    const int64_t n = rows * k, per = 8 / b;
+    for (int64_t i = 0; i < n; ++i) idx[i] = (int16_t)(uint16_t)pos[i];
+    int64_t lead = (per - first % per) % per;
+    if (lead > n) lead = n;
+    for (int64_t i = 0; i < lead; ++i) {
+        const int64_t bit = (first + i) * b;
+        packed[bit >> 3] |= (uint8_t)(scratch[i] << (bit & 7));
+    }
+    if (n > lead) ac_pack(scratch + lead, n - lead, b, packed + (((first + lead) * b) >> 3));
+    return 0;
+}
 void ac_unpack(const uint8_t* packed, int64_t n, int b, uint8_t* out) {
     int per = 8 / b;
     unsigned mask = (1u << b) - 1u;
@@ -3111,6 +3153,30 @@ COUNT(ac_count_not_lt, !(v < t))
 COUNT_T(ac_count_abs_ge, v >= t, __builtin_fabsf)
 COUNT_T(ac_count_abs_gt, v > t, __builtin_fabsf)
 COUNT_T(ac_count_abs_not_lt, !(v < t), __builtin_fabsf)
+/* RedSync's ratio bisection (RedSyncCompressor.threshold) where every count is a pass over the whole
+   of a (no kept candidates: tensors below the compaction size), in one call instead of a Python step
+   and a call a count. mode: 0 gt, 1 ge, 2 abs_gt, 3 abs_ge (the counter's). The count at the mean
+   picks the searched segment (base, span); each step's threshold is formed in double as Python forms
+   it (base + mid * span; no contraction) and counted as float32, as the count calls' argument is.
+   thrs / counts get each step's threshold and count; returns the number of steps, and *found whether
+   the last one landed in [k, 2k) (else the caller picks the best of them, as the Python loop does). */
+int64_t ac_bisect_band(const float* a, int64_t n, int mode, int64_t k, double mean, double top, int64_t max_steps,
+                       double* thrs, int64_t* counts, int* found) {
+    int64_t (*cnt)(const float*, int64_t, float) =
+        mode == 0 ? ac_count_gt : mode == 1 ? ac_count_ge : mode == 2 ? ac_count_abs_gt : ac_count_abs_ge;
+    double base = mean, span = top - mean, lo = 0.0, hi = 1.0;
+    *found = 0;
+    if (cnt(a, n, (float)mean) < k) { base = 0.0; span = mean; }
+    for (int64_t step = 0; step < max_steps; ++step) {
+        const double mid = 0.5 * (lo + hi), thr = base + mid * span;
+        const int64_t c = cnt(a, n, (float)thr);
+        thrs[step] = thr;
+        counts[step] = c;
+        if (k <= c && c < 2 * k) { *found = 1; return step + 1; }
+        if (c < k) hi = mid; else lo = mid;
+    }
+    return max_steps;
+}
 /* QSGD's stochastic rounding of one block, torch's sequence of float32 operations per element:
    a = |x| / norm(bucket); a = a * s; a = a + u; a = floor(a); a = min(a, s); code = copysign(a, x)
    + s, as uint8. Element i belongs to bucket (off0 + i) / size of safe[]. Each step rounds once
@@ -3841,10 +3907,17 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_chunk_decode.restype = ctypes.c_int
     lib_.ac_chunk_quantize.restype = ctypes.c_int
     lib_.ac_chunk_quantize.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp]
+    lib_.ac_bisect_band.restype = i64
+    lib_.ac_bisect_band.argtypes = [vp, i64, ctypes.c_int, i64, ctypes.c_double, ctypes.c_double, i64, vp, vp, vp]
+    lib_.ac_chunk_encode.restype = ctypes.c_int
+    lib_.ac_chunk_encode.argtypes = [vp, vp, i64, i64, ctypes.c_int, i64, vp, vp, vp, vp]
     lib_.ac_chunk_decode.argtypes = [vp, vp, ctypes.c_int, vp, vp, i64, i64, i64, i64, vp, vp]
     lib_.ac_chunk_mean.restype = ctypes.c_int
     lib_.ac_chunk_mean.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, ctypes.c_int, vp, i64, i64, i64, i64,
                                    ctypes.c_float, i64, vp, vp, vp, vp, vp, vp]
+    lib_.ac_chunk_mean_many.restype = None
+    lib_.ac_chunk_mean_many.argtypes = [i64, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
+                                        ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
     lib_.ac_sub_at.restype = ctypes.c_int
     lib_.ac_sub_at.argtypes = [vp, vp, i64, vp, vp, i64]
     h = lib_.ac_rth_largest_strided
@@ -4396,6 +4469,27 @@ def counter(a: Tensor, mode: str) -> Callable[[float], int] | None:
     return lambda thr: int(fn(ptr, n, thr))
 
 
+_BAND_MODES = {"gt": 0, "ge": 1, "abs_gt": 2, "abs_ge": 3}
+
+
+def bisect_band(a: Tensor, mode: str, k: int, mean: float, top: float, max_steps: int
+                ) -> tuple[list[float], list[int], bool] | None:
+    """RedSync's whole ratio bisection over full counts of 1-D ``a`` (``mode`` of a counter: gt, ge,
+    abs_gt, abs_ge) in one C call: every step's threshold and count, and whether the last count lies
+    in [k, 2k) (:meth:`~adacomp.compressors.redsync.RedSyncCompressor.threshold` picks the best
+    otherwise). The same thresholds as its loop of count calls, each a Python step and a C call (~4 us
+    apiece, 5-6 a small tensor: more than the counts of a few thousand values). None where it does
+    not serve (a non-finite mean or max: the loop answers)."""
+    lib = library()
+    if lib is None or mode not in _BAND_MODES or not usable(a) or not (math.isfinite(mean) and math.isfinite(top)):
+        return None
+    steps = max(1, int(max_steps))
+    thrs, counts, found = (ctypes.c_double * steps)(), (ctypes.c_int64 * steps)(), ctypes.c_int(0)
+    m = lib.ac_bisect_band(a.data_ptr(), a.numel(), _BAND_MODES[mode], k, mean, top, steps, thrs, counts,
+                           ctypes.byref(found))
+    return list(thrs[:m]), list(counts[:m]), bool(found.value)
+
+
 def count(a: Tensor, thr: float, mode: str) -> int:
     """Number of elements of 1-D ``a`` passing ``thr`` (``mode`` of :data:`MODES`)."""
     fn = counter(a, mode)
@@ -4467,6 +4561,30 @@ def chunk_quantize(vals: Tensor, bits: int) -> tuple[Tensor, Tensor] | None:
     return scales, codes
 
 
+def chunk_encode(pos: Tensor, vals: Tensor, bits: int, first: int, packed: Tensor, scales: Tensor,
+                 indices: Tensor) -> bool:
+    """One run of Chunk-Top-k's payload written in one C call: ``pos`` / ``vals`` (rows x k, int64
+    in-chunk positions and float32 values), each row's scale into ``scales[:rows]``, its codes packed
+    into ``packed`` from code number ``first`` on (the bytes before untouched, the byte ``first``
+    falls in OR-ed), the positions as int16 into ``indices[first:first + rows k]``; bitwise
+    :func:`chunk_quantize`, ``pack_bits`` of the concatenated codes and ``.to(torch.int16)`` of the
+    positions (their uint16 pattern above 32767). False (codes and positions not written) where
+    torch's path must answer (a NaN or an infinity, a layout the call does not take)."""
+    lib = library()
+    if (lib is None or bits not in PACK_BITS or pos.dim() != 2 or pos.shape != vals.shape
+            or not _cpu_contiguous(pos, torch.int64) or not usable(vals) or not _cpu_contiguous(scales, torch.float32)
+            or not _bytes_ok(packed) or indices.dtype != torch.int16 or not indices.is_cpu
+            or not indices.is_contiguous()):
+        return False
+    rows, k = pos.shape
+    n = rows * k
+    if first < 0 or scales.numel() < rows or indices.numel() < first + n or packed.numel() * 8 < (first + n) * bits:
+        return False
+    scratch = _reused("chunk_codes", n, torch.uint8)
+    return lib.ac_chunk_encode(pos.data_ptr(), vals.data_ptr(), rows, k, bits, first, scratch.data_ptr(),
+                               scales.data_ptr(), packed.data_ptr(), indices.data_ptr() + 2 * first) == 0
+
+
 def chunk_decode(indices: Tensor, codes: Tensor, bits: int, scales: Tensor, levels: Tensor, full: int,
                  k_row: int, k_tail: int, chunk: int) -> tuple[Tensor, Tensor, bool] | None:
     """Chunk-Top-k's flat positions (int64) and values (``levels[code] * scale`` of the code's chunk)
@@ -4515,6 +4633,54 @@ def chunk_mean(out: Tensor, payloads: list[tuple[Tensor, Tensor, Tensor]], bits:
     return lib.ac_chunk_mean(out.data_ptr(), out.numel(), world, ip, cp, sp, bits, levels.data_ptr(), full, k_row,
                              k_tail, chunk, float(divisor), slab, pos.data_ptr(), vals.data_ptr(), iptr, vptr, counts,
                              at) == 0
+
+
+def chunk_means_packed(buf: Tensor, outs: list[Tensor], code_off: list[int], scale_off: list[int],
+                       idx_off: list[int], layouts: list[tuple[int, Tensor, int, int, int, int]]) -> list[bool] | None:
+    """:func:`chunk_mean` of many outputs in one C call, the payloads read where they lie in the
+    gathered bytes ``buf``: output i (``layouts[i] = (bits, levels, full, k_row, k_tail, chunk)``)
+    takes, for every rank r (``world = len(code_off) // len(outs)``, at least 2), the packed codes,
+    float32 scales and int16 positions at byte ``code_off`` / ``scale_off`` / ``idx_off[i * world + r]``,
+    and is divided by the world size. Why: the views and the per-entry call cost ~40 us a tensor,
+    more than the C work on small tensors. Per output whether it was written (False: the caller's
+    path must run; see :func:`chunk_mean`); None where no call was made."""
+    lib = library()
+    m = len(outs)
+    if (lib is None or not m or len(code_off) % m or not len(scale_off) == len(idx_off) == len(code_off)
+            or len(layouts) != m or buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous()
+            or not all(_cpu_contiguous(o, torch.float32) for o in outs)):
+        return None
+    world, size, base = len(code_off) // m, buf.numel(), buf.data_ptr()
+    if world < 2:
+        return None
+    slabs, caps = [], []
+    for i, (bits, levels, full, k_row, k_tail, chunk) in enumerate(layouts):
+        kept, rows = full * k_row + k_tail, full + (1 if k_tail else 0)
+        if (bits not in PACK_BITS or not usable(levels) or levels.numel() != 1 << bits or not 0 < chunk <= 1 << 16
+                or not kept or k_row > chunk or outs[i].numel() > rows * chunk):
+            return None
+        for at in range(i * world, (i + 1) * world):
+            ic, sc, cc = idx_off[at], scale_off[at], code_off[at]
+            if (ic < 0 or sc < 0 or cc < 0 or (base + ic) % 2 or (base + sc) % 4 or ic + 2 * kept > size
+                    or sc + 4 * rows > size or cc + -(-kept * bits // 8) > size):
+                return None
+        slabs.append(max(1, CHUNK_MEAN_SLAB // chunk))
+        caps.append(slabs[-1] * k_row + k_tail)
+    cap = max(caps)
+    pos = _reused("chunk_mean_pos", world * cap, torch.int64)
+    vals = _reused("chunk_mean_vals", world * cap, torch.float32)
+    iptr, vptr, counts, at_ = _pointer_arrays(world)
+    status = (ctypes.c_int32 * m)()
+    i64s = ctypes.c_int64 * m
+    lib.ac_chunk_mean_many(m, (ctypes.c_void_p * m)(*[o.data_ptr() for o in outs]), i64s(*[o.numel() for o in outs]),
+                           world, base, (ctypes.c_int64 * len(code_off))(*code_off),
+                           (ctypes.c_int64 * len(code_off))(*scale_off), (ctypes.c_int64 * len(code_off))(*idx_off),
+                           (ctypes.c_int32 * m)(*[L[0] for L in layouts]),
+                           (ctypes.c_void_p * m)(*[L[1].data_ptr() for L in layouts]),
+                           *(i64s(*[int(L[q]) for L in layouts]) for q in (2, 3, 4, 5)), i64s(*slabs), float(world),
+                           (ctypes.c_void_p * world)(), (ctypes.c_void_p * world)(), (ctypes.c_void_p * world)(),
+                           pos.data_ptr(), vals.data_ptr(), iptr, vptr, counts, at_, status)
+    return [s == 0 for s in status]
 
 
 def sub_at(out: Tensor, t: Tensor, idx: Tensor, vals: Tensor) -> bool:

@@ -92,7 +92,8 @@ class Compressor:
         """The payload layout whose mean over ranks ``allgather.aggregate_gathered`` may take for a
         whole bucket in one C call, reading the gathered bytes in place, bitwise :meth:`mean_into`
         (``"signs"``: a float32 scale and 1-bit signs decoded to -scale / +scale; ``"qsgd"``: float32
-        bucket norms and packed codes decoded to (norm / s) * (code - s)); None (the
+        bucket norms and packed codes decoded to (norm / s) * (code - s); ``"chunk"``: Chunk-Top-k's
+        codes, per-chunk scales and int16 positions); None (the
         default): one entry at a time. Sparse payloads are batched by their own rule."""
         return None
 

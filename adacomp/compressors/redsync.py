@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (BISECT_LEVELS, LazyBest, Magnitudes, SparseCompressor, ThresholdCounter,
                                         bisect_thresholds, compensate_with_stats, k_for)
@@ -69,12 +70,23 @@ class RedSyncCompressor(SparseCompressor):
         if counter.batched:  # the count at the mean and either search's first levels: one host wait
             counter.prefetch([mean, *bisect_thresholds(0.0, 1.0, base, span, levels),
                               *bisect_thresholds(0.0, 1.0, 0.0, mean, levels)], self.batch_counts)
-        if not counter.at_least(mean, k):  # search [0, mean] instead (see deviations)
-            base, span = 0.0, mean
-        lo, hi = 0.0, 1.0
         # a threshold below the kept floor whose count is known to reach 2k moves the search up
         # without a pass; its error is only needed if no later threshold lands in [k, 2k)
         seen = LazyBest(counter, lambda count: abs(math.log(max(count, 1) / k)))
+        # where every count is a full pass, the count at the mean and the loop below in one C call
+        got = (_native.bisect_band(counter.a, counter.mode, k, mean, top, self.max_steps)
+               if counter.full_passes() else None)
+        if got is not None:
+            thrs, counts, found = got
+            counter.reads += len(counts) + 1
+            if found:
+                return thrs[-1]
+            for thr, count in zip(thrs, counts):
+                seen.add(thr, count)
+            return seen.best(thrs[0])
+        if not counter.at_least(mean, k):  # search [0, mean] instead (see deviations)
+            base, span = 0.0, mean
+        lo, hi = 0.0, 1.0
         for step in range(self.max_steps):
             mid = 0.5 * (lo + hi)
             thr = base + mid * span

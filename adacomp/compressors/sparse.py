@@ -491,6 +491,11 @@ class ThresholdCounter:
     def covers(self, thr: float) -> bool:
         return self.floor is not None and thr >= self.floor
 
+    def full_passes(self) -> bool:
+        """Whether every count is a C pass over the whole of ``a`` (no kept set, nothing prefetched):
+        a whole search may then run in one C call (:func:`_native.bisect_band`), the same counts."""
+        return self.native and self.floor is None and self.vals is None and not self.batched and not self._counts
+
     def compact(self, floor: float, expected: float = 1.0, keep_nan: bool = False) -> None:
         """Keep the elements passing ``floor``; ``keep_nan`` also keeps NaNs (for callers that must
         see them, as torch.topk ranks NaN first), after which only ``vals`` / ``idx`` are valid."""
