@@ -9,6 +9,7 @@ not the numbers.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -40,7 +41,8 @@ def _launch(name: str, *args: str, cwd: Path) -> str:
 
 def test_bench_lists_every_benchmark_module_with_its_launch_line(tmp_path):
     from adacomp.tools.bench_cmd import benchmarks
-    modules = {p.stem for p in (ROOT / "adacomp" / "bench").glob("*.py")} - {"__init__", "common", "cost_shapes", "cost_passes"}
+    modules = {p.stem for p in (ROOT / "adacomp" / "bench").glob("*.py")} - {"__init__", "common", "cost_shapes", "cost_passes",
+                                                                          "cost_profile"}
     found = benchmarks()
     assert set(found) == modules and len(modules) >= 18
     out = _run(BENCH, tmp_path).stdout  # the installed command, outside the checkout
@@ -327,6 +329,60 @@ def test_cost_passes_against_another_library(tmp_path):
     bad = subprocess.run([*BENCH, "cost", "passes", "--against", "no-such-revision", "--models", "split10"],
                          cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode != 0 and "neither a file nor a revision" in bad.stderr
+
+PERF_REPORT = """# Samples: 14K of event 'cpu-clock:pppH'
+#
+# Overhead  Shared Object
+# ........  ..........................
+#
+    45.92%  adacomp_native_b4f5498547f67407.so
+    26.39%  libpython3.11.so.1.0
+    14.42%  libtorch_cpu.so
+     4.51%  libc.so.6
+     4.07%  libtorch_python.so
+     2.12%  libc10.so
+     0.88%  ld-linux-x86-64.so.2
+     0.77%  _ctypes.cpython-311-x86_64-linux-gnu.so
+     0.56%  [kernel.kallsyms]
+     0.36%  libgomp.so.1
+"""
+
+
+def test_cost_profile_groups_perf_samples_and_the_cell_samples_its_timed_steps_alone(tmp_path):
+    """``cost profile``'s pieces that need no perf: a ``perf report`` by shared object summed into
+    the package's C passes, the interpreter, torch, libc and the kernel; ``--sizes`` bounds; and
+    the cell's ``around`` wrapping each timed step only (what perf's events are enabled for), over
+    the tensors of the sizes asked."""
+    import argparse
+    from adacomp.bench import cost, cost_profile
+    got = dict(cost_profile.grouped(cost_profile.shares(PERF_REPORT)))
+    assert got["native C passes"] == 45.92 and got["Python interpreter"] == 26.39
+    assert abs(got["torch"] - (14.42 + 4.07 + 2.12)) < 1e-9 and abs(got["libc, allocator, loader"] - 6.16) < 1e-9
+    assert got["kernel"] == 0.56 and got["other"] == 0.36
+    assert cost_profile.sizes_arg("65536:262144") == (65536, 262144) and cost_profile.sizes_arg(":1024")[0] == 0
+    for bad in ("65536", "9:3", "a:b", "-1:5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="LO:HI"):
+            cost_profile.sizes_arg(bad)
+    wrapped: list[int] = []
+
+    def around(step):
+        def run():
+            wrapped.append(1)
+            step()
+        return run
+    r = cost.cell("resnet50", "topk", 3, sizes=(65536, 1 << 18), around=around)
+    assert len(wrapped) == 3 and r["tensors"] == 13 and 0 < r["bytes_ratio"] < 1
+    with pytest.raises(ValueError, match="no tensor of"):
+        cost.cell("resnet50", "topk", 1, sizes=(1, 1000))
+    if shutil.which("perf") is not None:  # the whole command where this machine has perf
+        out = subprocess.run([*BENCH, "cost", "profile", "--model", "resnet50", "--method", "topk", "--steps", "3",
+                              "--sizes", "65536:262144", "--top", "5"], cwd=tmp_path, capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=HANG_GUARD_S)
+        if out.returncode == 0:
+            assert "x floor" in out.stdout and "native C passes" in out.stdout
+        else:  # a kernel that forbids perf's events to this user: the message says so
+            assert "perf_event_paranoid" in out.stderr
+
 
 def test_cost_cells_on_the_models_own_gradients(tmp_path):
     """``--grads model``: each cell's gradients come from the zoo model's backward passes, laid out

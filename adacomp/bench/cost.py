@@ -27,6 +27,11 @@ decompress; no second process competes for the cores): fusion buckets of 25 MB, 
 A kernel change is better judged pass by pass, both libraries in one process (``cost_passes``):
 
     adacomp bench cost passes --against <git revision or _native.py> --models resnet50,gpt2_small
+
+and where a cell's step goes (the C passes against the Python calls), by perf samples of its timed
+steps alone (``cost_profile``):
+
+    adacomp bench cost profile --model resnet50 --method chunktopk --steps 100
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ from typing import Any, Callable
 
 import torch
 
-from adacomp.bench import cost_passes
+from adacomp.bench import cost_passes, cost_profile
 from adacomp.bench.common import RESULTS, bench_command, module_command, write_result
 from adacomp.bench.cost_shapes import SPLIT_TOTAL, model_shapes
 from adacomp.tools.stepclock import time_steps
@@ -133,15 +138,20 @@ def _shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
     return model_shapes(model)
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
+
+
 def _buckets(shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[list[list[tuple[str, tuple[int, ...]]]], int]:
     """Reverse order (backward order), 25 MB buckets; small tensors stay dense (their bytes returned)."""
     out: list[list[tuple[str, tuple[int, ...]]]] = []
     cur: list[tuple[str, tuple[int, ...]]] = []
     size, dense = 0, 0
     for name, shape in reversed(shapes):
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = _numel(shape)
         if numel < MIN_NUMEL:
             dense += 4 * numel
             continue
@@ -210,10 +220,14 @@ def model_gradients(model: str, sets: int = GRADIENT_SETS) -> list[dict[str, tor
     return out
 
 
-def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_file: str | None = None) -> dict:
+def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_file: str | None = None,
+         sizes: tuple[int, int] | None = None,
+         around: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> dict:
     """One (model, method) measurement in this process (a method of :data:`PEERS`: this rank's, in a
     job of two started by a launcher). ``grads_from``: ``randn`` (iid normal gradients) or ``model``
-    (:func:`model_gradients`, read from ``grads_file`` when given)."""
+    (:func:`model_gradients`, read from ``grads_file`` when given). ``sizes = (lo, hi)``: only the
+    model's tensors of lo <= numel < hi. ``around``: wraps each timed step (not the warm-up, floor or
+    minimum passes), e.g. to sample it alone (:mod:`adacomp.bench.cost_profile`)."""
     from adacomp import communicators, compressors, memories
     from adacomp.backends import create, detect
     from adacomp.backends.base import Backend
@@ -227,6 +241,11 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
     comm = communicators.get(comm_name)
     memory = memories.get(mem_name)
     shapes = _shapes(model)
+    if sizes is not None:
+        shapes = [(n, s) for n, s in shapes if sizes[0] <= _numel(s) < sizes[1]]
+        if not any(_numel(s) >= MIN_NUMEL for _, s in shapes):
+            raise ValueError(f"cost cell {model}: no tensor of {sizes[0]} <= numel < {sizes[1]} "
+                             f"(and >= {MIN_NUMEL}, the compressed ones)")
     buckets, dense_small = _buckets(shapes)
     gen = torch.Generator().manual_seed(0)
     if grads_from == "model":
@@ -314,9 +333,10 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
     floors: list[float] = []
     minima: list[float] = []
     collective: list[float] = []  # PEERS: each timed step's seconds in collectives, taken out of it
+    timed = one_step if around is None else around(one_step)
     for _ in range(steps):  # alternating, so all three see the same machine load
         before = clock.seconds if clock is not None else 0.0
-        (took,) = time_steps(one_step, 1, sync=prepare)
+        (took,) = time_steps(timed, 1, sync=prepare)
         collective.append(clock.seconds - before if clock is not None else 0.0)
         times.append(took - collective[-1])
         floors += time_steps(floor_pass, 1, sync=barrier)
@@ -704,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--steps", type=int, default=2)
     c.add_argument("--grads", choices=GRADS, default="randn", help=GRADS_HELP)
     c.add_argument("--grads-file", help="model_gradients() saved by `run` (else computed here)")
+    c.add_argument("--sizes", type=cost_profile.sizes_arg, help="LO:HI, only the tensors of LO <= numel < HI")
+    c.add_argument("--perf-control", help=argparse.SUPPRESS)  # CTL,ACK fifos of `profile`'s perf record
     r = sub.add_parser("run")
     r.add_argument("--json", required=True)
     r.add_argument("--models", default=",".join(MODELS))
@@ -730,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", default=f"{RESULTS}/compress_floor.md")
     f.add_argument("--note", default="", help="a paragraph on the run's conditions")
     cost_passes.add_parser(sub)
+    cost_profile.add_parser(sub, sorted(METHODS), sorted(PEERS))
     p = sub.add_parser("report")
     p.add_argument("--after", required=True)
     p.add_argument("--before")
@@ -745,12 +768,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.method in PEERS and detect() == "local":
             print(json.dumps(peer_cell(list(sys.argv[1:] if argv is None else argv))))
             return 0
-        got = cell(args.model, args.method, args.steps, args.grads, args.grads_file)
+        around = cost_profile.sampled if args.perf_control else None
+        if around is not None:
+            cost_profile.connect(args.perf_control)
+        got = cell(args.model, args.method, args.steps, args.grads, args.grads_file, args.sizes, around)
         if args.method not in PEERS or got["rank"] == 0:
             print(json.dumps(got))
     else:
         {"run": run, "backward": backward, "report": report, "report-floor": report_floor,
-         "floors": floors, "passes": cost_passes.passes}[args.cmd](args)
+         "floors": floors, "passes": cost_passes.passes, "profile": cost_profile.profile}[args.cmd](args)
     return 0
 
 

@@ -1,0 +1,144 @@
+"""Where a cost cell's step spends its time: ``perf`` samples of the timed steps alone.
+
+    adacomp bench cost profile --model resnet50 --method chunktopk --steps 100 [--sizes 65536:262144]
+
+runs ``adacomp bench cost cell`` under ``perf record`` (Linux perf, Debian's ``linux-perf``) with
+its events disabled, and the cell enables them around each timed step only (perf's ``--control``
+fifos), so the warm-up, the gradients' copies before each step and the floor passes between steps
+are not in the profile. It prints the samples' shares by group of shared objects (the package's C
+passes, the Python interpreter, torch, libc and the allocator, the kernel) and the top symbols.
+Why perf and not cProfile: cProfile's per-call cost inflates the many small Python calls ~2.5x and
+does not see inside the C passes; perf's sampling splits the step between both at no such cost
+(cost_notes item 71 used it to tell which cells the Python calls hold above the goal).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+GROUPS = (("native C passes", re.compile(r"^adacomp_native")), ("Python interpreter", re.compile(r"^libpython")),
+          ("torch", re.compile(r"^(libtorch|libc10|_C\.)")),
+          ("libc, allocator, loader", re.compile(r"^(libc\.so|libc-|ld-linux|libstdc\+\+|libm\.so|libffi|_ctypes)")),
+          ("kernel", re.compile(r"^\[kernel")))
+_LINE = re.compile(r"^\s*([0-9.]+)%\s+(\S.*?)\s*$")
+
+_control: tuple[TextIO, TextIO] | None = None
+
+
+def sizes_arg(text: str) -> tuple[int, int]:
+    """``LO:HI`` (numel bounds; either may be empty: 0 and no limit) as a pair of ints."""
+    lo, sep, hi = text.partition(":")
+    try:
+        got = (int(lo) if lo else 0, int(hi) if hi else 1 << 62)
+    except ValueError:
+        got = (0, -1)
+    if not sep or got[0] < 0 or got[1] <= got[0]:
+        raise argparse.ArgumentTypeError(f"--sizes wants LO:HI with 0 <= LO < HI (numel bounds), got {text!r}")
+    return got
+
+
+def connect(spec: str) -> None:
+    """Open perf's control and acknowledgement fifos (``CTL,ACK``) for :func:`sampled`."""
+    global _control
+    ctl, _, ack = spec.partition(",")
+    _control = (open(ctl, "w"), open(ack, "r"))
+
+
+def _tell(command: str) -> None:
+    assert _control is not None, "connect() first"
+    ctl, ack = _control
+    ctl.write(command + "\n")
+    ctl.flush()
+    if not ack.readline().strip("\x00\n").startswith("ack"):  # perf ends each reply with a NUL
+        raise RuntimeError(f"perf did not acknowledge {command!r}")
+
+
+def sampled(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with perf's events enabled while it runs (``cell``'s ``around``)."""
+    def run() -> None:
+        _tell("enable")
+        try:
+            step()
+        finally:
+            _tell("disable")
+    return run
+
+
+def shares(report: str) -> list[tuple[float, str]]:
+    """(percent, name) of each row of ``perf report --stdio`` (sorted by one key), in its order."""
+    return [(float(m.group(1)), m.group(2)) for m in map(_LINE.match, report.splitlines()) if m]
+
+
+def grouped(by_dso: list[tuple[float, str]]) -> list[tuple[str, float]]:
+    """The shared objects' shares summed by :data:`GROUPS` (the rest as "other"), largest first."""
+    out = {name: 0.0 for name, _ in GROUPS}
+    out["other"] = 0.0
+    for pct, dso in by_dso:
+        out[next((name for name, rx in GROUPS if rx.search(dso)), "other")] += pct
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
+def _report(data: Path, key: str) -> str:
+    return subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", key, "--stdio"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def profile(args: argparse.Namespace) -> None:
+    """The ``profile`` subcommand (see the module docstring)."""
+    if shutil.which("perf") is None:
+        raise SystemExit("adacomp bench cost profile needs Linux perf on PATH (Debian: apt install linux-perf)")
+    if args.method in args.peers:
+        raise SystemExit(f"adacomp bench cost profile: {args.method} runs on two processes; profile one of "
+                         f"{', '.join(m for m in args.methods if m not in args.peers)}")
+    with tempfile.TemporaryDirectory(prefix="adacomp-perf-") as tmp:
+        ctl, ack, data = Path(tmp, "ctl"), Path(tmp, "ack"), Path(tmp, "perf.data")
+        os.mkfifo(ctl)
+        os.mkfifo(ack)
+        cell = [sys.executable, "-m", "adacomp.bench.cost", "cell", "--model", args.model, "--method", args.method,
+                "--steps", str(args.steps), "--grads", args.grads, "--perf-control", f"{ctl},{ack}"]
+        if args.sizes is not None:
+            cell += ["--sizes", f"{args.sizes[0]}:{args.sizes[1]}"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        t0 = time.perf_counter()
+        rec = subprocess.run(["perf", "record", "-F", str(args.frequency), "-D", "-1",
+                              f"--control=fifo:{ctl},{ack}", "-o", str(data), "--", *cell],
+                             capture_output=True, text=True, env=env)
+        if rec.returncode != 0 or not data.exists():
+            raise SystemExit(f"perf record of the cell failed (exit {rec.returncode}; perf_event_paranoid may "
+                             f"forbid it: /proc/sys/kernel/perf_event_paranoid):\n{rec.stderr[-3000:]}")
+        got = json.loads(rec.stdout.strip().splitlines()[-1])
+        by_dso, by_sym = shares(_report(data, "dso")), shares(_report(data, "sym"))
+    print(f"{args.model} / {args.method}: {args.steps} timed steps sampled at {args.frequency} Hz "
+          f"({time.perf_counter() - t0:.0f} s in all): median step {1e3 * got['step_s']:.1f} ms, floor "
+          f"{1e3 * got['floor_s']:.1f} ms, {got['step_s'] / got['floor_s']:.2f}x floor (perf's sampling slows the "
+          f"steps a little; `cell` without it measures them)")
+    print("\nshare of the sampled steps by group:")
+    for name, pct in grouped(by_dso):
+        if pct > 0:
+            print(f"  {pct:6.2f} %  {name}")
+    print(f"\ntop {args.top} symbols:")
+    for pct, sym in by_sym[:args.top]:
+        print(f"  {pct:6.2f} %  {sym[:110]}")
+
+
+def add_parser(sub: Any, methods: list[str], peers: list[str]) -> None:
+    p = sub.add_parser("profile", help="perf samples of a cost cell's timed steps alone (see cost_profile)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--method", required=True, choices=methods)
+    p.add_argument("--steps", type=int, default=100, help="timed steps sampled (default: %(default)s)")
+    p.add_argument("--sizes", type=sizes_arg, help="LO:HI, only the tensors of LO <= numel < HI")
+    p.add_argument("--grads", choices=("randn", "model"), default="randn")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--frequency", type=int, default=2000, help="samples a second (default: %(default)s)")
+    p.add_argument("--top", type=int, default=30, help="symbols listed (default: %(default)s)")
+    p.set_defaults(methods=methods, peers=peers)
