@@ -509,6 +509,28 @@ def test_redsync_search_over_full_counts_in_one_c_call_is_the_loops(steps: int, 
     assert any(not found for _, _, found in calls) and any(found for _, _, found in calls)
 
 
+@pytest.mark.parametrize("name", ["redsync", "mstopk", "gaussiank"])
+def test_a_tensor_counted_whole_picks_positions_and_values_in_one_pass(name: str, monkeypatch, one_thread) -> None:
+    """Below the compaction size the searches count on g itself with absolute answers, and the kept
+    positions come with their signed values from one C pass (select_upto's signed modes) instead of
+    select's positions and a gather: the payload is the torch path's (ADACOMP_NATIVE=0), on normal,
+    heavy-tailed, tied and mostly zero tensors."""
+    from adacomp.compressors import _native
+    calls: list[str] = []
+    real = _native.select_upto
+    monkeypatch.setattr(_native, "select_upto", lambda a, thr, mode, cap: calls.append(mode) or real(a, thr, mode, cap))
+    g = gen(3)
+    xs = [torch.randn(1024, generator=g), sample("laplace", 5000, 4), torch.randn(30000, generator=g).mul(3).round(),
+          torch.randn(3000, generator=g) * (torch.rand(3000, generator=g) < 0.05), sample("student_t3", 60000, 5)]
+    for x in xs:
+        got, _ = compressors.get(name, density=0.01).compress(x.clone(), "w")
+        with monkeypatch.context() as m:
+            m.setenv("ADACOMP_NATIVE", "0")
+            want, _ = compressors.get(name, density=0.01).compress(x.clone(), "w")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+    assert calls and all(m.endswith("_signed") for m in calls)
+
+
 def test_gaussiank_skips_counts_the_kept_set_decides() -> None:
     """Gaussian-k's corrections take the kept set's size for a threshold below its floor when that
     size already exceeds the band (the step is the same); the threshold equals the search that

@@ -4213,11 +4213,21 @@ class AbsStats(NamedTuple):
     """torch's mean of the magnitudes where :func:`sums_like_torch` (None otherwise)."""
 
 
-def _stats_of(stats: Tensor, amax: Tensor, n: int) -> AbsStats:
+def _stats_buffers() -> tuple[ctypes.Array, ctypes.Array]:
+    """This thread's reused outputs of a C statistics pass: (max, min, sum) as float32 and the argmax
+    (the first float also takes :func:`rth_largest_strided`'s value). ctypes arrays: two tensors and
+    their ``tolist`` and ``item`` cost ~5 us a call, and these run once a tensor every step."""
+    got: tuple[ctypes.Array, ctypes.Array] | None = _SCRATCH.__dict__.get("stats")
+    if got is None:
+        got = _SCRATCH.stats = ((ctypes.c_float * 3)(), (ctypes.c_int64 * 1)())
+    return got
+
+
+def _stats_of(stats: ctypes.Array, amax: ctypes.Array, n: int) -> AbsStats:
     """The :class:`AbsStats` a C statistics pass wrote into ``stats`` (max, min, sum) and ``amax``."""
-    mx, mn, total = stats.tolist()
+    mx, mn, total = stats[0], stats[1], stats[2]
     mean = mean_from_sum(total, n) if n >= 8 and sums_like_torch() else None
-    return AbsStats(mx, mn, int(amax.item()), mean)
+    return AbsStats(mx, mn, int(amax[0]), mean)
 
 
 def abs_stats(x: Tensor, out: Tensor | None) -> AbsStats | None:
@@ -4227,10 +4237,8 @@ def abs_stats(x: Tensor, out: Tensor | None) -> AbsStats | None:
     lib = library()
     assert lib is not None and usable(x) and x.numel() >= 1
     assert out is None or (usable(out) and x.numel() == out.numel())
-    stats = torch.empty(3, dtype=torch.float32)
-    amax = torch.empty(1, dtype=torch.int64)
-    if lib.ac_abs_stats(x.data_ptr(), None if out is None else out.data_ptr(), x.numel(), stats.data_ptr(),
-                        amax.data_ptr()) != 0:
+    stats, amax = _stats_buffers()
+    if lib.ac_abs_stats(x.data_ptr(), None if out is None else out.data_ptr(), x.numel(), stats, amax) != 0:
         return None
     return _stats_of(stats, amax, x.numel())
 
@@ -4259,13 +4267,12 @@ def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, s
     if (lib is None or not (usable(g) and usable(r) and usable(out)) or not g.numel() == r.numel() == n >= 1
             or (select and out.data_ptr() in (g.data_ptr(), r.data_ptr()))):  # a second try must not add twice
         return AddStats(False)
-    stats = torch.empty(3, dtype=torch.float32)
-    amax = torch.empty(1, dtype=torch.int64)
+    stats, amax = _stats_buffers()
     passed = [0]
 
     def call(i: int, v: int, cap: int) -> int:
-        passed[0] = int(lib.ac_add_abs_stats_select(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, stats.data_ptr(),
-                                                    amax.data_ptr(), thr if select else 0.0, int(strict), i, v, cap))
+        passed[0] = int(lib.ac_add_abs_stats_select(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, stats, amax,
+                                                    thr if select else 0.0, int(strict), i, v, cap))
         return max(passed[0], 0)
 
     cands = None
@@ -4507,10 +4514,10 @@ def rth_largest_strided(a: Tensor, step: int, r: int, absolute: bool = False) ->
     if not 1 <= r <= m:
         raise ValueError(f"r = {r} outside 1..{m}")
     keys = _keys(m)
-    out = torch.zeros(1, dtype=torch.int32)
-    if lib.ac_rth_largest_strided(a.data_ptr(), m, step, r, keys.data_ptr(), out.data_ptr(), int(absolute)) != 0:
+    out = _stats_buffers()[0]  # the value's bits land in its first float (a tensor and item(): ~4 us a call)
+    if lib.ac_rth_largest_strided(a.data_ptr(), m, step, r, keys.data_ptr(), out, int(absolute)) != 0:
         return None
-    return float(out.view(torch.float32).item())
+    return float(out[0])
 
 
 def chunk_topk(a: Tensor, rows: int, chunk: int, k: int, add: tuple[Tensor, Tensor] | None = None,

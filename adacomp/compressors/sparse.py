@@ -666,7 +666,13 @@ class ThresholdCounter:
     def pick(self, thr: float, expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
         """:meth:`select` with the signed values there, from the kept set where it was adopted signed
         and covers ``thr`` (a gather over candidates in cache instead of one over the tensor, which its
-        compensation streamed past the caches); None otherwise (the caller gathers)."""
+        compensation streamed past the caches), or from one pass over ``a`` where every count is a
+        full pass over its signed values (a tensor below the compaction size: the positions and the
+        values together, not select's positions and then a gather); None otherwise (the caller gathers)."""
+        if self.prefix and self.full_passes() and self.a.numel() < SEARCH_COMPACT_MIN:
+            whole = _native.select_upto(self.a, thr, self.mode + "_signed", self.a.numel())
+            assert not isinstance(whole, int)  # at most all of a passes
+            return whole
         if not (self.signed and self.covers(thr)):
             return None
         assert self.idx is not None and self.vals is not None  # adopted
