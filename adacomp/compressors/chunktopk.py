@@ -212,6 +212,7 @@ class ChunkTopkCompressor(Compressor):
         self.bits = check_bits(bits)
         self.workspace = Workspace()
         self.row_floors: dict[str, Tensor] = {}  # per tensor: the C selection's per-chunk floors, see _row_floors
+        self._layouts: dict[tuple[Any, ...], ChunkCtx] = {}  # layout()'s, by shape, dtype, device and settings
 
     # ------------------------------------------------------------------ knobs
     def density(self) -> float | None:
@@ -223,13 +224,18 @@ class ChunkTopkCompressor(Compressor):
     # ------------------------------------------------------------------ layout
     def layout(self, shape: torch.Size, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> ChunkCtx:
-        """The chunk layout of a tensor of ``shape`` under the current settings."""
-        shape = torch.Size(shape)
-        n = int(shape.numel())
-        full, tail = divmod(n, self.chunk)
-        return ChunkCtx(shape, n, dtype, torch.device(device), self.chunk, full,
-                        k_for(self.chunk, self._density), tail, k_for(tail, self._density) if tail else 0,
-                        self.bits)
+        """The chunk layout of a tensor of ``shape`` under the current settings (made once per
+        shape, dtype, device and settings: every compression and compensation asks for it)."""
+        key = (tuple(shape), dtype, str(device), self._density, self.chunk, self.bits)
+        got = self._layouts.get(key)
+        if got is None:
+            size = torch.Size(shape)
+            n = int(size.numel())
+            full, tail = divmod(n, self.chunk)
+            got = self._layouts[key] = ChunkCtx(size, n, dtype, torch.device(device), self.chunk, full,
+                                                k_for(self.chunk, self._density), tail,
+                                                k_for(tail, self._density) if tail else 0, self.bits)
+        return got
 
     def payload_bytes(self, shape: torch.Size, itemsize: int = 4) -> int:
         """Exact bytes of :meth:`compress`'s payload for ``shape`` (``itemsize`` does not matter:
@@ -257,7 +263,7 @@ class ChunkTopkCompressor(Compressor):
             return False
         body = ctx.full * ctx.chunk
         in_body = owed
-        if owed is not None:
+        if owed is not None and ctx.tail:  # (without a partial chunk every owed position is in the body)
             split = int(torch.searchsorted(owed[0], body))
             in_body, tail_pos, tail_vals = (owed[0][:split], owed[1][:split]), owed[0][split:], owed[1][split:]
         if ctx.tail:  # first: a torch write bumps the version the kept selection is checked against
@@ -265,7 +271,9 @@ class ChunkTopkCompressor(Compressor):
                 torch.add(gf[body:], rf[body:], out=flat[body:])
             if owed is not None and tail_pos.numel():  # the residual's subtraction, then the add
                 flat[tail_pos] = gf[tail_pos] + (rf[tail_pos] - tail_vals)
-        got = _native.chunk_topk(flat[:body], ctx.full, ctx.chunk, ctx.k_row, add=(gf[:body], rf[:body]), owed=in_body,
+        whole = not ctx.tail  # the body is the tensor: no views of it
+        got = _native.chunk_topk(flat if whole else flat[:body], ctx.full, ctx.chunk, ctx.k_row,
+                                 add=(gf, rf) if whole else (gf[:body], rf[:body]), owed=in_body,
                                  hint=self._row_floors(name, ctx.full))
         if got is not None:  # None: a NaN (the sum is written; torch's path selects)
             self._kept().keep(name, flat, got)
