@@ -293,6 +293,16 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
             def joined(self: Any) -> Any:
                 raise AssertionError("alltoall joined its parts' payloads for a residual memory")
             _Joined.payload = joined  # type: ignore[method-assign]
+        if method in ("chunktopk", "redsync"):  # Chunk-Top-k's payload written by C run by run; RedSync's
+            from adacomp.compressors import _native  # small tensors searched and picked in one C call each
+            wrapped = "chunk_encode" if method == "chunktopk" else "bisect_band"
+            inner = getattr(_native, wrapped)
+
+            def ran(*args: Any) -> Any:
+                got = inner(*args)
+                whole.append(int(got is True or (method == "redsync" and got is not None)))
+                return got
+            setattr(_native, wrapped, ran)
         if method == "gaussiank_capped":  # a tensor counted whole, capped: its gathered values ranked in C
             from adacomp.compressors import _native
             take, pick_all = _native.take, _native.pick_largest
@@ -339,7 +349,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     # the means went into the gradients; the fused passes named above ran
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
                                                                    "adtopk", "adtopk_dead", "adtopk_wide", "sidco"))
-    picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped")
+    picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync")
     return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not picks)
 
 

@@ -579,3 +579,15 @@ def test_payload_written_in_one_c_call_a_run_equals_torchs_sequence(bits, chunk,
         assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     if case != "inf":
         assert torch.equal(c.decompress(got, ctx), c.decompress(want, ctx))
+
+
+def test_layout_follows_a_changed_density():
+    """layout() is kept per shape; a new density (an adaptive policy's) gives the new k per chunk,
+    as a fresh compressor's layout, and the payload that size."""
+    c = compressors.get("chunktopk", density=0.02, chunk=256, bits=2)
+    before = c.layout(torch.Size([1000]))
+    c.set_density(0.1)
+    fresh = compressors.get("chunktopk", density=0.1, chunk=256, bits=2)
+    assert c.layout(torch.Size([1000])) == fresh.layout(torch.Size([1000])) != before
+    payload, ctx = c.compress(torch.randn(1000, generator=torch.Generator().manual_seed(0)), "w")
+    assert sum(t.numel() * t.element_size() for t in payload) == fresh.payload_bytes(torch.Size([1000]))

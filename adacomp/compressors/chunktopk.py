@@ -212,7 +212,7 @@ class ChunkTopkCompressor(Compressor):
         self.bits = check_bits(bits)
         self.workspace = Workspace()
         self.row_floors: dict[str, Tensor] = {}  # per tensor: the C selection's per-chunk floors, see _row_floors
-        self._layouts: dict[tuple[Any, ...], ChunkCtx] = {}  # layout()'s, by shape, dtype, device and settings
+        self._layouts: dict[tuple[Any, ...], ChunkCtx] = {}  # layout()'s at this density, by shape, dtype, device
 
     # ------------------------------------------------------------------ knobs
     def density(self) -> float | None:
@@ -220,13 +220,15 @@ class ChunkTopkCompressor(Compressor):
 
     def set_density(self, density: float) -> None:
         self._density = check_density(density)
+        self._layouts.clear()  # their k per chunk came from the old density (an adaptive policy's
+        # density changes from step to step: keyed by it, the cache would grow without bound)
 
     # ------------------------------------------------------------------ layout
     def layout(self, shape: torch.Size, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> ChunkCtx:
         """The chunk layout of a tensor of ``shape`` under the current settings (made once per
         shape, dtype, device and settings: every compression and compensation asks for it)."""
-        key = (tuple(shape), dtype, str(device), self._density, self.chunk, self.bits)
+        key = (tuple(shape), dtype, str(device), self.chunk, self.bits)  # the density: set_density clears
         got = self._layouts.get(key)
         if got is None:
             size = torch.Size(shape)
