@@ -424,6 +424,38 @@ def test_chunk_selection_row_hints_change_only_speed(case, hint, avx2_switch, mo
         kth = torch.gather(y.abs(), 1, want_idx).amin(1).contiguous().view(torch.int32)
         assert torch.equal(h, torch.where(kth == 0, torch.ones_like(kth), kth)), step
 
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 16, 82])
+@pytest.mark.parametrize("case", ["gauss", "levels", "signs", "steps"])
+def test_candidates_kth_by_bisected_bits_and_vector_writes_equal_torch(case, k, avx2_switch, monkeypatch):
+    """The AVX2 candidates' k-th (bits bisected with vector counts, the window moved to the front after
+    four bits, the least of exactly k reaching a value) and the vector writing of the kept ones (8
+    candidates compacted a step while 8 slots are left, the rest one by one; a tie cut at the k-th
+    taking the scalar rule) give torch's positions and value bits: iid values, a few levels (ties
+    cut at the k-th), +-x of equal magnitudes, a staircase; k below, at and above one vector. Each
+    tensor twice with its rows' hints, so the second call's floors sit just under the k-th."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.chunktopk import chunk_select
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()})")
+    rows, chunk = 12, 4096
+    gen_ = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, chunk, generator=gen_)
+    if case == "levels":
+        x = torch.randint(-40, 41, (rows, chunk), generator=gen_).float() * 0.125
+    elif case == "signs":
+        x = x.abs().mul_(64).round_().div_(64) * torch.where(torch.rand(rows, chunk, generator=gen_) < 0.5, -1.0, 1.0)
+    elif case == "steps":
+        x = torch.arange(rows * chunk, dtype=torch.float32).view(rows, chunk).remainder_(997).mul_(1e-3) + 1.0
+    hint = torch.zeros(rows, dtype=torch.int32)
+    for y in (x, x * 1.03):
+        got = _native.chunk_topk(y.reshape(-1).clone(), rows, chunk, k, hint=hint)
+        with monkeypatch.context() as m:
+            m.setattr(_native, "usable", lambda a: False)  # torch's path: the reference
+            want_idx, want_vals = chunk_select(y, k)
+        assert got is not None
+        assert torch.equal(got[0], want_idx) and torch.equal(got[1].view(torch.int32), want_vals.view(torch.int32))
+
+
 @pytest.mark.parametrize("owed", ["none", "owed"])
 @pytest.mark.parametrize("chunk,rows", [(4096, 40), (1000, 90), (100, 700), (300, 9)])
 @pytest.mark.parametrize("case", ["gauss", "scales", "nan", "ties"])

@@ -1366,8 +1366,147 @@ static void chunk_owed_fix(float* a, const float* g, const float* r, int64_t lo,
    sign included), all at or above the floor `flo`, into keys; -1 on a NaN among them. They share the
    bits above the highest bit where flo and their largest differ: the first radix digit starts there
    (the exponent digit would put nearly all of them in one bucket and cost a pass). */
+#if defined(AC_AVX2)
+/* ac_compact_lanes[mask]: the lanes set in an 8-bit mask, in order, one byte each (a vector compaction's
+   permutation). */
+static uint64_t ac_compact_lanes[256];
+__attribute__((constructor)) static void ac_compact_lanes_init(void) {
+    for (int mask = 0; mask < 256; ++mask) {
+        uint64_t lanes = 0;
+        int w = 0;
+        for (int i = 0; i < 8; ++i)
+            if (mask >> i & 1) lanes |= (uint64_t)i << (8 * w++);
+        ac_compact_lanes[mask] = lanes;
+    }
+}
+/* How many of the keys (m8: a multiple of 8, padded with zeros; each below 2^31) are >= t (t >= 1). */
+__attribute__((target("avx2,popcnt"))) static int64_t keys_count_ge_avx2(const uint32_t* keys, int64_t m8, uint32_t t) {
+    const __m256i tv = _mm256_set1_epi32((int)(t - 1u));
+    int64_t c = 0;
+    for (int64_t i = 0; i < m8; i += 8) {
+        const __m256i kv = _mm256_loadu_si256((const __m256i*)(keys + i));
+        c += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(kv, tv))));
+    }
+    return c;
+}
+/* Moves the keys in [lo, hi] (lo >= 1) of the m8 keys to the front, in order, zero-padded to a multiple of
+   8, 8 keys a step compacted by a permutation (stores never pass the keys not read yet); *above gets
+   how many exceed hi. Returns the padded count. */
+__attribute__((target("avx2,popcnt"))) static int64_t keys_window_avx2(uint32_t* keys, int64_t m8, uint32_t lo,
+                                                                      uint32_t hi, int64_t* above) {
+    const __m256i lo_v = _mm256_set1_epi32((int)(lo - 1u)), hi_v = _mm256_set1_epi32((int)hi);
+    int64_t w = 0, a = 0;
+    for (int64_t i = 0; i < m8; i += 8) {
+        const __m256i kv = _mm256_loadu_si256((const __m256i*)(keys + i));
+        const __m256i over = _mm256_cmpgt_epi32(kv, hi_v);
+        const unsigned in = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(
+            _mm256_andnot_si256(over, _mm256_cmpgt_epi32(kv, lo_v))));
+        a += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(over)));
+        const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)ac_compact_lanes[in]));
+        _mm256_storeu_si256((__m256i*)(keys + w), _mm256_permutevar8x32_epi32(kv, perm));
+        w += __builtin_popcount(in);
+    }
+    const int64_t w8 = (w + 7) & ~(int64_t)7;
+    for (int64_t i = w; i < w8; ++i) keys[i] = 0;
+    *above = a;
+    return w8;
+}
+/* candidates_kth with vector counts (the keys left reordered): the magnitudes' bits from the first one
+   where flo and the largest differ down, each set where at least r keys reach the value so far (so it
+   stays a prefix of the r-th largest's bits); where exactly r reach it, the r-th largest is the least
+   of them. After four bits the keys still in the value's window (about 1/16 of them) are moved to the
+   front and the rest counted once, so the later counts read a vector or two. Bisecting costs ~20
+   counts of 8 keys a vector where the radix digits cost a histogram, a scan of its bins and a
+   compaction (~2x the time over a chunk's ~2 k candidates). *reach: how many reach the k-th (k when
+   no tie at it is cut). flo >= 1. */
+__attribute__((target("avx2,popcnt"))) static int candidates_kth_avx2(const uint32_t* craw, int64_t m, int64_t r,
+                                                                     uint32_t flo, uint32_t* keys, uint32_t* kth,
+                                                                     int64_t* ties, int64_t* reach) {
+    const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+    __m256i topv = _mm256_setzero_si256();
+    int64_t t = 0;
+    for (; t + 8 <= m; t += 8) {
+        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(craw + t)), mask);
+        _mm256_storeu_si256((__m256i*)(keys + t), kv);
+        topv = _mm256_max_epu32(topv, kv);
+    }
+    uint32_t lanes[8], top = 0;
+    _mm256_storeu_si256((__m256i*)lanes, topv);
+    for (int i = 0; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
+    for (; t < m; ++t) {
+        keys[t] = craw[t] & 0x7fffffffu;
+        top = keys[t] > top ? keys[t] : top;
+    }
+    if (top > 0x7f800000u) return -1;  /* a NaN */
+    int64_t n = (m + 7) & ~(int64_t)7, above = 0;
+    for (t = m; t < n; ++t) keys[t] = 0;  /* counted by no threshold >= 1 */
+    const int high = top > flo ? 31 - __builtin_clz(top ^ flo) : 30;
+    uint32_t v = top & ~((2u << high) - 1u);  /* the bits every candidate shares */
+    for (int b = high; b >= 0; --b) {
+        if (b == high - 4 && b >= 2)  /* the r-th largest is in [v, v + 2^(b+1)); fewer than r above it */
+            n = keys_window_avx2(keys, n, v > 0 ? v : 1u, v + ((2u << b) - 1u), &above);
+        const uint32_t c_v = v | (1u << b);
+        const int64_t c = above + keys_count_ge_avx2(keys, n, c_v);
+        if (c < r) continue;
+        v = c_v;
+        if (c == r) {  /* the least of the r keys reaching it (the window holds it: fewer than r above) */
+            __m256i lo = _mm256_set1_epi32(-1);
+            const __m256i below = _mm256_set1_epi32((int)(c_v - 1u));
+            for (int64_t i = 0; i < n; i += 8) {
+                const __m256i kv = _mm256_loadu_si256((const __m256i*)(keys + i));
+                lo = _mm256_min_epu32(lo, _mm256_blendv_epi8(_mm256_set1_epi32(-1), kv, _mm256_cmpgt_epi32(kv, below)));
+            }
+            _mm256_storeu_si256((__m256i*)lanes, lo);
+            v = lanes[0];
+            for (int i = 1; i < 8; ++i) v = lanes[i] < v ? lanes[i] : v;
+            break;
+        }
+    }
+    *kth = v;
+    *reach = above + keys_count_ge_avx2(keys, n, v);
+    *ties = r - above - (v == 0x7fffffffu ? 0 : keys_count_ge_avx2(keys, n, v + 1u));
+    return 0;
+}
+#endif
+#if defined(AC_AVX2)
+/* The kept candidates written in order where every key at the k-th magnitude is kept (no partial
+   ties): the positions (int64) and values of the keys >= kth, 8 candidates a step compacted by a
+   permutation; vectors only while 8 slots are left, the rest by the scalar rule. Returns how many
+   it wrote (k). */
+__attribute__((target("avx2,popcnt"))) static int64_t kept_write_avx2(const uint32_t* craw,
+                                                                     const int32_t* cpos, int64_t c, uint32_t kth,
+                                                                     int64_t k, int64_t* p, float* o) {
+    const __m256i below = _mm256_set1_epi32((int)kth - 1);  /* magnitudes < 2^31: signed compares */
+    const __m256i mag = _mm256_set1_epi32(0x7fffffff);
+    int64_t w = 0, t = 0;
+    for (; t + 8 <= c && w + 8 <= k; t += 8) {
+        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(craw + t)), mag);
+        const unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(kv, below)));
+        const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)ac_compact_lanes[mask]));
+        const __m256i pv = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(cpos + t)), perm);
+        _mm256_storeu_si256((__m256i*)(p + w), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(pv)));
+        _mm256_storeu_si256((__m256i*)(p + w + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(pv, 1)));
+        _mm256_storeu_si256((__m256i*)(o + w),
+                            _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(craw + t)), perm));
+        w += __builtin_popcount(mask);
+    }
+    for (; t < c && w < k; ++t)
+        if ((craw[t] & 0x7fffffffu) >= kth) {
+            p[w] = cpos[t];
+            __builtin_memcpy(o + w, craw + t, sizeof(float));
+            ++w;
+        }
+    return w;
+}
+#endif
 static int candidates_kth(const uint32_t* craw, int64_t m, int64_t r, uint32_t flo, uint32_t* keys, uint32_t* kth,
                           int64_t* ties) {
+#if defined(AC_AVX2)
+    if (use_avx2()) {
+        int64_t reach;
+        return candidates_kth_avx2(craw, m, r, flo, keys, kth, ties, &reach);
+    }
+#endif
     uint32_t top = 0;
     for (int64_t t = 0; t < m; ++t) {
         keys[t] = craw[t] & 0x7fffffffu;
@@ -1463,8 +1602,16 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
         int64_t ties, w = 0;
         const int64_t c0 = c;
         if (guess) c = chunk_refloor(u, chunk, k, cap, keys, craw, cpos, c, &flo);
-        if (c >= k && c <= cap) {
-            if (candidates_kth(craw, c, k, flo, keys, &kth, &ties) != 0) return -1;  /* a NaN */
+        int64_t reach = -1;  /* (AVX2) how many candidates reach the k-th: k when no tie is cut */
+#if defined(AC_AVX2)
+        if (c >= k && c <= cap && use_avx2()) {
+            if (candidates_kth_avx2(craw, c, k, flo, keys, &kth, &ties, &reach) != 0) return -1;  /* a NaN */
+            if (reach == k) w = kept_write_avx2(craw, cpos, c, kth, k, p, o);
+        }
+#endif
+        if (w == k) {
+        } else if (c >= k && c <= cap) {
+            if (reach < 0 && candidates_kth(craw, c, k, flo, keys, &kth, &ties) != 0) return -1;  /* a NaN */
             for (int64_t t = 0; t < c && w < k; ++t) {  /* branch-free: every candidate is written, */
                 const uint32_t b = craw[t], v = b & 0x7fffffffu;  /* the kept ones advance w */
                 const int64_t eq = v == kth;
