@@ -686,14 +686,19 @@ def test_sparse_mean_refuses_what_its_torch_path_must_answer(bad: str) -> None:
         assert bool((out == 7.0).all())  # refused before anything was written
 
 
-@pytest.mark.parametrize("m,k", [(1, 1), (50, 7), (5000, 4000), (70000, 600), (8388, 84), (1030, 1)])
-def test_pick_largest_equals_largest_k_and_gather(m: int, k: int, avx2_switch: str) -> None:
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("m,k", [(1, 1), (50, 7), (5000, 4000), (70000, 600), (8388, 84), (1030, 1), (203, 16)])
+def test_pick_largest_equals_largest_k_and_gather(m: int, k: int, tied: bool, avx2_switch: str) -> None:
     """The C pick of k candidates equals ``largest_k`` (ties at the k-th magnitude to the lowest
     positions) and the signed values gathered from the tensor, with the AVX2 loops and without; a
-    NaN anywhere (first, k-th, last) is left to torch."""
+    NaN anywhere (first, k-th, last) is left to torch. ``tied``: many ties, so one is cut at the k-th
+    (the scalar writing); else distinct magnitudes (the AVX2 writing, 8 candidates a step, then the
+    scalar rule for the last slots)."""
     from adacomp.compressors.sparse import largest_k
     g = torch.Generator().manual_seed(m + k)
-    flat = torch.randn(3 * m, generator=g).round(decimals=1)  # many ties
+    flat = torch.randn(3 * m, generator=g)
+    if tied:
+        flat = flat.round(decimals=1)
     flat[::5] = -flat[::5]
     idx = _ascending(3 * m, m, g)
     mags = flat[idx].abs()

@@ -1158,8 +1158,168 @@ __attribute__((target("avx2"))) static int64_t key_range_avx2(const uint32_t* sr
     return i;
 }
 #endif
+#if defined(AC_AVX2)
+/* ac_compact_lanes[mask]: the lanes set in an 8-bit mask, in order, one byte each (the permutation of
+   a vector compaction); ac_compact_pairs[mask]: the same for a 4-bit mask over 64-bit lanes, as pairs
+   of 32-bit lanes. */
+static uint64_t ac_compact_lanes[256], ac_compact_pairs[16];
+__attribute__((constructor)) static void ac_compact_lanes_init(void) {
+    for (int mask = 0; mask < 256; ++mask) {
+        uint64_t lanes = 0, pairs = 0;
+        int w = 0;
+        for (int i = 0; i < 8; ++i)
+            if (mask >> i & 1) {
+                lanes |= (uint64_t)i << (8 * w);
+                if (i < 4) pairs |= ((uint64_t)(2 * i) | (uint64_t)(2 * i + 1) << 8) << (16 * w);
+                ++w;
+            }
+        ac_compact_lanes[mask] = lanes;
+        if (mask < 16) ac_compact_pairs[mask] = pairs;
+    }
+}
+static inline __attribute__((target("avx2"))) __m256i compact_perm(const uint64_t* table, unsigned mask) {
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)table[mask]));
+}
+/* How many of the n keys src[i] & mask (each below 2^31 after the mask: signed compares) are >= t. */
+__attribute__((target("avx2,popcnt"))) static int64_t keys_count_ge_avx2(const uint32_t* src, uint32_t mask, int64_t n,
+                                                                        uint32_t t) {
+    const __m256i tv = _mm256_set1_epi32((int)(t - 1u)), mv = _mm256_set1_epi32((int)mask);
+    int64_t c = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(src + i)), mv);
+        c += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(kv, tv))));
+    }
+    for (; i < n; ++i) c += (src[i] & mask) >= t;
+    return c;
+}
+/* The least of the n keys src[i] & mask that are >= t (one at least). */
+__attribute__((target("avx2"))) static uint32_t keys_least_from_avx2(const uint32_t* src, uint32_t mask, int64_t n,
+                                                                    uint32_t t) {
+    const __m256i tv = _mm256_set1_epi32((int)(t - 1u)), mv = _mm256_set1_epi32((int)mask), ones = _mm256_set1_epi32(-1);
+    __m256i lo = ones;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(src + i)), mv);
+        lo = _mm256_min_epu32(lo, _mm256_blendv_epi8(ones, kv, _mm256_cmpgt_epi32(kv, tv)));
+    }
+    uint32_t lanes[8], least = 0xffffffffu;
+    _mm256_storeu_si256((__m256i*)lanes, lo);
+    for (int j = 0; j < 8; ++j) least = lanes[j] < least ? lanes[j] : least;
+    for (; i < n; ++i) {
+        const uint32_t u = src[i] & mask;
+        least = u >= t && u < least ? u : least;
+    }
+    return least;
+}
+/* The keys src[i] & mask within [lo, hi] moved to dst in order (dst may be src: a store never passes
+   the keys not read yet), with their least and largest (*wlo, *whi); *above += how many exceed hi.
+   Returns how many moved. */
+__attribute__((target("avx2,popcnt"))) static int64_t keys_window_avx2(const uint32_t* src, uint32_t mask, int64_t n,
+                                                                      uint32_t lo, uint32_t hi, uint32_t* dst,
+                                                                      int64_t* above, uint32_t* wlo, uint32_t* whi) {
+    const __m256i lo_v = _mm256_set1_epi32((int)(lo - 1u)), hi_v = _mm256_set1_epi32((int)hi);
+    const __m256i mv = _mm256_set1_epi32((int)mask), ones = _mm256_set1_epi32(-1);
+    __m256i least = ones, most = _mm256_setzero_si256();
+    int64_t w = 0, a = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(src + i)), mv);
+        const __m256i over = _mm256_cmpgt_epi32(kv, hi_v);
+        const __m256i in = _mm256_andnot_si256(over, _mm256_cmpgt_epi32(kv, lo_v));
+        const unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(in));
+        a += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(over)));
+        least = _mm256_min_epu32(least, _mm256_blendv_epi8(ones, kv, in));
+        most = _mm256_max_epu32(most, _mm256_and_si256(kv, in));
+        _mm256_storeu_si256((__m256i*)(dst + w), _mm256_permutevar8x32_epi32(kv, compact_perm(ac_compact_lanes, bits)));
+        w += __builtin_popcount(bits);
+    }
+    uint32_t l8[8], h8[8], wl = 0xffffffffu, wh = 0;
+    _mm256_storeu_si256((__m256i*)l8, least);
+    _mm256_storeu_si256((__m256i*)h8, most);
+    for (int j = 0; j < 8; ++j) {
+        wl = l8[j] < wl ? l8[j] : wl;
+        wh = h8[j] > wh ? h8[j] : wh;
+    }
+    for (; i < n; ++i) {
+        const uint32_t u = src[i] & mask;
+        if (u > hi) { ++a; continue; }
+        if (u < lo) continue;
+        dst[w++] = u;
+        wl = u < wl ? u : wl;
+        wh = u > wh ? u : wh;
+    }
+    *above += a;
+    *wlo = wl;
+    *whi = wh;
+    return w;
+}
+/* radix_kth's answer (step 1) with vector passes, and *reach: how many keys reach the r-th largest
+   (r when no tie at it is cut). The bits of the r-th largest are bisected from the first one where the
+   keys' least and largest differ, each set where at least r keys reach the value so far; where exactly
+   r reach it, the r-th largest is the least of them. Every four bits the keys still in the value's
+   window move to `keys` (those above it counted once), and the window's own least and largest skip
+   the bits its keys share: so ~5 vector passes over the keys and a few over a sixteenth of them,
+   where the radix select's histogram and compaction run one key at a time (~4x the time, and the
+   candidates' k-th of a Chunk-Top-k chunk ~2x). keys: scratch of m. -1 on a NaN (or, without the sign
+   cleared, a negative value). */
+__attribute__((target("avx2,popcnt"))) static int kth_avx2(const uint32_t* src, uint32_t mask, int64_t m, int64_t r,
+                                                          uint32_t* keys, uint32_t* kth, int64_t* ties,
+                                                          int64_t* reach) {
+    const __m256i mv = _mm256_set1_epi32((int)mask);
+    __m256i lov = _mm256_set1_epi32(-1), hiv = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(src + i)), mv);
+        lov = _mm256_min_epu32(lov, kv);
+        hiv = _mm256_max_epu32(hiv, kv);
+    }
+    uint32_t l8[8], h8[8], lo = 0xffffffffu, top = 0;
+    _mm256_storeu_si256((__m256i*)l8, lov);
+    _mm256_storeu_si256((__m256i*)h8, hiv);
+    for (int j = 0; j < 8; ++j) {
+        lo = l8[j] < lo ? l8[j] : lo;
+        top = h8[j] > top ? h8[j] : top;
+    }
+    for (; i < m; ++i) {
+        const uint32_t u = src[i] & mask;
+        lo = u < lo ? u : lo;
+        top = u > top ? u : top;
+    }
+    if (top > 0x7f800000u) return -1;  /* a NaN, or a sign bit left by the mask */
+    const uint32_t* a = src;
+    uint32_t am = mask, v;
+    int64_t n = m, above = 0;  /* a holds the window's n keys; `above` keys exceed it (fewer than r) */
+    for (;;) {
+        if (lo == top) { *kth = top; *ties = r - above; *reach = above + n; return 0; }
+        const int high = 31 - __builtin_clz(lo ^ top);
+        v = top & ~((2u << high) - 1u);  /* the bits the window's keys share */
+        const int last = n <= 64 || high < 4 ? 0 : high - 3;  /* this round's bits: high .. last */
+        int exact = 0;
+        for (int b = high; b >= last; --b) {
+            const uint32_t c_v = v | (1u << b);
+            const int64_t c = above + keys_count_ge_avx2(a, am, n, c_v);
+            if (c < r) continue;
+            v = c_v;
+            if (c == r) { v = keys_least_from_avx2(a, am, n, c_v); exact = 1; break; }
+        }
+        if (exact || last == 0) break;
+        n = keys_window_avx2(a, am, n, v, v + ((1u << last) - 1u), keys, &above, &lo, &top);
+        a = keys;
+        am = 0xffffffffu;
+    }
+    *kth = v;
+    *reach = above + keys_count_ge_avx2(a, am, n, v);
+    *ties = r - above - (v == 0x7fffffffu ? 0 : keys_count_ge_avx2(a, am, n, v + 1u));
+    return 0;
+}
+#endif
 static int radix_kth(const uint32_t* src, int64_t step, uint32_t mask, int64_t m, int64_t r,
                      uint32_t* keys, uint32_t* kth, int64_t* ties_rank) {
+#if defined(AC_AVX2)
+    if (step == 1 && r >= 1 && r <= m && use_avx2()) {
+        int64_t reach;
+        return kth_avx2(src, mask, m, r, keys, kth, ties_rank, &reach);
+    }
+#endif
     uint32_t top = 0, low = 0xffffffffu;
     int64_t i0 = 0;
 #if defined(AC_AVX2)
@@ -1367,108 +1527,6 @@ static void chunk_owed_fix(float* a, const float* g, const float* r, int64_t lo,
    bits above the highest bit where flo and their largest differ: the first radix digit starts there
    (the exponent digit would put nearly all of them in one bucket and cost a pass). */
 #if defined(AC_AVX2)
-/* ac_compact_lanes[mask]: the lanes set in an 8-bit mask, in order, one byte each (a vector compaction's
-   permutation). */
-static uint64_t ac_compact_lanes[256];
-__attribute__((constructor)) static void ac_compact_lanes_init(void) {
-    for (int mask = 0; mask < 256; ++mask) {
-        uint64_t lanes = 0;
-        int w = 0;
-        for (int i = 0; i < 8; ++i)
-            if (mask >> i & 1) lanes |= (uint64_t)i << (8 * w++);
-        ac_compact_lanes[mask] = lanes;
-    }
-}
-/* How many of the keys (m8: a multiple of 8, padded with zeros; each below 2^31) are >= t (t >= 1). */
-__attribute__((target("avx2,popcnt"))) static int64_t keys_count_ge_avx2(const uint32_t* keys, int64_t m8, uint32_t t) {
-    const __m256i tv = _mm256_set1_epi32((int)(t - 1u));
-    int64_t c = 0;
-    for (int64_t i = 0; i < m8; i += 8) {
-        const __m256i kv = _mm256_loadu_si256((const __m256i*)(keys + i));
-        c += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(kv, tv))));
-    }
-    return c;
-}
-/* Moves the keys in [lo, hi] (lo >= 1) of the m8 keys to the front, in order, zero-padded to a multiple of
-   8, 8 keys a step compacted by a permutation (stores never pass the keys not read yet); *above gets
-   how many exceed hi. Returns the padded count. */
-__attribute__((target("avx2,popcnt"))) static int64_t keys_window_avx2(uint32_t* keys, int64_t m8, uint32_t lo,
-                                                                      uint32_t hi, int64_t* above) {
-    const __m256i lo_v = _mm256_set1_epi32((int)(lo - 1u)), hi_v = _mm256_set1_epi32((int)hi);
-    int64_t w = 0, a = 0;
-    for (int64_t i = 0; i < m8; i += 8) {
-        const __m256i kv = _mm256_loadu_si256((const __m256i*)(keys + i));
-        const __m256i over = _mm256_cmpgt_epi32(kv, hi_v);
-        const unsigned in = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(
-            _mm256_andnot_si256(over, _mm256_cmpgt_epi32(kv, lo_v))));
-        a += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(over)));
-        const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)ac_compact_lanes[in]));
-        _mm256_storeu_si256((__m256i*)(keys + w), _mm256_permutevar8x32_epi32(kv, perm));
-        w += __builtin_popcount(in);
-    }
-    const int64_t w8 = (w + 7) & ~(int64_t)7;
-    for (int64_t i = w; i < w8; ++i) keys[i] = 0;
-    *above = a;
-    return w8;
-}
-/* candidates_kth with vector counts (the keys left reordered): the magnitudes' bits from the first one
-   where flo and the largest differ down, each set where at least r keys reach the value so far (so it
-   stays a prefix of the r-th largest's bits); where exactly r reach it, the r-th largest is the least
-   of them. After four bits the keys still in the value's window (about 1/16 of them) are moved to the
-   front and the rest counted once, so the later counts read a vector or two. Bisecting costs ~20
-   counts of 8 keys a vector where the radix digits cost a histogram, a scan of its bins and a
-   compaction (~2x the time over a chunk's ~2 k candidates). *reach: how many reach the k-th (k when
-   no tie at it is cut). flo >= 1. */
-__attribute__((target("avx2,popcnt"))) static int candidates_kth_avx2(const uint32_t* craw, int64_t m, int64_t r,
-                                                                     uint32_t flo, uint32_t* keys, uint32_t* kth,
-                                                                     int64_t* ties, int64_t* reach) {
-    const __m256i mask = _mm256_set1_epi32(0x7fffffff);
-    __m256i topv = _mm256_setzero_si256();
-    int64_t t = 0;
-    for (; t + 8 <= m; t += 8) {
-        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(craw + t)), mask);
-        _mm256_storeu_si256((__m256i*)(keys + t), kv);
-        topv = _mm256_max_epu32(topv, kv);
-    }
-    uint32_t lanes[8], top = 0;
-    _mm256_storeu_si256((__m256i*)lanes, topv);
-    for (int i = 0; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
-    for (; t < m; ++t) {
-        keys[t] = craw[t] & 0x7fffffffu;
-        top = keys[t] > top ? keys[t] : top;
-    }
-    if (top > 0x7f800000u) return -1;  /* a NaN */
-    int64_t n = (m + 7) & ~(int64_t)7, above = 0;
-    for (t = m; t < n; ++t) keys[t] = 0;  /* counted by no threshold >= 1 */
-    const int high = top > flo ? 31 - __builtin_clz(top ^ flo) : 30;
-    uint32_t v = top & ~((2u << high) - 1u);  /* the bits every candidate shares */
-    for (int b = high; b >= 0; --b) {
-        if (b == high - 4 && b >= 2)  /* the r-th largest is in [v, v + 2^(b+1)); fewer than r above it */
-            n = keys_window_avx2(keys, n, v > 0 ? v : 1u, v + ((2u << b) - 1u), &above);
-        const uint32_t c_v = v | (1u << b);
-        const int64_t c = above + keys_count_ge_avx2(keys, n, c_v);
-        if (c < r) continue;
-        v = c_v;
-        if (c == r) {  /* the least of the r keys reaching it (the window holds it: fewer than r above) */
-            __m256i lo = _mm256_set1_epi32(-1);
-            const __m256i below = _mm256_set1_epi32((int)(c_v - 1u));
-            for (int64_t i = 0; i < n; i += 8) {
-                const __m256i kv = _mm256_loadu_si256((const __m256i*)(keys + i));
-                lo = _mm256_min_epu32(lo, _mm256_blendv_epi8(_mm256_set1_epi32(-1), kv, _mm256_cmpgt_epi32(kv, below)));
-            }
-            _mm256_storeu_si256((__m256i*)lanes, lo);
-            v = lanes[0];
-            for (int i = 1; i < 8; ++i) v = lanes[i] < v ? lanes[i] : v;
-            break;
-        }
-    }
-    *kth = v;
-    *reach = above + keys_count_ge_avx2(keys, n, v);
-    *ties = r - above - (v == 0x7fffffffu ? 0 : keys_count_ge_avx2(keys, n, v + 1u));
-    return 0;
-}
-#endif
-#if defined(AC_AVX2)
 /* The kept candidates written in order where every key at the k-th magnitude is kept (no partial
    ties): the positions (int64) and values of the keys >= kth, 8 candidates a step compacted by a
    permutation; vectors only while 8 slots are left, the rest by the scalar rule. Returns how many
@@ -1482,7 +1540,7 @@ __attribute__((target("avx2,popcnt"))) static int64_t kept_write_avx2(const uint
     for (; t + 8 <= c && w + 8 <= k; t += 8) {
         const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(craw + t)), mag);
         const unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(kv, below)));
-        const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)ac_compact_lanes[mask]));
+        const __m256i perm = compact_perm(ac_compact_lanes, mask);
         const __m256i pv = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(cpos + t)), perm);
         _mm256_storeu_si256((__m256i*)(p + w), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(pv)));
         _mm256_storeu_si256((__m256i*)(p + w + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(pv, 1)));
@@ -1504,7 +1562,7 @@ static int candidates_kth(const uint32_t* craw, int64_t m, int64_t r, uint32_t f
 #if defined(AC_AVX2)
     if (use_avx2()) {
         int64_t reach;
-        return candidates_kth_avx2(craw, m, r, flo, keys, kth, ties, &reach);
+        return kth_avx2(craw, 0x7fffffffu, m, r, keys, kth, ties, &reach);
     }
 #endif
     uint32_t top = 0;
@@ -1605,7 +1663,7 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
         int64_t reach = -1;  /* (AVX2) how many candidates reach the k-th: k when no tie is cut */
 #if defined(AC_AVX2)
         if (c >= k && c <= cap && use_avx2()) {
-            if (candidates_kth_avx2(craw, c, k, flo, keys, &kth, &ties, &reach) != 0) return -1;  /* a NaN */
+            if (kth_avx2(craw, 0x7fffffffu, c, k, keys, &kth, &ties, &reach) != 0) return -1;  /* a NaN */
             if (reach == k) w = kept_write_avx2(craw, cpos, c, kth, k, p, o);
         }
 #endif
@@ -2060,13 +2118,64 @@ AC_CLONES int64_t ac_row_candidates(float* x, int64_t m, int64_t n, int64_t b, i
    values: flat[position], or the candidate's own value when flat is NULL (signed candidates: no
    gather from the tensor). cidx NULL: the candidates are the whole tensor (position i). No mask,
    nonzero or gather pass. keys: m uint32 of scratch. -1 on a NaN (torch answers). */
+#if defined(AC_AVX2)
+/* ac_pick_largest's writing where no tie at the k-th is cut (every candidate >= kth is kept): 8
+   candidates a step, compacted by permutations (positions as two halves of 64-bit lanes), while 8
+   slots are left; values gathered from flat after the positions where flat is given. Returns how
+   many it wrote; the caller's scalar loop finishes from candidate *next. */
+__attribute__((target("avx2,popcnt"))) static int64_t pick_write_avx2(const float* vals, const int64_t* cidx,
+                                                                     int64_t m, int64_t k, uint32_t kth,
+                                                                     const float* flat, int64_t* out_idx,
+                                                                     float* out_vals, int64_t* next) {
+    const __m256i below = _mm256_set1_epi32((int)kth - 1), mag = _mm256_set1_epi32(0x7fffffff);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t w = 0, i = 0;
+    for (; i + 8 <= m && w + 8 <= k; i += 8) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(vals + i));
+        const unsigned bits = (unsigned)_mm256_movemask_ps(
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_and_si256(raw, mag), below)));
+        if (!bits) continue;
+        const int cnt = __builtin_popcount(bits);
+        if (cidx != NULL) {
+            const unsigned lo = bits & 15u;
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(cidx + i)), b = _mm256_loadu_si256((const __m256i*)(cidx + i + 4));
+            _mm256_storeu_si256((__m256i*)(out_idx + w), _mm256_permutevar8x32_epi32(a, compact_perm(ac_compact_pairs, lo)));
+            _mm256_storeu_si256((__m256i*)(out_idx + w + __builtin_popcount(lo)),
+                                _mm256_permutevar8x32_epi32(b, compact_perm(ac_compact_pairs, bits >> 4)));
+        } else {
+            const __m256i at = _mm256_permutevar8x32_epi32(lane, compact_perm(ac_compact_lanes, bits));
+            const __m256i base = _mm256_set1_epi64x(i);
+            _mm256_storeu_si256((__m256i*)(out_idx + w), _mm256_add_epi64(base, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(at))));
+            _mm256_storeu_si256((__m256i*)(out_idx + w + 4),
+                                _mm256_add_epi64(base, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(at, 1))));
+        }
+        if (flat == NULL)
+            _mm256_storeu_si256((__m256i*)(out_vals + w), _mm256_permutevar8x32_epi32(raw, compact_perm(ac_compact_lanes, bits)));
+        else
+            for (int j = 0; j < cnt; ++j) out_vals[w + j] = flat[out_idx[w + j]];
+        w += cnt;
+    }
+    *next = i;
+    return w;
+}
+#endif
 int ac_pick_largest(const float* vals, const int64_t* cidx, int64_t m, int64_t k, const float* flat,
                     uint32_t* keys, int64_t* out_idx, float* out_vals) {
     uint32_t kth; int64_t ties;
-    if (radix_kth((const uint32_t*)vals, 1, 0x7fffffffu, m, k, keys, &kth, &ties) != 0) return -1;
     const uint32_t* u = (const uint32_t*)vals;
-    int64_t w = 0;
-    for (int64_t i = 0; i < m && w < k; ++i) {
+    int64_t w = 0, i0 = 0;
+#if defined(AC_AVX2)
+    if (k >= 1 && k <= m && use_avx2()) {
+        int64_t reach;
+        if (kth_avx2(u, 0x7fffffffu, m, k, keys, &kth, &ties, &reach) != 0) return -1;
+        if (reach == k) {  /* no tie is cut: the rest keep every tie too */
+            w = pick_write_avx2(vals, cidx, m, k, kth, flat, out_idx, out_vals, &i0);
+            ties = k;
+        }
+    } else
+#endif
+    if (radix_kth(u, 1, 0x7fffffffu, m, k, keys, &kth, &ties) != 0) return -1;
+    for (int64_t i = i0; i < m && w < k; ++i) {
         const uint32_t v = u[i] & 0x7fffffffu;
         if (v > kth || (v == kth && ties-- > 0)) {
             const int64_t at = cidx != NULL ? cidx[i] : i;
