@@ -1180,6 +1180,18 @@ __attribute__((constructor)) static void ac_compact_lanes_init(void) {
 static inline __attribute__((target("avx2"))) __m256i compact_perm(const uint64_t* table, unsigned mask) {
     return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)table[mask]));
 }
+/* The least lane of `least` and the largest of `most` (unsigned), into *lo and *hi. */
+__attribute__((target("avx2"))) static void lanes_range(__m256i least, __m256i most, uint32_t* lo, uint32_t* hi) {
+    uint32_t l8[8], h8[8];
+    _mm256_storeu_si256((__m256i*)l8, least);
+    _mm256_storeu_si256((__m256i*)h8, most);
+    *lo = 0xffffffffu;
+    *hi = 0;
+    for (int j = 0; j < 8; ++j) {
+        *lo = l8[j] < *lo ? l8[j] : *lo;
+        *hi = h8[j] > *hi ? h8[j] : *hi;
+    }
+}
 /* How many of the n keys src[i] & mask (each below 2^31 after the mask: signed compares) are >= t. */
 __attribute__((target("avx2,popcnt"))) static int64_t keys_count_ge_avx2(const uint32_t* src, uint32_t mask, int64_t n,
                                                                         uint32_t t) {
@@ -1202,9 +1214,8 @@ __attribute__((target("avx2"))) static uint32_t keys_least_from_avx2(const uint3
         const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(src + i)), mv);
         lo = _mm256_min_epu32(lo, _mm256_blendv_epi8(ones, kv, _mm256_cmpgt_epi32(kv, tv)));
     }
-    uint32_t lanes[8], least = 0xffffffffu;
-    _mm256_storeu_si256((__m256i*)lanes, lo);
-    for (int j = 0; j < 8; ++j) least = lanes[j] < least ? lanes[j] : least;
+    uint32_t least, unused;
+    lanes_range(lo, _mm256_setzero_si256(), &least, &unused);
     for (; i < n; ++i) {
         const uint32_t u = src[i] & mask;
         least = u >= t && u < least ? u : least;
@@ -1232,13 +1243,8 @@ __attribute__((target("avx2,popcnt"))) static int64_t keys_window_avx2(const uin
         _mm256_storeu_si256((__m256i*)(dst + w), _mm256_permutevar8x32_epi32(kv, compact_perm(ac_compact_lanes, bits)));
         w += __builtin_popcount(bits);
     }
-    uint32_t l8[8], h8[8], wl = 0xffffffffu, wh = 0;
-    _mm256_storeu_si256((__m256i*)l8, least);
-    _mm256_storeu_si256((__m256i*)h8, most);
-    for (int j = 0; j < 8; ++j) {
-        wl = l8[j] < wl ? l8[j] : wl;
-        wh = h8[j] > wh ? h8[j] : wh;
-    }
+    uint32_t wl, wh;
+    lanes_range(least, most, &wl, &wh);
     for (; i < n; ++i) {
         const uint32_t u = src[i] & mask;
         if (u > hi) { ++a; continue; }
@@ -1264,21 +1270,8 @@ __attribute__((target("avx2,popcnt"))) static int64_t keys_window_avx2(const uin
 __attribute__((target("avx2,popcnt"))) static int kth_avx2(const uint32_t* src, uint32_t mask, int64_t m, int64_t r,
                                                           uint32_t* keys, uint32_t* kth, int64_t* ties,
                                                           int64_t* reach) {
-    const __m256i mv = _mm256_set1_epi32((int)mask);
-    __m256i lov = _mm256_set1_epi32(-1), hiv = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 8 <= m; i += 8) {
-        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(src + i)), mv);
-        lov = _mm256_min_epu32(lov, kv);
-        hiv = _mm256_max_epu32(hiv, kv);
-    }
-    uint32_t l8[8], h8[8], lo = 0xffffffffu, top = 0;
-    _mm256_storeu_si256((__m256i*)l8, lov);
-    _mm256_storeu_si256((__m256i*)h8, hiv);
-    for (int j = 0; j < 8; ++j) {
-        lo = l8[j] < lo ? l8[j] : lo;
-        top = h8[j] > top ? h8[j] : top;
-    }
+    uint32_t lo = 0xffffffffu, top = 0;
+    int64_t i = key_range_avx2(src, mask, m, &lo, &top);
     for (; i < m; ++i) {
         const uint32_t u = src[i] & mask;
         lo = u < lo ? u : lo;
