@@ -512,12 +512,13 @@ def test_compensation_inside_the_chunk_scan_equals_add_then_select(chunk, rows, 
 
 
 @pytest.mark.parametrize("bits,chunk,n", [(2, 4096, 3 * 4096 + 1000), (1, 64, 640), (4, 48, 2048), (8, 100, 1000),
-                                          (32, 48, 650), (2, 40000, 90000)])
+                                          (32, 48, 650), (2, 40000, 90000), (4, 1000, 3500), (1, 700, 2900)])
 @pytest.mark.parametrize("case", ["gauss", "negzero", "nan"])
-def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case, monkeypatch):
+def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case, avx2_switch, monkeypatch):
     """mean_into (one sparse pass over every rank's decoded values; for 1, 2 and 4 bits decoded slab
     by slab inside that C call, ``_native.chunk_mean``) and residual (the kept positions only) give
-    the generic path's bits: decompress each, d0 + d1, / world; tensor - decompress."""
+    the generic path's bits: decompress each, d0 + d1, / world; tensor - decompress. The C decoding
+    with AVX2 (8 codes a step where a row keeps 8 or more) and without."""
     from adacomp.compressors import _native
     real, fused = _native.chunk_mean, []
     monkeypatch.setattr(_native, "chunk_mean", lambda *a, **kw: fused.append(real(*a, **kw)) or fused[-1])
@@ -554,9 +555,10 @@ def test_fused_mean_and_residual_match_decompress(bits, chunk, n, case, monkeypa
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_quantizer_c_path_equals_torch(bits):
+def test_quantizer_c_path_equals_torch(bits, avx2_switch):
     """The C quantizer gives torch's scales and codes: a zero row (scale 0), -0.0, values at
-    +-scale, and values whose scaled level lies exactly half-way (round half to even)."""
+    +-scale, and values whose scaled level lies exactly half-way (round half to even); with the AVX2
+    rows (8 values a step, then the row's tail) and the baseline loop."""
     from adacomp.compressors import _native
     from adacomp.compressors.chunktopk import quantize
     g = torch.Generator().manual_seed(bits)
@@ -584,7 +586,7 @@ def test_quantizer_c_path_equals_torch(bits):
                                           (1, 64, 640 + 35), (4, 48, 2048), (1, 40000, 3 * 40000 + 7),
                                           (2, 100, 100 * 7 + 9), (4, 24, 24 * 5 + 5)])
 @pytest.mark.parametrize("case", ["gauss", "zeros", "inf"])
-def test_payload_written_in_one_c_call_a_run_equals_torchs_sequence(bits, chunk, n, case, monkeypatch):
+def test_payload_written_in_one_c_call_a_run_equals_torchs_sequence(bits, chunk, n, case, avx2_switch, monkeypatch):
     """The payload from _native.chunk_encode (scales, codes packed from the run's first code on, the
     partial run's codes finishing the byte the full chunks began, int16 positions, their uint16
     pattern above 32767) is byte for byte the torch sequence's (concatenations, chunk_quantize,

@@ -1661,6 +1661,7 @@ static int chunk_topk_rows(float* a, int64_t rows, int64_t chunk, int64_t k, uin
         }
 #endif
         if (w == k) {
+            /* the vector writing kept them all */
         } else if (c >= k && c <= cap) {
             if (reach < 0 && candidates_kth(craw, c, k, flo, keys, &kth, &ties) != 0) return -1;  /* a NaN */
             for (int64_t t = 0; t < c && w < k; ++t) {  /* branch-free: every candidate is written, */
@@ -3055,8 +3056,63 @@ int64_t ac_first_distinct(const int64_t* draws, int64_t m, int64_t n, int64_t k,
    safe = scale > 0 ? scale : 1 and half = top / 2, torch's float32 operations in its order. Here
    |v| <= safe, so the product lies in [0, top] and adding and removing 2^23 rounds it half-even.
    -1 on a NaN or an infinity (torch answers). */
+#if defined(AC_AVX2)
+/* One row of ac_chunk_quantize, 8 values a step (the same IEEE operations, the maximum exact in any
+   order; the codes truncated and packed to bytes); the row's scale into *scale. -1 on a NaN or an
+   infinity (nothing of this row written). */
+__attribute__((target("avx2"))) static int chunk_quantize_row_avx2(const float* x, int64_t k, float half, float tf,
+                                                                  float* scale, uint8_t* c) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + j), absm);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, a);
+    }
+    if (_mm256_movemask_ps(nan)) return -1;
+    float l8[8], m = 0.0f;
+    _mm256_storeu_ps(l8, mx);
+    for (int q = 0; q < 8; ++q) m = l8[q] > m ? l8[q] : m;
+    for (; j < k; ++j) {
+        const float a = __builtin_fabsf(x[j]);
+        if (a != a) return -1;
+        m = a > m ? a : m;
+    }
+    if (m > 3.4028234663852886e38f) return -1;  /* an infinite value: inf / inf is torch's to round */
+    *scale = m;
+    const float safe = m > 0.0f ? m : 1.0f;
+    const __m256 sv = _mm256_set1_ps(safe), one = _mm256_set1_ps(1.0f), hv = _mm256_set1_ps(half);
+    const __m256 magic = _mm256_set1_ps(8388608.0f), zero = _mm256_setzero_ps(), topv = _mm256_set1_ps(tf);
+    for (j = 0; j + 8 <= k; j += 8) {
+        __m256 t = _mm256_mul_ps(_mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), sv), one), hv);
+        t = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
+        const __m256 r = _mm256_blendv_ps(_mm256_blendv_ps(t, zero, _mm256_cmp_ps(t, zero, _CMP_LT_OQ)), topv,
+                                          _mm256_cmp_ps(t, topv, _CMP_GT_OQ));
+        const __m256i q = _mm256_cvttps_epi32(r);
+        const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i*)(c + j), _mm_packus_epi16(w16, w16));
+    }
+    for (; j < k; ++j) {
+        float t = x[j] / safe;
+        t = t + 1.0f;
+        t = t * half;
+        t = (t + 8388608.0f) - 8388608.0f;
+        t = t < 0.0f ? 0.0f : (t > tf ? tf : t);
+        c[j] = (uint8_t)(int)t;
+    }
+    return 0;
+}
+#endif
 int ac_chunk_quantize(const float* v, int64_t rows, int64_t k, int top, float* scales, uint8_t* codes) {
     const float half = (float)top / 2.0f, tf = (float)top;
+#if defined(AC_AVX2)
+    if (k >= 8 && use_avx2()) {
+        for (int64_t row = 0; row < rows; ++row)
+            if (chunk_quantize_row_avx2(v + row * k, k, half, tf, scales + row, codes + row * k) != 0) return -1;
+        return 0;
+    }
+#endif
     for (int64_t row = 0; row < rows; ++row) {
         const float* x = v + row * k;
         float m = 0.0f;
@@ -3084,15 +3140,58 @@ int ac_chunk_quantize(const float* v, int64_t rows, int64_t k, int top, float* s
    pattern above 32767, + the chunk's start, relative to row0's chunk) and values (levels[code] * the
    chunk's scale); the count. Rows before the partial one keep k_row each, so row r's first kept
    value is the (r k_row)-th; b divides 8, so a code never straddles two bytes. */
+#if defined(AC_AVX2)
+/* The first values of one row of chunk_decode_rows, 8 a step (codes of b <= 4 bits: 8 of them read
+   as one word from the byte the first starts in, while that word lies inside the nbytes of codes):
+   levels[code] by a permutation, times the scale (the same product), positions widened from the int16
+   indices. Returns how many it decoded. */
+__attribute__((target("avx2"))) static int64_t chunk_decode_run_avx2(const int16_t* idx, const uint8_t* codes,
+                                                                    int64_t bit0, int b, float s, const float* levels,
+                                                                    int64_t m, int64_t base, int64_t nbytes,
+                                                                    int64_t* pos, float* vals) {
+    float lv[16] = {0};
+    for (int q = 0; q < 1 << b; ++q) lv[q] = levels[q];
+    const __m256 lo = _mm256_loadu_ps(lv), hi = _mm256_loadu_ps(lv + 8), sv = _mm256_set1_ps(s);
+    const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(b));
+    const __m256i cmask = _mm256_set1_epi32((1 << b) - 1), seven = _mm256_set1_epi32(7);
+    const __m256i basev = _mm256_set1_epi64x(base);
+    int64_t j = 0;
+    for (; j + 8 <= m && ((bit0 + j * b) >> 3) + 8 <= nbytes; j += 8) {
+        const int64_t bit = bit0 + j * b;
+        uint64_t word;
+        __builtin_memcpy(&word, codes + (bit >> 3), sizeof word);
+        const __m256i c = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)(uint32_t)(word >> (bit & 7))), shifts), cmask);
+        __m256 v = _mm256_permutevar8x32_ps(lo, c);
+        if (b == 4) v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, c), _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, seven)));
+        _mm256_storeu_ps(vals + j, _mm256_mul_ps(v, sv));
+        const __m256i p32 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(idx + j)));
+        _mm256_storeu_si256((__m256i*)(pos + j), _mm256_add_epi64(basev, _mm256_cvtepu32_epi64(_mm256_castsi256_si128(p32))));
+        _mm256_storeu_si256((__m256i*)(pos + j + 4),
+                            _mm256_add_epi64(basev, _mm256_cvtepu32_epi64(_mm256_extracti128_si256(p32, 1))));
+    }
+    return j;
+}
+#endif
 static int64_t chunk_decode_rows(const int16_t* idx, const uint8_t* codes, int b, const float* scales,
                                  const float* levels, int64_t row0, int64_t row1, int64_t full, int64_t k_row,
                                  int64_t k_tail, int64_t chunk, int64_t* pos, float* vals) {
     const unsigned mask = (1u << b) - 1u;
     int64_t w = 0;
+#if defined(AC_AVX2)
+    const int vec = b <= 4 && use_avx2();
+    const int64_t nbytes = ((full * k_row + k_tail) * b + 7) / 8;
+#endif
     for (int64_t row = row0; row < row1 && row <= full; ++row) {
         const int64_t m = row < full ? k_row : k_tail, base = (row - row0) * chunk, i0 = row * k_row;
         const float s = m > 0 ? scales[row] : 0.0f;
-        for (int64_t i = i0; i < i0 + m; ++i, ++w) {
+        int64_t j0 = 0;
+#if defined(AC_AVX2)
+        if (vec && m >= 8)
+            j0 = chunk_decode_run_avx2(idx + i0, codes, i0 * b, b, s, levels, m, base, nbytes, pos + w, vals + w);
+#endif
+        w += j0;
+        for (int64_t i = i0 + j0; i < i0 + m; ++i, ++w) {
             const int64_t bit = i * b;
             vals[w] = levels[(codes[bit >> 3] >> (bit & 7)) & mask] * s;
             pos[w] = base + (int64_t)(uint16_t)idx[i];
