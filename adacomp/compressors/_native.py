@@ -3056,6 +3056,16 @@ int64_t ac_first_distinct(const int64_t* draws, int64_t m, int64_t n, int64_t k,
    safe = scale > 0 ? scale : 1 and half = top / 2, torch's float32 operations in its order. Here
    |v| <= safe, so the product lies in [0, top] and adding and removing 2^23 rounds it half-even.
    -1 on a NaN or an infinity (torch answers). */
+/* One value's code: the nearest level of its row's grid (torch's division, add, multiply and round
+   half to even by 2^23, then the clamps), as an integer. */
+static inline uint8_t quantize_code(float x, float safe, float half, float tf) {
+    float t = x / safe;
+    t = t + 1.0f;
+    t = t * half;
+    t = (t + 8388608.0f) - 8388608.0f;
+    t = t < 0.0f ? 0.0f : (t > tf ? tf : t);
+    return (uint8_t)(int)t;
+}
 #if defined(AC_AVX2)
 /* One row of ac_chunk_quantize, 8 values a step (the same IEEE operations, the maximum exact in any
    order; the codes truncated and packed to bytes); the row's scale into *scale. -1 on a NaN or an
@@ -3093,14 +3103,7 @@ __attribute__((target("avx2"))) static int chunk_quantize_row_avx2(const float* 
         const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
         _mm_storel_epi64((__m128i*)(c + j), _mm_packus_epi16(w16, w16));
     }
-    for (; j < k; ++j) {
-        float t = x[j] / safe;
-        t = t + 1.0f;
-        t = t * half;
-        t = (t + 8388608.0f) - 8388608.0f;
-        t = t < 0.0f ? 0.0f : (t > tf ? tf : t);
-        c[j] = (uint8_t)(int)t;
-    }
+    for (; j < k; ++j) c[j] = quantize_code(x[j], safe, half, tf);
     return 0;
 }
 #endif
@@ -3125,14 +3128,7 @@ int ac_chunk_quantize(const float* v, int64_t rows, int64_t k, int top, float* s
         scales[row] = m;
         const float safe = m > 0.0f ? m : 1.0f;
         uint8_t* c = codes + row * k;
-        for (int64_t j = 0; j < k; ++j) {
-            float t = x[j] / safe;
-            t = t + 1.0f;
-            t = t * half;
-            t = (t + 8388608.0f) - 8388608.0f;
-            t = t < 0.0f ? 0.0f : (t > tf ? tf : t);
-            c[j] = (uint8_t)(int)t;
-        }
+        for (int64_t j = 0; j < k; ++j) c[j] = quantize_code(x[j], safe, half, tf);
     }
     return 0;
 }
