@@ -261,7 +261,7 @@ def test_cost_floor_report_before_and_after(tmp_path):
     ``report-floor --before`` puts an earlier run's ratio beside the new one (equal-split shapes,
     one step: plumbing, not numbers)."""
     out = _run([*BENCH, "cost", "run", "--json", "a.json", "--models", "split10", "--methods",
-                "topk,qsgd,qsgd_counter,oktopk", "--counts", "", "--steps", "1"], tmp_path).stdout
+                "topk,qsgd,qsgd_counter,oktopk", "--counts", "", "--steps", "1", "--warmup", "2"], tmp_path).stdout
     assert "[1/4 " in out and "[4/4 " in out and "min left]" in out  # progress on a run of ~50 minutes
     import json
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
@@ -284,7 +284,8 @@ def test_cost_floor_report_before_and_after(tmp_path):
     _run([*BENCH, "cost", "report-floor", "--after", "a.json", "--before", "a.json", "--out", "floor.md"], tmp_path)
     md = (tmp_path / "floor.md").read_text()
     assert "split10 before x floor" in md and "split10 x floor" in md and "| topk |" in md and "| qsgd |" in md
-    assert "split10 minimum x floor" in md
+    assert "split10 minimum x floor" in md and "The timed steps follow 2 untimed ones." in md
+    assert all(r["warmup"] == 2 for r in rows)
     assert "| oktopk |" in md and "oktopk: its exchange needs real peers" in md
     assert "oktopk: bucket granularity" in md
     # several runs: each cell the median run's figures with the range (made-up ratios 1, 2, 4 per cell)
@@ -346,6 +347,28 @@ PERF_REPORT = """# Samples: 14K of event 'cpu-clock:pppH'
      0.56%  [kernel.kallsyms]
      0.36%  libgomp.so.1
 """
+
+
+def test_cost_cells_are_timed_after_the_adaptive_methods_settle():
+    """A cell's timed steps follow ``--warmup`` untimed ones (WARMUP by default, recorded in the row):
+    after 2, SIDCo was still in its first adaptation window, a one-stage fit sending a fraction of its
+    target, so its cell timed a step it does not take once its stage count has adapted. Fewer than 2
+    (error feedback's second buffer not yet written) is refused before any step, naming the option;
+    the floor report says how many each row ran."""
+    from adacomp.bench import cost
+    early = cost.cell("resnet50", "sidco", 1, sizes=(65536, 1 << 18), warmup=2)
+    settled = cost.cell("resnet50", "sidco", 1, sizes=(65536, 1 << 18))
+    assert early["warmup"] == 2 and settled["warmup"] == cost.WARMUP >= 15  # three windows of 5 calls
+    assert settled["bytes_ratio"] > 5 * early["bytes_ratio"]  # normal values: 1 stage sends ~10x too few
+    with pytest.raises(ValueError, match="warmup must be >= 2"):
+        cost.cell("resnet50", "topk", 1, sizes=(65536, 1 << 18), warmup=1)
+    bad = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "topk", "--warmup", "1"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         timeout=HANG_GUARD_S)
+    assert bad.returncode == 2 and "--warmup takes an integer >= 2" in bad.stderr
+    rows = [{"method": "topk"}, {"method": "sidco", "warmup": 30}, {"method": "dgc"}]  # old rows: 2
+    assert cost._warmup_text(rows) == ("The timed steps follow 2 untimed ones (30 for sidco; see `WARMUP` in "
+                                       "adacomp/bench/cost.py).")
 
 
 def test_cost_profile_groups_perf_samples_and_the_cell_samples_its_timed_steps_alone(tmp_path):

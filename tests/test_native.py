@@ -1197,6 +1197,39 @@ def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_threa
     assert _native.add_moments_select(same, torch.randn(100), same, 1.0) is None  # aliasing: the caller adds
 
 
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, monkeypatch: pytest.MonkeyPatch,
+                                                          one_thread: None) -> None:
+    """SIDCo-E's later stages fit the exceedances of the first threshold where its compaction kept
+    them (no copy) and take their shifted mean from one C read (no shifted copy): the payloads and
+    residuals under error feedback equal the torch path's bit for bit (normal, heavy-tailed, tied
+    and constant steps; the stage count fixed, so every step runs every stage)."""
+    from adacomp import memories
+    g = torch.Generator().manual_seed(40 + stages)
+    n = (1 << 17) + 5
+    grads = [torch.randn(n, generator=g), torch.randn(n, generator=g) ** 3, torch.randn(n, generator=g).round(),
+             torch.full((n,), 0.5), torch.randn(n, generator=g) * 1e-3]
+    fits: list[int] = []
+    orig = _native.shifted_mean
+    monkeypatch.setattr(_native, "shifted_mean", lambda x, t: fits.append(1) or orig(x, t))
+
+    def run() -> list[torch.Tensor]:
+        comp, mem = compressors.get("sidco", density=0.01, stages=stages, adaptive=False), memories.get("residual")
+        out = []
+        for x in grads:
+            t = mem.compensate(x.clone(), "w", 2, compressor=comp)
+            payload, ctx = comp.compress(t, "w")
+            out += [t.clone(), *[p.clone() for p in payload]]
+            mem.update(t, "w", comp, payload, ctx)
+        return out + [mem.residuals["w"].clone()]
+    fast = run()
+    assert len(fits) >= len(grads) - 1 or _native.library() is None  # the C mean ran (the constant step
+    monkeypatch.setenv("ADACOMP_NATIVE", "0")                       # may stop after one stage)
+    slow = run()
+    assert all(torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
+               for a, b in zip(fast, slow))
+
+
 @pytest.mark.parametrize("name", ["gaussiank", "redsync", "mstopk", "sidco"])
 def test_fused_search_passes_give_the_torch_paths_payloads(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The magnitudes-with-stats pass (RedSync, MSTop-k, SIDCo) and the moments-with-candidates
@@ -1239,6 +1272,8 @@ def test_cascade_sum_and_ef_sign_scale_equal_torch(n: int, avx2_switch: str, one
         return
     assert str(_native.cascade_sum(x)) == str(float(x.sum()))
     assert str(_native.cascade_sum(x, absolute=True)) == str(float(x.abs().sum()))
+    for t in (0.0, 0.3, -1.7e-3, 123.456, 0.1 + 1e-12):  # SIDCo's later fits: the shifted exceedances' mean
+        assert str(_native.shifted_mean(x, t)) == str(float((x - t).mean()))
     got = _native.abs_stats(x, torch.empty_like(x))
     assert got is not None and got.mean == float(x.abs().mean()) and _native.abs_stats(x, None) == got
     fused = _native.abs_mean_signs(x)
@@ -1249,6 +1284,7 @@ def test_cascade_sum_and_ef_sign_scale_equal_torch(n: int, avx2_switch: str, one
     assert _native.abs_mean_signs(x) is None
     torch.set_num_threads(2)
     assert _native.cascade_sum(x) is None and _native.abs_mean_signs(x) is None
+    assert _native.shifted_mean(x, 0.5) is None
 
 
 def test_efsignsgd_payload_is_the_torch_paths(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:

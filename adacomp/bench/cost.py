@@ -6,7 +6,7 @@ runs the method's full per-step path as rank 0 of a world of two whose peer sent
 decompress; no second process competes for the cores): fusion buckets of 25 MB, tensors under
 1024 elements dense, as the optimizer's defaults route them. It records
 
-* compression time per step (median of ``--steps`` after two warm-up steps) and its share of one
+* compression time per step (median of ``--steps`` after ``--warmup`` untimed steps, :data:`WARMUP`) and its share of one
   backward pass of the model (the zoo in ``adacomp.models``, batch given in the table);
 * extra memory held after the step (residuals, scratch buffers, recycled outputs: every tensor
   reachable from the compressor, memory and communicator objects) and the peak-RSS growth during
@@ -129,6 +129,16 @@ GRADIENT_BATCH = {"resnet50": 8, "gpt2_small": 4, "vgg16": 4, "lstm_lm": 20}  # 
 # linear layer's gradient is an outer product of two vectors: rank one, a pathological input)
 BUCKET_BYTES = 25 * 2 ** 20
 MIN_NUMEL = 1024
+WARMUP = 30
+"""Untimed steps before a cell's timed ones. At least 2: error feedback's second buffer is first
+written on the second step (its page faults cost up to 20x a step). 30, because the adaptive methods
+change what they do over their first steps: SIDCo moves its stage count one step a window of
+``adapt_every`` = 5 calls, so after 2 steps it measured its first window's one-stage fit, which on iid
+values sent a tenth of its target (ResNet-50 2.3x the floor; from 3 stages on, after 2-3 windows,
+5.4-6.0x, cost_notes item 76). The non-adaptive methods measure the same after 2 or 20 (within the
+runs' noise); Gaussian-k's and RedSync's counts drift with error feedback's residual for hundreds of
+steps, which no fixed warm-up settles."""
+WARMUP_MIN = 2
 GRADS = ("randn", "model")
 GRADS_HELP = ("the gradients' values: iid normal (randn) or the zoo model's own from backward passes on its "
               "synthetic batches (model; see model_gradients)")
@@ -222,12 +232,16 @@ def model_gradients(model: str, sets: int = GRADIENT_SETS) -> list[dict[str, tor
 
 def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_file: str | None = None,
          sizes: tuple[int, int] | None = None,
-         around: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> dict:
+         around: Callable[[Callable[[], None]], Callable[[], None]] | None = None, warmup: int = WARMUP) -> dict:
     """One (model, method) measurement in this process (a method of :data:`PEERS`: this rank's, in a
     job of two started by a launcher). ``grads_from``: ``randn`` (iid normal gradients) or ``model``
     (:func:`model_gradients`, read from ``grads_file`` when given). ``sizes = (lo, hi)``: only the
     model's tensors of lo <= numel < hi. ``around``: wraps each timed step (not the warm-up, floor or
-    minimum passes), e.g. to sample it alone (:mod:`adacomp.bench.cost_profile`)."""
+    minimum passes), e.g. to sample it alone (:mod:`adacomp.bench.cost_profile`). ``warmup``: untimed
+    steps first (:data:`WARMUP`)."""
+    if warmup < WARMUP_MIN:
+        raise ValueError(f"warmup must be >= {WARMUP_MIN} (error feedback's second buffer is first written on "
+                         f"the second step), got {warmup!r}")
     from adacomp import communicators, compressors, memories
     from adacomp.backends import create, detect
     from adacomp.backends.base import Backend
@@ -324,9 +338,7 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
             cur.outs += exchange(comm, entries, env)
         comp.on_step(cur.step + 1)
 
-    # two untimed steps: error feedback's second buffer is first written on the second one (its page
-    # faults cost up to 20x a step), so with one the median of three timed steps was the slower of two
-    time_steps(one_step, 0, 2, sync=prepare)
+    time_steps(one_step, 0, warmup, sync=prepare)  # see WARMUP
     time_steps(floor_pass, 0, 1, sync=barrier)
     time_steps(minimum_pass, 0, 1, sync=barrier)
     times: list[float] = []
@@ -355,7 +367,22 @@ def cell(model: str, method: str, steps: int, grads_from: str = "randn", grads_f
             "held_bytes": held, "rss_extra_bytes": max(0, peak - base_rss),
             "bytes_ratio": (sent + dense_small) / max(1, dense + dense_small), "threads": torch.get_num_threads(),
             "grads": grads_from, "processes": backend.size() if method in PEERS else 1, "rank": backend.rank(),
-            "collective_s": statistics.median(collective), "fused_buckets": fused}
+            "collective_s": statistics.median(collective), "fused_buckets": fused, "warmup": warmup}
+
+
+WARMUP_HELP = f"untimed steps before the timed ones (>= {WARMUP_MIN}; default: %(default)s, see WARMUP)"
+
+
+def warmup_arg(text: str) -> int:
+    """``--warmup``: an int of at least :data:`WARMUP_MIN`, else argparse's usage error."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < WARMUP_MIN:
+        raise argparse.ArgumentTypeError(f"--warmup takes an integer >= {WARMUP_MIN} (error feedback's second "
+                                         f"buffer is first written on the second step), got {text!r}")
+    return n
 
 
 def peer_cell(argv: list[str]) -> dict:
@@ -475,7 +502,7 @@ def run(args: argparse.Namespace) -> None:
     tmp = tempfile.TemporaryDirectory(prefix="adacomp-cost-") if args.grads == "model" else None
     for n, (model, method) in enumerate(todo, 1):
         cmd = [*module_command("cost"), "cell", "--model", model, "--method", method, "--steps", str(args.steps),
-               "--grads", args.grads]
+               "--warmup", str(args.warmup), "--grads", args.grads]
         if tmp is not None and not model.startswith("split"):
             if model not in saved:
                 saved[model] = f"{tmp.name}/{model}.pt"
@@ -552,7 +579,7 @@ def report(args: argparse.Namespace) -> None:
         "update, payload exchange, aggregation and decompression of both ranks' payloads) as rank 0 of a world of "
         "two whose peer sent the same bytes (`adacomp/bench/cost_shapes.py` MirrorBackend; no second process competes "
         "for the cores). 25 MB buckets; tensors under 1024 elements dense (counted in the bytes). "
-        "Median of the steps after two warm-up steps. AR-Topk is measured on its root rank (the one running Top-k; "
+        "Median of the steps after two warm-up steps (the runs predate `--warmup`). AR-Topk is measured on its root rank (the one running Top-k; "
         "the other ranks only gather values), so its figure is the per-step maximum.",
         "",
         f"\"Before\" = the code at commit 0a8e961 (main when this branch started), run by the same script "
@@ -636,6 +663,19 @@ def _median_rows(paths: list[str]) -> tuple[dict[tuple[str, str], dict], dict[tu
     return rows, ratios
 
 
+def _warmup_text(rows: Any) -> str:
+    """The untimed steps before the timed ones, as the rows recorded them (rows from before
+    :data:`WARMUP` existed ran 2)."""
+    by: dict[int, set[str]] = {}
+    for r in rows:
+        by.setdefault(int(r.get("warmup", WARMUP_MIN)), set()).add(r["method"])
+    if len(by) == 1:
+        return f"The timed steps follow {next(iter(by))} untimed ones."
+    most = max(by, key=lambda w: len(by[w]))
+    others = "; ".join(f"{w} for {', '.join(sorted(by[w]))}" for w in sorted(by) if w != most)
+    return f"The timed steps follow {most} untimed ones ({others}; see `WARMUP` in adacomp/bench/cost.py)."
+
+
 def report_floor(args: argparse.Namespace) -> None:
     """docs/results/compress_floor.md: each cell's step over its memory floor, measured in the same
     cell; with ``--before``, the same ratio of an earlier run beside it. ``--after`` may name several
@@ -665,7 +705,8 @@ def report_floor(args: argparse.Namespace) -> None:
         "averaged gradient's write, the extra reads of Gaussian-k's and the low-rank methods' second passes, DGC's "
         "velocity and random sample, QSGD's uniform numbers from torch's generator) timed the same way with the fastest kernels this package has, over the floor (below 1x where its "
         "streamed writes beat the floor's plain stores, which read each line first): where it is near or above the "
-        "goal, the goal cannot be met by any implementation of that data flow on this machine."
+        "goal, the goal cannot be met by any implementation of that data flow on this machine. "
+        + _warmup_text(rows.values())
         + (f" Each cell is the median of {len(paths)} runs of the same command (by x floor; its range in "
            "brackets)." if len(paths) > 1 else "")
         + (f" **before x floor**: the same ratio from `{args.before}` (its own floors)." if before else "")
@@ -722,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", required=True)
     c.add_argument("--method", required=True, choices=sorted(METHODS))
     c.add_argument("--steps", type=int, default=2)
+    c.add_argument("--warmup", type=warmup_arg, default=WARMUP, help=WARMUP_HELP)
     c.add_argument("--grads", choices=GRADS, default="randn", help=GRADS_HELP)
     c.add_argument("--grads-file", help="model_gradients() saved by `run` (else computed here)")
     c.add_argument("--sizes", type=cost_profile.sizes_arg, help="LO:HI, only the tensors of LO <= numel < HI")
@@ -732,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--methods", default=",".join(METHODS))
     r.add_argument("--counts", default="10,100,1000")
     r.add_argument("--steps", type=int, default=2)
+    r.add_argument("--warmup", type=warmup_arg, default=WARMUP, help=WARMUP_HELP)
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--timeout", type=int, default=900)
     r.add_argument("--resume", action="store_true", help="keep the cells already in --json")
@@ -752,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", default=f"{RESULTS}/compress_floor.md")
     f.add_argument("--note", default="", help="a paragraph on the run's conditions")
     cost_passes.add_parser(sub)
-    cost_profile.add_parser(sub, sorted(METHODS), sorted(PEERS))
+    cost_profile.add_parser(sub, sorted(METHODS), sorted(PEERS), warmup_arg, WARMUP, WARMUP_HELP)
     p = sub.add_parser("report")
     p.add_argument("--after", required=True)
     p.add_argument("--before")
@@ -771,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         around = cost_profile.sampled if args.perf_control else None
         if around is not None:
             cost_profile.connect(args.perf_control)
-        got = cell(args.model, args.method, args.steps, args.grads, args.grads_file, args.sizes, around)
+        got = cell(args.model, args.method, args.steps, args.grads, args.grads_file, args.sizes, around, args.warmup)
         if args.method not in PEERS or got["rank"] == 0:
             print(json.dumps(got))
     else:

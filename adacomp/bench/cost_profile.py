@@ -104,7 +104,8 @@ def profile(args: argparse.Namespace) -> None:
         os.mkfifo(ctl)
         os.mkfifo(ack)
         cell = [sys.executable, "-m", "adacomp.bench.cost", "cell", "--model", args.model, "--method", args.method,
-                "--steps", str(args.steps), "--grads", args.grads, "--perf-control", f"{ctl},{ack}"]
+                "--steps", str(args.steps), "--warmup", str(args.warmup), "--grads", args.grads,
+                "--perf-control", f"{ctl},{ack}"]
         if args.sizes is not None:
             cell += ["--sizes", f"{args.sizes[0]}:{args.sizes[1]}"]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -130,12 +131,14 @@ def profile(args: argparse.Namespace) -> None:
         print(f"  {pct:6.2f} %  {sym[:110]}")
 
 
-def add_parser(sub: Any, methods: list[str], peers: list[str]) -> None:
+def add_parser(sub: Any, methods: list[str], peers: list[str], warmup_arg: Callable[[str], int], warmup: int,
+               warmup_help: str) -> None:
     p = sub.add_parser("profile", help="perf samples of a cost cell's timed steps alone (see cost_profile)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--method", required=True, choices=methods)
     p.add_argument("--steps", type=int, default=100, help="timed steps sampled (default: %(default)s)")
+    p.add_argument("--warmup", type=warmup_arg, default=warmup, help=warmup_help)
     p.add_argument("--sizes", type=sizes_arg, help="LO:HI, only the tensors of LO <= numel < HI")
     p.add_argument("--grads", choices=("randn", "model"), default="randn")
     p.add_argument("--threads", type=int, default=1)

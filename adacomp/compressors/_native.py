@@ -564,6 +564,21 @@ static float ac_cascade_stream(const float* x, const float* plus, const uint8_t*
 float ac_cascade_sum(const float* x, int64_t n, int absmode) {
     return ac_cascade_stream(x, 0, 0, 0.0f, 0, n, absmode, 0);
 }
+/* torch's float32 (x - t).sum() (one IEEE subtraction per element, as torch subtracts a Python
+   float rounded to float32, then the cascade above; n >= 8) without writing x - t: SIDCo's later
+   stages fit the exceedances of the previous threshold shifted by it. */
+float ac_cascade_sum_shifted(const float* x, int64_t n, float t) {
+    ac_cascade c;
+    float buf[32];
+    ac_cascade_init(&c, n);
+    for (int64_t r = 0; r < c.rows; ++r) {
+        for (int l = 0; l < 32; ++l) buf[l] = x[32 * r + l] - t;
+        ac_cascade_row(&c, buf);
+    }
+    const int64_t done = 32 * c.rows;
+    for (int64_t i = done; i < n; ++i) buf[i - done] = x[i] - t;
+    return ac_cascade_finish(&c, buf, n);
+}
 /* EF-SignSGD's scale and signs in one read: *sum = torch.abs(x).sum() (the cascade above; n >= 8)
    and packed = pack_bits(x >= 0, 1) (ac_pack_nonneg's bytes), no magnitudes written. */
 void ac_abs_sum_pack(const float* x, int64_t n, uint8_t* packed, float* sum) {
@@ -4173,6 +4188,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_abs_stats.restype = ctypes.c_int
     lib_.ac_cascade_sum.restype = ctypes.c_float
     lib_.ac_cascade_sum.argtypes = [vp, i64, ctypes.c_int]
+    lib_.ac_cascade_sum_shifted.restype = ctypes.c_float
+    lib_.ac_cascade_sum_shifted.argtypes = [vp, i64, ctypes.c_float]
     lib_.ac_abs_sum_pack.restype = None
     lib_.ac_add_cascade.restype = None
     lib_.ac_add_cascade.argtypes = [vp, vp, vp, i64, ctypes.c_int, vp, vp]
@@ -4504,6 +4521,15 @@ def cascade_sum(x: Tensor, absolute: bool = False) -> float | None:
     if not (usable(x) and x.numel() >= 8 and sums_like_torch()):
         return None
     return float(library().ac_cascade_sum(x.data_ptr(), x.numel(), int(absolute)))  # type: ignore[union-attr]
+
+
+def shifted_mean(x: Tensor, t: float) -> float | None:
+    """``float((x - t).mean())`` bitwise for 1-D ``x`` (torch subtracts ``t`` rounded to float32, then
+    sums and divides), from one read and no ``x - t`` written; None where torch must answer."""
+    if not (usable(x) and x.dim() == 1 and x.numel() >= 8 and sums_like_torch()):
+        return None
+    total = float(library().ac_cascade_sum_shifted(x.data_ptr(), x.numel(), f32(t)))  # type: ignore[union-attr]
+    return mean_from_sum(total, x.numel())
 
 
 def abs_mean_signs(x: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (Magnitudes, SparseCompressor, ThresholdCounter, compensate_with_stats, k_for,
                                         search_share)
@@ -148,7 +149,9 @@ class SIDCoCompressor(SparseCompressor):
             tail = counter.values(thr) if counter is not None else a[a > thr]
             if tail.numel() < 2:
                 break
-            thr = thr + later(tail - thr, ratio)
+            # the exponential fit reads only the shifted exceedances' mean: one C read, not a shifted copy
+            mean = _native.shifted_mean(tail, thr) if later is exponential_quantile else None
+            thr = thr + (later(tail - thr, ratio) if mean is None else exponential_quantile(tail, ratio, mean))
         return thr
 
     def _slope(self, seen: dict[int, list[float]], s: int) -> int:
