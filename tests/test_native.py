@@ -1211,7 +1211,7 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, monkeypat
              torch.full((n,), 0.5), torch.randn(n, generator=g) * 1e-3]
     fits: list[int] = []
     orig = _native.shifted_mean
-    monkeypatch.setattr(_native, "shifted_mean", lambda x, t: fits.append(1) or orig(x, t))
+    monkeypatch.setattr(_native, "shifted_mean", lambda x, t, absolute=False: fits.append(1) or orig(x, t, absolute))
 
     def run() -> list[torch.Tensor]:
         comp, mem = compressors.get("sidco", density=0.01, stages=stages, adaptive=False), memories.get("residual")
@@ -1274,6 +1274,7 @@ def test_cascade_sum_and_ef_sign_scale_equal_torch(n: int, avx2_switch: str, one
     assert str(_native.cascade_sum(x, absolute=True)) == str(float(x.abs().sum()))
     for t in (0.0, 0.3, -1.7e-3, 123.456, 0.1 + 1e-12):  # SIDCo's later fits: the shifted exceedances' mean
         assert str(_native.shifted_mean(x, t)) == str(float((x - t).mean()))
+        assert str(_native.shifted_mean(x, t, absolute=True)) == str(float((x.abs() - t).mean()))
     got = _native.abs_stats(x, torch.empty_like(x))
     assert got is not None and got.mean == float(x.abs().mean()) and _native.abs_stats(x, None) == got
     fused = _native.abs_mean_signs(x)

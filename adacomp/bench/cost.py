@@ -102,16 +102,22 @@ is taken out of it (``collective_s``), as the mirror's collectives cost nothing.
 # numbers' cost without their write; ``qsgd_counter``, QSGD with ``rng: counter``, has no such
 # pass). ``sample``: DGC's threshold sample, 1 % of the tensor at uniformly random positions (DGC
 # §5: 0.1-1 %), drawn by torch's generator and gathered: loads that miss the caches wherever they
-# land. ``/2``: over half of every tensor (alltoall's second
+# land. SIDCo's ``read``: its first stage's threshold is a multiple of the mean of |g + r|, known only
+# once error feedback's add has read the whole tensor, so selecting against it reads the tensor again,
+# unless the add keeps a superset from a sampled floor; with the stage count adapted (three on normal
+# values, WARMUP) the first stage passes ~22 %, and writing that many candidates costs about the read
+# (cost_notes item 62: kept only up to 15 %; 30 % measured 1.5x slower on ResNet-50, item 76), as
+# Gaussian-k's threshold needs its mean and std. ``/2``: over half of every tensor (alltoall's second
 # stage: each of the two ranks averages its half, adds that half's error and recompresses it).
 SAMPLE_RATIO = 0.01  # DGC's default sample_ratio (the ``sample`` pass)
 RNG_CHUNK = 1 << 16  # the ``rng`` pass's scratch: 256 KB, resident in L2 while it is refilled
 
 MINIMUM: dict[str, tuple[str, ...]] = {
-    **{m: ("ef", "write") for m in ("efsignsgd", "topk", "adtopk", "artopk", "sidco", "gtopk",
+    **{m: ("ef", "write") for m in ("efsignsgd", "topk", "adtopk", "artopk", "gtopk",
                                     "mstopk", "randomk", "redsync", "chunktopk", "oktopk")},
     "alltoall": ("ef", "write", "ef/2", "write/2"),
     "gaussiank": ("ef", "read", "write"),
+    "sidco": ("ef", "read", "write"),  # its adapted stages' first threshold needs the sum's mean: see above
     "dgc": ("ef", "rw", "write", "sample"),
     "qsgd": ("read", "write", "rng"),
     "qsgd_counter": ("read", "write"),  # its numbers are arithmetic inside the fused pass
@@ -702,7 +708,8 @@ def report_floor(args: argparse.Namespace) -> None:
         "sparsifiers and quantisers, <= 5x for low-rank. Error feedback alone reads the gradient and the residual "
         "and writes both back, so the goal asks for fused single passes. **minimum x floor**: the passes the "
         "method's data flow cannot avoid (`MINIMUM` in adacomp/bench/cost.py: error feedback's add, the dense "
-        "averaged gradient's write, the extra reads of Gaussian-k's and the low-rank methods' second passes, DGC's "
+        "averaged gradient's write, the extra reads of Gaussian-k's, SIDCo's (its adapted stages) and the low-rank "
+        "methods' second passes, DGC's "
         "velocity and random sample, QSGD's uniform numbers from torch's generator) timed the same way with the fastest kernels this package has, over the floor (below 1x where its "
         "streamed writes beat the floor's plain stores, which read each line first): where it is near or above the "
         "goal, the goal cannot be met by any implementation of that data flow on this machine. "

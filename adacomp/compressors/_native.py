@@ -564,19 +564,20 @@ static float ac_cascade_stream(const float* x, const float* plus, const uint8_t*
 float ac_cascade_sum(const float* x, int64_t n, int absmode) {
     return ac_cascade_stream(x, 0, 0, 0.0f, 0, n, absmode, 0);
 }
-/* torch's float32 (x - t).sum() (one IEEE subtraction per element, as torch subtracts a Python
-   float rounded to float32, then the cascade above; n >= 8) without writing x - t: SIDCo's later
-   stages fit the exceedances of the previous threshold shifted by it. */
-float ac_cascade_sum_shifted(const float* x, int64_t n, float t) {
+/* torch's float32 (x - t).sum() (absmode: (|x| - t).sum(); one IEEE subtraction per element, as
+   torch subtracts a Python float rounded to float32, then the cascade above; n >= 8) without writing
+   x - t: SIDCo's later stages fit the exceedances of the previous threshold shifted by it. */
+float ac_cascade_sum_shifted(const float* x, int64_t n, float t, int absmode) {
     ac_cascade c;
     float buf[32];
     ac_cascade_init(&c, n);
     for (int64_t r = 0; r < c.rows; ++r) {
-        for (int l = 0; l < 32; ++l) buf[l] = x[32 * r + l] - t;
+        if (absmode) for (int l = 0; l < 32; ++l) buf[l] = __builtin_fabsf(x[32 * r + l]) - t;
+        else for (int l = 0; l < 32; ++l) buf[l] = x[32 * r + l] - t;
         ac_cascade_row(&c, buf);
     }
     const int64_t done = 32 * c.rows;
-    for (int64_t i = done; i < n; ++i) buf[i - done] = x[i] - t;
+    for (int64_t i = done; i < n; ++i) buf[i - done] = (absmode ? __builtin_fabsf(x[i]) : x[i]) - t;
     return ac_cascade_finish(&c, buf, n);
 }
 /* EF-SignSGD's scale and signs in one read: *sum = torch.abs(x).sum() (the cascade above; n >= 8)
@@ -4189,7 +4190,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_cascade_sum.restype = ctypes.c_float
     lib_.ac_cascade_sum.argtypes = [vp, i64, ctypes.c_int]
     lib_.ac_cascade_sum_shifted.restype = ctypes.c_float
-    lib_.ac_cascade_sum_shifted.argtypes = [vp, i64, ctypes.c_float]
+    lib_.ac_cascade_sum_shifted.argtypes = [vp, i64, ctypes.c_float, ctypes.c_int]
     lib_.ac_abs_sum_pack.restype = None
     lib_.ac_add_cascade.restype = None
     lib_.ac_add_cascade.argtypes = [vp, vp, vp, i64, ctypes.c_int, vp, vp]
@@ -4523,12 +4524,14 @@ def cascade_sum(x: Tensor, absolute: bool = False) -> float | None:
     return float(library().ac_cascade_sum(x.data_ptr(), x.numel(), int(absolute)))  # type: ignore[union-attr]
 
 
-def shifted_mean(x: Tensor, t: float) -> float | None:
-    """``float((x - t).mean())`` bitwise for 1-D ``x`` (torch subtracts ``t`` rounded to float32, then
-    sums and divides), from one read and no ``x - t`` written; None where torch must answer."""
+def shifted_mean(x: Tensor, t: float, absolute: bool = False) -> float | None:
+    """``float((x - t).mean())`` (``absolute``: of ``x.abs() - t``) bitwise for 1-D ``x`` (torch
+    subtracts ``t`` rounded to float32, then sums and divides), from one read and no ``x - t``
+    written; None where torch must answer."""
     if not (usable(x) and x.dim() == 1 and x.numel() >= 8 and sums_like_torch()):
         return None
-    total = float(library().ac_cascade_sum_shifted(x.data_ptr(), x.numel(), f32(t)))  # type: ignore[union-attr]
+    total = float(library().ac_cascade_sum_shifted(x.data_ptr(), x.numel(), f32(t),  # type: ignore[union-attr]
+                                                   int(absolute)))
     return mean_from_sum(total, x.numel())
 
 

@@ -39,7 +39,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from adacomp.compressors import _native
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (Magnitudes, SparseCompressor, ThresholdCounter, compensate_with_stats, k_for,
                                         search_share)
@@ -142,16 +141,21 @@ class SIDCoCompressor(SparseCompressor):
         ratio = self._density ** (1.0 / stages)
         thr = first(a, ratio, mean)
         if counter is not None and stages > 1:
-            # keep the first stage's exceedances: the later stages' thresholds (and, when they rise,
-            # the final selection) are answered from them instead of passes over the whole tensor
-            counter.compact(thr, ratio)
+            # keep the first stage's exceedances (signed, where the counter reads |g| from g): the later
+            # stages' thresholds and the final selection with its values are answered from them
+            # instead of passes over the whole tensor and a gather of the payload's values
+            counter.compact(thr, ratio, signed=True)
         for _ in range(stages - 1):
+            if counter is not None and later is exponential_quantile:  # the fit reads only their shifted mean
+                count, mean = counter.shifted_mean(thr)
+                if count < 2:
+                    break
+                thr = thr + exponential_quantile(a, ratio, mean)
+                continue
             tail = counter.values(thr) if counter is not None else a[a > thr]
             if tail.numel() < 2:
                 break
-            # the exponential fit reads only the shifted exceedances' mean: one C read, not a shifted copy
-            mean = _native.shifted_mean(tail, thr) if later is exponential_quantile else None
-            thr = thr + (later(tail - thr, ratio) if mean is None else exponential_quantile(tail, ratio, mean))
+            thr = thr + later(tail - thr, ratio)
         return thr
 
     def _slope(self, seen: dict[int, list[float]], s: int) -> int:
@@ -218,9 +222,13 @@ class SIDCoCompressor(SparseCompressor):
         return share if share <= CANDIDATES_MAX else None
 
     def select(self, flat: Tensor, name: str) -> Tensor:
+        return self.choose(flat, name)[0]
+
+    def choose(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor | None]:
+        """The selection, with its values where the kept candidates carry them signed."""
         k = k_for(flat.numel(), self._density)
         if k >= flat.numel():
-            return torch.arange(flat.numel(), device=flat.device)
+            return torch.arange(flat.numel(), device=flat.device), None
         ws = self._workspace()
         # SIDCo-E reads the mean of |g| and then counts: on g itself with absolute answers where the C
         # passes serve (|g| not written); the other fits read |g| whole, written in a reused buffer
@@ -235,14 +243,16 @@ class SIDCoCompressor(SparseCompressor):
         stages = int(st["stages"])
         last = self._fit_shares.get(name, (0, 0.0, 0.0))[2]
         thr = self.threshold(a, stages, counter, mag.mean())
-        idx = counter.select(thr, max(self._density, 1.25 * last))  # a guess of its size: a short one costs a pass
+        share = max(self._density, 1.25 * last)  # a guess of its size: a short one costs a pass
+        got = counter.pick(thr, share)
+        idx, vals = got if got is not None else (counter.select(thr, share), None)
         n = flat.numel()
         # the first fit's pass: the later stages' compaction (its kept set), else the selection itself
         kept = counter.vals.numel() if stages > 1 and counter.vals is not None else idx.numel()
         self._fit_shares[name] = (stages, kept / n, idx.numel() / n)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
-        return idx if idx.numel() else mag.argmax()
+        return (idx, vals) if idx.numel() else (mag.argmax(), None)
 
     def stages_for(self, name: str) -> int:
         """Current number of fitting stages of tensor ``name`` (``stages`` before its first call)."""

@@ -496,21 +496,29 @@ class ThresholdCounter:
         a whole search may then run in one C call (:func:`_native.bisect_band`), the same counts."""
         return self.native and self.floor is None and self.vals is None and not self.batched and not self._counts
 
-    def compact(self, floor: float, expected: float = 1.0, keep_nan: bool = False) -> None:
+    def compact(self, floor: float, expected: float = 1.0, keep_nan: bool = False, signed: bool = False) -> None:
         """Keep the elements passing ``floor``; ``keep_nan`` also keeps NaNs (for callers that must
-        see them, as torch.topk ranks NaN first), after which only ``vals`` / ``idx`` are valid."""
+        see them, as torch.topk ranks NaN first), after which only ``vals`` / ``idx`` are valid.
+        ``signed``: an ``absolute`` counter keeps the elements themselves (:meth:`adopt`'s), so
+        :meth:`pick` gives a payload's values from them instead of a gather over ``a``."""
         if not math.isfinite(floor):
             return
         if (self.covers(floor) and not (keep_nan or self.nan_kept) and self.native and self.vals is not None
                 and self.idx is not None and _native.usable(self.vals)):
             # what passes ``floor`` passes the kept floor too: narrowed from the kept set, no pass over ``a``
+            share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+            pairs = _native.pick_pairs(self.vals, self.idx, floor, self.strict, share) if self.signed else None
+            if pairs is not None:  # positions and signed values in one pass, no gathers
+                self.adopt(floor, *pairs, signed=True)
+                return
             at = self._kept_at(floor, expected)
             self.adopt(floor, self.idx.index_select(0, at), self.vals.index_select(0, at), signed=self.signed)
             return
         self.nan_kept = keep_nan
         if self.native:
-            self.adopt(floor, *_native.select(self.a, floor, self.prefix + "not_lt" if keep_nan else self.mode,
-                                              expected))
+            keep_signs = signed and bool(self.prefix) and not keep_nan
+            mode = self.prefix + "not_lt" if keep_nan else self.mode + ("_signed" if keep_signs else "")
+            self.adopt(floor, *_native.select(self.a, floor, mode, expected), signed=keep_signs)
             return
         if keep_nan:
             mask = torch.logical_not(torch.lt(self.a, floor, out=self.mask), out=self.mask)
@@ -702,6 +710,20 @@ class ThresholdCounter:
             expected = search_share(density, factor)
             counter.compact(sample_value(a, expected, absolute=absolute), expected)
         return counter
+
+    def shifted_mean(self, thr: float) -> tuple[int, float]:
+        """How many elements pass ``thr`` and ``float((values(thr) - thr).mean())`` bitwise (NaN
+        where fewer than 2 pass): at the kept floor itself one C read of the kept set (their
+        magnitudes where kept signed), no shifted copy and no copy of the set."""
+        if thr == self.floor and self.vals is not None and not self.nan_kept:  # all of them pass it
+            got = _native.shifted_mean(self.vals, thr, absolute=self.signed)
+            if got is not None:
+                return self.vals.numel(), got
+        tail = self.values(thr)
+        if tail.numel() < 2:
+            return tail.numel(), math.nan
+        got = _native.shifted_mean(tail, thr)
+        return tail.numel(), got if got is not None else float((tail - thr).mean())
 
     def values(self, thr: float) -> Tensor:
         """The elements of ``a`` passing ``thr`` (magnitudes where ``absolute``), in index order: fresh,
