@@ -451,6 +451,7 @@ def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):
     rows = [row("resnet50", "ddp", 16, 1.0), row("resnet50", "topk", 16, 1.1),
             row("resnet50", "ddp", 2, 1.0), row("resnet50", "topk", 2, 1.3), row("resnet50", "qsgd", 2, 1.2)]
     rows[-1]["bytes_ratio"] = 0.125
+    rows.append({**row("resnet50", "sidco", 2, 0.9), "warmup": 16})  # an arm that settles later (its stages adapt)
     args = SimpleNamespace(out_dir=str(tmp_path), merge=False, threads=1, command="adacomp bench zoo --report-only")
     zoo.report(rows, args, 2)
     md = (tmp_path / "zoo_steps.md").read_text()
@@ -458,6 +459,8 @@ def test_zoo_report_puts_small_batch_rows_in_their_own_table(tmp_path):
     assert "| topk |  | 1.10x (10%) |" in main and "1.30x" not in main
     assert "resnet50 (batch 2)" in short and "| topk | 1.30x (10%) ✗ |" in short and "| qsgd | 1.20x (10%, 12.5% B) |" in short
     assert "Above the bar: resnet50: topk." in short and "cmd resnet50 2" in short
+    assert "resnet50: 1 round(s) x (1 warm-up + 1 measured steps; sidco: 16 warm-up)" in short
+    assert zoo.arm_config("sidco")[1] >= 15  # three adaptation windows of 5 calls
 
 
 def test_gpu_step_arms_with_knobs_on_the_devices_path(tmp_path, monkeypatch):
