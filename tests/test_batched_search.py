@@ -186,6 +186,9 @@ def _config(method: str) -> dict:
     if method == "gaussiank_capped":  # no corrections: the normal fit of a half-dead layer passes past the cap
         base = arm_config("gaussiank")[0]
         return {**base, "compressor": {**base["compressor"], "max_adjust": 0}}
+    if method == "sidco_stages":  # the stage count SIDCo settles on for normal values, from the first step
+        base = arm_config("sidco")[0]
+        return {**base, "compressor": {**base["compressor"], "stages": 3, "adaptive": False}}
     return arm_config(method)[0]
 
 
@@ -318,6 +321,15 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 whole.append(int(mags is taken[0] and got is not None))
                 return got
             _native.take, _native.pick_largest = took, capped  # type: ignore[assignment]
+        if method == "sidco_stages":  # the later fits' shifted means read in C from the signed kept set
+            from adacomp.compressors import _native
+            shifted = _native.shifted_mean
+
+            def fitted(x: torch.Tensor, t: float, absolute: bool = False) -> Any:
+                got = shifted(x, t, absolute)
+                whole.append(int(absolute and got is not None))
+                return got
+            _native.shifted_mean = fitted  # type: ignore[assignment]
         if method == "adtopk_1d":  # a one-row tensor (a bias) picked whole in one C call
             from adacomp.compressors import _native
             pick = _native.pick_largest
@@ -350,13 +362,15 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     # the means went into the gradients; the fused passes named above ran
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
                                                                    "adtopk", "adtopk_dead", "adtopk_wide", "sidco"))
-    picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync")
+    picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync",
+                                              "sidco_stages")
     return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not picks)
 
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
-        + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "adtopk",
+        + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "sidco_stages",
+                                   "adtopk",
                                    "adtopk_1d", "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall",
                                    "alltoall_small", "gaussiank_capped", "artopk", "dgc", "chunktopk", "chunktopk_dead",
                                    "oktopk", "qsgd",
@@ -371,8 +385,9 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     reduce-scatter per unit), 2 real gloo
     ranks: the same parameters with the GPU's batched counts as without (the torch path on both
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (whole small tensors'
-    and parts' picks from a sampled floor, with no joined alltoall payload built, and Gaussian-k's
-    capped whole-counted tensors ranked in C, all three required to have run; the compensation
+    and parts' picks from a sampled floor, with no joined alltoall payload built, Gaussian-k's
+    capped whole-counted tensors ranked in C and SIDCo's three stages' later fits read from its
+    signed kept set, all required to have run; the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
     signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass, Chunk-Top-k's
     kept values and DGC's masking, both required to have run; bf16's casts
