@@ -506,7 +506,7 @@ class ThresholdCounter:
         if (self.covers(floor) and not (keep_nan or self.nan_kept) and self.native and self.vals is not None
                 and self.idx is not None and _native.usable(self.vals)):
             # what passes ``floor`` passes the kept floor too: narrowed from the kept set, no pass over ``a``
-            share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+            share = self._kept_share(expected)
             pairs = _native.pick_pairs(self.vals, self.idx, floor, self.strict, share) if self.signed else None
             if pairs is not None:  # positions and signed values in one pass, no gathers
                 self.adopt(floor, *pairs, signed=True)
@@ -684,18 +684,23 @@ class ThresholdCounter:
         if not (self.signed and self.covers(thr)):
             return None
         assert self.idx is not None and self.vals is not None  # adopted
-        share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+        share = self._kept_share(expected)
         got = _native.pick_pairs(self.vals, self.idx, thr, self.strict, share)  # one pass, no gathers
         if got is not None:
             return got
         at = self._kept_at(thr, expected)
         return self.idx.index_select(0, at), _native.take(self.vals, at)
 
+    def _kept_share(self, expected: float) -> float:
+        """``expected`` (a share of ``a``) as a share of the kept set: an output's first size guess."""
+        assert self.vals is not None
+        return min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+
     def _kept_at(self, thr: float, expected: float) -> Tensor:
         """Positions among the kept values passing ``thr`` (one C pass; ``expected``: the share of
         ``a`` the caller expects, rescaled to the kept set for the output's first guess)."""
         assert self.vals is not None
-        share = min(1.0, expected * self.a.numel() / max(1, self.vals.numel()))
+        share = self._kept_share(expected)
         return _native.select(self.vals, thr, self._kept_mode, share)[0]
 
     @classmethod
