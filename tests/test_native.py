@@ -71,10 +71,11 @@ def test_select_and_count_equal_torch(n: int, mode: str, op, avx2_switch: str) -
 
 
 def _blocky(seed: int) -> torch.Tensor:
-    """Signed values whose 64-element blocks pass |x| >= 1 at every count from 0 to 64 (and a NaN)."""
+    """Signed values whose 64-element blocks pass |x| >= 1 at every count from 0 to 64 (and a NaN),
+    the last passing ones in a block the AVX2 loops pack eight lanes at a time (``AC_DENSE_MIN``)."""
     g = torch.Generator().manual_seed(seed)
     blocks = []
-    for passing in [*range(65), 1, 0, 2, 3, 64, 0]:
+    for passing in [*range(65), 1, 0, 2, 3, 64, 0, 20, 0]:
         b = (torch.rand(64, generator=g) * 0.9)
         b[torch.randperm(64, generator=g)[:passing]] += 1.5
         blocks.append(b * torch.where(torch.rand(64, generator=g) < 0.5, -1.0, 1.0))
@@ -86,8 +87,9 @@ def _blocky(seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("kernel", ["select_abs_ge", "select_abs_not_lt", "select_gt", "add_select", "add_stats",
                                     "sumsq", "momentum"])
 def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx2_switch: str) -> None:
-    """The C compactions (their first two per 64-block written without a branch) return the full
-    count and write exactly the first ``cap`` passing positions and values, whatever ``cap``."""
+    """The C compactions (their first two per 64-block written without a branch, a block with many
+    passing packed eight lanes at a time where 64 more fit under ``cap``) return the full count and
+    write exactly the first ``cap`` passing positions and values, whatever ``cap``."""
     import ctypes
     lib = _native.library()
     x = _blocky(len(kernel))
@@ -123,13 +125,15 @@ def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx
     total = want_idx.numel()
     assert total > 100
     for cap in sorted({0, 1, 2, 3, 63, 64, 65, total - 2, total - 1, total, total + 1, total + 64}):
-        idx = torch.full((max(cap, 1),), -7, dtype=torch.int64)
-        vals = torch.full((max(cap, 1),), -7.0)
+        idx = torch.full((cap + 16,), -7, dtype=torch.int64)
+        vals = torch.full((cap + 16,), -7.0)
         assert call(idx.data_ptr(), vals.data_ptr(), cap) == total, cap
         m = min(cap, total)
         assert torch.equal(idx[:m], want_idx[:m]), cap
         assert torch.equal(bits(vals[:m]), bits(ref[want_idx[:m]])), cap
-        assert bool((idx[m:cap] == -7).all()) or cap - m <= 2, cap  # past the count: at most the two fast writes
+        # past the count: at most the two fast writes, or a packed block's eight lanes; never at or past cap
+        assert bool((idx[m + 8:] == -7).all()) and bool((idx[cap:] == -7).all()), cap
+        assert bool((vals[cap:] == -7.0).all()), cap
 
 
 @pytest.mark.parametrize("n", [1, 15, 17, 65, 4099, 1 << 18])

@@ -67,6 +67,29 @@ int ac_avx2_off = 0;
 #define AC_AVX2 1
 static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"); }
 #endif
+#if defined(AC_AVX2)
+/* ac_compact_lanes[mask]: the lanes set in an 8-bit mask, in order, one byte each (the permutation of
+   a vector compaction); ac_compact_pairs[mask]: the same for a 4-bit mask over 64-bit lanes, as pairs
+   of 32-bit lanes. */
+static uint64_t ac_compact_lanes[256], ac_compact_pairs[16];
+__attribute__((constructor)) static void ac_compact_lanes_init(void) {
+    for (int mask = 0; mask < 256; ++mask) {
+        uint64_t lanes = 0, pairs = 0;
+        int w = 0;
+        for (int i = 0; i < 8; ++i)
+            if (mask >> i & 1) {
+                lanes |= (uint64_t)i << (8 * w);
+                if (i < 4) pairs |= ((uint64_t)(2 * i) | (uint64_t)(2 * i + 1) << 8) << (16 * w);
+                ++w;
+            }
+        ac_compact_lanes[mask] = lanes;
+        if (mask < 16) ac_compact_pairs[mask] = pairs;
+    }
+}
+static inline __attribute__((target("avx2"))) __m256i compact_perm(const uint64_t* table, unsigned mask) {
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)table[mask]));
+}
+#endif
 /* Outputs of at least AC_STREAM_MIN elements are written with non-temporal stores where the CPU has
    AVX2: their lines are not read first (a plain store to a line not in cache reads it), a third of
    the traffic of a pass that reads two tensors and writes one. The same floats. Such a tensor is
@@ -132,6 +155,41 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
         }                                                                               \
     }                                                                                   \
     AC_EMIT(M, __builtin_ctzll, AT, VALUE)
+#if defined(AC_AVX2)
+/* A 64-element block with many passing elements (a threshold's first stage keeps ~20 %): its values
+   (at P, |P| where ABS) and positions (AT + lane) packed eight lanes at a time by the compaction
+   tables, without a branch per element (the loop above runs ~14 times a block there, and its exit
+   is mispredicted). Writes up to 8 slots past the count, so only where 64 more fit under cap; the
+   same elements, order and count as AC_EMIT64. */
+#define AC_DENSE_MIN 8
+__attribute__((target("avx2"), always_inline)) static inline int64_t ac_pack64(uint64_t m, int64_t at, const float* p,
+                                                                           const int absv, int64_t* idx, float* vals) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t c = 0;
+    for (int q = 0; q < 8; ++q) {
+        const unsigned b = (unsigned)(m >> (8 * q)) & 0xffu;
+        const __m256i perm = compact_perm(ac_compact_lanes, b);
+        __m256 v = _mm256_loadu_ps(p + 8 * q);
+        if (absv) v = _mm256_andnot_ps(sign, v);
+        _mm256_storeu_ps(vals + c, _mm256_permutevar8x32_ps(v, perm));
+        const __m256i on = _mm256_permutevar8x32_epi32(lane, perm);
+        const __m256i base = _mm256_set1_epi64x(at + 8 * q);
+        _mm256_storeu_si256((__m256i*)(idx + c), _mm256_add_epi64(base, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(on))));
+        _mm256_storeu_si256((__m256i*)(idx + c + 4),
+                            _mm256_add_epi64(base, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(on, 1))));
+        c += __builtin_popcount(b);
+    }
+    return c;
+}
+/* AC_EMIT64 where the block's values lie at P (|P| where ABS), inside an AVX2 function: packed where dense */
+#define AC_EMIT64P(M, AT, P, ABS, VALUE)                                                \
+    if (c + 64 <= cap && __builtin_popcountll(M) >= AC_DENSE_MIN) {                     \
+        c += ac_pack64(M, AT, P, ABS, idx + c, vals + c);                              \
+    } else {                                                                            \
+        AC_EMIT64(M, AT, VALUE)                                                         \
+    }
+#endif
 /* With AVX2 the mask covers 64 elements (eight 8-lane compares): at the densities a threshold
    search keeps (a few percent) most blocks pass nothing, so the loop over a block's passing
    elements, whose exit the branch predictor misses, runs once per 64 elements instead of per 16.
@@ -142,6 +200,10 @@ static int use_avx2(void) { return !ac_avx2_off && __builtin_cpu_supports("avx2"
 #define CMP_NOT_LT_8(x, y) _mm256_cmp_ps(x, y, _CMP_NLT_UQ)
 #define LOAD_AS_IS_8(p) _mm256_loadu_ps(p)
 #define LOAD_ABS_8(p) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(p))
+#define AS_IS(x) (x)
+/* AC_EMIT64P's ABS for a SELECT's VAL */
+#define AC_ABS_AS_IS 0
+#define AC_ABS___builtin_fabsf 1
 #define SELECT_AVX2(NAME, CMP8, LOAD8, VAL)                                             \
 __attribute__((target("avx2"))) static int64_t NAME##_avx2(const float* a, int64_t n, float t, int64_t* idx, \
                                                           float* vals, int64_t cap, int64_t* count) { \
@@ -152,7 +214,7 @@ __attribute__((target("avx2"))) static int64_t NAME##_avx2(const float* a, int64
         AC_AHEAD(a, i, 4);                                                              \
         for (int q = 0; q < 8; ++q)                                                     \
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(CMP8(LOAD8(a + i + 8 * q), tv)) << (8 * q); \
-        AC_EMIT64(m, i, VAL(a[i + j]))                                   \
+        AC_EMIT64P(m, i, a + i, AC_ABS_##VAL, VAL(a[i + j]))                            \
     }                                                                                   \
     *count = c;                                                                         \
     return i;                                                                           \
@@ -196,6 +258,23 @@ int64_t NAME(const float* a, int64_t n, float t, int64_t* idx, float* vals, int6
    signed values in order, at most cap written, all counted. One pass instead of a selection over the
    kept values and two gathers by its result (cost_notes item 42). */
 #if defined(AC_AVX2)
+/* ac_pack64 for a block of candidates: positions cidx[0..63] and values a[0..63] of the passing ones */
+__attribute__((target("avx2"), always_inline)) static inline int64_t ac_pack_pairs64(uint64_t m, const int64_t* cidx,
+                                                                                 const float* a, int64_t* idx,
+                                                                                 float* vals) {
+    int64_t c = 0;
+    for (int q = 0; q < 8; ++q) {
+        const unsigned b = (unsigned)(m >> (8 * q)) & 0xffu, lo = b & 15u;
+        _mm256_storeu_ps(vals + c, _mm256_permutevar8x32_ps(_mm256_loadu_ps(a + 8 * q), compact_perm(ac_compact_lanes, b)));
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(cidx + 8 * q));
+        const __m256i y = _mm256_loadu_si256((const __m256i*)(cidx + 8 * q + 4));
+        _mm256_storeu_si256((__m256i*)(idx + c), _mm256_permutevar8x32_epi32(x, compact_perm(ac_compact_pairs, lo)));
+        _mm256_storeu_si256((__m256i*)(idx + c + __builtin_popcount(lo)),
+                            _mm256_permutevar8x32_epi32(y, compact_perm(ac_compact_pairs, b >> 4)));
+        c += __builtin_popcount(b);
+    }
+    return c;
+}
 __attribute__((target("avx2"))) static int64_t pick_pairs_avx2(const float* a, const int64_t* cidx, int64_t n,
                                                               float t, int strict, int64_t* idx, float* vals,
                                                               int64_t cap, int64_t* count) {
@@ -207,6 +286,10 @@ __attribute__((target("avx2"))) static int64_t pick_pairs_avx2(const float* a, c
             const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i + 8 * q));
             const __m256 p = strict ? _mm256_cmp_ps(v, tv, _CMP_GT_OQ) : _mm256_cmp_ps(v, tv, _CMP_GE_OQ);
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);
+        }
+        if (c + 64 <= cap && __builtin_popcountll(m) >= AC_DENSE_MIN) {
+            c += ac_pack_pairs64(m, cidx + i, a + i, idx + c, vals + c);
+            continue;
         }
         while (m) {
             const int j = __builtin_ctzll(m);
@@ -231,7 +314,6 @@ int64_t ac_pick_pairs(const float* a, const int64_t* cidx, int64_t n, float t, i
     }
     return c;
 }
-#define AS_IS(x) (x)
 #define SELECT(NAME, PASS, CMP) SELECT_T(NAME, PASS, CMP, LOAD_AS_IS, AS_IS)
 SELECT_T(ac_select_abs_ge, v >= t, CMP_GE, LOAD_ABS, __builtin_fabsf)
 SELECT_T(ac_select_abs_gt, v > t, CMP_GT, LOAD_ABS, __builtin_fabsf)
@@ -272,7 +354,7 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
                  << (8 * q);
         }
-        AC_EMIT64(m, i, blk[j])
+        AC_EMIT64P(m, i, blk, 0, blk[j])
     }
     if (stream) _mm_sfence();
     *count = c;
@@ -380,7 +462,7 @@ __attribute__((target("avx2,popcnt"))) static int64_t add_count_select_avx2(
             k |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, cv, _CMP_GE_OQ)) << (8 * q);
         }
         above += __builtin_popcountll(k);
-        AC_EMIT64(m, base + i, blk[j])
+        AC_EMIT64P(m, base + i, blk, 0, blk[j])
     }
     if (stream) _mm_sfence();
     *count = c;
@@ -623,6 +705,18 @@ typedef struct {
         AC_EMIT64(M, AT, VALUE)                                                         \
         (S)->c = c;                                                                     \
     } while (0)
+#if defined(AC_AVX2)
+/* AC_SEL_EMIT64 with the block's values at P (AC_EMIT64P), inside an AVX2 function */
+#define AC_SEL_EMIT64P(S, M, AT, P, VALUE)                                              \
+    do {                                                                                \
+        int64_t* idx = (S)->idx;                                                        \
+        float* vals = (S)->vals;                                                        \
+        const int64_t cap = (S)->cap;                                                   \
+        int64_t c = (S)->c;                                                             \
+        AC_EMIT64P(M, AT, P, 0, VALUE)                                                  \
+        (S)->c = c;                                                                     \
+    } while (0)
+#endif
 /* Magnitudes with what a threshold search asks of them, in one pass: out = |x| (the sign bit cleared,
    as torch.abs), their largest and smallest value (stats[0], stats[1]), the first position of the
    largest (*amax) and, for n >= 8, their one-thread torch sum (stats[2], the cascade above): torch's
@@ -677,7 +771,7 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
                 const __m256 p = sel->strict ? _mm256_cmp_ps(w, tv, _CMP_GT_OQ) : _mm256_cmp_ps(w, tv, _CMP_GE_OQ);
                 mk |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);
             }
-            AC_SEL_EMIT64(sel, mk, i, sgn[j]);
+            AC_SEL_EMIT64P(sel, mk, i, sgn, sgn[j]);
         }
     }
     if (stream || sstream) _mm_sfence();
@@ -796,7 +890,7 @@ __attribute__((target("avx2"))) static int64_t sumsq_select_avx2(const float* x,
                 acc = acc + d * d;
             }
         }
-        AC_EMIT64(m, i, x[i + j])
+        AC_EMIT64P(m, i, x + i, 0, x[i + j])
     }
     if (lanes) {
         double v[4];
@@ -868,7 +962,7 @@ __attribute__((target("avx2"))) static int64_t add_moments_avx2(const float* g, 
         }
         ac_cascade_row(cs, blk);
         ac_cascade_row(cs, blk + 32);
-        AC_SEL_EMIT64(sel, mk, i, blk[j]);
+        AC_SEL_EMIT64P(sel, mk, i, blk, blk[j]);
     }
     if (stream) _mm_sfence();
     for (int k = 0; k < 4; ++k) { _mm256_storeu_pd(lanes2 + 4 * k, q2[k]); _mm256_storeu_pd(lanes1 + 4 * k, q1[k]); }
@@ -1011,7 +1105,7 @@ __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
             _mm256_store_ps(blk + 8 * q, w);
             mask |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(b, tv, _CMP_GE_OQ)) << (8 * q);
         }
-        AC_EMIT64(mask, i, blk[j])
+        AC_EMIT64P(mask, i, blk, 0, blk[j])
     }
     if (stream) _mm_sfence();
     *count = c;
@@ -1175,27 +1269,6 @@ __attribute__((target("avx2"))) static int64_t key_range_avx2(const uint32_t* sr
 }
 #endif
 #if defined(AC_AVX2)
-/* ac_compact_lanes[mask]: the lanes set in an 8-bit mask, in order, one byte each (the permutation of
-   a vector compaction); ac_compact_pairs[mask]: the same for a 4-bit mask over 64-bit lanes, as pairs
-   of 32-bit lanes. */
-static uint64_t ac_compact_lanes[256], ac_compact_pairs[16];
-__attribute__((constructor)) static void ac_compact_lanes_init(void) {
-    for (int mask = 0; mask < 256; ++mask) {
-        uint64_t lanes = 0, pairs = 0;
-        int w = 0;
-        for (int i = 0; i < 8; ++i)
-            if (mask >> i & 1) {
-                lanes |= (uint64_t)i << (8 * w);
-                if (i < 4) pairs |= ((uint64_t)(2 * i) | (uint64_t)(2 * i + 1) << 8) << (16 * w);
-                ++w;
-            }
-        ac_compact_lanes[mask] = lanes;
-        if (mask < 16) ac_compact_pairs[mask] = pairs;
-    }
-}
-static inline __attribute__((target("avx2"))) __m256i compact_perm(const uint64_t* table, unsigned mask) {
-    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)table[mask]));
-}
 /* The least lane of `least` and the largest of `most` (unsigned), into *lo and *hi. */
 __attribute__((target("avx2"))) static void lanes_range(__m256i least, __m256i most, uint32_t* lo, uint32_t* hi) {
     uint32_t l8[8], h8[8];
