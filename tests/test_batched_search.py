@@ -297,14 +297,14 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
             def joined(self: Any) -> Any:
                 raise AssertionError("alltoall joined its parts' payloads for a residual memory")
             _Joined.payload = joined  # type: ignore[method-assign]
-        if method in ("chunktopk", "redsync"):  # Chunk-Top-k's payload written by C run by run; RedSync's
-            from adacomp.compressors import _native  # small tensors searched and picked in one C call each
-            wrapped = "chunk_encode" if method == "chunktopk" else "bisect_band"
+        if method in ("chunktopk", "redsync", "gaussiank"):  # Chunk-Top-k's payload written by C run by run;
+            from adacomp.compressors import _native  # RedSync's and Gaussian-k's small tensors searched in one C call
+            wrapped = {"chunktopk": "chunk_encode", "redsync": "bisect_band", "gaussiank": "gauss_band"}[method]
             inner = getattr(_native, wrapped)
 
             def ran(*args: Any) -> Any:
                 got = inner(*args)
-                whole.append(int(got is True or (method == "redsync" and got is not None)))
+                whole.append(int(got is True or (method != "chunktopk" and got is not None)))
                 return got
             setattr(_native, wrapped, ran)
         if method == "gaussiank_capped":  # a tensor counted whole, capped: its gathered values ranked in C
@@ -363,7 +363,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
                                                                    "adtopk", "adtopk_dead", "adtopk_wide", "sidco"))
     picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync",
-                                              "sidco_stages")
+                                              "sidco_stages", "gaussiank")
     return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not picks)
 
 
@@ -386,7 +386,8 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     ranks: the same parameters with the GPU's batched counts as without (the torch path on both
     sides, as on a GPU), and with the CPU's fused C passes as with torch's ops (whole small tensors'
     and parts' picks from a sampled floor, with no joined alltoall payload built, Gaussian-k's
-    capped whole-counted tensors ranked in C and SIDCo's three stages' later fits read from its
+    capped whole-counted tensors ranked in C, its small tensors' correction loops run in one C call
+    each, and SIDCo's three stages' later fits read from its
     signed kept set, all required to have run; the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
     signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass, Chunk-Top-k's

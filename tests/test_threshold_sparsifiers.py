@@ -509,6 +509,48 @@ def test_redsync_search_over_full_counts_in_one_c_call_is_the_loops(steps: int, 
     assert any(not found for _, _, found in calls) and any(found for _, _, found in calls)
 
 
+@pytest.mark.parametrize("max_adjust", [0, 1, 2, 5, 12])
+def test_gaussiank_loop_over_full_counts_in_one_c_call_is_the_loops(max_adjust: int, monkeypatch) -> None:
+    """Below the compaction size every count of Gaussian-k's correction loop is a full pass, and the
+    whole loop runs in one C call (_native.gauss_band): the threshold and the number of counts are
+    the Python loop's, whether a count lands in [2k/3, 4k/3] at once, after brackets, or the
+    corrections run out (up or down first), on normal, heavy-tailed, tied, mostly zero, constant
+    and non-finite tensors."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.sparse import ThresholdCounter
+    from adacomp.compressors.workspace import Workspace
+    g = torch.Generator().manual_seed(max_adjust)
+    comp = compressors.get("gaussiank", density=0.01, max_adjust=max_adjust)
+    calls: list = []
+    real = _native.gauss_band
+    monkeypatch.setattr(_native, "gauss_band", lambda *a: calls.append(real(*a)) or calls[-1])
+    big = torch.randn(8000, generator=g)
+    big[:3] = 1e4  # a few huge values: the fit's std overshoots, too few pass, corrections go down
+    xs = [torch.randn(5000, generator=g), torch.randn(40000, generator=g) ** 5, torch.randn(1024, generator=g).round(),
+          torch.randn(3000, generator=g) * (torch.rand(3000, generator=g) < 0.05), torch.full((2048,), -0.5), big,
+          torch.cat([torch.randn(2000, generator=g), torch.tensor([float("inf")])])]
+    ran = 0
+    for t, x in enumerate(xs):
+        for k in (1, max(1, int(0.01 * x.numel())), int(0.3 * x.numel())):
+            counter = ThresholdCounter(x, True, Workspace(), absolute=True)
+            before = len(calls)
+            got = comp.threshold(x, x, k, counter)
+            ran += len(calls) > before and calls[-1] is not None
+            with monkeypatch.context() as m:
+                m.setattr(_native, "gauss_band", lambda *a: None)
+                loop = ThresholdCounter(x, True, Workspace(), absolute=True)
+                want = comp.threshold(x, x, k, loop)
+            assert got == want or (math.isnan(got) and math.isnan(want)), (t, k)
+            assert counter.reads == loop.reads, (t, k)
+    assert ran == (0 if max_adjust == 0 else 3 * len(xs))
+    if max_adjust:  # a count on either edge of the band stops the loop (k = 30: [20, 40])
+        ramp = torch.arange(1.0, 1001.0)
+        for thr in (960.5, 980.5):
+            assert real(ramp, "abs_gt", thr, 20.0, 40.0, max_adjust) == (thr, 1)
+        stepped = real(ramp, "abs_gt", 959.5, 20.0, 40.0, max_adjust)  # 41 pass: corrected upward
+        assert stepped[0] != 959.5 and (stepped[1] > 1 or max_adjust == 1)
+
+
 @pytest.mark.parametrize("name", ["redsync", "mstopk", "gaussiank"])
 def test_a_tensor_counted_whole_picks_positions_and_values_in_one_pass(name: str, monkeypatch, one_thread) -> None:
     """Below the compaction size the searches count on g itself with absolute answers, and the kept
