@@ -546,9 +546,50 @@ def test_gaussiank_loop_over_full_counts_in_one_c_call_is_the_loops(max_adjust: 
     if max_adjust:  # a count on either edge of the band stops the loop (k = 30: [20, 40])
         ramp = torch.arange(1.0, 1001.0)
         for thr in (960.5, 980.5):
-            assert real(ramp, "abs_gt", thr, 20.0, 40.0, max_adjust) == (thr, 1)
+            assert real(ramp, "abs_gt", thr, 20.0, 40.0, max_adjust) == (thr, None, None, 1, 1, True)
         stepped = real(ramp, "abs_gt", 959.5, 20.0, 40.0, max_adjust)  # 41 pass: corrected upward
-        assert stepped[0] != 959.5 and (stepped[1] > 1 or max_adjust == 1)
+        assert stepped.thr != 959.5 and stepped.too_low == 959.5 and (stepped.steps > 1 or max_adjust == 1)
+
+
+@pytest.mark.parametrize("max_adjust", [1, 5, 12])
+def test_gaussiank_loop_over_a_kept_set_in_one_c_call_is_the_loops(max_adjust: int, monkeypatch) -> None:
+    """With the compensation's signed candidates kept above a floor, Gaussian-k's loop counts them in
+    one C call from the floor up, takes the kept set's size at or below the floor where that exceeds
+    4k/3 (no read), and hands a count below the floor back to the counter (which widens its set):
+    the thresholds and reads are the Python loop's at every floor, above, near and below the answer."""
+    from adacomp.compressors import _native
+    from adacomp.compressors.sparse import ThresholdCounter
+    from adacomp.compressors.workspace import Workspace
+    g = torch.Generator().manual_seed(max_adjust)
+    comp = compressors.get("gaussiank", density=0.01, max_adjust=max_adjust)
+    calls: list = []
+    real = _native.gauss_band
+    monkeypatch.setattr(_native, "gauss_band", lambda *a: calls.append(real(*a)) or calls[-1])
+    xs = [torch.randn(70000, generator=g), torch.randn(70000, generator=g) ** 3,
+          torch.randn(70000, generator=g) * (torch.rand(70000, generator=g) < 0.1)]
+    handed_back = 0
+    for t, x in enumerate(xs):
+        mags = x.abs()
+        for k in (7, 700, 7000):
+            for share in (0.002, 0.01, 0.03, 0.2):  # floors above, near and below the answer
+                floor = float(torch.quantile(mags[:20000], 1 - share))
+
+                def counter() -> ThresholdCounter:
+                    c = ThresholdCounter(x, True, Workspace(), absolute=True)
+                    at = torch.nonzero(mags > floor).view(-1)
+                    c.adopt(floor, at, x[at], signed=True)
+                    return c
+                used = counter()
+                before = len(calls)
+                got = comp.threshold(x, x, k, used)
+                assert len(calls) == before + 1 and calls[-1] is not None
+                handed_back += not calls[-1].done
+                with monkeypatch.context() as m:
+                    m.setattr(_native, "gauss_band", lambda *a: None)
+                    loop = counter()
+                    assert got == comp.threshold(x, x, k, loop), (t, k, share)
+                assert used.reads == loop.reads and used.floor == loop.floor, (t, k, share)
+    assert handed_back > 0
 
 
 @pytest.mark.parametrize("name", ["redsync", "mstopk", "gaussiank"])

@@ -3610,22 +3610,33 @@ int64_t ac_bisect_band(const float* a, int64_t n, int mode, int64_t k, double me
     }
     return max_steps;
 }
-/* Gaussian-k's bounded correction loop (gaussiank.adjust) over full counts of a (mode as
-   ac_bisect_band's): from thr, count; inside [lo, hi] stop; else up by 1.5x (too many) or down by 2x
-   (too few) until the count has been on both sides, then the geometric mean of the two nearest
-   thresholds; at most max_adjust counts. *out the threshold the loop ends with (after its last
-   correction where no count fell inside). The same doubles as the Python loop: each threshold
-   rounded to float32 for its count as ctypes rounds it, IEEE products and square roots (no
-   contraction). Returns how many counts it made. */
-int64_t ac_gauss_band(const float* a, int64_t n, int mode, double thr, double lo, double hi, int64_t max_adjust,
-                      double* out) {
-    int64_t (*cnt)(const float*, int64_t, float) =
-        mode == 0 ? ac_count_gt : mode == 1 ? ac_count_ge : mode == 2 ? ac_count_abs_gt : ac_count_abs_ge;
-    double low = 0.0, high = 0.0;
-    int has_low = 0, has_high = 0;
+/* Gaussian-k's bounded correction loop (gaussiank.adjust), from the state st = {thr, low, high} and
+   flags = {has_low, has_high}: count thr; inside [lo, hi] stop; else up by 1.5x (too many) or down
+   by 2x (too few) until the count has been on both sides, then the geometric mean of the two nearest
+   thresholds; at most max_adjust steps. The counts: with a kept set (has_floor: the kept signed values
+   kept[0..m) passing the floor, counted by kept_mode), over it from the floor up, and at or below the
+   floor the kept set's size where that exceeds hi (no read; ThresholdCounter.lower_bound); a count
+   below the floor otherwise stops the loop before that step, for the caller's counter (flags[2] = 0);
+   without one, full counts of a (mode as ac_bisect_band's). The same doubles as the Python loop: each
+   threshold rounded to float32 for its count as ctypes rounds it, IEEE products and square roots (no
+   contraction). Returns the steps made; flags[2] = 1 where the loop ended (inside the band or out of
+   steps), flags[3] = the counts read. */
+static int64_t (*ac_count_fn(int mode))(const float*, int64_t, float) {
+    return mode == 0 ? ac_count_gt : mode == 1 ? ac_count_ge : mode == 2 ? ac_count_abs_gt : ac_count_abs_ge;
+}
+int64_t ac_gauss_band(const float* a, int64_t n, int mode, const float* kept, int64_t m, int kept_mode, double floor,
+                      int has_floor, double* st, int* flags, double lo, double hi, int64_t max_adjust) {
+    int64_t (*full)(const float*, int64_t, float) = ac_count_fn(mode);
+    int64_t (*part)(const float*, int64_t, float) = ac_count_fn(kept_mode);
+    double thr = st[0], low = st[1], high = st[2];
+    int has_low = flags[0], has_high = flags[1], reads = 0, done = 1;
     int64_t step = 0;
     while (step < max_adjust) {
-        const double c = (double)cnt(a, n, (float)thr);
+        double c;
+        if (!has_floor) { c = (double)full(a, n, (float)thr); ++reads; }
+        else if (thr <= floor && (double)m > hi) c = (double)m;
+        else if (thr >= floor) { c = (double)part(kept, m, (float)thr); ++reads; }
+        else { done = 0; break; }
         ++step;
         if (lo <= c && c <= hi) break;
         if (c > hi) {
@@ -3640,7 +3651,8 @@ int64_t ac_gauss_band(const float* a, int64_t n, int mode, double thr, double lo
             thr = next;
         }
     }
-    *out = thr;
+    st[0] = thr; st[1] = low; st[2] = high;
+    flags[0] = has_low; flags[1] = has_high; flags[2] = done; flags[3] = reads;
     return step;
 }
 /* QSGD's stochastic rounding of one block, torch's sequence of float32 operations per element:
@@ -4378,7 +4390,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_bisect_band.restype = i64
     lib_.ac_bisect_band.argtypes = [vp, i64, ctypes.c_int, i64, ctypes.c_double, ctypes.c_double, i64, vp, vp, vp]
     lib_.ac_gauss_band.restype = i64
-    lib_.ac_gauss_band.argtypes = [vp, i64, ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double, i64, vp]
+    lib_.ac_gauss_band.argtypes = [vp, i64, ctypes.c_int, vp, i64, ctypes.c_int, ctypes.c_double, ctypes.c_int, vp, vp,
+                                   ctypes.c_double, ctypes.c_double, i64]
     lib_.ac_chunk_encode.restype = ctypes.c_int
     lib_.ac_chunk_encode.argtypes = [vp, vp, i64, i64, ctypes.c_int, i64, vp, vp, vp, vp]
     lib_.ac_chunk_decode.argtypes = [vp, vp, ctypes.c_int, vp, vp, i64, i64, i64, i64, vp, vp]
@@ -4896,11 +4909,13 @@ def std_in_order(x: Tensor, mean: float) -> float | None:
     lib = library()
     if lib is None or not usable(x) or x.numel() < 2 or torch.get_num_threads() != 1:
         return None
-    total = torch.empty(1, dtype=torch.float64)
-    used = ctypes.c_int(0)
-    lib.ac_sumsq_select_abs_gt(x.data_ptr(), x.numel(), mean, math.inf, None, None, 0, total.data_ptr(), 0,
-                               ctypes.byref(used))
-    return _std_of(float(total.item()), x.numel())
+    got = _SCRATCH.__dict__.get("sumsq")
+    if got is None:  # read back as Python numbers: no tensor and item() per call (Gaussian-k's small tensors)
+        got = _SCRATCH.sumsq = (ctypes.c_double(), ctypes.c_int())
+    total, used = got
+    lib.ac_sumsq_select_abs_gt(x.data_ptr(), x.numel(), mean, math.inf, None, None, 0, ctypes.addressof(total), 0,
+                               ctypes.addressof(used))
+    return _std_of(float(total.value), x.numel())
 
 
 def _compaction_buffers(cap: int) -> tuple[Tensor, Tensor]:
@@ -4978,19 +4993,38 @@ def bisect_band(a: Tensor, mode: str, k: int, mean: float, top: float, max_steps
     return list(thrs[:m]), list(counts[:m]), bool(found.value)
 
 
-def gauss_band(a: Tensor, mode: str, thr: float, lo: float, hi: float, max_adjust: int) -> tuple[float, int] | None:
-    """Gaussian-k's whole correction loop over full counts of 1-D ``a`` (``mode`` of a counter) in one
-    C call: the threshold :meth:`~adacomp.compressors.gaussiank.GaussianKCompressor.threshold`'s loop
-    ends with from ``thr`` (counts inside ``[lo, hi]`` stop it, at most ``max_adjust`` counts), and
-    how many counts it made. Why: on ResNet-50's 34 compressed tensors under 2^16 elements the loop
-    runs out its five counts, a Python step and a C call each, more than the counts themselves.
-    None where it does not serve."""
+class Band(NamedTuple):
+    """Where :func:`gauss_band` left Gaussian-k's correction loop: its threshold and brackets (None:
+    not yet on that side), the steps it made, the counts it read, and whether the loop ended."""
+    thr: float
+    too_low: float | None
+    too_high: float | None
+    steps: int
+    reads: int
+    done: bool
+
+
+def gauss_band(a: Tensor, mode: str, thr: float, lo: float, hi: float, max_adjust: int,
+               kept: tuple[Tensor, str, float] | None = None) -> Band | None:
+    """Gaussian-k's correction loop (:meth:`~adacomp.compressors.gaussiank.GaussianKCompressor.threshold`)
+    from ``thr`` in one C call: over full counts of 1-D ``a`` (``mode`` of a counter), or with ``kept``
+    = (the kept values, their counter's mode, the floor) over those, until a count below the floor
+    needs the caller's counter (``done`` False: the loop goes on from the returned state). Why: the
+    loop runs out its five counts on most tensors (error feedback's residual is not normal), a Python
+    step and a C call each, more than the counts themselves on ResNet-50's smaller tensors. None where
+    it does not serve."""
     lib = library()
     if lib is None or mode not in _BAND_MODES or not usable(a) or max_adjust < 1:
         return None
-    out = ctypes.c_double(0.0)
-    made = lib.ac_gauss_band(a.data_ptr(), a.numel(), _BAND_MODES[mode], thr, lo, hi, int(max_adjust), ctypes.byref(out))
-    return float(out.value), int(made)
+    if kept is not None and (kept[1] not in _BAND_MODES or not usable(kept[0])):
+        return None
+    st = (ctypes.c_double * 3)(thr, 0.0, 0.0)
+    flags = (ctypes.c_int * 4)()
+    vals, kmode, floor = kept if kept is not None else (a, mode, 0.0)
+    steps = lib.ac_gauss_band(a.data_ptr(), a.numel(), _BAND_MODES[mode], vals.data_ptr(), vals.numel(),
+                              _BAND_MODES[kmode], floor, int(kept is not None), st, flags, lo, hi, int(max_adjust))
+    return Band(float(st[0]), float(st[1]) if flags[0] else None, float(st[2]) if flags[1] else None, int(steps),
+                int(flags[3]), bool(flags[2]))
 
 
 def count(a: Tensor, thr: float, mode: str) -> int:

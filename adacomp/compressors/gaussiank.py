@@ -128,15 +128,17 @@ class GaussianKCompressor(SparseCompressor):
         if not math.isfinite(thr) or thr <= 0.0:  # constant tensor: fall back to its magnitude
             thr = float(signed.abs().max()) * 0.5
         lo, hi = 2.0 * k / 3.0, 4.0 * k / 3.0
-        # where every count is a full pass (a tensor under the compaction size), the loop below in one C call
-        got = (_native.gauss_band(counter.a, counter.mode, thr, lo, hi, self.max_adjust)
-               if counter is not None and counter.full_passes() else None)
-        if got is not None:
-            counter.reads += got[1]
-            return got[0]
         too_low: float | None = None  # thresholds known to pass too many / too few
         too_high: float | None = None
-        for step in range(self.max_adjust):
+        start = 0
+        band = self._band(counter, thr, lo, hi) if counter is not None else None
+        if band is not None:  # the loop below in one C call, as far as its counts serve
+            assert counter is not None
+            counter.reads += band.reads
+            if band.done:
+                return band.thr
+            thr, too_low, too_high, start = band.thr, band.too_low, band.too_high, band.steps
+        for step in range(start, self.max_adjust):
             # below the kept floor, a kept set larger than hi decides the step without a pass
             bound = counter.lower_bound(thr) if counter is not None else 0
             if counter is not None and counter.batched and bound <= hi and not counter.known(thr):
@@ -147,6 +149,18 @@ class GaussianKCompressor(SparseCompressor):
                 break
             thr, too_low, too_high = adjust(thr, too_low, too_high, count > hi)
         return thr
+
+    def _band(self, counter: ThresholdCounter, thr: float, lo: float, hi: float) -> _native.Band | None:
+        """:meth:`threshold`'s loop in C where its counts are C counts read one by one: full passes
+        (a tensor under the compaction size), or a signed kept set (the compensation's candidates),
+        up to a count below its floor."""
+        if counter.full_passes():
+            return _native.gauss_band(counter.a, counter.mode, thr, lo, hi, self.max_adjust)
+        if (counter.native and not counter.batched and counter.signed and counter.floor is not None
+                and counter.vals is not None and not counter.nan_kept and not counter.known_any()):
+            return _native.gauss_band(counter.a, counter.mode, thr, lo, hi, self.max_adjust,
+                                      (counter.vals, counter.kept_mode, counter.floor))
+        return None
 
     def select(self, flat: Tensor, name: str) -> Tensor:
         return self.choose(flat, name)[0]
@@ -189,9 +203,9 @@ class GaussianKCompressor(SparseCompressor):
         can run: the caller adds."""
         flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
         n = flat.numel()
-        if n < 1 << 16:
-            return False
-        floor = sampled_value(sample_lines(gf, plus=rf), self._candidate_share(), absolute=True)
+        # candidates only from 2^16 elements (a smaller tensor is counted whole, from the caches)
+        floor = sampled_value(sample_lines(gf, plus=rf), self._candidate_share(), absolute=True) if n >= 1 << 16 \
+            else math.nan
         if math.isfinite(floor):
             got = _native.add_moments_select(gf, rf, flat, floor, self._candidate_share())
             if got is not None:
@@ -234,7 +248,12 @@ class GaussianKCompressor(SparseCompressor):
                 counter = ThresholdCounter(a, True, ws, absolute=True)
                 counter.adopt(floor, idx, vals, signed=True)
                 return counter, (mean, std)
-        return ThresholdCounter.for_search(a, True, self._density, ws, absolute=native), None
+        counter = ThresholdCounter.for_search(a, True, self._density, ws, absolute=native)
+        if native and isinstance(kept, float):  # the compensation's pass gave the mean: the std in torch's order
+            std = _native.std_in_order(a, kept)
+            if std is not None:
+                return counter, (kept, std)
+        return counter, None
 
     def __repr__(self) -> str:
         return (f"GaussianKCompressor(density={self._density}, max_adjust={self.max_adjust}, "

@@ -478,7 +478,7 @@ class ThresholdCounter:
         return torch.gt(x, thr, out=out) if self.strict else torch.ge(x, thr, out=out)
 
     @property
-    def _kept_mode(self) -> str:
+    def kept_mode(self) -> str:
         """The comparison on the kept values, which are magnitudes already when ``absolute`` (unless
         they were adopted signed)."""
         return ("abs_" if self.signed else "") + ("gt" if self.strict else "ge")
@@ -536,7 +536,7 @@ class ThresholdCounter:
         if signed and not self.signed:
             raise ValueError("ThresholdCounter.adopt(signed=True) needs an absolute counter on the fused C passes")
         self.idx, self.vals, self.floor = idx, vals, floor
-        self._kept_counter = _native.counter(vals, self._kept_mode) if self.native else None
+        self._kept_counter = _native.counter(vals, self.kept_mode) if self.native else None
         self._sorted.pop("kept", None)
 
     def prefetch(self, thrs: list[float], default: bool = True) -> None:
@@ -590,6 +590,10 @@ class ThresholdCounter:
         hist.index_add_(0, passed, torch.ones(1, dtype=torch.int64, device=src.device).expand(passed.numel()))
         passing = hist.flip(0).cumsum(0).flip(0)[1:]  # passing q[j] = passed more than j thresholds
         return torch.cat([passing, torch.isnan(src).sum().reshape(1)])
+
+    def known_any(self) -> bool:
+        """Whether :meth:`prefetch` counted anything (counts then may come without a read)."""
+        return bool(self._counts)
 
     def known(self, thr: float) -> bool:
         """Whether :meth:`prefetch` already counted ``thr``."""
@@ -701,7 +705,7 @@ class ThresholdCounter:
         ``a`` the caller expects, rescaled to the kept set for the output's first guess)."""
         assert self.vals is not None
         share = self._kept_share(expected)
-        return _native.select(self.vals, thr, self._kept_mode, share)[0]
+        return _native.select(self.vals, thr, self.kept_mode, share)[0]
 
     @classmethod
     def for_search(cls, a: Tensor, strict: bool, density: float, workspace: Workspace,
@@ -740,7 +744,7 @@ class ThresholdCounter:
             if thr == self.floor and not self.signed and not self.nan_kept:
                 return self.vals
             if self.native and _native.usable(self.vals):
-                return _native.select(self.vals, thr, self._kept_mode)[1]  # magnitudes in either mode
+                return _native.select(self.vals, thr, self.kept_mode)[1]  # magnitudes in either mode
             kept = self._kept_magnitudes()
             return kept[self._cmp(kept, thr)]
         if self.native:
