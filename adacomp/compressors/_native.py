@@ -695,18 +695,8 @@ typedef struct {
         if ((S)->c < (S)->cap) { (S)->idx[(S)->c] = (AT); (S)->vals[(S)->c] = (VALUE); } \
         ++(S)->c;                                                                       \
     } while (0)
-/* AC_EMIT64 (its first two without a branch) into a selection S, from a 64-element block */
-#define AC_SEL_EMIT64(S, M, AT, VALUE)                                                  \
-    do {                                                                                \
-        int64_t* idx = (S)->idx;                                                        \
-        float* vals = (S)->vals;                                                        \
-        const int64_t cap = (S)->cap;                                                   \
-        int64_t c = (S)->c;                                                             \
-        AC_EMIT64(M, AT, VALUE)                                                         \
-        (S)->c = c;                                                                     \
-    } while (0)
 #if defined(AC_AVX2)
-/* AC_SEL_EMIT64 with the block's values at P (AC_EMIT64P), inside an AVX2 function */
+/* AC_EMIT64P into a selection S, from a 64-element block whose values lie at P, inside an AVX2 function */
 #define AC_SEL_EMIT64P(S, M, AT, P, VALUE)                                              \
     do {                                                                                \
         int64_t* idx = (S)->idx;                                                        \
@@ -3586,6 +3576,10 @@ COUNT(ac_count_not_lt, !(v < t))
 COUNT_T(ac_count_abs_ge, v >= t, __builtin_fabsf)
 COUNT_T(ac_count_abs_gt, v > t, __builtin_fabsf)
 COUNT_T(ac_count_abs_not_lt, !(v < t), __builtin_fabsf)
+/* The count of a threshold search's mode (0 gt, 1 ge, 2 abs_gt, 3 abs_ge: _BAND_MODES). */
+static int64_t (*ac_count_fn(int mode))(const float*, int64_t, float) {
+    return mode == 0 ? ac_count_gt : mode == 1 ? ac_count_ge : mode == 2 ? ac_count_abs_gt : ac_count_abs_ge;
+}
 /* RedSync's ratio bisection (RedSyncCompressor.threshold) where every count is a pass over the whole
    of a (no kept candidates: tensors below the compaction size), in one call instead of a Python step
    and a call a count. mode: 0 gt, 1 ge, 2 abs_gt, 3 abs_ge (the counter's). The count at the mean
@@ -3595,8 +3589,7 @@ COUNT_T(ac_count_abs_not_lt, !(v < t), __builtin_fabsf)
    the last one landed in [k, 2k) (else the caller picks the best of them, as the Python loop does). */
 int64_t ac_bisect_band(const float* a, int64_t n, int mode, int64_t k, double mean, double top, int64_t max_steps,
                        double* thrs, int64_t* counts, int* found) {
-    int64_t (*cnt)(const float*, int64_t, float) =
-        mode == 0 ? ac_count_gt : mode == 1 ? ac_count_ge : mode == 2 ? ac_count_abs_gt : ac_count_abs_ge;
+    int64_t (*cnt)(const float*, int64_t, float) = ac_count_fn(mode);
     double base = mean, span = top - mean, lo = 0.0, hi = 1.0;
     *found = 0;
     if (cnt(a, n, (float)mean) < k) { base = 0.0; span = mean; }
@@ -3610,8 +3603,8 @@ int64_t ac_bisect_band(const float* a, int64_t n, int mode, int64_t k, double me
     }
     return max_steps;
 }
-/* Gaussian-k's bounded correction loop (gaussiank.adjust), from the state st = {thr, low, high} and
-   flags = {has_low, has_high}: count thr; inside [lo, hi] stop; else up by 1.5x (too many) or down
+/* Gaussian-k's bounded correction loop (gaussiank.adjust), from the threshold st[0] with no bracket
+   yet: count thr; inside [lo, hi] stop; else up by 1.5x (too many) or down
    by 2x (too few) until the count has been on both sides, then the geometric mean of the two nearest
    thresholds; at most max_adjust steps. The counts: with a kept set (has_floor: the kept signed values
    kept[0..m) passing the floor, counted by kept_mode), over it from the floor up, and at or below the
@@ -3619,17 +3612,14 @@ int64_t ac_bisect_band(const float* a, int64_t n, int mode, int64_t k, double me
    below the floor otherwise stops the loop before that step, for the caller's counter (flags[2] = 0);
    without one, full counts of a (mode as ac_bisect_band's). The same doubles as the Python loop: each
    threshold rounded to float32 for its count as ctypes rounds it, IEEE products and square roots (no
-   contraction). Returns the steps made; flags[2] = 1 where the loop ended (inside the band or out of
-   steps), flags[3] = the counts read. */
-static int64_t (*ac_count_fn(int mode))(const float*, int64_t, float) {
-    return mode == 0 ? ac_count_gt : mode == 1 ? ac_count_ge : mode == 2 ? ac_count_abs_gt : ac_count_abs_ge;
-}
+   contraction). Returns the steps made; on return st = {thr, low, high} and flags = {has_low,
+   has_high, 1 where the loop ended (inside the band or out of steps), the counts read}. */
 int64_t ac_gauss_band(const float* a, int64_t n, int mode, const float* kept, int64_t m, int kept_mode, double floor,
                       int has_floor, double* st, int* flags, double lo, double hi, int64_t max_adjust) {
     int64_t (*full)(const float*, int64_t, float) = ac_count_fn(mode);
     int64_t (*part)(const float*, int64_t, float) = ac_count_fn(kept_mode);
-    double thr = st[0], low = st[1], high = st[2];
-    int has_low = flags[0], has_high = flags[1], reads = 0, done = 1;
+    double thr = st[0], low = 0.0, high = 0.0;
+    int has_low = 0, has_high = 0, reads = 0, done = 1;
     int64_t step = 0;
     while (step < max_adjust) {
         double c;
@@ -5018,7 +5008,7 @@ def gauss_band(a: Tensor, mode: str, thr: float, lo: float, hi: float, max_adjus
         return None
     if kept is not None and (kept[1] not in _BAND_MODES or not usable(kept[0])):
         return None
-    st = (ctypes.c_double * 3)(thr, 0.0, 0.0)
+    st = (ctypes.c_double * 3)(thr)
     flags = (ctypes.c_int * 4)()
     vals, kmode, floor = kept if kept is not None else (a, mode, 0.0)
     steps = lib.ac_gauss_band(a.data_ptr(), a.numel(), _BAND_MODES[mode], vals.data_ptr(), vals.numel(),
