@@ -330,6 +330,13 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 whole.append(int(absolute and got is not None))
                 return got
             _native.shifted_mean = fitted  # type: ignore[assignment]
+            narrow = _native.pick_pairs32
+
+            def picked32(*args: Any) -> Any:  # the payload from the first stage's int32 positions
+                got = narrow(*args)
+                dests.append(int(got[0].numel() > 0))
+                return got
+            _native.pick_pairs32 = picked32  # type: ignore[assignment]
         if method == "adtopk_1d":  # a one-row tensor (a bias) picked whole in one C call
             from adacomp.compressors import _native
             pick = _native.pick_largest
@@ -361,7 +368,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     adacomp.shutdown()
     # the means went into the gradients; the fused passes named above ran
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
-                                                                   "adtopk", "adtopk_dead", "adtopk_wide", "sidco"))
+                                                                   "adtopk", "adtopk_dead", "adtopk_wide", "sidco",
+                                                                   "sidco_stages"))
     picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync",
                                               "sidco_stages", "gaussiank")
     return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not picks)

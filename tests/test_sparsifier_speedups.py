@@ -514,6 +514,13 @@ def test_sidco_fits_read_the_candidates_of_its_compensation(monkeypatch: pytest.
             seen.append("full")
         return orig(a, thr, mode, expected)
     monkeypatch.setattr(_native, "select", recorded)
+    orig32 = _native.select_signed32
+
+    def recorded32(a: torch.Tensor, thr: float, expected: float = 1.0):  # the later stages' compaction
+        if a.numel() == n:
+            seen.append("full")
+        return orig32(a, thr, expected)
+    monkeypatch.setattr(_native, "select_signed32", recorded32)
 
     def make() -> Any:
         seen.append("run")

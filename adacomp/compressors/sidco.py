@@ -147,7 +147,7 @@ class SIDCoCompressor(SparseCompressor):
             counter.compact(thr, ratio, signed=True)
         for _ in range(stages - 1):
             if counter is not None and later is exponential_quantile:  # the fit reads only their shifted mean
-                count, mean = counter.shifted_mean(thr)
+                count, mean = counter.shifted_mean(thr, ratio)  # each stage passes about ``ratio`` of the last
                 if count < 2:
                     break
                 thr = thr + exponential_quantile(a, ratio, mean)
