@@ -275,45 +275,69 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t ac_pack_pai
     }
     return c;
 }
-__attribute__((target("avx2"))) static int64_t pick_pairs_avx2(const float* a, const int64_t* cidx, int64_t n,
-                                                              float t, int strict, int64_t* idx, float* vals,
-                                                              int64_t cap, int64_t* count) {
-    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
-    int64_t c = 0, i = 0;
-    for (; i + 64 <= n; i += 64) {
-        uint64_t m = 0;
-        for (int q = 0; q < 8; ++q) {
-            const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i + 8 * q));
-            const __m256 p = strict ? _mm256_cmp_ps(v, tv, _CMP_GT_OQ) : _mm256_cmp_ps(v, tv, _CMP_GE_OQ);
-            m |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);
-        }
-        if (c + 64 <= cap && __builtin_popcountll(m) >= AC_DENSE_MIN) {
-            c += ac_pack_pairs64(m, cidx + i, a + i, idx + c, vals + c);
-            continue;
-        }
-        while (m) {
-            const int j = __builtin_ctzll(m);
-            m &= m - 1;
-            if (c < cap) { idx[c] = cidx[i + j]; vals[c] = a[i + j]; }
-            ++c;
-        }
-    }
-    *count = c;
-    return i;
-}
-#endif
-int64_t ac_pick_pairs(const float* a, const int64_t* cidx, int64_t n, float t, int strict, int64_t* idx,
-                      float* vals, int64_t cap) {
-    int64_t c = 0, i = 0;
-#if defined(AC_AVX2)
-    if (use_avx2()) i = pick_pairs_avx2(a, cidx, n, t, strict, idx, vals, cap, &c);
-#endif
-    for (; i < n; ++i) {
-        const float v = __builtin_fabsf(a[i]);
-        if (strict ? v > t : v >= t) { if (c < cap) { idx[c] = cidx[i]; vals[c] = a[i]; } ++c; }
+/* ac_pack_pairs64 for int32 candidate positions (ac_select_abs_gt_signed32's), written as int64 */
+__attribute__((target("avx2"), always_inline)) static inline int64_t ac_pack_pairs64_i32(uint64_t m,
+                                                                                     const int32_t* cidx,
+                                                                                     const float* a, int64_t* idx,
+                                                                                     float* vals) {
+    int64_t c = 0;
+    for (int q = 0; q < 8; ++q) {
+        const unsigned b = (unsigned)(m >> (8 * q)) & 0xffu;
+        const __m256i perm = compact_perm(ac_compact_lanes, b);
+        _mm256_storeu_ps(vals + c, _mm256_permutevar8x32_ps(_mm256_loadu_ps(a + 8 * q), perm));
+        const __m256i x = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(cidx + 8 * q)), perm);
+        _mm256_storeu_si256((__m256i*)(idx + c), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(x)));
+        _mm256_storeu_si256((__m256i*)(idx + c + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(x, 1)));
+        c += __builtin_popcount(b);
     }
     return c;
 }
+#define PICK_PAIRS_AVX2(NAME, IDX_T, PACK)                                              \
+__attribute__((target("avx2"))) static int64_t NAME##_avx2(const float* a, const IDX_T* cidx, int64_t n, float t, \
+                                                          int strict, int64_t* idx, float* vals, int64_t cap, \
+                                                          int64_t* count) {             \
+    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);                 \
+    int64_t c = 0, i = 0;                                                               \
+    for (; i + 64 <= n; i += 64) {                                                      \
+        uint64_t m = 0;                                                                 \
+        for (int q = 0; q < 8; ++q) {                                                   \
+            const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i + 8 * q));    \
+            const __m256 p = strict ? _mm256_cmp_ps(v, tv, _CMP_GT_OQ) : _mm256_cmp_ps(v, tv, _CMP_GE_OQ); \
+            m |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);                  \
+        }                                                                               \
+        if (c + 64 <= cap && __builtin_popcountll(m) >= AC_DENSE_MIN) {                 \
+            c += PACK(m, cidx + i, a + i, idx + c, vals + c);                           \
+            continue;                                                                   \
+        }                                                                               \
+        while (m) {                                                                     \
+            const int j = __builtin_ctzll(m);                                           \
+            m &= m - 1;                                                                 \
+            if (c < cap) { idx[c] = cidx[i + j]; vals[c] = a[i + j]; }                  \
+            ++c;                                                                        \
+        }                                                                               \
+    }                                                                                   \
+    *count = c;                                                                         \
+    return i;                                                                           \
+}
+#else
+#define PICK_PAIRS_AVX2(NAME, IDX_T, PACK)
+#endif
+/* IDX_T: the candidates' positions, int64, or int32 (ac_pick_pairs32: SIDCo's first stage keeps them
+   so, 8 bytes a kept element written instead of 12); the positions written are int64 either way */
+#define PICK_PAIRS(NAME, IDX_T, PACK)                                                   \
+PICK_PAIRS_AVX2(NAME, IDX_T, PACK)                                                      \
+int64_t NAME(const float* a, const IDX_T* cidx, int64_t n, float t, int strict, int64_t* idx, float* vals, \
+             int64_t cap) {                                                             \
+    int64_t c = 0, i = 0;                                                               \
+    AVX2_FIRST(i = NAME##_avx2(a, cidx, n, t, strict, idx, vals, cap, &c))              \
+    for (; i < n; ++i) {                                                                \
+        const float v = __builtin_fabsf(a[i]);                                          \
+        if (strict ? v > t : v >= t) { if (c < cap) { idx[c] = cidx[i]; vals[c] = a[i]; } ++c; } \
+    }                                                                                   \
+    return c;                                                                           \
+}
+PICK_PAIRS(ac_pick_pairs, int64_t, ac_pack_pairs64)
+PICK_PAIRS(ac_pick_pairs32, int32_t, ac_pack_pairs64_i32)
 /* A threshold's first stage with its positions as int32 (tensors under 2^31 elements): 8 bytes a kept
    element written instead of 12. SIDCo's first stage keeps ~22 % of the tensor (density 0.01, three
    stages), and its later stages read only the values; the final pick widens the positions it takes
@@ -361,56 +385,6 @@ int64_t ac_select_abs_gt_signed32(const float* a, int64_t n, float t, int32_t* i
 #endif
     for (; i < n; ++i)
         if (__builtin_fabsf(a[i]) > t) { if (c < cap) { idx[c] = (int32_t)i; vals[c] = a[i]; } ++c; }
-    return c;
-}
-/* ac_pick_pairs over candidates whose positions are int32 (ac_select_abs_gt_signed32's): the positions
-   written as int64, the same pairs. */
-#if defined(AC_AVX2)
-__attribute__((target("avx2"))) static int64_t pick_pairs32_avx2(const float* a, const int32_t* cidx, int64_t n,
-                                                                float t, int strict, int64_t* idx, float* vals,
-                                                                int64_t cap, int64_t* count) {
-    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
-    int64_t c = 0, i = 0;
-    for (; i + 64 <= n; i += 64) {
-        uint64_t m = 0;
-        for (int q = 0; q < 8; ++q) {
-            const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i + 8 * q));
-            const __m256 p = strict ? _mm256_cmp_ps(v, tv, _CMP_GT_OQ) : _mm256_cmp_ps(v, tv, _CMP_GE_OQ);
-            m |= (uint64_t)(unsigned)_mm256_movemask_ps(p) << (8 * q);
-        }
-        if (c + 64 <= cap && __builtin_popcountll(m) >= AC_DENSE_MIN) {
-            for (int q = 0; q < 8; ++q) {
-                const unsigned b = (unsigned)(m >> (8 * q)) & 0xffu;
-                const __m256i perm = compact_perm(ac_compact_lanes, b);
-                _mm256_storeu_ps(vals + c, _mm256_permutevar8x32_ps(_mm256_loadu_ps(a + i + 8 * q), perm));
-                const __m256i x = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(cidx + i + 8 * q)), perm);
-                _mm256_storeu_si256((__m256i*)(idx + c), _mm256_cvtepi32_epi64(_mm256_castsi256_si128(x)));
-                _mm256_storeu_si256((__m256i*)(idx + c + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(x, 1)));
-                c += __builtin_popcount(b);
-            }
-            continue;
-        }
-        while (m) {
-            const int j = __builtin_ctzll(m);
-            m &= m - 1;
-            if (c < cap) { idx[c] = cidx[i + j]; vals[c] = a[i + j]; }
-            ++c;
-        }
-    }
-    *count = c;
-    return i;
-}
-#endif
-int64_t ac_pick_pairs32(const float* a, const int32_t* cidx, int64_t n, float t, int strict, int64_t* idx,
-                        float* vals, int64_t cap) {
-    int64_t c = 0, i = 0;
-#if defined(AC_AVX2)
-    if (use_avx2()) i = pick_pairs32_avx2(a, cidx, n, t, strict, idx, vals, cap, &c);
-#endif
-    for (; i < n; ++i) {
-        const float v = __builtin_fabsf(a[i]);
-        if (strict ? v > t : v >= t) { if (c < cap) { idx[c] = cidx[i]; vals[c] = a[i]; } ++c; }
-    }
     return c;
 }
 #define SELECT(NAME, PASS, CMP) SELECT_T(NAME, PASS, CMP, LOAD_AS_IS, AS_IS)
