@@ -321,6 +321,15 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 whole.append(int(mags is taken[0] and got is not None))
                 return got
             _native.take, _native.pick_largest = took, capped  # type: ignore[assignment]
+        if method == "dgc":  # DGC's threshold sample drawn and gathered in one C call
+            from adacomp.compressors import _native
+            take = _native.sample_take
+
+            def sampled(*args: Any, **kw: Any) -> Any:
+                got = take(*args, **kw)
+                whole.append(int(got is not None))
+                return got
+            _native.sample_take = sampled  # type: ignore[assignment]
         if method == "sidco_stages":  # the later fits' shifted means read in C from the signed kept set
             from adacomp.compressors import _native
             shifted = _native.shifted_mean
@@ -371,7 +380,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                                                                    "adtopk", "adtopk_dead", "adtopk_wide", "sidco",
                                                                    "sidco_stages"))
     picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync",
-                                              "sidco_stages", "gaussiank")
+                                              "sidco_stages", "gaussiank", "dgc")
     return same and (sum(dests) > 0 or not needs) and (sum(whole) > 0 or not picks)
 
 

@@ -200,6 +200,25 @@ def test_uniform_equals_torch_numbers_and_generator_state(seed: int) -> None:
     assert torch.equal(mine.get_state(), theirs.get_state())  # a refusal draws nothing
 
 
+@pytest.mark.parametrize("seed", [0, 2 ** 40 + 3])
+def test_sample_take_draws_torchs_randint_and_gathers(seed: int) -> None:
+    """DGC's threshold sample in one C call: the values of ``a`` at ``torch.randint(n, (m,))``'s
+    positions, in draw order, and the generator left where torch's randint leaves it, across twists
+    and the call's 256-draw chunks, on ranges from 1 to past 2^24; a tensor C cannot read draws nothing."""
+    mine, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for n, m in ((1, 3), (5, 0), (300, 255), (300, 256), (300, 257), (1 << 20, 1249), ((1 << 24) + 7, 5000)):
+        a = torch.randn(n, generator=g)
+        got = _native.sample_take(a, m, mine)
+        assert got is not None, (n, m)
+        want = a[torch.randint(n, (m,), generator=theirs)]
+        assert torch.equal(bits(got), bits(want)), (n, m)
+        assert torch.equal(mine.get_state(), theirs.get_state()), (n, m)
+    assert _native.sample_take(torch.randn(8, dtype=torch.float64), 4, mine) is None  # not its dtype
+    assert _native.sample_take(torch.randn(16)[::2], 4, mine) is None  # strided
+    assert torch.equal(mine.get_state(), theirs.get_state())  # a refusal draws nothing
+
+
 def test_uniform_discard_draws_torchs_stream_and_leaves_the_generator() -> None:
     """The cost benchmark's ``rng`` pass: n numbers of the stream a chunk at a time into one scratch
     (its last chunk torch's last numbers), the generator itself untouched."""
@@ -1138,12 +1157,14 @@ def test_a_passing_native_switch_does_not_stick_to_the_probes(monkeypatch: pytes
     a caller that set it for a while left QSGD on torch's norms for the rest of the process)."""
     if _native.library() is None:
         pytest.skip(f"no C compiler: {_native._error}")
-    for cache in ("_lanes", "_rng_agrees", "_bf16_agrees"):
+    for cache in ("_lanes", "_rng_agrees", "_bf16_agrees", "_randint_agrees"):
         monkeypatch.setattr(_native, cache, None)
     monkeypatch.setenv("ADACOMP_NATIVE", "0")
     assert _native.norm_lanes() == 0 and not _native._rng_checked() and not _native._bf16_checked()
+    assert not _native._randint_checked()
     monkeypatch.delenv("ADACOMP_NATIVE")
     assert _native.norm_lanes() in (8, 16) and _native._rng_checked() and _native._bf16_checked()
+    assert _native._randint_checked()
 
 
 def test_mean_from_sum_is_torchs_division() -> None:

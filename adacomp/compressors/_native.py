@@ -4171,6 +4171,39 @@ AC_CLONES int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
     mt_store(st, s, left, next);
     return 0;
 }
+/* DGC's threshold sample: torch.randint(n, (m,), generator) and a gather of a at those positions in one
+   call. torch's CPU randint with a range under 2^32 takes one tempered 32-bit output per element, in
+   order, and keeps it modulo the range (uniform_int_from_to_distribution); here the positions of a
+   chunk are drawn first and the gather's loads prefetched SAMPLE_TAKE_AHEAD ahead (a's lines are far
+   apart and out of cache: the momentum pass streamed it). The values in draw order; no position
+   tensor written. -1 (nothing drawn) on a range outside [1, 2^32) or a state it cannot read. */
+#define SAMPLE_TAKE_CHUNK 256
+#define SAMPLE_TAKE_AHEAD 16
+int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* out) {
+    int32_t left; uint64_t next; uint32_t s[MT_N];
+    if (n < 1 || n > (int64_t)0xFFFFFFFFLL || mt_load(st, s, &left, &next)) return -1;
+    uint32_t pos[SAMPLE_TAKE_CHUNK];
+    for (int64_t i = 0; i < m; i += SAMPLE_TAKE_CHUNK) {
+        const int c = m - i < SAMPLE_TAKE_CHUNK ? (int)(m - i) : SAMPLE_TAKE_CHUNK;
+        for (int k = 0; k < c; ++k) {
+            if (left == 1) { mt_twist(s); left = MT_N + 1; next = 0; }
+            uint32_t y = s[next++];
+            --left;
+            y ^= y >> 11;
+            y ^= (y << 7) & 0x9d2c5680u;
+            y ^= (y << 15) & 0xefc60000u;
+            y ^= y >> 18;
+            pos[k] = (uint32_t)((uint64_t)y % (uint64_t)n);
+        }
+        for (int k = 0; k < c && k < SAMPLE_TAKE_AHEAD; ++k) __builtin_prefetch(a + pos[k]);
+        for (int k = 0; k < c; ++k) {
+            if (k + SAMPLE_TAKE_AHEAD < c) __builtin_prefetch(a + pos[k + SAMPLE_TAKE_AHEAD]);
+            out[i + k] = a[pos[k]];
+        }
+    }
+    mt_store(st, s, left, next);
+    return 0;
+}
 /* The l2 norm of one bucket in torch's order for a float32 norm over a contiguous last dimension
    whose length is a multiple of the vector width: `lanes` accumulators (element j adds its square,
    rounded, to lane j % lanes), then lane 0 + lane 1 + ... in turn, then the square root. The zero
@@ -4361,6 +4394,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_qsgd_codes.argtypes = [vp, i64, vp, vp, i64, i64, ctypes.c_float, vp]
     lib_.ac_table_mean.restype = None
     lib_.ac_table_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, i64, vp]
+    lib_.ac_mt_sample_take.restype = ctypes.c_int
+    lib_.ac_mt_sample_take.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_qsgd_compress.restype = ctypes.c_int
@@ -6145,6 +6180,44 @@ def _rng_checked() -> bool:
                 break
         _rng_agrees = ok
     return _rng_agrees
+
+
+_randint_agrees: bool | None = None
+
+
+def _randint_checked() -> bool:
+    """Whether ac_mt_sample_take draws this torch's ``randint`` positions (and leaves the generator in
+    its state), on ranges from 1 to 2^24 across twists: checked once per process."""
+    global _randint_agrees
+    if not _rng_checked():
+        return False
+    if _randint_agrees is None:
+        ok = True
+        mine, theirs = torch.Generator().manual_seed(20261130), torch.Generator().manual_seed(20261130)
+        for n, m in ((1, 3), (7, 623), (1000, 700), ((1 << 24) - 3, 1900), (5, 5)):
+            a = torch.arange(n, dtype=torch.float32)  # exact up to 2^24: the values are the positions
+            got = sample_take(a, m, mine, checked=True)
+            want = torch.randint(n, (m,), generator=theirs).to(torch.float32)
+            ok = got is not None and torch.equal(got, want) and torch.equal(mine.get_state(), theirs.get_state())
+            if not ok:
+                break
+        _randint_agrees = ok
+    return _randint_agrees
+
+
+def sample_take(a: Tensor, m: int, gen: torch.Generator, checked: bool = False) -> Tensor | None:
+    """``a[torch.randint(a.numel(), (m,), generator=gen)]`` for 1-D ``a`` in one C call: the same
+    values in the same order and ``gen`` left in the same state, no position tensor. None (nothing
+    drawn) where torch must run."""
+    n = a.numel()
+    if not (usable(a) and a.dim() == 1 and 1 <= n < 1 << 32 and m >= 0 and gen.device.type == "cpu"
+            and (checked or _randint_checked())):
+        return None
+    st, out = gen.get_state(), torch.empty(m, dtype=torch.float32)
+    if library().ac_mt_sample_take(st.data_ptr(), a.data_ptr(), n, m, out.data_ptr()) != 0:  # type: ignore[union-attr]
+        return None
+    gen.set_state(st)
+    return out
 
 
 def uniform_(out: Tensor, gen: torch.Generator) -> bool:
