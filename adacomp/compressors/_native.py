@@ -4177,8 +4177,8 @@ AC_CLONES int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
    chunk are drawn first and the gather's loads prefetched SAMPLE_TAKE_AHEAD ahead (a's lines are far
    apart and out of cache: the momentum pass streamed it). The values in draw order; no position
    tensor written. -1 (nothing drawn) on a range outside [1, 2^32) or a state it cannot read. */
-#define SAMPLE_TAKE_CHUNK 256
-#define SAMPLE_TAKE_AHEAD 16
+#define SAMPLE_TAKE_CHUNK 512
+#define SAMPLE_TAKE_AHEAD 48
 int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* out) {
     int32_t left; uint64_t next; uint32_t s[MT_N];
     if (n < 1 || n > (int64_t)0xFFFFFFFFLL || mt_load(st, s, &left, &next)) return -1;
