@@ -4144,6 +4144,13 @@ static void mt_store(uint8_t* st, const uint32_t* s, int32_t left, uint64_t next
     __builtin_memcpy(st + 16, &next, 8);
     for (int k = 0; k < MT_N; ++k) { uint64_t w = s[k]; __builtin_memcpy(st + 24 + 8 * k, &w, 8); }
 }
+/* MT19937's tempering of a state word: the generator's 32-bit output */
+static inline uint32_t mt_temper(uint32_t y) {
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    return y ^ (y >> 18);
+}
 /* the next n uniforms of the stream into out (out may be NULL: the numbers are drawn and dropped) */
 AC_CLONES static void mt_fill(uint32_t* s, int32_t* left, uint64_t* next, float* out, int64_t n) {
     int64_t i = 0;
@@ -4153,12 +4160,7 @@ AC_CLONES static void mt_fill(uint32_t* s, int32_t* left, uint64_t* next, float*
         if (out) {
             const uint32_t* src = s + *next;
             for (int64_t j = 0; j < run; ++j) {
-                uint32_t y = src[j];
-                y ^= y >> 11;
-                y ^= (y << 7) & 0x9d2c5680u;
-                y ^= (y << 15) & 0xefc60000u;
-                y ^= y >> 18;
-                out[i + j] = (float)(y & 0xFFFFFFu) * (1.0f / 16777216.0f);
+                out[i + j] = (float)(mt_temper(src[j]) & 0xFFFFFFu) * (1.0f / 16777216.0f);
             }
         }
         i += run; *next += run; *left -= (int32_t)run;
@@ -4187,12 +4189,8 @@ int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* 
         const int c = m - i < SAMPLE_TAKE_CHUNK ? (int)(m - i) : SAMPLE_TAKE_CHUNK;
         for (int k = 0; k < c; ++k) {
             if (left == 1) { mt_twist(s); left = MT_N + 1; next = 0; }
-            uint32_t y = s[next++];
+            const uint32_t y = mt_temper(s[next++]);
             --left;
-            y ^= y >> 11;
-            y ^= (y << 7) & 0x9d2c5680u;
-            y ^= (y << 15) & 0xefc60000u;
-            y ^= y >> 18;
             pos[k] = (uint32_t)((uint64_t)y % (uint64_t)n);
         }
         for (int k = 0; k < c && k < SAMPLE_TAKE_AHEAD; ++k) __builtin_prefetch(a + pos[k]);

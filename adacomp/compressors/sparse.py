@@ -532,8 +532,7 @@ class ThresholdCounter:
             keep_signs = signed and bool(self.prefix) and not keep_nan
             narrow = _native.select_signed32(self.a, floor, expected) if keep_signs and self.strict else None
             if narrow is not None:  # int32 positions: a third fewer bytes written (~22 % kept by SIDCo)
-                self.adopt(floor, None, narrow[1], signed=True)
-                self._idx32 = narrow[0]
+                self.adopt(floor, *narrow, signed=True)
                 return
             mode = self.prefix + "not_lt" if keep_nan else self.mode + ("_signed" if keep_signs else "")
             self.adopt(floor, *_native.select(self.a, floor, mode, expected), signed=keep_signs)
@@ -545,16 +544,18 @@ class ThresholdCounter:
         idx = nonzero_1d(mask, expected)
         self.adopt(floor, idx, self.a.index_select(0, idx))
 
-    def adopt(self, floor: float, idx: Tensor | None, vals: Tensor, signed: bool = False) -> None:
+    def adopt(self, floor: float, idx: Tensor, vals: Tensor, signed: bool = False) -> None:
         """Keep a candidate set a fused pass compacted at ``floor`` (what :meth:`compact` would keep);
         its counts go through a function bound here once (searches count dozens of thresholds).
         ``signed``: ``vals`` are the elements themselves (an ``absolute`` counter compares their
         magnitudes), so :meth:`pick` gives a payload's values without a gather over ``a``. ``idx``
-        None: :meth:`compact` keeps the positions as int32 (see :attr:`idx`)."""
+        int32 (:meth:`compact`'s signed set): kept so, widened only where asked (see :attr:`idx`)."""
         self.signed = signed and self.prefix == "abs_" and self.native
         if signed and not self.signed:
             raise ValueError("ThresholdCounter.adopt(signed=True) needs an absolute counter on the fused C passes")
-        self.idx, self.vals, self.floor = idx, vals, floor
+        self.idx, self.vals, self.floor = (None if idx.dtype == torch.int32 else idx), vals, floor
+        if idx.dtype == torch.int32:
+            self._idx32 = idx
         self._kept_counter = _native.counter(vals, self.kept_mode) if self.native else None
         self._sorted.pop("kept", None)
 
