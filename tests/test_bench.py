@@ -8,6 +8,7 @@ not the numbers.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -405,6 +406,35 @@ def test_cost_profile_groups_perf_samples_and_the_cell_samples_its_timed_steps_a
             assert "x floor" in out.stdout and "native C passes" in out.stdout
         else:  # a kernel that forbids perf's events to this user: the message says so
             assert "perf_event_paranoid" in out.stderr
+
+
+def test_cost_cell_calls_times_the_c_calls_of_the_timed_steps_alone(tmp_path):
+    """``cell --calls``: each C entry point the timed steps call, its seconds and calls a step (the
+    C passes' share of the step; the warm-up's and the floor passes' calls are not counted: Top-k
+    on 13 tensors calls its compensation pass 13 times a step, the floor's passes none); the
+    library's entry points are its own again afterwards; perf's control and --calls exclude each
+    other."""
+    from adacomp.bench import cost_profile
+    from adacomp.compressors import _native
+    before = _native.library().ac_add_select_abs_not_lt
+    out = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "topk", "--steps", "3",
+                          "--sizes", "65536:262144", "--calls"], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    calls = got["c_calls"]
+    assert calls["ac_add_select_abs_not_lt"][1] == got["tensors"] == 13
+    assert "ac_add" not in calls and "ac_count_abs_gt" not in calls  # the floor's and minimum's passes
+    assert 0 < got["c_calls_s"] < 3 * got["step_s"]
+    assert abs(got["c_calls_s"] - sum(s for s, _ in calls.values())) < 1e-12
+    clock = cost_profile.CallClock()
+    assert _native.library().ac_add_select_abs_not_lt is not before
+    clock.close()
+    assert _native.library().ac_add_select_abs_not_lt is before
+    bad = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "topk", "--calls",
+                          "--perf-control", "a,b"], cwd=tmp_path, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=HANG_GUARD_S)
+    assert bad.returncode != 0 and "without perf" in bad.stderr
 
 
 def test_cost_cells_on_the_models_own_gradients(tmp_path):

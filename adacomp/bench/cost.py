@@ -775,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--grads-file", help="model_gradients() saved by `run` (else computed here)")
     c.add_argument("--sizes", type=cost_profile.sizes_arg, help="LO:HI, only the tensors of LO <= numel < HI")
     c.add_argument("--perf-control", help=argparse.SUPPRESS)  # CTL,ACK fifos of `profile`'s perf record
+    c.add_argument("--calls", action="store_true",
+                   help="also time each C call of the timed steps (cost_profile.CallClock): c_calls_s, c_calls")
     r = sub.add_parser("run")
     r.add_argument("--json", required=True)
     r.add_argument("--models", default=",".join(MODELS))
@@ -818,10 +820,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.method in PEERS and detect() == "local":
             print(json.dumps(peer_cell(list(sys.argv[1:] if argv is None else argv))))
             return 0
+        if args.perf_control and args.calls:
+            raise SystemExit("adacomp bench cost cell: --calls times the C calls itself; run it without perf")
         around = cost_profile.sampled if args.perf_control else None
         if around is not None:
             cost_profile.connect(args.perf_control)
-        got = cell(args.model, args.method, args.steps, args.grads, args.grads_file, args.sizes, around, args.warmup)
+        clock = cost_profile.CallClock() if args.calls else None
+        try:
+            got = cell(args.model, args.method, args.steps, args.grads, args.grads_file, args.sizes,
+                       clock.around if clock is not None else around, args.warmup)
+        finally:
+            if clock is not None:
+                clock.close()
+        if clock is not None:
+            got["c_calls"] = clock.per_step()
+            got["c_calls_s"] = sum(v[0] for v in got["c_calls"].values())
         if args.method not in PEERS or got["rank"] == 0:
             print(json.dumps(got))
     else:

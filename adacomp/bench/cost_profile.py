@@ -1,6 +1,8 @@
-"""Where a cost cell's step spends its time: ``perf`` samples of the timed steps alone.
+"""Where a cost cell's step spends its time: ``perf`` samples of the timed steps alone, or the
+time of each C call in them.
 
     adacomp bench cost profile --model resnet50 --method chunktopk --steps 100 [--sizes 65536:262144]
+    adacomp bench cost cell --model resnet50 --method sidco --steps 7 --calls
 
 runs ``adacomp bench cost cell`` under ``perf record`` (Linux perf, Debian's ``linux-perf``) with
 its events disabled, and the cell enables them around each timed step only (perf's ``--control``
@@ -10,6 +12,10 @@ passes, the Python interpreter, torch, libc and the allocator, the kernel) and t
 Why perf and not cProfile: cProfile's per-call cost inflates the many small Python calls ~2.5x and
 does not see inside the C passes; perf's sampling splits the step between both at no such cost
 (cost_notes item 71 used it to tell which cells the Python calls hold above the goal).
+``cell --calls`` (:class:`CallClock`) times each of the package's C entry points inside the timed
+steps and adds the split to the cell's JSON (``c_calls_s``: the C calls' seconds a step; ``c_calls``:
+per entry point): what the step would take if everything around the C passes cost nothing
+(cost_notes item 81).
 """
 from __future__ import annotations
 
@@ -71,6 +77,63 @@ def sampled(step: Callable[[], None]) -> Callable[[], None]:
         finally:
             _tell("disable")
     return run
+
+
+class CallClock:
+    """Seconds each of the package's C entry points takes while a timed step runs (``cell --calls``):
+    the step split between the C passes and the Python and torch work around them, without perf
+    (which some machines forbid) and without cProfile's per-call inflation. Each entry point of the
+    built library is wrapped by a timer (~0.3 us a call, on only inside :meth:`around`), and the
+    originals are put back by :meth:`close`."""
+
+    def __init__(self) -> None:
+        from adacomp.compressors import _native
+        lib = _native.library()
+        if lib is None:
+            raise SystemExit(f"--calls needs the package's C library: {_native.why_unavailable()}")
+        self.lib = lib
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.steps = 0
+        self._on = False
+        names = sorted(set(re.findall(r"\b(ac_[a-z0-9_]+)\b", _native._SOURCE)))  # macro-made ones too
+        self._saved = {n: getattr(lib, n) for n in names if hasattr(lib, n)}
+        for name, fn in self._saved.items():
+            setattr(lib, name, self._timed(name, fn))
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter
+
+        def call(*args: Any) -> Any:
+            if not self._on:
+                return fn(*args)
+            t0 = clock()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + clock() - t0
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return call
+
+    def around(self, step: Callable[[], None]) -> Callable[[], None]:
+        """``step`` with the timers on (``cell``'s ``around``)."""
+        def run() -> None:
+            self._on = True
+            try:
+                step()
+            finally:
+                self._on = False
+                self.steps += 1
+        return run
+
+    def per_step(self) -> dict[str, list[float]]:
+        """{entry point: [seconds a step, calls a step]}, the costliest first."""
+        n = max(1, self.steps)
+        return {k: [v / n, self.calls[k] / n] for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
+
+    def close(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(self.lib, name, fn)
 
 
 def shares(report: str) -> list[tuple[float, str]]:
