@@ -409,8 +409,8 @@ def test_cost_profile_groups_perf_samples_and_the_cell_samples_its_timed_steps_a
 
 
 def test_cost_cell_calls_times_the_c_calls_of_the_timed_steps_alone(tmp_path):
-    """``cell --calls``: each C entry point the timed steps call, its seconds and calls a step (the
-    C passes' share of the step; the warm-up's and the floor passes' calls are not counted: Top-k
+    """``cell --calls`` (and ``profile --calls``, printed): each C entry point the timed steps call,
+    its seconds and calls a step (the C passes' share of the step; the warm-up's and the floor passes' calls are not counted: Top-k
     on 13 tensors calls its compensation pass 13 times a step, the floor's passes none); the
     library's entry points are its own again afterwards; perf's control and --calls exclude each
     other."""
@@ -435,6 +435,12 @@ def test_cost_cell_calls_times_the_c_calls_of_the_timed_steps_alone(tmp_path):
                           "--perf-control", "a,b"], cwd=tmp_path, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=HANG_GUARD_S)
     assert bad.returncode != 0 and "without perf" in bad.stderr
+    # the same split printed by `profile --calls`, which needs no perf
+    shown = subprocess.run([*BENCH, "cost", "profile", "--model", "resnet50", "--method", "topk", "--steps", "2",
+                            "--sizes", "65536:262144", "--calls", "--top", "3"], cwd=tmp_path, capture_output=True,
+                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=HANG_GUARD_S)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "its C calls" in shown.stdout and "floors" in shown.stdout and "ac_add_select_abs_not_lt" in shown.stdout
 
 
 def test_cost_cells_on_the_models_own_gradients(tmp_path):

@@ -2,7 +2,7 @@
 time of each C call in them.
 
     adacomp bench cost profile --model resnet50 --method chunktopk --steps 100 [--sizes 65536:262144]
-    adacomp bench cost cell --model resnet50 --method sidco --steps 7 --calls
+    adacomp bench cost profile --model resnet50 --method sidco --steps 7 --calls
 
 runs ``adacomp bench cost cell`` under ``perf record`` (Linux perf, Debian's ``linux-perf``) with
 its events disabled, and the cell enables them around each timed step only (perf's ``--control``
@@ -12,10 +12,10 @@ passes, the Python interpreter, torch, libc and the allocator, the kernel) and t
 Why perf and not cProfile: cProfile's per-call cost inflates the many small Python calls ~2.5x and
 does not see inside the C passes; perf's sampling splits the step between both at no such cost
 (cost_notes item 71 used it to tell which cells the Python calls hold above the goal).
-``cell --calls`` (:class:`CallClock`) times each of the package's C entry points inside the timed
-steps and adds the split to the cell's JSON (``c_calls_s``: the C calls' seconds a step; ``c_calls``:
-per entry point): what the step would take if everything around the C passes cost nothing
-(cost_notes item 81).
+``--calls`` (:class:`CallClock`) times each of the package's C entry points inside the timed steps
+instead, without perf, and prints the step's split between them and the rest: what the step would
+take if everything around the C passes cost nothing (cost_notes item 81). ``cell --calls`` adds the
+same to the cell's JSON (``c_calls_s``: the C calls' seconds a step; ``c_calls``: per entry point).
 """
 from __future__ import annotations
 
@@ -155,8 +155,37 @@ def _report(data: Path, key: str) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
+def _cell_command(args: argparse.Namespace, *extra: str) -> list[str]:
+    cell = [sys.executable, "-m", "adacomp.bench.cost", "cell", "--model", args.model, "--method", args.method,
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--grads", args.grads, *extra]
+    if args.sizes is not None:
+        cell += ["--sizes", f"{args.sizes[0]}:{args.sizes[1]}"]
+    return cell
+
+
+def calls_split(args: argparse.Namespace) -> None:
+    """``profile --calls``: the cell with each C call timed (:class:`CallClock`), no perf: the step's
+    split between the C calls and the rest, and the costliest entry points, in floors."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    run = subprocess.run(_cell_command(args, "--calls"), capture_output=True, text=True, env=env)
+    if run.returncode != 0:
+        raise SystemExit(f"the cost cell failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    step, floor, c = got["step_s"], got["floor_s"], got["c_calls_s"]
+    print(f"{args.model} / {args.method}: median step {1e3 * step:.1f} ms, floor {1e3 * floor:.1f} ms, "
+          f"{step / floor:.2f}x floor; its C calls {1e3 * c:.1f} ms a step ({c / floor:.2f} floors, "
+          f"{100 * c / step:.0f} %), the rest (Python, torch, ctypes) {1e3 * (step - c):.1f} ms "
+          f"({(step - c) / floor:.2f} floors)")
+    print(f"\ntop {args.top} C entry points (ms a step, floors, calls a step):")
+    for name, (seconds, calls) in list(got["c_calls"].items())[:args.top]:
+        print(f"  {1e3 * seconds:8.2f} ms  {seconds / floor:5.2f}  {calls:7.1f}  {name}")
+
+
 def profile(args: argparse.Namespace) -> None:
     """The ``profile`` subcommand (see the module docstring)."""
+    if args.calls:
+        calls_split(args)
+        return
     if shutil.which("perf") is None:
         raise SystemExit("adacomp bench cost profile needs Linux perf on PATH (Debian: apt install linux-perf)")
     if args.method in args.peers:
@@ -166,11 +195,7 @@ def profile(args: argparse.Namespace) -> None:
         ctl, ack, data = Path(tmp, "ctl"), Path(tmp, "ack"), Path(tmp, "perf.data")
         os.mkfifo(ctl)
         os.mkfifo(ack)
-        cell = [sys.executable, "-m", "adacomp.bench.cost", "cell", "--model", args.model, "--method", args.method,
-                "--steps", str(args.steps), "--warmup", str(args.warmup), "--grads", args.grads,
-                "--perf-control", f"{ctl},{ack}"]
-        if args.sizes is not None:
-            cell += ["--sizes", f"{args.sizes[0]}:{args.sizes[1]}"]
+        cell = _cell_command(args, "--perf-control", f"{ctl},{ack}")
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         t0 = time.perf_counter()
         rec = subprocess.run(["perf", "record", "-F", str(args.frequency), "-D", "-1",
@@ -207,4 +232,7 @@ def add_parser(sub: Any, methods: list[str], peers: list[str], warmup_arg: Calla
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--frequency", type=int, default=2000, help="samples a second (default: %(default)s)")
     p.add_argument("--top", type=int, default=30, help="symbols listed (default: %(default)s)")
+    p.add_argument("--calls", action="store_true",
+                   help="no perf: time each C call of the timed steps instead (`cell --calls`) and print the "
+                        "step's split between them and the rest")
     p.set_defaults(methods=methods, peers=peers)
