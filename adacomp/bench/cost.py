@@ -833,8 +833,7 @@ def main(argv: list[str] | None = None) -> int:
             if clock is not None:
                 clock.close()
         if clock is not None:
-            got["c_calls"] = clock.per_step()
-            got["c_calls_s"] = sum(v[0] for v in got["c_calls"].values())
+            got.update(clock.report())
         if args.method not in PEERS or got["rank"] == 0:
             print(json.dumps(got))
     else:

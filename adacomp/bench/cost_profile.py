@@ -126,10 +126,12 @@ class CallClock:
                 self.steps += 1
         return run
 
-    def per_step(self) -> dict[str, list[float]]:
-        """{entry point: [seconds a step, calls a step]}, the costliest first."""
+    def report(self) -> dict[str, Any]:
+        """What ``cell --calls`` adds to its JSON: ``c_calls`` = {entry point: [seconds, calls]}, each
+        the mean over the timed steps, the costliest first, and ``c_calls_s``, their sum."""
         n = max(1, self.steps)
-        return {k: [v / n, self.calls[k] / n] for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
+        per = {k: [v / n, self.calls[k] / n] for k, v in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
+        return {"c_calls": per, "c_calls_s": sum(v[0] for v in per.values())}
 
     def close(self) -> None:
         for name, fn in self._saved.items():
