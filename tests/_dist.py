@@ -6,6 +6,7 @@ traceback; a hang fails after ``timeout`` seconds and every worker is killed.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import signal
@@ -24,6 +25,9 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, env: dict) -> None:
+    # a crash in native code (a signal) prints every thread's Python stack to stderr, which pytest
+    # shows with the test: the rank that died is otherwise only known as its peers' "connection reset"
+    faulthandler.enable(all_threads=True)
     # the caller's environment as it is now (a forkserver child starts from the server's)
     os.environ.clear()
     os.environ.update(env)
@@ -94,6 +98,7 @@ def _run_workers_once(fn: Callable, world: int, args: tuple, timeout: float,
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    killed: set[int] = set()
     try:
         for _ in range(world):
             try:
@@ -111,13 +116,30 @@ def _run_workers_once(fn: Callable, world: int, args: tuple, timeout: float,
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
-        for p in procs:
+        for r, p in enumerate(procs):
             if p.is_alive():
+                killed.add(r)
                 p.kill()
                 p.join()
     if errors:
+        errors += _signal_deaths(procs, killed)
         raise AssertionError("worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def _signal_deaths(procs: list[Any], killed: set[int]) -> list[str]:
+    """Name the ranks a signal ended (a crash in native code), not by us: their peers only see a reset."""
+    out = []
+    for r, p in enumerate(procs):
+        code = p.exitcode
+        if r not in killed and code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            out.append(f"rank {r}: died from signal {name} (its Python stack, from faulthandler, is in the "
+                       "captured stderr)")
+    return out
 
 
 def run_launcher(cmd: list[str], cwd: str, env: dict[str, str], timeout: float,
