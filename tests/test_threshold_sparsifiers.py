@@ -551,6 +551,60 @@ def test_gaussiank_loop_over_full_counts_in_one_c_call_is_the_loops(max_adjust: 
         assert stepped.thr != 959.5 and stepped.too_low == 959.5 and (stepped.steps > 1 or max_adjust == 1)
 
 
+@pytest.mark.parametrize("max_adjust,truncate", [(0, True), (1, True), (5, True), (5, False), (12, True)])
+def test_gaussiank_choice_in_one_c_call_is_the_calls_one_by_one(max_adjust: int, truncate: bool, one_thread: None,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where error feedback's compensation left what the search starts from, Gaussian-k's choice
+    (threshold, correction loop, selection, cap) is one C call: below the compaction size from the
+    mean, with the std in torch's order (_native.gauss_whole), above it from the moments and the
+    candidates kept above a sampled floor (_native.gauss_kept). Over three steps with residuals the
+    payloads and residuals are those of the same calls made one by one from Python, bit for bit, on
+    normal, heavy-tailed, tied, mostly zero, constant and non-finite tensors of both sizes."""
+    from adacomp.compressors import _native
+    g = gen(40 + max_adjust)
+    big = torch.randn(8000, generator=g)
+    big[:3] = 1e4
+    xs = [torch.randn(5000, generator=g), torch.randn(40000, generator=g) ** 5, torch.randn(1024, generator=g).round(),
+          torch.randn(3000, generator=g) * (torch.rand(3000, generator=g) < 0.05), torch.full((2048,), -0.5), big,
+          torch.randn(60000, generator=g), torch.cat([torch.randn(2000, generator=g), torch.tensor([float("inf")])]),
+          torch.cat([torch.randn(2000, generator=g), torch.tensor([float("nan")])]),
+          torch.randn(200000, generator=g), torch.randn(100000, generator=g) ** 5,
+          torch.randn(150000, generator=g) * (torch.rand(150000, generator=g) < 0.05),
+          torch.randn(70000, generator=g).round(), torch.full((80000,), 0.25)]
+    served: list[tuple[str, bool]] = []
+    for fn in ("gauss_whole", "gauss_kept"):
+        monkeypatch.setattr(_native, fn, lambda *a, _f=getattr(_native, fn), _n=fn: (
+            lambda r: served.append((_n, r is not None)) or r)(_f(*a)))
+
+    def run(fast: bool) -> list[tuple[torch.Tensor, ...]]:
+        out: list[tuple[torch.Tensor, ...]] = []
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(_native, "gauss_whole", lambda *a: None)
+                m.setattr(_native, "gauss_kept", lambda *a: None)
+            comp = compressors.get("gaussiank", density=0.01, max_adjust=max_adjust, truncate=truncate)
+            mem = memories.get("residual")
+            for step in range(3):
+                for t, x in enumerate(xs):
+                    c = mem.compensate(x * (1.0 + 0.25 * step), f"x{t}", compressor=comp)
+                    payload, ctx = comp.compress(c, f"x{t}")
+                    mem.update(c, f"x{t}", comp, payload, ctx)
+                    out.append((payload[0].view(torch.int32), payload[1], mem.residuals[f"x{t}"].view(torch.int32)))
+        return out
+
+    fast = run(True)
+    # from the second step (the first has no residual, so no compensation); a constant tensor's
+    # threshold below the compaction size is not positive, and the non-finite ones keep nothing:
+    # the Python way
+    whole = [ok for fn, ok in served if fn == "gauss_whole"]
+    kept = [ok for fn, ok in served if fn == "gauss_kept"]
+    assert whole == 2 * [True, True, True, True, False, True, True]
+    assert len(kept) == 2 * 5 and any(kept), kept  # (a loop that ends below the floor: the Python way)
+    slow = run(False)
+    for t, (a, b) in enumerate(zip(fast, slow)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), t
+
+
 @pytest.mark.parametrize("max_adjust", [1, 5, 12])
 def test_gaussiank_loop_over_a_kept_set_in_one_c_call_is_the_loops(max_adjust: int, monkeypatch) -> None:
     """With the compensation's signed candidates kept above a floor, Gaussian-k's loop counts them in
@@ -648,6 +702,9 @@ def test_payload_values_come_from_the_signed_candidates(name: str, monkeypatch, 
         picked.append(got is not None)
         return got
     monkeypatch.setattr(ThresholdCounter, "pick", counted)
+    # Gaussian-k's choice from the compensation's candidates in one C call picks from them too
+    real_kept = _native.gauss_kept
+    monkeypatch.setattr(_native, "gauss_kept", lambda *a: (lambda r: picked.append(r is not None) or r)(real_kept(*a)))
     comp, mem = compressors.get(name, density=0.01), memories.get("dgc" if name == "dgc" else "residual")
     twin = compressors.get(name, density=0.01)  # selects on copies, without candidates (DGC: same draws)
     g = torch.Generator().manual_seed(5)

@@ -3718,6 +3718,73 @@ int64_t ac_gauss_band(const float* a, int64_t n, int mode, const float* kept, in
     flags[0] = has_low; flags[1] = has_high; flags[2] = done; flags[3] = reads;
     return step;
 }
+/* Gaussian-k's choice from the candidates its compensation kept (GaussianKCompressor.choose with a
+   kept set: the signed values kept[0..m) at positions kidx, all with |x| > floor), given torch's mean
+   and std: the threshold mean + std * z in double, the correction loop over the kept set
+   (ac_gauss_band with the floor), the candidates passing it (ac_pick_pairs, strict, into sel_idx /
+   sel_vals, room for m), and where more than cap (> 0) pass, the cap largest (ac_pick_largest into
+   out_idx / out_vals, room for cap; keys: m uint32 of scratch). The same calls with the same
+   arguments as the Python path (~30 us of Python a tensor between four calls). Returns how many are
+   selected, *truncated = 1 where they are in out_*; -1 where the Python path must answer: a
+   threshold that is not finite and positive, a loop that needs a count below the floor, a threshold
+   below the floor (a full pass), a NaN in the pick. */
+int64_t ac_gauss_kept(const float* x, int64_t n, const float* kept, const int64_t* kidx, int64_t m, double floor,
+                      double mean, double std, double z, double lo, double hi, int64_t max_adjust, int64_t cap,
+                      int64_t* sel_idx, float* sel_vals, uint32_t* keys, int64_t* out_idx, float* out_vals,
+                      int* truncated) {
+    double st[3];
+    int flags[4];
+    *truncated = 0;
+    double thr = mean + std * z;
+    if (!__builtin_isfinite(thr) || thr <= 0.0) return -1;
+    if (max_adjust >= 1) {
+        st[0] = thr;
+        ac_gauss_band(x, n, 2, kept, m, 2, floor, 1, st, flags, lo, hi, max_adjust);
+        if (!flags[2]) return -1;
+        thr = st[0];
+    }
+    if (!(thr >= floor)) return -1;
+    const int64_t c = ac_pick_pairs(kept, kidx, m, (float)thr, 1, sel_idx, sel_vals, m);
+    if (cap <= 0 || c <= cap) return c;
+    if (ac_pick_largest(sel_vals, sel_idx, c, cap, NULL, keys, out_idx, out_vals) != 0) return -1;
+    *truncated = 1;
+    return cap;
+}
+/* Gaussian-k's whole choice (GaussianKCompressor.choose) for a tensor its search counts whole (below
+   the compaction size, mean from the compensation, one thread), in one call instead of four and the
+   Python between them (~35 us a tensor; ResNet-50 has 34 such tensors a step): torch.std's float32
+   from its in-order sum of squared deviations (ac_sumsq_select_abs_gt as std_in_order calls it), the
+   threshold mean + std * z in double, the correction loop over full counts (ac_gauss_band), the
+   positions and signed values of |x| > thr (ac_select_abs_gt_signed into sel_idx / sel_vals, room for
+   n), and where more than cap (> 0) pass, the cap largest (ac_pick_largest into out_idx / out_vals,
+   room for cap; keys: n uint32 of scratch). The same calls with the same arguments as the Python path,
+   so the same bits. Returns how many are selected, *truncated = 1 where they are in out_*; -1 where
+   the Python path must answer (a threshold that is not finite and positive: its fallback reads the
+   maximum; a NaN in the pick). */
+int64_t ac_gauss_whole(const float* x, int64_t n, double mean, double z, double lo, double hi, int64_t max_adjust,
+                       int64_t cap, int64_t* sel_idx, float* sel_vals, uint32_t* keys, int64_t* out_idx,
+                       float* out_vals, int* truncated) {
+    double sumsq = 0.0, st[3];
+    int used = 0, flags[4];
+    *truncated = 0;
+    if (n < 2) return -1;
+    ac_sumsq_select_abs_gt(x, n, mean, __builtin_inff(), NULL, NULL, 0, &sumsq, 0, &used);
+    const double var = sumsq / (double)(n - 1);
+    if (!(var >= 0.0)) return -1;
+    const double std = (double)(float)__builtin_sqrt(var);
+    double thr = mean + std * z;
+    if (!__builtin_isfinite(thr) || thr <= 0.0) return -1;
+    if (max_adjust >= 1) {
+        st[0] = thr;
+        ac_gauss_band(x, n, 2, x, n, 2, 0.0, 0, st, flags, lo, hi, max_adjust);
+        thr = st[0];
+    }
+    const int64_t c = ac_select_abs_gt_signed(x, n, (float)thr, sel_idx, sel_vals, n);
+    if (cap <= 0 || c <= cap) return c;
+    if (ac_pick_largest(sel_vals, sel_idx, c, cap, NULL, keys, out_idx, out_vals) != 0) return -1;
+    *truncated = 1;
+    return cap;
+}
 /* QSGD's stochastic rounding of one block, torch's sequence of float32 operations per element:
    a = |x| / norm(bucket); a = a * s; a = a + u; a = floor(a); a = min(a, s); code = copysign(a, x)
    + s, as uint8. Element i belongs to bucket (off0 + i) / size of safe[]. Each step rounds once
@@ -4492,6 +4559,12 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_gauss_band.restype = i64
     lib_.ac_gauss_band.argtypes = [vp, i64, ctypes.c_int, vp, i64, ctypes.c_int, ctypes.c_double, ctypes.c_int, vp, vp,
                                    ctypes.c_double, ctypes.c_double, i64]
+    lib_.ac_gauss_kept.restype = i64
+    lib_.ac_gauss_kept.argtypes = [vp, i64, vp, vp, i64, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+                                   ctypes.c_double, ctypes.c_double, ctypes.c_double, i64, i64, vp, vp, vp, vp, vp, vp]
+    lib_.ac_gauss_whole.restype = i64
+    lib_.ac_gauss_whole.argtypes = [vp, i64, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, i64,
+                                    i64, vp, vp, vp, vp, vp, vp]
     lib_.ac_chunk_encode.restype = ctypes.c_int
     lib_.ac_chunk_encode.argtypes = [vp, vp, i64, i64, ctypes.c_int, i64, vp, vp, vp, vp]
     lib_.ac_chunk_decode.argtypes = [vp, vp, ctypes.c_int, vp, vp, i64, i64, i64, i64, vp, vp]
@@ -5148,6 +5221,65 @@ def gauss_band(a: Tensor, mode: str, thr: float, lo: float, hi: float, max_adjus
                               _BAND_MODES[kmode], floor, int(kept is not None), st, flags, lo, hi, int(max_adjust))
     return Band(float(st[0]), float(st[1]) if flags[0] else None, float(st[2]) if flags[1] else None, int(steps),
                 int(flags[3]), bool(flags[2]))
+
+
+def gauss_whole(x: Tensor, mean: float, z: float, lo: float, hi: float, max_adjust: int, cap: int
+                ) -> tuple[Tensor, Tensor] | None:
+    """Gaussian-k's choice on a tensor its search counts whole (ac_gauss_whole): torch.std of 1-D ``x``
+    in torch's order given ``mean`` (torch's), the threshold ``mean + std * z``, the correction loop to
+    [lo, hi] over full counts (at most ``max_adjust`` steps), the positions and signed values of
+    ``|x| > thr``, and where more than ``cap`` (> 0) pass, the ``cap`` largest. The same bits as
+    :meth:`~adacomp.compressors.gaussiank.GaussianKCompressor.choose`'s calls one by one; None where
+    that path must answer (one thread only, as :func:`std_in_order`; a threshold that is not finite
+    and positive; a NaN)."""
+    lib = library()
+    n = x.numel()
+    if lib is None or not usable(x) or n < 2 or torch.get_num_threads() != 1:
+        return None
+    idx, vals = _compaction_buffers(n)
+    out_idx = torch.empty(max(cap, 0), dtype=torch.int64)
+    out_vals = torch.empty(max(cap, 0), dtype=torch.float32)
+    truncated = _truncated_flag()
+    c = int(lib.ac_gauss_whole(x.data_ptr(), n, mean, z, lo, hi, int(max_adjust), int(cap), idx.data_ptr(),
+                               vals.data_ptr(), _keys(n).data_ptr(), out_idx.data_ptr(), out_vals.data_ptr(),
+                               ctypes.addressof(truncated)))
+    if c < 0:
+        return None
+    return (out_idx, out_vals) if truncated.value else _trimmed(idx, vals, c, n)
+
+
+def gauss_kept(x: Tensor, vals: Tensor, idx: Tensor, floor: float, mean: float, std: float, z: float, lo: float,
+               hi: float, max_adjust: int, cap: int) -> tuple[Tensor, Tensor] | None:
+    """Gaussian-k's choice from its compensation's candidates (ac_gauss_kept): the signed ``vals`` at
+    ascending int64 positions ``idx`` of 1-D ``x``, every one with ``|x| > floor``; the threshold
+    ``mean + std * z``, the correction loop over them to [lo, hi] (at most ``max_adjust`` steps),
+    those passing it, and where more than ``cap`` (> 0) pass, the ``cap`` largest. The same bits as
+    :meth:`~adacomp.compressors.gaussiank.GaussianKCompressor.choose`'s calls one by one; None where
+    that path must answer (a count or a threshold below the floor, a threshold that is not finite and
+    positive, a NaN)."""
+    lib = library()
+    m = vals.numel()
+    if (lib is None or not usable(x) or not usable(vals) or not _cpu_contiguous(idx, torch.int64)
+            or idx.numel() != m):
+        return None
+    sel_idx, sel_vals = _compaction_buffers(m)
+    out_idx = torch.empty(max(cap, 0), dtype=torch.int64)
+    out_vals = torch.empty(max(cap, 0), dtype=torch.float32)
+    truncated = _truncated_flag()
+    c = int(lib.ac_gauss_kept(x.data_ptr(), x.numel(), vals.data_ptr(), idx.data_ptr(), m, floor, mean, std, z, lo,
+                              hi, int(max_adjust), int(cap), sel_idx.data_ptr(), sel_vals.data_ptr(),
+                              _keys(m).data_ptr(), out_idx.data_ptr(), out_vals.data_ptr(), ctypes.addressof(truncated)))
+    if c < 0:
+        return None
+    return (out_idx, out_vals) if truncated.value else _trimmed(sel_idx, sel_vals, c, m)
+
+
+def _truncated_flag() -> ctypes.c_int:
+    """This thread's int the gauss_* calls report a truncation in."""
+    flag = _SCRATCH.__dict__.get("truncated")
+    if flag is None:
+        flag = _SCRATCH.truncated = ctypes.c_int()
+    return flag
 
 
 def count(a: Tensor, thr: float, mode: str) -> int:

@@ -47,8 +47,8 @@ from torch import Tensor
 
 from adacomp.compressors import _native
 from adacomp.compressors.base import register
-from adacomp.compressors.sparse import (BISECT_LEVELS, SparseCompressor, ThresholdCounter, k_for, largest_k,
-                                        sample_lines, sample_value, sampled_value)
+from adacomp.compressors.sparse import (BISECT_LEVELS, SEARCH_COMPACT_MIN, SparseCompressor, ThresholdCounter, k_for,
+                                        largest_k, sample_lines, sample_value, sampled_value)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -176,11 +176,16 @@ class GaussianKCompressor(SparseCompressor):
         # elsewhere |g| goes to a reused buffer (one pass, no page faults)
         native = _native.usable(signed)
         a = signed if native else self._workspace().magnitudes(flat)
-        counter, moments = self._search(a, native, name)
+        cap = (4 * k) // 3
+        kept = self._kept().take(name, a)
+        if native and signed is flat:
+            got = self._in_one_call(a, kept, k, cap)
+            if got is not None:
+                return got
+        counter, moments = self._search(a, native, kept)
         thr = self.threshold(a, signed, k, counter, moments)
         got = counter.pick(thr, self._density) if signed is flat else None
         idx, vals = got if got is not None else (counter.select(thr, self._density), None)
-        cap = (4 * k) // 3
         if self.truncate and idx.numel() > cap:
             # the candidates' signed values ranked by magnitude in one C call, the kept ones' values
             # with them (largest_k's set; torch's path on a NaN); a selection without values (a
@@ -193,6 +198,27 @@ class GaussianKCompressor(SparseCompressor):
         if not idx.numel():
             return (signed.abs() if native else a).argmax().view(1), None
         return idx, vals
+
+    def _in_one_call(self, a: Tensor, kept: object, k: int, cap: int) -> tuple[Tensor, Tensor | None] | None:
+        """:meth:`choose`'s search, selection and cap in one C call where the compensation's pass left
+        what it starts from (a tensor counted whole: its mean; a larger one: its moments and
+        candidates): the same calls as the path below, without ~20-30 us of Python between them a
+        tensor (issue 32: ResNet-50's 76 compressed tensors a step). None where that path answers."""
+        n = a.numel()
+        z, lo, hi, limit = _two_sided_z(k, n), 2.0 * k / 3.0, 4.0 * k / 3.0, cap if self.truncate else 0
+        if isinstance(kept, float) and n < SEARCH_COMPACT_MIN:
+            got = _native.gauss_whole(a, kept, z, lo, hi, self.max_adjust, limit)
+        elif isinstance(kept, _Searched):
+            std = kept.std if kept.std is not None else _native.std_in_order(a, kept.mean)
+            if std is None:
+                return None
+            got = _native.gauss_kept(a, kept.vals, kept.idx, kept.floor, kept.mean, std, z, lo, hi, self.max_adjust,
+                                     limit)
+        else:
+            return None
+        if got is None:
+            return None
+        return got if got[0].numel() else (a.abs().argmax().view(1), None)
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """``out = g + r`` (error feedback's compensation, torch.add's bits) with what the search
@@ -225,13 +251,14 @@ class GaussianKCompressor(SparseCompressor):
     def _candidate_share(self) -> float:
         return min(0.25, 3.0 * self._density)  # ThresholdCounter.for_search's target
 
-    def _search(self, a: Tensor, native: bool, name: str = "") -> tuple[ThresholdCounter, tuple[float, float] | None]:
+    def _search(self, a: Tensor, native: bool, kept: object = None
+                ) -> tuple[ThresholdCounter, tuple[float, float] | None]:
         """The search's counter (candidates kept from a sampled floor) and, where one C read serves,
         the moments: the std's sum is a chain of dependent adds, so that read compacts the candidates
-        beside it for free (torch's std and a separate compaction pass otherwise)."""
+        beside it for free (torch's std and a separate compaction pass otherwise). ``kept``: what
+        the compensation's pass left for ``a`` (its mean, or a :class:`_Searched`)."""
         ws = self._workspace()
         expected = self._candidate_share()
-        kept = self._kept().take(name, a)
         if isinstance(kept, _Searched) and native:  # the compensation's pass read it all
             std = kept.std if kept.std is not None else _native.std_in_order(a, kept.mean)
             if std is None:
