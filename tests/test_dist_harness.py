@@ -1,0 +1,27 @@
+"""The multi-process test harness itself (tests/_dist.py): a rank that dies in native code is named,
+with its Python stack, instead of only its peers' "connection reset"."""
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import run_workers
+
+
+def _abort_on_rank0() -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        os.abort()  # what glibc does on a corrupted heap
+    dist.all_reduce(torch.ones(1))  # rank 1 waits for the dead peer
+
+
+def test_a_rank_ended_by_a_signal_is_named_with_its_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(AssertionError) as failed:
+        run_workers(_abort_on_rank0, 2, timeout=120)
+    assert "rank 0: died from signal SIGABRT" in str(failed.value)
+    assert "rank 1:" in str(failed.value)  # the peer's own error, as before
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "_abort_on_rank0" in err  # faulthandler's stack
