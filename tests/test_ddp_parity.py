@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests._dist import run_workers
 from tests.parity import COMPRESSED, MLP, NONE, Run, equal, init, max_rel, rank
@@ -247,18 +248,70 @@ def _plain_run(cfg: dict | None, model_kw: dict | None = None, compile_backend: 
                compile_backend=compile_backend).train(range(STEPS)).params()
 
 
-def _sparse_compile_worker() -> dict:
+def _sparse_ddp_worker() -> dict:
+    """DDP's reference with the sparse embedding, in processes of plain torch.distributed."""
+    dist.init_process_group("gloo")
+    return _plain_run(None, {"embedding": True})
+
+
+def _sparse_ddp_reference() -> list[dict]:
+    """DDP's sparse allreduce on gloo itself crashes now and then (SIGSEGV / heap corruption in
+    backward, about once in 10,000 short runs, also in plain torch: docs/reliability.md, "Known
+    issues"); adacomp densifies sparse gradients and never calls it. So this reference, and only
+    it, runs once more when a rank of it died from a signal."""
+    try:
+        return run_workers(_sparse_ddp_worker, 2, timeout=600)
+    except AssertionError as exc:
+        if "died from signal" not in str(exc):
+            raise
+        warnings.warn(f"DDP's sparse reference crashed (torch's known gloo crash), ran it again: {exc}")
+        return run_workers(_sparse_ddp_worker, 2, timeout=600)
+
+
+def _sparse_run(front: str, cfg: dict) -> dict:
+    """The sparse embedding trained through ``front``: the optimizer, or adacomp's hook on DDP
+    (whose sparse bucket hands the hook no gradients, only its sparse buffer)."""
+    if front == "optimizer":
+        return _plain_run(cfg, {"embedding": True})
+    import adacomp
+    run = Run(None, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1), model_kw={"embedding": True})
+    state, hook = adacomp.ddp.hook(cfg, named_parameters=run.base.named_parameters())
+    run.model.register_comm_hook(state, hook)
+    params = run.train(range(STEPS)).params()
+    assert run.base.emb.weight.grad.is_sparse  # handed back as DDP's sparse allreduce hands it
+    return params
+
+
+def _sparse_worker(front: str) -> dict:
     init()
-    out = {"sparse": equal(_plain_run(None, {"embedding": True}), _plain_run(NONE, {"embedding": True})),
-           "compile": equal(_plain_run(None), _plain_run(NONE, compile_backend="aot_eager"))}
+    out = {"none": _sparse_run(front, NONE)}
+    if front == "hook":  # compressed, the hook's sparse bucket equals the optimizer's densified gradient
+        out["topk"] = max_rel(_sparse_run("hook", COMPRESSED["topk"]), _sparse_run("optimizer", COMPRESSED["topk"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sparse_ddp() -> list[dict]:
+    return _sparse_ddp_reference()
+
+
+@pytest.mark.parametrize("front", ["optimizer", "hook"])
+def test_sparse_embeddings_match_ddp(front: str, sparse_ddp: list[dict]) -> None:
+    for r, res in enumerate(run_workers(_sparse_worker, 2, front, timeout=600)):
+        assert equal(res["none"], sparse_ddp[r]), (front, r)
+        assert res.get("topk", 0.0) <= 1e-6, (front, r, res.get("topk"))
+
+
+def _compile_worker() -> dict:
+    init()
+    out = {"compile": equal(_plain_run(None), _plain_run(NONE, compile_backend="aot_eager"))}
     for name in ("topk", "powersgd"):
         out[name] = equal(_plain_run(COMPRESSED[name]), _plain_run(COMPRESSED[name], compile_backend="aot_eager"))
     return out
 
 
-def test_sparse_embeddings_and_torch_compile_match_ddp() -> None:
-    for r, res in enumerate(run_workers(_sparse_compile_worker, 2, timeout=600)):
-        assert res["sparse"], r
+def test_torch_compile_matches_ddp() -> None:
+    for r, res in enumerate(run_workers(_compile_worker, 2, timeout=600)):
         assert res["compile"], r
         assert res["topk"] and res["powersgd"], (r, res)
 

@@ -60,6 +60,7 @@ class _Waiting:
     groups: list[_Group]
     buffer: Tensor
     future: torch.futures.Future
+    sparse_dim: int | None = None  # a sparse gradient's bucket: its dense mean goes back sparse
 
 
 class HookState:
@@ -242,14 +243,24 @@ class HookState:
         if self._round is None:
             self._round = self.rounds.begin(StepStats(step=self.steps), self.steps)
         st = self._round
-        groups = self._groups(bucket.index(), list(bucket.parameters()), list(bucket.gradients()))
+        params, grads, buffer = list(bucket.parameters()), list(bucket.gradients()), bucket.buffer()
+        sparse_dim = None
+        if buffer.is_sparse:
+            # DDP's bucket of one sparse gradient (nn.Embedding(sparse=True)): gradients() is empty
+            # and buffer() is the gradient. It travels dense, as through the optimizer (Horovod's
+            # sparse_as_dense), and goes back sparse, the layout DDP's own sparse allreduce returns.
+            sparse_dim, grads = buffer.sparse_dim(), [buffer.to_dense()]
+        if len(grads) != len(params):
+            raise RuntimeError(f"DDP bucket {bucket.index()} hands {len(params)} parameters but {len(grads)} "
+                               "gradients to adacomp's hook; expected one gradient per parameter")
+        groups = self._groups(bucket.index(), params, grads)
         for grp in groups:
             for n, g in zip(grp.bucket.names, grp.grads):
                 Rounds.check_finite(st, n, g)
                 st.used.add(n)
             self.rounds.launch(st, grp.bucket, grp.grads)
         fut: torch.futures.Future = torch.futures.Future()
-        self._waiting.append(_Waiting(groups, bucket.buffer(), fut))
+        self._waiting.append(_Waiting(groups, buffer, fut, sparse_dim))
         if bucket.is_last():
             self._complete(st)
         return fut
@@ -271,7 +282,7 @@ class HookState:
                         g.copy_(out.view(g.shape))  # grads are views of DDP's bucket buffer
                     if poison:
                         g.fill_(float("nan"))
-            w.future.set_result(w.buffer)
+            w.future.set_result(w.buffer if w.sparse_dim is None else w.groups[0].grads[0].to_sparse(w.sparse_dim))
         self.last_stats = st.stats
         if vote.nonfinite:
             return  # rolled back: the optimizer skips this step (GradScaler, or `nonfinite: skip`)
