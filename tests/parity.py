@@ -67,22 +67,32 @@ def batch(rank: int, step: int, embedding: bool = False) -> tuple[torch.Tensor, 
     return x, torch.randint(0, 4, (8,), generator=g)
 
 
+FRONT_ENDS = ("optimizer", "hook")
+
+
 class Run:
-    """A model and optimizer under DDP (``cfg is None``) or adacomp (``cfg``)."""
+    """A model and optimizer under DDP (``cfg is None``) or adacomp (``cfg``) through ``front``:
+    ``adacomp.DistributedOptimizer``, or adacomp's hook on DDP (DDP's own ``no_sync`` and ``Join``)."""
 
     def __init__(self, cfg: dict | None, make_opt: Callable[[list], torch.optim.Optimizer] | None = None,
                  opt_params: Callable[[nn.Module], list] | None = None, grad_scaler: Any = None,
-                 model_kw: dict | None = None, compile_backend: str | None = None, **adacomp_kw: Any):
+                 model_kw: dict | None = None, compile_backend: str | None = None, front: str = "optimizer",
+                 **adacomp_kw: Any):
         import adacomp
         torch.manual_seed(0)
         self.base = MLP(**(model_kw or {}))
         self.cfg = cfg
+        self.ddp = cfg is None or front == "hook"  # the model is DDP's, the optimizer plain
         make_opt = make_opt or (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3))
         params = opt_params(self.base) if opt_params else list(self.base.parameters())
-        if cfg is None:
+        if self.ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
             self.model: nn.Module = DDP(self.base, find_unused_parameters=bool(model_kw and model_kw.get("branch")))
             self.opt = make_opt(params)
+            if cfg is not None:
+                self.state, hook = adacomp.ddp.hook(cfg, named_parameters=self.base.named_parameters(),
+                                                    grad_scaler=grad_scaler)
+                self.model.register_comm_hook(self.state, hook)
         else:
             self.model = self.base
             named = {id(p): n for n, p in self.base.named_parameters()}
@@ -97,11 +107,11 @@ class Run:
         return self.opt
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.model.no_sync() if self.cfg is None else self.opt.no_sync()  # type: ignore[operator]
+        return self.model.no_sync() if self.ddp else self.opt.no_sync()  # type: ignore[operator]
 
     @contextlib.contextmanager
     def join(self) -> Iterator[None]:
-        if self.cfg is None:
+        if self.ddp:
             from torch.distributed.algorithms.join import Join
             with Join([self.model]):
                 yield
@@ -142,4 +152,4 @@ def init() -> None:
     adacomp.init()
 
 
-__all__ = ["COMPRESSED", "MLP", "NONE", "Run", "batch", "equal", "init", "max_rel", "rank"]
+__all__ = ["COMPRESSED", "FRONT_ENDS", "MLP", "NONE", "Run", "batch", "equal", "init", "max_rel", "rank"]
