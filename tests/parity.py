@@ -17,6 +17,9 @@ from torch import nn
 COMPRESSED = {
     "topk": {"compressor": {"name": "topk", "density": 0.1}, "communicator": {"name": "allgather"}, "min_numel": 0},
     "powersgd": {"compressor": {"name": "powersgd", "rank": 2, "min_compression_rate": 0.0}, "min_numel": 0},
+    # its choice in one C call (compensation's mean, std in torch's order, correction loop, cap)
+    "gaussiank": {"compressor": {"name": "gaussiank", "density": 0.1}, "communicator": {"name": "allgather"},
+                  "min_numel": 0},
     "dgc": {"compressor": {"name": "dgc", "density": 0.1, "sample_ratio": 1.0}, "memory": {"name": "dgc"},
             "communicator": {"name": "allgather"}, "min_numel": 0},
     "acpsgd": {"compressor": {"name": "acpsgd", "rank": 2, "min_compression_rate": 0.0}, "min_numel": 0},
