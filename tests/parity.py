@@ -84,7 +84,6 @@ class Run:
         import adacomp
         torch.manual_seed(0)
         self.base = MLP(**(model_kw or {}))
-        self.cfg = cfg
         self.ddp = cfg is None or front == "hook"  # the model is DDP's, the optimizer plain
         make_opt = make_opt or (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3))
         params = opt_params(self.base) if opt_params else list(self.base.parameters())
@@ -93,9 +92,9 @@ class Run:
             self.model: nn.Module = DDP(self.base, find_unused_parameters=bool(model_kw and model_kw.get("branch")))
             self.opt = make_opt(params)
             if cfg is not None:
-                self.state, hook = adacomp.ddp.hook(cfg, named_parameters=self.base.named_parameters(),
-                                                    grad_scaler=grad_scaler)
-                self.model.register_comm_hook(self.state, hook)
+                state, hook = adacomp.ddp.hook(cfg, named_parameters=self.base.named_parameters(),
+                                               grad_scaler=grad_scaler)
+                self.model.register_comm_hook(state, hook)
         else:
             self.model = self.base
             named = {id(p): n for n, p in self.base.named_parameters()}
