@@ -5236,16 +5236,8 @@ def gauss_whole(x: Tensor, mean: float, z: float, lo: float, hi: float, max_adju
     n = x.numel()
     if lib is None or not usable(x) or n < 2 or torch.get_num_threads() != 1:
         return None
-    idx, vals = _compaction_buffers(n)
-    out_idx = torch.empty(max(cap, 0), dtype=torch.int64)
-    out_vals = torch.empty(max(cap, 0), dtype=torch.float32)
-    truncated = _truncated_flag()
-    c = int(lib.ac_gauss_whole(x.data_ptr(), n, mean, z, lo, hi, int(max_adjust), int(cap), idx.data_ptr(),
-                               vals.data_ptr(), _keys(n).data_ptr(), out_idx.data_ptr(), out_vals.data_ptr(),
-                               ctypes.addressof(truncated)))
-    if c < 0:
-        return None
-    return (out_idx, out_vals) if truncated.value else _trimmed(idx, vals, c, n)
+    return _capped_choice(n, cap, lambda i, v, keys, oi, ov, flag: lib.ac_gauss_whole(
+        x.data_ptr(), n, mean, z, lo, hi, int(max_adjust), int(cap), i, v, keys, oi, ov, flag))
 
 
 def gauss_kept(x: Tensor, vals: Tensor, idx: Tensor, floor: float, mean: float, std: float, z: float, lo: float,
@@ -5262,16 +5254,26 @@ def gauss_kept(x: Tensor, vals: Tensor, idx: Tensor, floor: float, mean: float, 
     if (lib is None or not usable(x) or not usable(vals) or not _cpu_contiguous(idx, torch.int64)
             or idx.numel() != m):
         return None
-    sel_idx, sel_vals = _compaction_buffers(m)
+    return _capped_choice(m, cap, lambda i, v, keys, oi, ov, flag: lib.ac_gauss_kept(
+        x.data_ptr(), x.numel(), vals.data_ptr(), idx.data_ptr(), m, floor, mean, std, z, lo, hi, int(max_adjust),
+        int(cap), i, v, keys, oi, ov, flag))
+
+
+def _capped_choice(m: int, cap: int, call: Callable[[int, int, int, int, int, int], int]
+                   ) -> tuple[Tensor, Tensor] | None:
+    """The gauss_* calls' common frame: ``call(idx, vals, keys, out_idx, out_vals, truncated)`` (the
+    addresses of the compaction buffers for ``m`` candidates, their radix keys, the ``cap`` largest's
+    outputs and this thread's truncation flag) answers the count passing, or -1 where the Python
+    path must answer (None); the ``cap`` largest where it truncated, else those passing."""
+    idx, vals = _compaction_buffers(m)
     out_idx = torch.empty(max(cap, 0), dtype=torch.int64)
     out_vals = torch.empty(max(cap, 0), dtype=torch.float32)
     truncated = _truncated_flag()
-    c = int(lib.ac_gauss_kept(x.data_ptr(), x.numel(), vals.data_ptr(), idx.data_ptr(), m, floor, mean, std, z, lo,
-                              hi, int(max_adjust), int(cap), sel_idx.data_ptr(), sel_vals.data_ptr(),
-                              _keys(m).data_ptr(), out_idx.data_ptr(), out_vals.data_ptr(), ctypes.addressof(truncated)))
+    c = int(call(idx.data_ptr(), vals.data_ptr(), _keys(m).data_ptr(), out_idx.data_ptr(), out_vals.data_ptr(),
+                 ctypes.addressof(truncated)))
     if c < 0:
         return None
-    return (out_idx, out_vals) if truncated.value else _trimmed(sel_idx, sel_vals, c, m)
+    return (out_idx, out_vals) if truncated.value else _trimmed(idx, vals, c, m)
 
 
 def _truncated_flag() -> ctypes.c_int:

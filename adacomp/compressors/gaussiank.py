@@ -188,6 +188,9 @@ class GaussianKCompressor(SparseCompressor):
         a = signed if native else self._workspace().magnitudes(flat)
         cap = (4 * k) // 3
         kept = self._kept().take(name, a)
+        if native and isinstance(kept, _Searched) and kept.std is None:
+            # the std in torch's order, read once for whichever path answers below
+            kept = kept._replace(std=_native.std_in_order(a, kept.mean))
         if native and signed is flat:
             got = self._in_one_call(a, kept, k, cap)
             if got is not None:
@@ -219,11 +222,10 @@ class GaussianKCompressor(SparseCompressor):
         if isinstance(kept, float) and n < SEARCH_COMPACT_MIN:
             got = _native.gauss_whole(a, kept, z, lo, hi, self.max_adjust, limit)
         elif isinstance(kept, _Searched):
-            std = kept.std if kept.std is not None else _native.std_in_order(a, kept.mean)
-            if std is None:
+            if kept.std is None:  # choose read it in torch's order; None: more than one thread
                 return None
-            got = _native.gauss_kept(a, kept.vals, kept.idx, kept.floor, kept.mean, std, z, lo, hi, self.max_adjust,
-                                     limit)
+            got = _native.gauss_kept(a, kept.vals, kept.idx, kept.floor, kept.mean, kept.std, z, lo, hi,
+                                     self.max_adjust, limit)
         else:
             return None
         if got is None:
