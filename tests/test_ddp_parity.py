@@ -144,7 +144,8 @@ def _params_run(cfg: dict | None, front: str = "optimizer") -> tuple[dict, bool,
             run.base.fc1.weight.requires_grad_(False)
             frozen_at = run.base.fc1.weight.detach().clone()
         run.opt.zero_grad()
-        run.loss(rank(), s, use_branch=s % 2 == 0).backward()
+        # the branch on rank 0 only, on no rank, on rank 1 only, ...: locally and globally unused
+        run.loss(rank(), s, use_branch=(s + rank()) % 3 == 0).backward()
         run.opt.step()
     never_none = run.base.never.weight.grad is None and run.base.never.bias.grad is None
     frozen_kept = frozen_at is not None and torch.equal(frozen_at, run.base.fc1.weight.detach())
@@ -164,8 +165,11 @@ def _params_worker(front: str) -> dict:
     out = {"unused": (equal(ddp, ours), ours_none, ours_frozen, ddp_none),
            "add_group": equal(_add_group_run(None), _add_group_run(NONE, front))}
     for name, cfg in COMPRESSED.items():
-        _, none_kept, frozen_kept = _params_run(cfg, front)
-        out[name] = (none_kept, frozen_kept)
+        got, none_kept, frozen_kept = _params_run(cfg, front)
+        # through the hook, a parameter this rank (or no rank) reached keeps its residual and gradient
+        # as through the optimizer
+        vs_opt = max_rel(got, _params_run(cfg)[0]) if front == "hook" else 0.0
+        out[name] = (none_kept, frozen_kept, vs_opt <= 1e-6)
     return out
 
 
@@ -177,7 +181,7 @@ def test_unused_frozen_tied_parameters_and_add_param_group_match_ddp(front: str)
         assert ddp_never_none  # DDP leaves globally unused parameters' grad None too
         assert res["add_group"], (front, r)
         for name in COMPRESSED:
-            assert res[name] == (True, True), (front, r, name, res[name])
+            assert res[name] == (True, True, True), (front, r, name, res[name])
 
 
 # --- accumulation: no_sync and backward_passes_per_step ---------------------------------------------
@@ -236,6 +240,8 @@ def _join_worker(front: str) -> dict:
     out: dict = {"none": equal(_join_run(None), _join_run(NONE, front))}
     for name, cfg in COMPRESSED.items():
         out[name] = _join_run(cfg, front)
+        if front == "hook":  # the joined rank shadows with zeros and keeps its residuals, as join() does
+            out[name + "_vs_optimizer"] = max_rel(out[name], _join_run(cfg))
     return out
 
 
@@ -246,6 +252,45 @@ def test_uneven_inputs_with_join_match_ddp_and_never_hang(front: str) -> None:
         assert res[r]["none"], (front, r)
     for name in COMPRESSED:  # every rank ends with the last joiner's parameters
         assert equal(res[0][name], res[1][name]), (front, name)
+        if front == "hook":
+            assert res[0][name + "_vs_optimizer"] <= 1e-6, (name, res[0][name + "_vs_optimizer"])
+
+
+# --- `nonfinite: raise`: caught, and training goes on -----------------------------------------------
+def _raise_run(front: str, bad: bool) -> tuple[list[str], dict]:
+    """Top-k with ``nonfinite: raise``; with ``bad``, rank 1's loss is inf at step 2, the user catches
+    the error and trains on (step 2's batch dropped on every rank), else step 2 is left out."""
+    run = Run({**COMPRESSED["topk"], "nonfinite": "raise"}, front=front)
+    errors = []
+    for s in range(5):
+        if s == 2 and not bad:
+            continue
+        run.opt.zero_grad()
+        loss = run.loss(rank(), s)
+        if s == 2 and rank() == 1:
+            loss = loss * float("inf")
+        try:
+            loss.backward()
+            run.opt.step()
+        except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+            errors.append(type(exc).__name__)
+    return errors, run.params()
+
+
+def _raise_worker(front: str) -> dict:
+    init()
+    errors, got = _raise_run(front, bad=True)
+    return {"errors": errors, "same": equal(got, _raise_run(front, bad=False)[1])}
+
+
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_nonfinite_raise_is_caught_and_training_goes_on(front: str) -> None:
+    """Every rank raises NonFiniteGradientError once (through the hook: out of ``backward()``, after
+    DDP finished its own end of backward, so the DDP model still trains) and the run then equals one
+    that never saw the bad batch."""
+    for r, res in enumerate(run_workers(_raise_worker, 2, front, timeout=300)):
+        assert res["errors"] == ["NonFiniteGradientError"], (front, r, res)
+        assert res["same"], (front, r)
 
 
 # --- sparse embeddings, torch.compile -------------------------------------------------------------

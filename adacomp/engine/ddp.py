@@ -36,7 +36,7 @@ from adacomp import backends, compressors
 from adacomp.backends.base import Backend
 from adacomp.config import Config, load
 from adacomp.backends import watchdog
-from adacomp.errors import CommunicationError, ConfigError
+from adacomp.errors import CommunicationError, ConfigError, NonFiniteGradientError
 from adacomp.engine import agreement
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.metrics import StepStats
@@ -71,7 +71,7 @@ class HookState:
 
     def __init__(self, config: Any = None, named_parameters: Iterable[tuple[str, Tensor]] | None = None,
                  backend: Backend | None = None, grad_scaler: Any = None, process_group: Any = None,
-                 agree: bool = True):
+                 agree: bool = True, ddp: bool = True):
         self.config: Config = load(config)
         if self.config.policy.name != "static":
             raise ConfigError("policy.name", f"policy {self.config.policy.name!r} needs adacomp.DistributedOptimizer "
@@ -96,6 +96,17 @@ class HookState:
         self._model: set[int] | None = set(self._names) if named else None
         self._backend = backend
         self._group = process_group
+        # ``ddp``: the buckets are DDP's. Then which parameters this rank's backward passes reached since
+        # the last round (ids) is followed: DDP hands a parameter it did not reach (find_unused_parameters)
+        # as zeros in its bucket, and the round must leave its residual alone and its gradient as DDP
+        # would, as the optimizer's does; and a call outside backward is DDP's Join shadowing. FSDP's
+        # units (stand-in parameters, called by FSDP) pass False: every gradient handed over is used.
+        self._ddp = ddp
+        self._reached: set[int] = set()
+        self._tracked: set[int] = set()
+        self._reach_hooks: list[Any] = []
+        for _, p in named:
+            self._track(p)
         self.table = RouteTable(self.config, [])
         for n, p in named:  # routes up front, so a checkpoint can be loaded before the first step
             if p.requires_grad:
@@ -160,6 +171,18 @@ class HookState:
         return self._backend
 
     # --- the hook --------------------------------------------------------------------------------
+    def _track(self, p: Tensor) -> None:
+        """Note when backward reaches ``p`` (its gradient accumulated: before DDP marks it ready). A
+        parameter met untracked (no ``named_parameters``, or frozen at construction) counts as reached
+        in that round."""
+        if not self._ddp or id(p) in self._tracked or not p.requires_grad:
+            return
+        self._tracked.add(id(p))
+        self._reach_hooks.append(p.register_post_accumulate_grad_hook(lambda q: self._reached.add(id(q))))
+
+    def _used(self, p: Tensor) -> bool:
+        return id(p) in self._reached or id(p) not in self._tracked
+
     def name_of(self, p: Tensor) -> str:
         name = self._names.get(id(p))
         if name is None:
@@ -241,7 +264,11 @@ class HookState:
             agreement.check(self.backend, self._agreement)
             self._agreement = None
         if self._round is None:
-            self._round = self.rounds.begin(StepStats(step=self.steps), self.steps)
+            # DDP's Join calls the hook outside backward on a rank that ran out of data, with zeros in
+            # every bucket: it shadows the others' round as the optimizer's join() does (zeros sent,
+            # residuals untouched, no means written)
+            self._round = self.rounds.begin(StepStats(step=self.steps), self.steps,
+                                            active=not self._ddp or _in_backward())
         st = self._round
         params, grads, buffer = list(bucket.parameters()), list(bucket.gradients()), bucket.buffer()
         sparse_dim = None
@@ -254,11 +281,16 @@ class HookState:
             raise RuntimeError(f"DDP bucket {bucket.index()} hands {len(params)} parameters but {len(grads)} "
                                "gradients to adacomp's hook; expected one gradient per parameter")
         groups = self._groups(bucket.index(), params, grads)
+        used_names = {self.name_of(p) for p in params if st.active and self._used(p)}
+        for p in params:
+            self._track(p)
         for grp in groups:
-            for n, g in zip(grp.bucket.names, grp.grads):
-                Rounds.check_finite(st, n, g)
-                st.used.add(n)
-            self.rounds.launch(st, grp.bucket, grp.grads)
+            used = [n in used_names for n in grp.bucket.names]
+            for n, g, u in zip(grp.bucket.names, grp.grads, used):
+                if u:
+                    Rounds.check_finite(st, n, g)
+                    st.used.add(n)
+            self.rounds.launch(st, grp.bucket, grp.grads, None if all(used) else used)
         fut: torch.futures.Future = torch.futures.Future()
         self._waiting.append(_Waiting(groups, buffer, fut, sparse_dim))
         if bucket.is_last():
@@ -269,27 +301,81 @@ class HookState:
         waiting, self._waiting, self._round = self._waiting, [], None
         if self._model is None:
             self._model = set(self._names)  # the first round defines the model this state serves
-        result = self.rounds.complete(st)
-        assert result is not None  # every rank of a DDP model is active
+        self._reached.clear()  # the next round's backward passes start now
+        try:
+            result = self.rounds.complete(st)
+        except NonFiniteGradientError as exc:  # `nonfinite: raise`: every rank raises, state rolled back
+            for w in waiting:
+                for grp in w.groups:
+                    for g in grp.grads:
+                        g.fill_(float("nan"))
+                _settle(w)
+            if not self._ddp:
+                raise
+            _raise_after_backward(exc)
+            return
+        self.last_stats = st.stats
+        if result is None:  # this rank joined: it shadowed the round; the others count the step
+            for w in waiting:
+                _settle(w)
+            vote = self.rounds.last_vote
+            if vote is not None and not vote.nonfinite:
+                self._count_step()
+            return
         outs, vote = result
+        index = self.table.index_of
         it = iter(outs)
         for w in waiting:
             for grp in w.groups:
                 means = per_parameter(grp.bucket, next(it), [g.numel() for g in grp.grads])
                 poison = poisoned(grp.bucket, vote)
-                for g, out in zip(grp.grads, means):
+                for n, g, out in zip(grp.bucket.names, grp.grads, means):
+                    if not vote.used_by_any[index[n]]:
+                        continue  # no rank reached it: DDP leaves its zeros and its gradient as they were
                     if out.data_ptr() != g.data_ptr():  # the mean may have been written there (Entry.dest)
                         g.copy_(out.view(g.shape))  # grads are views of DDP's bucket buffer
                     if poison:
                         g.fill_(float("nan"))
-            w.future.set_result(w.buffer if w.sparse_dim is None else w.groups[0].grads[0].to_sparse(w.sparse_dim))
-        self.last_stats = st.stats
+            _settle(w)
         if vote.nonfinite:
             return  # rolled back: the optimizer skips this step (GradScaler, or `nonfinite: skip`)
         self._drop_unused_buckets({g.bucket.fused_key for w in waiting for g in w.groups if g.bucket.fused_key})
+        self._count_step()
+
+    def _count_step(self) -> None:
+        """A round stood: one step for the compressors (per communication round, as PyTorch's PowerSGD
+        hook counts its iterations; with DDP's ``no_sync`` that is one per optimizer step)."""
         self.steps += 1
         for c in self.table.unique_compressors():
             c.on_step(self.steps)
+
+
+def _settle(w: _Waiting) -> None:
+    """Hand DDP its bucket: the buffer the means were written into (a sparse gradient's bucket: its
+    dense mean made sparse again)."""
+    w.future.set_result(w.buffer if w.sparse_dim is None else w.groups[0].grads[0].to_sparse(w.sparse_dim))
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread: DDP calls the hook from its
+    reducer inside backward, and from its Join hook (a joined rank's shadow round) outside it."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is None or current() != -1
+
+
+def _raise_after_backward(exc: Exception) -> None:
+    """Raise ``exc`` out of the user's ``backward()`` once DDP has finished its own end of backward.
+    Raised inside the hook it would leave DDP's reducer mid-iteration and every later backward fails
+    DDP's internal assert; a callback queued from a callback runs after DDP's finalisation, which DDP
+    queued when its last bucket became ready."""
+    if not _in_backward():
+        raise exc
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+    def reraise() -> None:
+        raise exc
+
+    engine.queue_callback(lambda: engine.queue_callback(reraise))
 
 
 def register(ddp_model: Any, config: Any = None, grad_scaler: Any = None,

@@ -85,7 +85,8 @@ class _Unit:
         self.numel = shard.numel()
         self.state = HookState(self.owner.config, list(zip(names, self.keys)), backend=self.owner.backend,
                                grad_scaler=self.owner.grad_scaler,
-                               process_group=self.owner.group if self.owner.backend is None else None, agree=False)
+                               process_group=self.owner.group if self.owner.backend is None else None, agree=False,
+                               ddp=False)
         pending = self.owner.pending.pop(self.name, None)
         if pending is not None:
             self.state.load_state_dict(pending)
@@ -217,7 +218,8 @@ class _Scatter:
         self.keys = [torch.zeros((), dtype=dtype).expand(pc.shape).requires_grad_() for pc in pieces]
         self.state = HookState(owner.config, [(pc.name, k) for pc, k in zip(pieces, self.keys)],
                                backend=owner.backend, grad_scaler=owner.grad_scaler,
-                               process_group=owner.group if owner.backend is None else None, agree=False)
+                               process_group=owner.group if owner.backend is None else None, agree=False,
+                               ddp=False)
         self.native = all(self.state.table.route_of[pc.name].compressor.name == "none" for pc in pieces)
         self.calls = 0
 
