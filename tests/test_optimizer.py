@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -138,6 +139,44 @@ def test_state_dict_round_trip_with_residuals(tmp_path) -> None:
         oo.step()
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_state_dict_hooks_run_as_on_torch_optimizers() -> None:
+    """``register_state_dict_*_hook`` / ``register_load_state_dict_*_hook`` on the wrapper run in
+    torch's order, and a post-hook's returned dict (a checkpoint library adding a key) is the result."""
+    m, opt = _opt()
+    log: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: log.append("save_pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: log.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda o: log.append("load_post"))
+    _loss(m).backward()
+    opt.step()
+    state = opt.state_dict()
+    assert state["extra"] == 1 and "adacomp" in state
+    opt.load_state_dict({k: v for k, v in state.items() if k != "extra"})
+    assert log == ["save_pre", "load_pre", "load_post"]
+
+
+def test_a_step_without_a_round_is_not_counted_and_hand_set_gradients_warn() -> None:
+    """torch.distributed.checkpoint creates optimizer state with one step() over zero gradients set by
+    hand: not a communication round, so the compressors' step count (schedules, ACP-SGD's
+    alternation) stays. Non-zero gradients no backward produced are not averaged: said once."""
+    m, opt = _opt({"compressor": {"name": "powersgd", "rank": 1}})
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert opt.steps == 0
+    _loss(m).backward()
+    opt.step()
+    assert opt.steps == 1
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.warns(RuntimeWarning, match="not averaged across ranks"):
+        opt.step()
+    assert opt.steps == 1
 
 
 def test_snapshot_restore_is_bitwise() -> None:

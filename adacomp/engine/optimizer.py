@@ -113,6 +113,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_sync = True
         self._user_synchronized = False
         self._ddp_checked = False  # _refuse_ddp_wrapped runs at the first step
+        self._warned_unsynced = False
         weights_differ = self._check_consistency()
         self.table = RouteTable(self.config, self.params)
         self.loss_scale = LossScale(grad_scaler)
@@ -264,10 +265,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # --- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.io.state_dict()
+        """The wrapped optimizer's state dict with adacomp's under ``"adacomp"``; the hooks registered on
+        this optimizer (``register_state_dict_pre_hook`` / ``_post_hook``) run as torch's do."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = self.io.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            got = post_hook(self, state)
+            if got is not None:
+                state = got
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """As torch's, load hooks included (a pre-hook may return the dict to load instead)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            got = pre_hook(self, state_dict)
+            if got is not None:
+                state_dict = got
         self.io.load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def adacomp_state_dict(self, include_policy: bool = True) -> dict[str, Any]:
         return self.io.adacomp_state_dict(include_policy)
@@ -362,8 +379,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.engine.end_step(self.steps)
             return None
         loss = self.inner.step(closure, **kwargs) if kwargs else self.inner.step(closure)
-        self._end_step()
+        if self.engine.synced:  # a round finished since the last step (a closure's backward included)
+            self._end_step()
+        else:
+            self._stepped_without_round()
         return loss
+
+    def _stepped_without_round(self) -> None:
+        """No backward pass reached this model since the last step, so nothing was averaged and the
+        step is not counted: compressors' schedules (PowerSGD's ``start_iter``, DGC's warm-up, ACP-SGD's
+        alternation) follow communication rounds. torch's distributed checkpoint calls ``step()`` once
+        with zero gradients to create the optimizer's state; that must not move them. Gradients
+        assigned by hand are not averaged either (as under DDP; Horovod's ``synchronize()`` would
+        allreduce them): said once, where one is non-zero."""
+        if self._warned_unsynced:
+            return
+        if any(p.grad is not None and bool(p.grad.any()) for _, p in self.params):
+            self._warned_unsynced = True
+            warnings.warn("adacomp: optimizer.step() found gradients that no backward pass through the model "
+                          "produced since the last step (assigned by hand?); they were not averaged across ranks "
+                          "(DDP does not average them either). Produce them with loss.backward(), or average them "
+                          "yourself before step()", RuntimeWarning, stacklevel=3)
 
     def _local_step(self, closure: Any = None, **kwargs: Any) -> Any:
         """An inner step (local), then the outer loop's synchronisations due after it."""
