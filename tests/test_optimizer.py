@@ -179,6 +179,28 @@ def test_a_step_without_a_round_is_not_counted_and_hand_set_gradients_warn() -> 
     assert opt.steps == 1
 
 
+def test_wrapping_attached_parameters_again_warns_until_the_old_hooks_are_removed() -> None:
+    """A second optimizer over parameters whose first optimizer still has its hooks would average every
+    gradient twice: said at construction, once; not after ``remove_hooks()``, nor for disjoint ones."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+    def wrap(module: torch.nn.Module) -> adacomp.DistributedOptimizer:
+        return adacomp.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=0.1), module.named_parameters(),
+                                            backend=LocalBackend())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first, other = wrap(m[0]), wrap(m[1])  # GAN-style: disjoint parameters
+    with pytest.warns(RuntimeWarning, match=r"2 parameter\(s\) \(weight, bias\) are already attached") as seen:
+        second = wrap(m[0])
+    assert len(seen) == 1
+    second.remove_hooks()
+    first.remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrap(m[0])
+    other.remove_hooks()
+
+
 def test_snapshot_restore_is_bitwise() -> None:
     cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"}}
     m, opt = _opt(cfg)

@@ -23,6 +23,8 @@ bookkeeping lives in one :class:`RoundState`, replaced as a whole each round.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -37,6 +39,8 @@ from adacomp.engine.metrics import StepStats
 from adacomp.engine.offload import OffloadWorker
 from adacomp.engine.round import NONFINITE_MODES, RoundState, Rounds, Vote, per_parameter, poisoned
 from adacomp.engine.routes import Bucket, RouteTable
+
+_OWNER = "_adacomp_engine"  # on an engine's gradient hook: a weak reference to the engine
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,19 @@ class StepEngine:
 
     # --- hooks ------------------------------------------------------------------------------------
     def attach(self, params: list[tuple[str, Tensor]]) -> None:
+        shared = []
         for n, p in params:
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+            if any(getattr(h, _OWNER, lambda: None)() not in (None, self) for h in hooks.values()):
+                shared.append(n)
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(n)))
+        if shared:
+            listed = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
+            warnings.warn(f"adacomp: {len(shared)} parameter(s) ({listed}) are already attached to another "
+                          "DistributedOptimizer whose hooks are still registered: both will average their "
+                          "gradients in every backward (twice the traffic; compressed twice). Call "
+                          "old_optimizer.remove_hooks() before wrapping the parameters again",
+                          RuntimeWarning, stacklevel=3)
 
     def detach(self) -> None:
         for h in self._hooks:
@@ -105,6 +120,7 @@ class StepEngine:
     def _make_hook(self, name: str) -> Callable[[Tensor], None]:
         def hook(p: Tensor) -> None:
             self._on_grad(name)
+        setattr(hook, _OWNER, weakref.ref(self))  # whose hook it is (attach's check)
         return hook
 
     def _on_grad(self, name: str) -> None:
