@@ -116,6 +116,21 @@ def test_bucket_plan_orders_by_readiness_and_respects_cap() -> None:
     assert plan(items, 0) == [[f"p{i}"] for i in reversed(range(6))]
 
 
+def test_buckets_never_mix_dtypes_so_a_mixed_precision_model_steps() -> None:
+    """A float64 layer between float32 ones: buckets split by dtype (as DDP's), so every route's
+    flat buffer has one dtype (PowerSGD's allreduce of its factors raised before)."""
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 8).double(), torch.nn.Linear(8, 2))
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                       config={"compressor": {"name": "powersgd", "rank": 1},
+                                               "min_numel": 0}, backend=LocalBackend())
+    for b in opt.table.buckets:
+        assert len({dict(m.named_parameters())[n].dtype for n in b.names}) == 1, b.names
+    x = torch.randn(4, 6)
+    m[2](m[1](m[0](x).double()).float()).sum().backward()
+    opt.step()
+    assert opt.steps == 1
+
+
 def test_state_dict_round_trip_with_residuals(tmp_path) -> None:
     cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"}}
     m, opt = _opt(cfg)

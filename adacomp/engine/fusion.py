@@ -24,6 +24,7 @@ class Item:
     name: str
     route: str          # key of (compressor, memory, communicator) specs; buckets never mix routes
     nbytes: int         # bytes counted against the cap (dense or compressed)
+    kind: str = ""      # dtype and device: buckets never mix them either (as DDP's), one flat buffer each
 
 
 def plan(items: list[Item], cap_bytes: float | dict[str, float]) -> list[list[str]]:
@@ -35,16 +36,17 @@ def plan(items: list[Item], cap_bytes: float | dict[str, float]) -> list[list[st
     if all(c <= 0 for c in caps.values()):
         return [[it.name] for it in reversed(items)]
     closed: list[tuple[int, list[str]]] = []  # (position of last item, names)
-    open_: dict[str, tuple[list[str], int]] = {}
+    open_: dict[tuple[str, str], tuple[list[str], int]] = {}
     for pos, it in enumerate(reversed(items)):
-        names, size = open_.get(it.route, ([], 0))
+        key = (it.route, it.kind)
+        names, size = open_.get(key, ([], 0))
         names.append(it.name)
         size += it.nbytes
         if size >= caps[it.route]:
             closed.append((pos, names))
-            open_.pop(it.route, None)
+            open_.pop(key, None)
         else:
-            open_[it.route] = (names, size)
+            open_[key] = (names, size)
     last_pos = {name: pos for pos, name in enumerate(it.name for it in reversed(items))}
     for names, _ in open_.values():
         closed.append((last_pos[names[-1]], names))

@@ -148,7 +148,7 @@ class RouteTable:
             self._check(name, route, comps[name])
             dense = p.numel() * p.element_size()
             sent = comps[name].payload_bytes(p.shape, p.element_size())
-            items.append(fusion.Item(name, key, sent))
+            items.append(fusion.Item(name, key, sent, f"{p.dtype}/{p.device}"))
             dense_by_route[key] = dense_by_route.get(key, 0) + dense
             sent_by_route[key] = sent_by_route.get(key, 0) + sent
         self.routes, self.route_of, self.compressors = routes, route_of, comps
