@@ -47,7 +47,12 @@ class AllreduceCommunicator(Communicator):
             raise TypeError(f"allreduce payloads of one bucket must share a dtype, got {sorted(map(str, dtypes))}")
         with env.stats.timing("comm"):
             buf, layout = flatten(tensors, self._buffers, (env.bucket_index, round_index))
-            handle = env.backend.allreduce_async(buf, average=True)
+            world = env.backend.size()
+            if env.predivide and world > 1 and buf.is_floating_point():
+                buf.mul_(1.0 / world)  # DDP's scaling: a double scalar, each rank's float rounded once
+                handle = env.backend.allreduce_async(buf, average=False)
+            else:
+                handle = env.backend.allreduce_async(buf, average=True)
         return _Pending(entries, handle, layout, counts, round_index)
 
     def start(self, entries: list[Entry], env: CommEnv) -> Any:

@@ -105,6 +105,9 @@ class CommEnv:
     step: int = 0
     bucket_index: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # average as DDP's reducer does (each rank's buffer times 1 / world, then the sum: bitwise DDP's
+    # where the buffer is DDP's bucket, at any world size) instead of Horovod's sum, then divide
+    predivide: bool = False
 
 
 class Communicator:

@@ -269,6 +269,7 @@ class HookState:
             # residuals untouched, no means written)
             self._round = self.rounds.begin(StepStats(step=self.steps), self.steps,
                                             active=not self._ddp or _in_backward())
+            self._round.env.predivide = self._ddp  # DDP's averaging order: its `none` buckets bitwise at any world
         st = self._round
         params, grads, buffer = list(bucket.parameters()), list(bucket.gradients()), bucket.buffer()
         sparse_dim = None
