@@ -256,6 +256,33 @@ def test_uneven_inputs_with_join_match_ddp_and_never_hang(front: str) -> None:
             assert res[0][name + "_vs_optimizer"] <= 1e-6, (name, res[0][name + "_vs_optimizer"])
 
 
+# --- torch.distributed.checkpoint's state dict before the first step ---------------------------------
+def _dcp_run(cfg: dict | None, habit: bool) -> tuple[dict, int]:
+    """A step-0 ``get_state_dict(model, opt)`` (DCP creates the optimizer's state with one ``step()``
+    over zero gradients at lr 0), then six steps; SGD with momentum, no weight decay."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    run = Run(cfg, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    if habit:
+        get_state_dict(run.base, run.opt)
+    run.train(range(STEPS))
+    return run.params(), getattr(run.opt, "steps", STEPS)
+
+
+def _dcp_worker() -> dict:
+    init()
+    ddp, _ = _dcp_run(None, True)
+    none, _ = _dcp_run(NONE, True)
+    # ACP-SGD alternates P and Q by step count: a counted DCP step would flip every later one
+    acp, acp_steps = _dcp_run(COMPRESSED["acpsgd"], True)
+    plain, _ = _dcp_run(COMPRESSED["acpsgd"], False)
+    return {"none": equal(ddp, none), "acpsgd": max_rel(acp, plain), "steps": acp_steps}
+
+
+def test_dcp_state_dict_before_training_changes_nothing() -> None:
+    for r, res in enumerate(run_workers(_dcp_worker, 2, timeout=300)):
+        assert res["none"] and res["acpsgd"] == 0.0 and res["steps"] == STEPS, (r, res)
+
+
 # --- three ranks: DDP's averaging order ------------------------------------------------------------
 def _world3_worker() -> bool:
     init()
