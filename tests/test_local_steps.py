@@ -276,6 +276,61 @@ def test_join_with_uneven_inputs_ends_identical_without_hanging(case: str) -> No
     assert res[0]["steps"] == res[1]["steps"] >= 11
 
 
+def _empty_rank_join_worker(cfg: dict) -> dict:
+    """Rank 0 has no batch at all; the ranks built their models from different seeds and the script
+    broadcasts after building the optimizer (Horovod's habit): the deferred weights check and the
+    synchronised copies must still meet the other rank's first-step collectives."""
+    import adacomp
+    adacomp.init()
+    rank = adacomp.rank()
+    torch.manual_seed(rank)
+    model = MLP()
+    opt = adacomp.DistributedOptimizer(_inner(model, "sgd"), model.named_parameters(), config=cfg)
+    adacomp.broadcast_parameters(model.state_dict(), root_rank=0)
+    with opt.join():
+        for t in range(5 * rank):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return {"params": _params(model), "steps": opt.steps}
+
+
+def test_join_with_a_rank_that_has_no_batch_after_a_late_broadcast() -> None:
+    res = run_workers(_empty_rank_join_worker, WORLD, _cfg(NONE, every=2), timeout=120)
+    _assert_close(res[0]["params"], res[1]["params"], rtol=0, atol=0)
+    assert res[0]["steps"] == res[1]["steps"] >= 5
+
+
+def _dcp_worker(cfg: dict, at: int) -> dict:
+    """torch.distributed.checkpoint's ``get_state_dict(model, opt)`` (before training: ``at`` -1, or
+    after step ``at``) steps a stateless optimizer once at lr 0 to create its state: no local step."""
+    import adacomp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    adacomp.init()
+    rank, model, opt = _setup(cfg)
+    if at == -1:
+        get_state_dict(model, opt)
+    for t in range(10):
+        x, y = batch(rank, t)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if t == at:
+            get_state_dict(model, opt)
+    return {"params": _params(model), "steps": opt.steps}
+
+
+@pytest.mark.parametrize("at", [-1, 4])
+def test_dcp_state_dict_is_not_a_local_step(at: int) -> None:
+    cfg = _cfg(NONE, every=4)
+    plain = run_workers(_dcp_worker, WORLD, cfg, None, timeout=120)
+    got = run_workers(_dcp_worker, WORLD, cfg, at, timeout=120)
+    for r in range(WORLD):
+        _assert_close(got[r]["params"], plain[r]["params"], rtol=0, atol=0)
+        assert got[r]["steps"] == plain[r]["steps"] == 10
+
+
 def _amp_worker(cfg: dict, overflow: bool) -> dict:
     """Power-of-two GradScaler: without an overflow it changes nothing (bitwise); an overflow on
     one rank skips that rank's inner update only and no rank loses its place in the schedule."""

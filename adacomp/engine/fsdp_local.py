@@ -34,6 +34,7 @@ from adacomp import backends
 from adacomp.backends.base import Backend
 from adacomp.config import Config
 from adacomp.engine.metrics import StepStats
+from adacomp.engine.optimizer_state import creating_state_for_dcp
 from adacomp.errors import ConfigError
 from adacomp.outer.loop import OuterLoop
 
@@ -73,15 +74,27 @@ class OuterState:
         for _, t in params:  # start equal, as DDP does at construction
             dist.broadcast(t, src=first, group=replicate_group)
         self.outer = OuterLoop(config, params, self.backend)
-        self.outer.start()
         self.steps = 0
         self._loading = False  # torch's get_state_dict may step a fresh optimizer once: not a training step
         self.last_stats: StepStats | None = None
         self.history: list[dict[str, Any]] = []
-        self._handle = optimizer.register_step_post_hook(self._on_step)
+        # the synchronised copies are taken before the first inner step, from the model as the script
+        # left it then (weights loaded after register() included), as the optimizer's outer loop does
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                         optimizer.register_step_post_hook(self._on_step)]
+
+    def _counts(self) -> bool:
+        """Whether the optimizer's step in progress is a training step (not torch's checkpoint
+        creating the optimizer's state, which steps a fresh one once at lr 0)."""
+        return not self._loading and not creating_state_for_dcp()
+
+    def _before_step(self, *_: Any) -> None:
+        if self._counts() and not self.outer.started:
+            self._refresh()
+            self.outer.start()
 
     def _on_step(self, *_: Any) -> None:
-        if not self._loading:
+        if self._counts():
             self.after_step()
 
     def after_step(self) -> StepStats:
@@ -105,10 +118,13 @@ class OuterState:
         """End the window now on every rank (before evaluating or saving the final model): all
         replicas continue from the same shards."""
         self._refresh()
+        if not self.outer.started:
+            self.outer.start()
         self.outer.flush(self.steps)
 
     def remove(self) -> None:
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "outer": self.outer.state_dict()}

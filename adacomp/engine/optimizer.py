@@ -32,7 +32,7 @@ from adacomp.engine import agreement, hvd_join
 from adacomp.engine.error_feedback import LossScale
 from adacomp.engine.hvd_keywords import Average, Sum, apply_optimizer_kwargs, is_global
 from adacomp.engine.metrics import StepStats
-from adacomp.engine.optimizer_state import ComponentState, keeps_state
+from adacomp.engine.optimizer_state import ComponentState, creating_state_for_dcp, keeps_state
 from adacomp.engine.routes import Bucket, Route, RouteTable
 from adacomp.engine.step_engine import EngineOptions, StepEngine
 from adacomp.outer.loop import OuterLoop
@@ -326,6 +326,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters of the last rank to finish. One communication round per step inside."""
         if self.outer is not None:
             yield
+            self._start_outer()  # a rank with no batch at all meets the others' first-step collectives
             self.steps = self.outer.drain(self.steps)
             self.last_stats = StepStats(step=self.steps)
             return
@@ -404,11 +405,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _local_step(self, closure: Any = None, **kwargs: Any) -> Any:
         """An inner step (local), then the outer loop's synchronisations due after it."""
         assert self.outer is not None
-        if not self.outer.started:
-            if self._weights_differ:
-                self._check_weights(strict=True)
-                self._weights_differ = False
-            self.outer.start()
+        if creating_state_for_dcp():  # torch's checkpoint creating the inner state: not a local step
+            return self.inner.step(closure, **kwargs) if kwargs else self.inner.step(closure)
+        self._start_outer()
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step (see __init__)
         grad_scale = getattr(self, "grad_scale", None)
         loss = None
@@ -425,14 +424,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.history.append(stats.as_dict())
         return loss
 
+    def _start_outer(self) -> None:
+        """Once, before the first local step (or a join that ran none): the weights check the
+        construction deferred (a collective: every rank, at the same point), then the synchronised
+        copies from the model as the script left it (its broadcast, a loaded checkpoint)."""
+        assert self.outer is not None
+        if self.outer.started:
+            return
+        if self._weights_differ:
+            self._check_weights(strict=True)
+            self._weights_differ = False
+        self.outer.start()
+
     def outer_sync(self) -> None:
         """Local steps: end the window now. Every rank sends its pseudo-gradient, the outer step is
         applied, and every rank continues from the same parameters (call it on every rank, e.g.
         before evaluating or saving the final model)."""
         if self.outer is None:
             raise ConfigError("local_steps", "outer_sync() needs local steps; without them every step synchronises")
-        if not self.outer.started:
-            self.outer.start()
+        self._start_outer()
         self.outer.flush(self.steps)
 
     def _end_step(self) -> None:

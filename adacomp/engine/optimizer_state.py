@@ -13,6 +13,7 @@ finds the same routes before its component state is put back.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -218,5 +219,21 @@ def round_components(table: RouteTable) -> tuple[list[Any], list[Any]]:
     others += [c for c in comms if keeps_state(c) and not c.memories()]
     return memories, others
 
+
+
+def creating_state_for_dcp() -> bool:
+    """Whether torch.distributed.checkpoint is calling ``step()`` to create an optimizer's state
+    (``get_state_dict`` on a fresh optimizer: zero gradients at lr 0): not a training step, so no step
+    is counted and no window moves. Found a few frames up, as ``_calling_grad_scaler`` finds a
+    GradScaler: the only mark that call leaves."""
+    frame: Any = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "_init_optim_state" and "checkpoint" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 __all__ = ["ComponentState", "STATE_KEY", "keeps_state", "round_components"]
