@@ -184,6 +184,29 @@ def test_unused_frozen_tied_parameters_and_add_param_group_match_ddp(front: str)
             assert res[name] == (True, True, True), (front, r, name, res[name])
 
 
+def _kept_grads_run(cfg: dict | None, front: str = "optimizer") -> dict:
+    """``zero_grad(set_to_none=False)`` (gradients kept between steps, zeroed in place) with a branch
+    some ranks skip and a layer no rank uses: the optimizer's averaged gradients are views of its
+    bucket buffer, the unused parameters' zeros are not."""
+    run = Run(cfg, model_kw={"branch": True}, front=front)
+    for s in range(STEPS):
+        run.opt.zero_grad(set_to_none=False)
+        run.loss(rank(), s, use_branch=(s + rank()) % 3 == 0).backward()
+        run.opt.step()
+    return run.params()
+
+
+def _kept_grads_worker(front: str) -> bool:
+    init()
+    one_bucket = {**NONE, "fusion": {"bucket_mb": 25}}  # used and unused parameters in one buffer
+    return equal(_kept_grads_run(None), _kept_grads_run(one_bucket, front))
+
+
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_gradients_kept_between_steps_with_unused_parameters_match_ddp(front: str) -> None:
+    assert run_workers(_kept_grads_worker, 2, front, timeout=300) == [True, True]
+
+
 # --- accumulation: no_sync and backward_passes_per_step ---------------------------------------------
 def _accum_run(cfg: dict | None, how: str, front: str = "optimizer") -> dict:
     passes = {"backward_passes_per_step": 2} if how == "passes" else {}

@@ -24,8 +24,25 @@ def flatten(tensors: list[Tensor], cache: dict | None = None,
             return ref.reshape(-1).clone(), layout
         return torch.cat([t.reshape(-1) for t in tensors]), layout
     if not _are_views_of(tensors, buf):  # gradients written back as views need no copy (see optimizer)
-        torch.cat([t.reshape(-1) for t in tensors], out=buf)
+        _pack(tensors, buf)
     return buf, layout
+
+
+def _pack(tensors: list[Tensor], buf: Tensor) -> None:
+    """``torch.cat(tensors, out=buf)``, also where some of them lie in ``buf`` already: last round's
+    averaged gradients handed back as views of it, beside a parameter no rank used whose zeros do not
+    (Horovod scripts that keep gradients between steps); torch refuses a cat whose output overlaps its
+    inputs. Those in their own slot stay; others in ``buf`` are copied out first."""
+    storage = buf.untyped_storage().data_ptr()
+    if all(t.untyped_storage().data_ptr() != storage for t in tensors):
+        torch.cat([t.reshape(-1) for t in tensors], out=buf)
+        return
+    slots = buf.split([t.numel() for t in tensors])
+    sources = [t if t.untyped_storage().data_ptr() != storage or (t.is_contiguous() and t.data_ptr() == s.data_ptr())
+               else t.clone() for t, s in zip(tensors, slots)]
+    for t, s in zip(sources, slots):
+        if t.data_ptr() != s.data_ptr():
+            s.copy_(t.reshape(-1))
 
 
 def buffer(cache: dict, key: object, total: int, dtype: torch.dtype, device: torch.device) -> Tensor:
