@@ -163,6 +163,9 @@ def collectives(rank: int) -> None:
     # objects and synchronisation points
     both("allgather_object", lambda m: m.allgather_object({"rank": rank, "v": [rank] * 3}))
     both("broadcast_object name=", lambda m: m.broadcast_object({"rank": rank}, 1, name="cfg"))
+    both("broadcast_object positional process set", lambda m: m.broadcast_object(rank + 1, 1, "obj",
+                                                                                 m.global_process_set))
+    both("start_timeline without HOROVOD_TIMELINE=DYNAMIC", lambda m: m.start_timeline("/tmp/adacomp_tl.json"))
     both("barrier", lambda m: m.barrier())
     both("join", lambda m: m.join() in range(m.size()))
     # misuse: the same exception class
@@ -228,6 +231,35 @@ def models_and_optimizers(rank: int) -> None:
           lambda: _round(distributed(hvd, compression=hvd.Compression.fp16)))
     check("DistributedOptimizer groups=2 (3 steps)", lambda: distributed(adacomp, groups=2),
           lambda: distributed(hvd, groups=2))
+    def positional(mod: Any) -> Any:  # Horovod's order: (optimizer, named_parameters, compression, ...)
+        torch.manual_seed(3)
+        net = Net()
+        opt = mod.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(),
+                                       mod.Compression.fp16, 1)
+        net(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+        opt.step()
+        if mod is adacomp:
+            opt.remove_hooks()
+        return {k: v.float() for k, v in net.state_dict().items()}
+    check("DistributedOptimizer positional compression", lambda: _round(positional(adacomp)),
+          lambda: _round(positional(hvd)))
+
+    def kept_grads_unused(mod: Any) -> Any:  # gradients zeroed in place, one layer never used
+        torch.manual_seed(3)
+        net, unused = Net(), torch.nn.Linear(2, 2)
+        params = list(net.named_parameters()) + [("unused." + n, p) for n, p in unused.named_parameters()]
+        opt = mod.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            net.zero_grad(set_to_none=False)
+            net(torch.randn(8, 4, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        if mod is adacomp:
+            opt.remove_hooks()
+        return {k: v.float() for k, v in net.state_dict().items()}
+    check("DistributedOptimizer gradients kept between steps, an unused layer", lambda: kept_grads_unused(adacomp),
+          lambda: kept_grads_unused(hvd))
+
     def step_without_skip(mod: Any) -> Any:
         import warnings
         net = Net()

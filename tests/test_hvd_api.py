@@ -89,6 +89,14 @@ def test_optimizer_keywords() -> None:
     opt = make(compression=adacomp.Compression.fp16)
     assert {opt.route_of(n).compressor.name for n, _ in model.named_parameters()} == {"fp16"}
     opt.remove_hooks()
+    # Horovod's positional order: (optimizer, named_parameters, compression, backward_passes_per_step, op,
+    # gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
+    opt = adacomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       adacomp.Compression.fp16, 2, adacomp.Average, 1.0, 0, None, True,
+                                       adacomp.global_process_set)
+    assert {opt.route_of(n).compressor.name for n, _ in model.named_parameters()} == {"fp16"}
+    assert opt.backward_passes_per_step == 2 and opt.engine.options.sparse_as_dense
+    opt.remove_hooks()
     layers = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(4)])
     opt = adacomp.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=0.1),
                                        named_parameters=layers.named_parameters(), groups=2)

@@ -81,6 +81,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "again would send every gradient twice. Wrap the plain torch optimizer once "
                              "(call remove_hooks() on the old wrapper first to re-wrap)")
         _init_optimizer_hooks(self)
+        if _is_compression(config) and (compression is None or isinstance(compression, bool)):
+            # Horovod's positional order (optimizer, named_parameters, compression, backward_passes_per_step,
+            # op, gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set): the 4th-6th
+            # are ours too; the others land in our config / backend / grad_scaler / compression /
+            # sparse_as_dense slots and are moved back by their types
+            hvd_sparse = compression if isinstance(compression, bool) else None
+            if not isinstance(sparse_as_dense, bool):
+                process_set, sparse_as_dense = sparse_as_dense, False
+            if hvd_sparse is not None:
+                sparse_as_dense = hvd_sparse
+            config, compression = None, config
+            if isinstance(backend, int) and not isinstance(backend, bool):
+                num_groups, backend = backend, None
+            if isinstance(grad_scaler, (list, tuple)):
+                groups, grad_scaler = grad_scaler, None
         self.inner = optimizer
         self.config: Config = load(config)
         self.config = apply_optimizer_kwargs(  # Horovod's keywords (compression=, groups=, ...)
@@ -480,6 +495,12 @@ def _init_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
         setattr(opt, attr, OrderedDict())
     opt._patch_step_function()  # type: ignore[attr-defined]
+
+
+def _is_compression(obj: Any) -> bool:
+    """A Horovod-style compression (``hvd.Compression.fp16``: a class with ``compress`` / ``decompress``),
+    not a config (a path, dict or Config)."""
+    return callable(getattr(obj, "compress", None)) and callable(getattr(obj, "decompress", None))
 
 
 def _calling_grad_scaler() -> Any:

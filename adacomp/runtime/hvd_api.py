@@ -33,7 +33,7 @@ from adacomp.runtime import context
 from adacomp.runtime.hvd_info import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,  # noqa: F401
                                       gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
                                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                                      shutdown, size)
+                                      shutdown, size, start_timeline, stop_timeline)
 from adacomp.runtime.hvd_check import HorovodInternalError, MismatchError, agree, claim, release, request
 from adacomp.runtime import hvd_check
 from adacomp.engine import hvd_join
@@ -719,4 +719,4 @@ __all__ = ["Adasum", "AsyncHandle", "ProcessSet", "RemovedProcessSetError", "add
            "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
            "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
            "reducescatter", "reducescatter_async", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
-           "synchronize"]
+           "start_timeline", "stop_timeline", "synchronize"]

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import warnings
 
 import torch
 
@@ -126,3 +128,29 @@ def mpi_threads_supported() -> bool:
         raise ValueError(f"MPI is not in use (backend {name!r}); launch with mpirun to use the MPI backend")
     from mpi4py import MPI
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's dynamic timeline. Without ``HOROVOD_TIMELINE=DYNAMIC`` a ValueError, as Horovod
+    raises; with it, the call is accepted so the script runs on, but adacomp writes no Horovod timeline
+    (said once: its per-step record is ``optimizer.last_stats`` / ``history``, and torch.profiler sees
+    its collectives). Under the Horovod backend, Horovod's own timeline."""
+    if _backend_name() == "horovod":
+        import horovod.torch as hvd
+        hvd.start_timeline(file_path, mark_cycles)
+        return
+    if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
+        raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
+    warnings.warn(f"adacomp writes no Horovod timeline ({file_path!r} stays unwritten): see optimizer.last_stats / "
+                  "history for each step's compression, communication and bytes, or torch.profiler for the "
+                  "collectives", RuntimeWarning, stacklevel=2)
+
+
+def stop_timeline() -> None:
+    """Horovod's: ends what :func:`start_timeline` started (nothing to end without Horovod's backend)."""
+    if _backend_name() == "horovod":
+        import horovod.torch as hvd
+        hvd.stop_timeline()
+        return
+    if os.environ.get("HOROVOD_TIMELINE") != "DYNAMIC":
+        raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")

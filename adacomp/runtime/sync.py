@@ -12,7 +12,7 @@ from torch import Tensor
 
 from adacomp.runtime import context
 from adacomp.backends.base import Backend, broadcast_tensors
-from adacomp.engine.hvd_keywords import is_global, process_set_backend
+from adacomp.engine.hvd_keywords import ProcessSet, is_global, process_set_backend
 
 Params = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]] | Iterable[Tensor]
 
@@ -35,7 +35,11 @@ def _as_tensor_list(params: Params) -> list[Tensor]:
 
 def _resolve(backend: Backend | None, process_set: Any, root_rank: int) -> tuple[Backend, int]:
     """The transport and the root as its rank: ``backend`` as given, else ``process_set``'s (the
-    process's backend for the global set; ``root_rank`` is a global rank, as in Horovod)."""
+    process's backend for the global set; ``root_rank`` is a global rank, as in Horovod). A process
+    set where the backend goes is Horovod's positional order (``broadcast_object(obj, root_rank, name,
+    process_set)``)."""
+    if isinstance(backend, ProcessSet) and process_set is None:
+        backend, process_set = None, backend
     if backend is not None or is_global(process_set):
         return backend or context.current(), root_rank
     be = process_set_backend(process_set, "Broadcast")
