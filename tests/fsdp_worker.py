@@ -49,6 +49,17 @@ def model() -> torch.nn.Module:
                                torch.nn.Linear(128, 4))
 
 
+def on_shards(net: torch.nn.Module, shape: tuple[int, int]) -> Any:
+    """``net``'s Linear layers, then ``net``, under FSDP2 over the shard dimension of a (replicate,
+    shard) CPU mesh of ``shape``; returns the mesh."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    for m in net:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh["shard"])
+    fully_shard(net, mesh=mesh["shard"])
+    return mesh
+
+
 def run(arm: str, habits: bool = False) -> dict[str, Any]:
     """``habits``: FSDP2's MixedPrecisionPolicy (bf16 parameters and reduction) and gradient clipping
     on the DTensor gradients, as users of sharded training write them."""
@@ -96,11 +107,7 @@ def build_on_shards(arm: str) -> tuple[torch.nn.Module, Any, Any]:
     steps (``LOCAL``, which follow the optimizer)."""
     import adacomp
     net = model()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    for m in net:
-        if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh["shard"])
-    fully_shard(net, mesh=mesh["shard"])
+    mesh = on_shards(net, (2, 2))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     local = LOCAL.get(arm)
     state = adacomp.fsdp.register(net, local or ARMS[arm], replicate_group=mesh["replicate"].get_group(),

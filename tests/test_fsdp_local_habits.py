@@ -31,16 +31,11 @@ def _net() -> torch.nn.Module:
 
 def _build(load: list[torch.Tensor] | None = None, load_before: bool = True) -> tuple[Any, Any, Any]:
     import adacomp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from adacomp.engine.fsdp_local import _local
+    from tests.fsdp_worker import on_shards
     torch.manual_seed(0)
     net = _net()
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    for m in net:
-        if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh["shard"])
-    fully_shard(net, mesh=mesh["shard"])
+    mesh = on_shards(net, (2, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
 
     def put() -> None:
