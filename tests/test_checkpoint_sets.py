@@ -119,6 +119,51 @@ def test_a_set_is_published_only_when_complete_and_old_sets_are_pruned(tmp_path)
         checkpoint.load_set(tmp_path, model, opt)
 
 
+def test_failed_saves_leave_the_previous_set_and_no_partial_one(tmp_path, monkeypatch) -> None:
+    """An extra value load_set could not read back is refused before anything is written; a save into
+    a path that is a file names the write error; a disk that fills when ``latest`` is flipped leaves no
+    manifest-only set behind (the next pruning would count it and drop the last good fallback)."""
+    import numpy as np
+    from adacomp.runtime import checkpoint
+    model, opt = _tiny()
+    checkpoint.save_set(tmp_path, model, opt, step=1)
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"extra value loss=float64 would not load back"):
+        checkpoint.save_set(tmp_path, model, opt, step=2, loss=np.float64(0.5))
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("x")
+    with pytest.raises(checkpoint.CheckpointWriteError, match="Not a directory"):
+        checkpoint.save_set(a_file, model, opt, step=2)
+    real = checkpoint.atomic_write
+
+    def full_at_latest(data: bytes, path: Any) -> Path:
+        if Path(path).name == checkpoint.LATEST:
+            raise checkpoint.CheckpointWriteError(28, f"could not write checkpoint {str(path)!r}: No space left")
+        return real(data, path)
+    monkeypatch.setattr(checkpoint, "atomic_write", full_at_latest)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="No space left"):
+        checkpoint.save_set(tmp_path, model, opt, step=3)
+    monkeypatch.setattr(checkpoint, "atomic_write", real)
+    assert [p.name.split("-")[1] for p in sorted(tmp_path.glob("step-*"))] == ["0000000001"]
+    checkpoint.save_set(tmp_path, model, opt, step=4, keep=2)
+    assert [p.name.split("-")[1] for p in sorted(tmp_path.glob("step-*"))] == ["0000000001", "0000000004"]
+    assert checkpoint.load_set(tmp_path, model, opt) == {"step": 4}
+
+
+def test_per_rank_files_are_verified(tmp_path) -> None:
+    """save_per_rank writes the checkpoint format: a flipped bit or a cut file is named at load."""
+    from adacomp.runtime import checkpoint
+    model, opt = _tiny()
+    path = checkpoint.save_per_rank(tmp_path / "adacomp.pt", opt)
+    raw = path.read_bytes()
+    checkpoint.load_per_rank(path, opt)
+    for name, data, cause in (("flipped.pt", raw[:-10] + bytes([raw[-10] ^ 1]) + raw[-9:], "corrupted"),
+                              ("cut.pt", raw[: len(raw) // 2], "truncated")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(checkpoint.CheckpointError, match=cause) as info:
+            checkpoint.load_per_rank(tmp_path / name, opt)
+        assert str(tmp_path / name) in str(info.value)
+
+
 # --- another world size ------------------------------------------------------------------------
 def _world_job(plan: list[tuple[str | None, str | None, int]]) -> list[dict[str, dict[str, Any]]]:
     """For each ``(src, dst, steps)`` and method: build a fresh model and optimizer, load

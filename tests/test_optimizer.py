@@ -216,6 +216,19 @@ def test_wrapping_attached_parameters_again_warns_until_the_old_hooks_are_remove
     other.remove_hooks()
 
 
+def test_state_dict_between_backward_and_step_warns() -> None:
+    """There the residuals already hold the step's round and the model does not: a resume from it would
+    not be the run it was saved from. Said once; not after step()."""
+    m, opt = _opt({"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"}})
+    _loss(m).backward()
+    with pytest.warns(RuntimeWarning, match="between backward and step"):
+        opt.state_dict()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.state_dict()
+
+
 def test_snapshot_restore_is_bitwise() -> None:
     cfg = {"compressor": {"name": "topk", "density": 0.05}, "communicator": {"name": "allgather"}}
     m, opt = _opt(cfg)

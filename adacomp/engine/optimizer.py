@@ -129,6 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._user_synchronized = False
         self._ddp_checked = False  # _refuse_ddp_wrapped runs at the first step
         self._warned_unsynced = False
+        self._warned_mid_step = False
         weights_differ = self._check_consistency()
         self.table = RouteTable(self.config, self.params)
         self.loss_scale = LossScale(grad_scaler)
@@ -284,6 +285,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         this optimizer (``register_state_dict_pre_hook`` / ``_post_hook``) run as torch's do."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        if self.engine.synced and not self._warned_mid_step:
+            self._warned_mid_step = True
+            warnings.warn("adacomp: state_dict() between backward and step(): the compression state already holds this "
+                          "step's round, the model and the optimizer do not yet, so a run resumed from it differs from "
+                          "the one it was saved from. Save after optimizer.step()", RuntimeWarning, stacklevel=2)
         state = self.io.state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             got = post_hook(self, state)

@@ -42,6 +42,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from adacomp.backends import watchdog
 from adacomp.checkpoint_reshard import owed, reshard
 from adacomp.errors import AdacompError
 from adacomp.preemption import PREEMPTED_EXIT_CODE, Preemption
@@ -375,21 +376,28 @@ def save_set(directory: PathLike, model: torch.nn.Module | None, optimizer: Any,
     """Collective: every rank writes its file of a new set ``directory/step-<step>-<id>/``; once all
     succeeded, rank 0 writes the manifest and points ``latest`` at it, then removes all but the
     ``keep`` newest sets. If any rank fails, every rank raises one error naming the ranks, files and
-    causes, the partial set is removed, and ``latest`` still names the previous set."""
+    causes, the partial set is removed, and ``latest`` still names the previous set. A rank that dies
+    or stops meanwhile is named (the watchdog guards the set's collectives, as it guards a step's)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the set just written), got {keep}")
     b = _backend(optimizer, backend)
+    with watchdog.guard(b):
+        return _save_set(b, Path(directory), model, optimizer, step, config_hash, keep, extra)
+
+
+def _save_set(b: Any, d: Path, model: torch.nn.Module | None, optimizer: Any, step: int, config_hash: str | None,
+              keep: int, extra: dict[str, Any]) -> Path:
     rank, world = b.rank(), b.size()
     set_id = uuid.uuid4().hex if rank == 0 else None
     if world > 1:
         set_id = b.broadcast_object(set_id, 0)
     assert set_id is not None  # rank 0's id, broadcast to every rank
-    d = Path(directory)
     sdir = d / _set_dir(step, set_id)
     path = sdir / f"rank{rank}.pt"
     chash = _config_hash(optimizer, config_hash)
     mine: dict[str, Any] = {"rank": rank, "path": str(path)}
     try:
+        _check_extra(extra)
         data = encode(state(model, optimizer, **{**extra, "step": step}),
                       {"step": step, "rank": rank, "world_size": world, "config_hash": chash, "set": set_id})
         atomic_write(data, path)
@@ -411,9 +419,12 @@ def save_set(directory: PathLike, model: torch.nn.Module | None, optimizer: Any,
     if world > 1:
         failed = b.broadcast_object(failed, 0)
     if failed:
-        Path(path).unlink(missing_ok=True)
+        try:
+            Path(path).unlink(missing_ok=True)
+        except OSError:  # e.g. the directory is a file: the error below says what failed
+            pass
         if rank == 0:
-            _remove_if_incomplete(sdir)
+            _remove_unless_latest(d, sdir)
         prev = _safe_latest(d)
         raise CheckpointWriteError(
             errno.EIO, f"checkpoint set for step {step} in {str(d)!r} was not written: "
@@ -431,15 +442,43 @@ def _safe_latest(d: Path) -> Path | None:
         return None
 
 
-def _remove_if_incomplete(sdir: Path) -> None:
-    if sdir.exists() and not (sdir / MANIFEST).exists():
+def _remove_unless_latest(d: Path, sdir: Path) -> None:
+    """A set whose save failed goes, whatever it holds (its ranks removed their files; a manifest
+    may be there when only ``latest`` could not be written), unless ``latest`` names it."""
+    current = _safe_latest(d)
+    if sdir.is_dir() and (current is None or current.name != sdir.name):
         shutil.rmtree(sdir, ignore_errors=True)
+
+
+def _complete(sdir: Path) -> bool:
+    """A manifest and every member file it lists."""
+    try:
+        files = json.loads((sdir / MANIFEST).read_text())["files"]
+        return all((sdir / f["name"]).is_file() for f in files.values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _check_extra(extra: dict[str, Any]) -> None:
+    """Every extra value must load back under ``torch.load(weights_only=True)`` (what :func:`load_set`
+    reads with): a numpy scalar or a Path would be written and then refused at resume, after pruning
+    had removed the sets that could load. Small values: each is round-tripped alone."""
+    for key, value in extra.items():
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        try:
+            torch.load(buf, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any refusal means the same thing here
+            raise CheckpointWriteError(errno.EINVAL, f"extra value {key}={type(value).__name__} would not load back "
+                                       f"(torch.load(weights_only=True): {type(exc).__name__}); pass plain Python "
+                                       "numbers, strings, lists, dicts or tensors (e.g. float(loss))") from None
 
 
 def _prune(d: Path, keep: int) -> None:
     """Remove all but the ``keep`` newest complete sets (never the one ``latest`` names)."""
     current = _safe_latest(d)
-    sets = sorted(p for p in d.glob("step-*") if (p / MANIFEST).exists())
+    sets = sorted(p for p in d.glob("step-*") if _complete(p))
     for old in sets[:-keep] if len(sets) > keep else []:
         if current is None or old.name != current.name:
             shutil.rmtree(old, ignore_errors=True)
@@ -447,6 +486,15 @@ def _prune(d: Path, keep: int) -> None:
 
 def load_set(directory: PathLike, model: torch.nn.Module | None, optimizer: Any, *, backend: Any = None,
              config_hash: str | None = None) -> dict[str, Any] | None:
+    """Collective: restore the set ``latest`` names (see :func:`_load_set`); a rank that dies or stops
+    meanwhile is named."""
+    b = _backend(optimizer, backend)
+    with watchdog.guard(b):
+        return _load_set(b, Path(directory), model, optimizer, config_hash)
+
+
+def _load_set(b: Any, d: Path, model: torch.nn.Module | None, optimizer: Any,
+              config_hash: str | None) -> dict[str, Any] | None:
     """Collective: restore the set ``latest`` names (chosen by rank 0, so every rank agrees);
     returns its ``extra`` values (with ``step``), or None on every rank when there is no set yet.
 
@@ -455,9 +503,7 @@ def load_set(directory: PathLike, model: torch.nn.Module | None, optimizer: Any,
     error-feedback state (the rule keeps ``(1/W) * sum of residuals``). Every file is verified
     (checksum, header against the manifest) and the ranks compare what they loaded before
     anything is applied."""
-    b = _backend(optimizer, backend)
     rank, world = b.rank(), b.size()
-    d = Path(directory)
     choice: dict[str, Any] = {}
     if rank == 0:
         try:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from adacomp.backends import watchdog
 from adacomp.errors import RankStateError
 
 FORMAT = "adacomp.PerRank/1"
@@ -44,7 +45,9 @@ class PerRank:
     def state_dict(self) -> dict[str, Any]:
         """Collective: call it on every rank (frameworks do; rank 0 alone would wait for the others)."""
         be = self.holder.backend
-        return {"format": FORMAT, "world": be.size(), "ranks": be.allgather_object(self.holder.adacomp_state_dict())}
+        with watchdog.guard(be):  # a rank that died or stopped is named
+            ranks = be.allgather_object(self.holder.adacomp_state_dict())
+        return {"format": FORMAT, "world": be.size(), "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Not collective: each rank takes its own entry (or its resharded state)."""
@@ -60,18 +63,20 @@ class PerRank:
 
 def save_per_rank(path: str | os.PathLike[str], holder: Any) -> Path:
     """Collective: gather every rank's compression state and write it atomically to one file from
-    rank 0 (:func:`adacomp.checkpoint.atomic_save`); every rank returns after the write, and a write
-    that failed on rank 0 raises on every rank."""
-    from adacomp.runtime.checkpoint import atomic_save
+    rank 0 in the checkpoint format (a header with the payload's SHA-256, so a flipped bit or a
+    truncation is named at load); every rank returns after the write, and a write that failed on
+    rank 0 raises on every rank."""
+    from adacomp.runtime.checkpoint import atomic_write, encode
     state = PerRank(holder).state_dict()
     be = holder.backend
     error = None
     if be.rank() == 0:
         try:
-            atomic_save(state, path)
+            atomic_write(encode({"model": None, "optimizer": None, "extra": state}, {"kind": FORMAT}), path)
         except OSError as exc:
             error = f"rank 0 could not write {str(path)!r}: {exc}"
-    error = be.broadcast_object(error, root=0)
+    with watchdog.guard(be):
+        error = be.broadcast_object(error, root=0)
     if error:
         raise OSError(error)
     return Path(path)
@@ -79,12 +84,23 @@ def save_per_rank(path: str | os.PathLike[str], holder: Any) -> Path:
 
 def load_per_rank(path: str | os.PathLike[str], holder: Any) -> None:
     """Every rank reads the file :func:`save_per_rank` wrote and takes its own state (resharded when
-    the world size changed)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no per-rank compression state at {str(path)!r} (written by "
-                                "adacomp.checkpoint.save_per_rank)") from None
+    the world size changed). The file is verified (checksum, length) as a checkpoint is; one written
+    by an older adacomp (a plain ``torch.save``) still loads."""
+    from adacomp.runtime.checkpoint import MAGIC, CheckpointError, read
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no per-rank compression state at {str(p)!r} (written by "
+                                "adacomp.checkpoint.save_per_rank)")
+    with open(p, "rb") as fh:
+        verified = fh.read(len(MAGIC)) == MAGIC
+    if verified:
+        state = read(p)["extra"]
+    else:
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling error means the same thing here
+            raise CheckpointError(f"per-rank compression state {str(p)!r} cannot be read ({type(exc).__name__}: "
+                                  f"{exc}); the file is truncated or corrupted") from None
     PerRank(holder).load_state_dict(state)
 
 
