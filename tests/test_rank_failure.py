@@ -39,6 +39,8 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--late-s", type=float, default=0.0)
     p.add_argument("--quit-rank", type=int, default=-1, help="this rank leaves the loop early and exits cleanly")
     p.add_argument("--quit-step", type=int, default=3)
+    p.add_argument("--save-dir", default="", help="every step ends with a checkpoint set there; --die-rank dies "
+                   "just before its save at --die-step")
     args = p.parse_args(argv)
 
     import torch
@@ -66,11 +68,17 @@ def worker(argv: list[str]) -> int:
         x = torch.randn(16, 1, 8, 8, generator=gen)
         opt.zero_grad()
         F.cross_entropy(model(x), torch.arange(16) % 10).backward()  # buckets start sending here
-        if rank == args.die_rank and step == args.die_step:
+        if rank == args.die_rank and step == args.die_step and not args.save_dir:
             print(f"self-kill (SIGKILL) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         with watchdog.guard(backend):
             opt.step()
+        if args.save_dir:
+            if rank == args.die_rank and step == args.die_step:
+                print(f"self-kill (SIGKILL) before the save of step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            from adacomp.runtime import checkpoint
+            checkpoint.save_set(args.save_dir, model, opt, step=step)
         if step % 20 == 0:
             print(f"rank {rank}: step {step}", flush=True)
     if rank == args.late_rank:  # no collectives from here on: the others exit meanwhile
@@ -206,6 +214,16 @@ def test_a_killed_rank_on_this_host_is_known_dead_without_waiting_out_timeout(de
     assert procs[alive].returncode != 0, outs[alive]
     assert f"rank {dead} is lost (its process (pid" in outs[alive] and "exited without saying goodbye" in outs[alive], \
         outs[alive][-3000:]
+
+
+def test_a_rank_killed_before_a_checkpoint_set_is_named_by_the_save(tmp_path) -> None:
+    """save_set's collectives are guarded as a step's: the survivor names the lost rank (not gloo's
+    'Connection reset by peer'), and the last complete set stays the one that loads."""
+    marker = f"adacomp-rankfail-{uuid.uuid4().hex[:8]}"
+    procs, outs = _two_workers(marker, ["--save-dir", str(tmp_path), "--steps", "6"])
+    assert procs[1].returncode == -signal.SIGKILL, outs[1]
+    assert procs[0].returncode != 0 and "rank 1 is lost" in outs[0], outs[0][-3000:]
+    assert "step-0000000002" in (tmp_path / "latest").read_text()
 
 
 def test_a_rank_that_runs_out_of_data_without_join_is_named() -> None:
