@@ -1,6 +1,8 @@
 """MOO compression-ratio choice (AR-Topk §3-E): candidates, Pareto choice, exploration restore."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -94,16 +96,27 @@ def _moo_worker() -> dict:
     assert pol.exploring
     before = _state(opt)
     seen = []
-    for _ in range(EXPLORE * len(pol.candidates)):
+    mid = None
+    for i in range(EXPLORE * len(pol.candidates)):
         seen.append(opt.compressor_for(opt.params[0][0]).density())
         step()
+        if i == 0:  # a checkpoint in the middle of the first candidate's trial
+            mid = copy.deepcopy(opt.state_dict())
     assert not pol.exploring
+    # resumed from mid-exploration: the trial goes on where it was and ends at the same snapshot
+    results = [r["c"] for r in pol.results]
+    opt.load_state_dict(mid)
+    resumed = {"exploring": pol.exploring, "candidate": pol._cand, "measured": len(pol._acc),
+               "density": opt.compressor_for(opt.params[0][0]).density()}
+    while pol.exploring:
+        step()
+    resumed.update(results=[r["c"] for r in pol.results], same_snapshot=_same(before["params"], _state(opt)["params"]))
     # MOO reads the compression gain, so the engine measures it (it does not for other policies)
     assert opt.last_stats.gain is not None and 0.0 < opt.last_stats.gain < 1.0
     after = _state(opt)
     return {"before": before, "after": after, "seen": seen, "candidates": pol.candidates,
             "density": opt.compressor_for(opt.params[0][0]).density(), "decisions": pol.decisions,
-            "results": pol.results, "steps": opt.steps}
+            "results": pol.results, "steps": opt.steps, "resumed": resumed, "explored": results}
 
 
 def _same(a, b) -> bool:
@@ -124,6 +137,8 @@ def test_exploration_restores_bitwise_and_ranks_agree() -> None:
         assert r["before"]["optim"] and any(r["before"]["residuals"].values())  # something was compared
         assert r["steps"] == 1  # the optimizer's counter is restored too
         assert len(r["results"]) == len(r["candidates"])
+        assert r["resumed"] == {"exploring": True, "candidate": 0, "measured": 1, "density": r["candidates"][0],
+                                "results": r["explored"], "same_snapshot": True}, r["resumed"]
     assert r0["density"] == r1["density"]  # every rank applies rank 0's choice
     assert r0["decisions"][-1]["c"] == r0["density"]
     assert r0["candidates"][-1] <= r0["density"] <= r0["candidates"][0]

@@ -263,11 +263,29 @@ class MOOPolicy(Policy):
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"density": self.density, "results": [dict(x) for x in self.results]}
+        """Everything the next steps read: the density and results, an exploration in progress (its
+        snapshot, the candidate being tried, what it measured so far) and the triggers' counters, so a
+        run saved at any step resumes as the run it was saved from."""
+        return {"density": self.density, "results": [dict(x) for x in self.results],
+                "decisions": [dict(d) for d in self.decisions], "snapshot": self._snap, "candidate": self._cand,
+                "measured": [list(a) for a in self._acc], "window": list(self._window),
+                "prev_gain": self._prev_gain, "since": self._since,
+                "ref_net": list(self._ref_net) if self._ref_net is not None else None, "calls": self._calls}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._restoring or not state:
             return
         self.results = [dict(x) for x in state.get("results", [])]
+        self.decisions = [dict(d) for d in state.get("decisions", [])]
+        self._snap = state.get("snapshot")
+        self._cand = int(state.get("candidate", -1))
+        self._acc = [(float(a[0]), float(a[1]), float(a[2])) for a in state.get("measured", [])]
+        self._window = [float(g) for g in state.get("window", [])]
+        prev = state.get("prev_gain")
+        self._prev_gain = float(prev) if prev is not None else None
+        self._since = int(state.get("since", 0))
+        ref = state.get("ref_net")
+        self._ref_net = (float(ref[0]), float(ref[1])) if ref is not None else None
+        self._calls = int(state.get("calls", 0))
         if state.get("density") is not None:
             self._set(self.optimizer, float(state["density"]))
