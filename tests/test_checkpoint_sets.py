@@ -250,6 +250,45 @@ def test_resume_on_another_world_size_keeps_what_the_averaged_update_owes(tmp_pa
         assert back[0][m]["step"] == 5
 
 
+LOCAL = {"local_steps": {"every": 4, "outer_optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
+         "compressor": {"name": "none"}, "memory": {"name": "none"}, "communicator": {"name": "allreduce"}}
+
+
+def _local_save_job(directory: str) -> dict[str, torch.Tensor]:
+    """Local steps, saved inside a window (synchronised at step 4, steps 5-6 local: replicas differ)."""
+    import adacomp
+    from adacomp.runtime import checkpoint
+    adacomp.init()
+    model, opt = _build(LOCAL)
+    train_steps(model, opt, 0, 6, adacomp.rank())
+    checkpoint.save_set(directory, model, opt, step=6)
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adacomp.shutdown()
+    return out
+
+
+def _local_load_job(directory: str) -> dict[str, torch.Tensor]:
+    import adacomp
+    from adacomp.runtime import checkpoint
+    adacomp.init()
+    model, opt = _build(LOCAL)
+    checkpoint.load_set(directory, model, opt)
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adacomp.shutdown()
+    return out
+
+
+def test_resume_inside_a_local_steps_window_on_fewer_ranks_keeps_every_replica(tmp_path) -> None:
+    """2 -> 1 inside a window: the new rank starts from the replicas' mean (what the pending
+    synchronisation averages), not from old rank 0's weights alone."""
+    old = run_workers(_local_save_job, 2, str(tmp_path), timeout=300)
+    assert any(not torch.equal(old[0][n], old[1][n]) for n in old[0])  # the replicas differ
+    (new,) = run_workers(_local_load_job, 1, str(tmp_path), timeout=300)
+    for n in new:
+        want = ((old[0][n].double() + old[1][n].double()) / 2).float()
+        assert torch.equal(new[n], want), n
+
+
 def test_reshard_asks_each_component_for_its_rule() -> None:
     """Route memory residuals averaged, the alltoall's declared memory re-cut, compressor state and
     the wrapped optimizer's from old rank s % W, a route the optimizer does not have now built

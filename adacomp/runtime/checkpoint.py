@@ -344,6 +344,22 @@ def _config_mismatch(header: dict[str, Any], optimizer: Any, config_hash: str | 
     return None
 
 
+def _replicas_mean(models: list[Any], base: Any) -> Any:
+    """The model a new rank starts from on another world size: the old ranks' weights are equal (a
+    step's round averaged them), then ``base``'s; inside a local-steps window they differ, and every
+    new rank starts from their mean, what the window's pending synchronisation averages (old rank
+    ``s mod W_old``'s alone would drop the other replicas' local progress). Non-float entries (step
+    counters, BatchNorm's ``num_batches_tracked``) come from ``base``."""
+    if base is None or all(m.keys() == base.keys() and all(torch.equal(m[k], base[k]) for k in base)
+                           for m in models):
+        return base
+    out = {}
+    for k, v in base.items():
+        floats = isinstance(v, torch.Tensor) and v.is_floating_point()
+        out[k] = torch.stack([m[k].to(torch.float64) for m in models]).mean(0).to(v.dtype) if floats else v
+    return out
+
+
 def _apply(data: dict[str, Any], model: torch.nn.Module | None, optimizer: Any) -> None:
     if model is not None:
         model.load_state_dict(data["model"])
@@ -536,7 +552,7 @@ def _load_set(b: Any, d: Path, model: torch.nn.Module | None, optimizer: Any,
             base = files[rank % w_old]
             opt_state = (reshard([f["optimizer"] for f in files], world, rank, optimizer)
                          if base["optimizer"] is not None else None)
-            data = {**base, "optimizer": opt_state}
+            data = {**base, "optimizer": opt_state, "model": _replicas_mean([f["model"] for f in files], base["model"])}
             mine["step"], mine["set"] = base["header"].get("step"), base["header"].get("set")
     except (CheckpointError, FileNotFoundError, KeyError, ValueError) as exc:
         mine["error"] = str(exc) if not isinstance(exc, KeyError) else f"{sdir}: manifest lacks {exc}"
