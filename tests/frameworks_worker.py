@@ -119,7 +119,8 @@ def run_ddp(method: str, epochs: range, ckpt: Path | None = None, resume: Path |
 
 
 # --- Lightning -----------------------------------------------------------------------------------
-def run_lightning(method: str, epochs: range, ckpt: Path | None = None, resume: Path | None = None) -> dict[str, Any]:
+def _lightning(method: str, max_epochs: int) -> tuple[Any, Any, Any]:
+    """(module, strategy, trainer) for ``method``: 16-mixed with the shared scaler, no logging."""
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -135,15 +136,23 @@ def run_lightning(method: str, epochs: range, ckpt: Path | None = None, resume: 
             # Lightning's plugin autocasts already; loss_of's own autocast is the same region
             return loss_of(self.net, x, y, self.current_epoch, batch_idx)
 
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-    module = Module()
     strategy = DDPStrategy(config=CONFIGS[method])
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs.stop,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=max_epochs,
                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler())], use_distributed_sampler=False,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
+    return Module(), strategy, trainer
+
+
+def run_lightning(method: str, epochs: range, ckpt: Path | None = None, resume: Path | None = None) -> dict[str, Any]:
+    module, strategy, trainer = _lightning(method, epochs.stop)
     trainer.fit(module, loader(), ckpt_path=str(resume) if resume is not None else None)
     if ckpt is not None:
         trainer.save_checkpoint(str(ckpt))
@@ -180,7 +189,51 @@ def run_accelerate(method: str, epochs: range, ckpt: Path | None = None, resume:
     return out
 
 
+def lightning_habits(method: str, where: Path) -> dict[str, Any]:
+    """One Trainer fits one epoch, saves, and fits again from its own checkpoint (``again``); another
+    validates from that checkpoint and then fits a fresh module (``validated``: the checkpoint's
+    compression state must not carry into that fit)."""
+    module, strategy, trainer = _lightning(method, 1)
+    trainer.fit(module, loader())
+    ckpt = where / "again.ckpt"
+    trainer.save_checkpoint(str(ckpt))
+    trainer.fit_loop.max_epochs = EPOCHS
+    trainer.fit(module, loader(), ckpt_path=str(ckpt))
+    again = {"params": params(module), "steps": strategy.adacomp_state.steps}
+    checked, strategy, trainer = _lightning(method, EPOCHS)
+    trainer.validate(checked, loader(), ckpt_path=str(ckpt), verbose=False)
+    fresh = _lightning(method, EPOCHS)[0]
+    trainer.fit(fresh, loader())
+    return {"again": again, "validated": {"params": params(fresh), "steps": strategy.adacomp_state.steps}}
+
+
+def accelerate_main_only_save(method: str, where: Path) -> str:
+    """``save_state`` under ``if accelerator.is_main_process:`` with adacomp's state registered: the
+    main process's error (the gather of every rank's state cannot happen), not a hang."""
+    from accelerate import Accelerator
+
+    from adacomp.integrations.accelerate import register
+
+    acc = Accelerator(cpu=True)
+    base = net()
+    model, opt = acc.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1))
+    register(acc, model, {**CONFIGS[method], "timeout_s": 3.0})
+    x, y = next(iter(loader()))
+    acc.backward(F.cross_entropy(model(x), y))
+    opt.step()
+    error = "no error"
+    if acc.is_main_process:
+        try:
+            acc.save_state(str(where / "main_only"))
+        except RuntimeError as exc:
+            error = str(exc)
+    acc.wait_for_everyone()
+    acc.free_memory()
+    return error
+
+
 RUNNERS = {"ddp": run_ddp, "lightning": run_lightning, "accelerate": run_accelerate}
+HABITS = {"lightning": lightning_habits, "accelerate": accelerate_main_only_save}
 
 
 def main() -> None:
@@ -207,6 +260,9 @@ def main() -> None:
         run(method, range(1), ckpt=ckpt)
         resumed = run(method, range(1, EPOCHS), resume=ckpt)
         torch.save(resumed, out / f"{args.framework}-{method}-resumed.rank{rank}.pt")
+        if method == "topk":
+            torch.save(HABITS[args.framework](method, ckpt.parent),
+                       out / f"{args.framework}-{method}-habits.rank{rank}.pt")
     print(f"FRAMEWORK_DONE {args.framework} rank={dist.get_rank()}", flush=True)
     gc.collect()
     dist.destroy_process_group()

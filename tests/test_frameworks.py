@@ -54,3 +54,20 @@ def test_framework_equals_hand_written_ddp_and_resumes_exactly(runs: Path, frame
             assert torch.isfinite(want).all()
             assert torch.equal(full["params"][name], want), f"rank {rank} {name}: {framework} != hand-written DDP"
             assert torch.equal(resumed["params"][name], want), f"rank {rank} {name}: resumed != uninterrupted"
+
+
+def test_lightning_fits_again_from_its_checkpoint_and_validate_leaves_no_state_behind(runs: Path) -> None:
+    """The same Trainer fitting again from the checkpoint it wrote takes that checkpoint's compression
+    state (a new hook for the new fit); ``validate(ckpt_path=)`` before a fresh fit leaves none for it."""
+    for rank in (0, 1):
+        full = _load(runs, "lightning", "topk", "full", rank)
+        habits = _load(runs, "lightning", "topk", "habits", rank)
+        for run in ("again", "validated"):
+            assert habits[run]["steps"] == full["steps"], (rank, run, habits[run]["steps"])
+            for name, want in full["params"].items():
+                assert torch.equal(habits[run]["params"][name], want), f"rank {rank} {run} {name}"
+
+
+def test_accelerate_save_state_on_the_main_process_alone_raises_instead_of_hanging(runs: Path) -> None:
+    assert "save on every process" in _load(runs, "accelerate", "topk", "habits", 0)
+    assert _load(runs, "accelerate", "topk", "habits", 1) == "no error"

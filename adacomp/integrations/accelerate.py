@@ -9,7 +9,10 @@
 :func:`register` puts adacomp's hook on the prepared DDP model (over its process group), makes it
 follow ``accelerator.scaler`` (or the ``grad_scaler`` you use yourself), and registers
 :class:`adacomp.checkpoint.PerRank` for checkpointing: Accelerate calls its ``state_dict()`` on
-every rank when saving (the gather) and writes rank 0's copy, which holds every rank's state.
+every rank when saving (the gather) and writes rank 0's copy, which holds every rank's state. So
+call ``save_state`` on every process, as Accelerate's DDP examples do: under ``if
+accelerator.is_main_process:`` the main process raises after the config's ``timeout_s`` (the other
+ranks never join the gather) instead of waiting for the process group's half-hour timeout.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ torch optimizer part from it.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,11 @@ class PerRank:
         holder.io.delegated = True  # the holder's own state_dict now leaves the compression state to us
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective: call it on every rank (frameworks do; rank 0 alone would wait for the others)."""
+        """Collective: call it on every rank (frameworks do). A rank whose peers do not come (Accelerate's
+        ``save_state`` under ``if accelerator.is_main_process:``) raises after the job's ``timeout_s``
+        instead of waiting in the gather while they wait elsewhere."""
         be = self.holder.backend
+        _all_arrive(self.holder, be)
         with watchdog.guard(be):  # a rank that died or stopped is named
             ranks = be.allgather_object(self.holder.adacomp_state_dict())
         return {"format": FORMAT, "world": be.size(), "ranks": ranks}
@@ -59,6 +63,38 @@ class PerRank:
         ranks = state["ranks"]
         mine = ranks[rank] if len(ranks) == world else self.holder.io.reshard(ranks, world, rank)
         self.holder.load_adacomp_state_dict(mine)
+
+
+_ARRIVALS = 0  # PerRank gathers this process took part in: their keys in torch's store
+
+
+def _all_arrive(holder: Any, be: Any) -> None:
+    """Every rank of ``be`` reaches this call, within the job's ``timeout_s``, counted in torch's
+    rendezvous store (where torch.distributed runs; elsewhere nothing is checked): the gather itself
+    would wait for the process group's timeout (30 minutes by default) when a peer waits in another
+    collective, alive, so no watchdog sees it."""
+    if be.size() < 2 or getattr(be, "name", "") != "torch":
+        return
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        store = _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return
+    global _ARRIVALS
+    _ARRIVALS += 1  # the same count on every rank (the calls are collective), unique within the store
+    key = f"adacomp/per_rank/{be.size()}/{_ARRIVALS}"
+    came = store.add(key, 1)
+    timeout_s = float(getattr(getattr(holder, "config", None), "timeout_s", 60.0) or 60.0)
+    deadline = time.monotonic() + timeout_s
+    while came < be.size():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"adacomp.checkpoint.PerRank.state_dict() is collective, and {be.size() - came} of "
+                               f"{be.size()} ranks did not reach it within {timeout_s:g} s (timeout_s). Where adacomp's "
+                               "state is registered with a framework, save on every process: e.g. call "
+                               "accelerator.save_state(...) on all ranks (it writes from the main process itself), "
+                               "not under `if accelerator.is_main_process:`")
+        time.sleep(0.01)
+        came = store.add(key, 0)
 
 
 def save_per_rank(path: str | os.PathLike[str], holder: Any) -> Path:
