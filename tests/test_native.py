@@ -85,7 +85,7 @@ def _blocky(seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel", ["select_abs_ge", "select_abs_not_lt", "select_gt", "add_select", "add_stats",
-                                    "sumsq", "momentum", "select_signed32"])
+                                    "sumsq", "momentum", "select_signed32", "add_select_zeroed", "add_stats_zeroed"])
 def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx2_switch: str) -> None:
     """The C compactions (their first two per 64-block written without a branch, a block with many
     passing packed eight lanes at a time where 64 more fit under ``cap``) return the full count and
@@ -93,6 +93,8 @@ def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx
     import ctypes
     lib = _native.library()
     x = _blocky(len(kernel))
+    if kernel.endswith("_zeroed"):
+        x[64] = -0.0  # at a zeroed position: -0.0 + (+0.0) is +0.0, as after ac_zero_at
     n = x.numel()
     r = _blocky(99) * 0.25
     t = 1.0
@@ -103,16 +105,29 @@ def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx
     p = {k: v.data_ptr() for k, v in dict(x=x, r=r, xf=xf, rf=rf, zero=zero, out1=out1, out2=out2, stats=stats,
                                           amax=amax, sumsq=sumsq, used=used).items()}
     ct = ctypes.c_float(t)
+    # the residual's zeroing left to the add (SparseCompressor.defer_residual): blocks with none, one, two
+    # (the branch-free ones) and many zeroed positions, the first and last position, the tail's
+    zi = torch.tensor(sorted({0, 5, 64, 130, 131, 200, *range(256, 320, 3), 517, n - 30, n - 1}), dtype=torch.int64)
+    rz = r.clone().index_fill_(0, zi, 0.0)
+    rzf = rz.nan_to_num()
+    z = zi.data_ptr()
     cases = {  # kernel -> (its call on (idx, vals, cap), the reference mask, the reference values)
         "select_abs_ge": (lambda i, v, c: lib.ac_select_abs_ge(p["x"], n, ct, i, v, c), x.abs() >= t, x.abs()),
         "select_abs_not_lt": (lambda i, v, c: lib.ac_select_abs_not_lt(p["x"], n, ct, i, v, c), ~(x.abs() < t),
                               x.abs()),
         "select_gt": (lambda i, v, c: lib.ac_select_gt(p["x"], n, ct, i, v, c), x > t, x),
-        "add_select": (lambda i, v, c: lib.ac_add_select_abs_not_lt(p["x"], p["r"], p["out1"], n, ct, i, v, c),
+        "add_select": (lambda i, v, c: lib.ac_add_select_abs_not_lt(p["x"], p["r"], p["out1"], n, ct, i, v, c,
+                                                                    None, 0),
                        ~((x + r).abs() < t), x + r),
         "add_stats": (lambda i, v, c: lib.ac_add_abs_stats_select(p["xf"], p["rf"], p["out1"], n, p["stats"],
-                                                                  p["amax"], ct, 0, i, v, c),
+                                                                  p["amax"], ct, 0, i, v, c, None, 0),
                       (xf + rf).abs() >= t, xf + rf),  # the signed sums
+        "add_select_zeroed": (lambda i, v, c: lib.ac_add_select_abs_not_lt(p["x"], p["r"], p["out1"], n, ct, i, v,
+                                                                           c, z, zi.numel()),
+                              ~((x + rz).abs() < t), x + rz),
+        "add_stats_zeroed": (lambda i, v, c: lib.ac_add_abs_stats_select(p["xf"], p["rf"], p["out1"], n, p["stats"],
+                                                                         p["amax"], ct, 0, i, v, c, z, zi.numel()),
+                             (xf + rzf).abs() >= t, xf + rzf),
         "sumsq": (lambda i, v, c: lib.ac_sumsq_select_abs_gt(p["xf"], n, ctypes.c_double(0.0), ct, i, v, c,
                                                              p["sumsq"], 0, p["used"]), xf.abs() > t, xf),
         # DGC's pass with u = 0: u' = 0.9 * 0 + g, v' = r + u'
@@ -137,6 +152,8 @@ def test_compactions_count_all_and_write_what_fits_at_every_cap(kernel: str, avx
         # past the count: at most the two fast writes, or a packed block's eight lanes; never at or past cap
         assert bool((idx[m + 8:] == -7).all()) and bool((idx[cap:] == -7).all()), cap
         assert bool((vals[cap:] == -7.0).all()), cap
+    if kernel.endswith("_zeroed"):  # the sum written whole, +0.0 of the residual at every zeroed position
+        assert torch.equal(bits(out1), bits(ref))
 
 
 @pytest.mark.parametrize("n", [1, 15, 17, 65, 4099, 1 << 18])
@@ -1492,7 +1509,13 @@ def _habit_run(memory: Any, comp: Any, other: Any, comm_name: str, grads: list[l
 DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
             "powersgd": ({"rank": 4}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
             "acpsgd": ({"rank": 3}, "allreduce", "randomk", [(520, 2056), (256, 300), 4000]),
-            "chunktopk": ({"density": 0.02}, "allgather_fast", "topk", [(520, 2056), (256, 300), 4000])}
+            "chunktopk": ({"density": 0.02}, "allgather_fast", "topk", [(520, 2056), (256, 300), 4000]),
+            # the sparsifiers' zeroing of the sent coordinates (SparseCompressor.defer_residual): Top-k's
+            # prefilter from 2^16 elements (4000: written every step), the searches' statistics at any size
+            "topk": ({"density": 0.01}, "allgather", "randomk", [(1 << 17) + 3, (300, 256), 4000]),
+            "sidco": ({"density": 0.01, "stages": 3}, "allgather", "topk", [(1 << 17) + 3, (300, 256), 4000]),
+            "redsync": ({"density": 0.01}, "allgather", "topk", [(1 << 17) + 3, (300, 256), 4000]),
+            "mstopk": ({"density": 0.01}, "allgather", "topk", [(1 << 17) + 3, (300, 256), 4000])}
 """method -> (parameters, communicator, another compressor it takes, gradient shapes)"""
 
 
@@ -1501,7 +1524,8 @@ DEFERRED = {"efsignsgd": ({}, "allgather", "topk", [(1 << 17) + 3, 4000, 9]),
 def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_switch: str, one_thread: None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A residual left to the next compensation (EF-SignSGD's decoded signs, PowerSGD's and
-    ACP-SGD's P Q^T, Chunk-Top-k's kept values, subtracted inside that C pass, never written) gives bitwise the compensated
+    ACP-SGD's P Q^T, Chunk-Top-k's kept values, subtracted inside that C pass; the sparsifiers' sent
+    coordinates, read as +0.0 there; never written) gives bitwise the compensated
     tensors, outputs and residuals of the same run with the residual written every step, through
     the real communicator; after the first steps no buffer is allocated. A habit in the middle (a
     rolled-back round, a state_dict read, a loss-scale change, a step through another compressor)
@@ -1516,7 +1540,7 @@ def test_deferred_residual_is_the_written_one(method: str, habit: str, avx2_swit
         comp = compressors.get(method, **params)
         other = compressors.get(other_name, density=0.1) if habit == "other_compressor" else comp
         if not defer:
-            comp.defer_residual = lambda *args: None  # the residual written at every update
+            comp.defer_residual = other.defer_residual = lambda *args: None  # the residual written at every update
         memory = memories.get("residual")
         return _habit_run(memory, comp, other, comm_name, grads, junk, habit, lambda: len(memory._owed))
 

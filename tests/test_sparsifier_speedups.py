@@ -555,15 +555,16 @@ def test_a_search_whose_candidates_fell_short_widens_the_next_floor(monkeypatch:
     shares: list[float | None] = []
     orig = S.compensate_with_stats
 
-    def recorded(comp, g, r, out, name, compact=True, share=None):
+    def recorded(comp, g, r, out, name, compact=True, share=None, zeroed=None):
         shares.append(share)
-        return orig(comp, g, r, out, name, compact, share)
+        return orig(comp, g, r, out, name, compact, share, zeroed)
     monkeypatch.setattr(importlib.import_module(f"adacomp.compressors.{kind}"), "compensate_with_stats", recorded)
     sampled = S.sampled_value
     wrong: list[float] = []  # a floor the next sample gives instead of its own (a misjudged tail)
     monkeypatch.setattr(S, "sampled_value", lambda *a, **kw: wrong.pop() if wrong else sampled(*a, **kw))
     fused, plain = compressors.get(kind, density=0.01), compressors.get(kind, density=0.01)
     plain.compensate_into = lambda *a: False
+    plain.defer_residual = lambda *a: None  # its residual written: no fused pass on the plain side
     mems = [memories.get("residual"), memories.get("residual")]
     for step in range(5):
         g = torch.randn(n, generator=gen(90 + step))

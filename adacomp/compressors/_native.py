@@ -399,6 +399,31 @@ SELECT_T(ac_select_abs_not_lt_signed, !(__builtin_fabsf(v) < t), CMP_NOT_LT, LOA
 SELECT(ac_select_ge, v >= t, CMP_GE)
 SELECT(ac_select_gt, v > t, CMP_GT)
 SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
+/* The bits of the zeroed positions zi[*zj...] (ascending) that fall in the 64-element block at i,
+   *zj moved past them. A block holds one or two of them at a sparsifier's density, in no pattern a
+   branch predictor learns: the first two are taken without branches, more in a rarely entered loop
+   (a loop over each block's positions mispredicted about once a block: ~10 ms of SIDCo's VGG-16 step). */
+static inline uint64_t ac_zero_bits(const int64_t* zi, int64_t zm, int64_t* zj, int64_t i) {
+    int64_t j = *zj;
+    uint64_t bits = 0;
+    for (int t = 0; t < 2; ++t) {
+        const int more = j < zm;
+        const int64_t p = zi[more ? j : zm - 1];
+        const uint64_t in = (uint64_t)(more & (p < i + 64));
+        bits |= in << ((uint64_t)(p - i) & 63);
+        j += (int64_t)in;
+    }
+    while (j < zm && zi[j] < i + 64) { bits |= (uint64_t)1 << (zi[j] - i); ++j; }
+    *zj = j;
+    return bits;
+}
+#if defined(AC_AVX2)
+/* the lanes whose bit is set in the low 8 bits, as an all-ones mask */
+__attribute__((target("avx2"))) static inline __m256 lanes_of(unsigned bits) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), bit), bit));
+}
+#endif
 /* Error feedback's compensation and Top-k's prefilter in one pass: out = g + r (one IEEE add per
    element, as torch.add), and the indices / signed values of the sums passing !(|sum| < t) (a NaN
    passes), ascending: the set ac_select_abs_not_lt finds over out afterwards, one read less. The
@@ -414,16 +439,22 @@ SELECT(ac_select_not_lt, !(v < t), CMP_NOT_LT)
     _mm256_store_ps(blk + 8 * q, V)
 __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_avx2(
         const float* g, const float* r, float* out, int64_t n, float t, int64_t* idx, float* vals, int64_t cap,
-        int64_t* count, const int stream) {
+        int64_t* count, const int stream, const int64_t* zi, int64_t zm, int64_t* zj) {
     const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
     float blk[64] __attribute__((aligned(32)));
-    int64_t c = *count, i = 0;
+    int64_t c = *count, i = 0, j0 = *zj;
     for (; i + 64 <= n; i += 64) {
         uint64_t m = 0;
+        const uint64_t zero = zm > 0 ? ac_zero_bits(zi, zm, &j0, i) : 0;
         AC_AHEAD(g, i, 4);
         AC_AHEAD(r, i, 4);
         for (int q = 0; q < 8; ++q) {
-            AC_SUM8(v);
+            __m256 rv = _mm256_loadu_ps(r + i + 8 * q);
+            if (zm > 0)  /* a zeroed position's +0.0 (ac_zero_bits) */
+                rv = _mm256_andnot_ps(lanes_of((unsigned)(zero >> (8 * q)) & 0xffu), rv);
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), rv);
+            if (stream) _mm256_stream_ps(out + i + 8 * q, v); else _mm256_storeu_ps(out + i + 8 * q, v);
+            _mm256_store_ps(blk + 8 * q, v);
             m |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
                  << (8 * q);
         }
@@ -431,17 +462,20 @@ __attribute__((target("avx2"), always_inline)) static inline int64_t add_select_
     }
     if (stream) _mm_sfence();
     *count = c;
+    *zj = j0;
     return i;
 }
 __attribute__((target("avx2"))) static int64_t add_select_stream(const float* g, const float* r, float* out,
                                                                  int64_t n, float t, int64_t* idx, float* vals,
-                                                                 int64_t cap, int64_t* count) {
-    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1);
+                                                                 int64_t cap, int64_t* count, const int64_t* zi,
+                                                                 int64_t zm, int64_t* zj) {
+    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 1, zi, zm, zj);
 }
 __attribute__((target("avx2"))) static int64_t add_select_store(const float* g, const float* r, float* out,
                                                                 int64_t n, float t, int64_t* idx, float* vals,
-                                                                int64_t cap, int64_t* count) {
-    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0);
+                                                                int64_t cap, int64_t* count, const int64_t* zi,
+                                                                int64_t zm, int64_t* zj) {
+    return add_select_avx2(g, r, out, n, t, idx, vals, cap, count, 0, zi, zm, zj);
 }
 #endif
 /* out = g + r (one IEEE add per element, as torch.add) into a buffer of its own: error feedback's
@@ -480,17 +514,17 @@ AC_CLONES void ac_sub(const float* a, const float* b, float* out, int64_t n) {
    at 2^20; VGG-16 73.7, 75.8 against 77.4, 76.7 ms. */
 #define AC_SELECT_STREAM_MIN (1 << 16)
 int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int64_t n, float t,
-                                 int64_t* idx, float* vals, int64_t cap) {
-    int64_t c = 0, i = 0;
+                                 int64_t* idx, float* vals, int64_t cap, const int64_t* zi, int64_t zm) {
+    int64_t c = 0, i = 0, j = 0;
 #if defined(AC_AVX2)
     if (n >= AC_SELECT_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2())
-        i = add_select_stream(g, r, out, n, t, idx, vals, cap, &c);
+        i = add_select_stream(g, r, out, n, t, idx, vals, cap, &c, zi, zm, &j);
     else if (n >= 64 && use_avx2())
-        i = add_select_store(g, r, out, n, t, idx, vals, cap, &c);
+        i = add_select_store(g, r, out, n, t, idx, vals, cap, &c, zi, zm, &j);
 #endif
 #if defined(__SSE2__)
     const __m128 tv = _mm_set1_ps(t), sign = _mm_set1_ps(-0.0f);
-    for (; i + 16 <= n; i += 16) {
+    for (; zm == 0 && i + 16 <= n; i += 16) {  /* zeroed positions: the loop below */
         unsigned m = 0;
         for (int q = 0; q < 4; ++q) {
             const __m128 v = _mm_add_ps(_mm_loadu_ps(g + i + 4 * q), _mm_loadu_ps(r + i + 4 * q));
@@ -501,7 +535,9 @@ int64_t ac_add_select_abs_not_lt(const float* g, const float* r, float* out, int
     }
 #endif
     for (; i < n; ++i) {
-        const float v = g[i] + r[i];
+        const int zeroed = j < zm && zi[j] == i;
+        j += zeroed;
+        const float v = g[i] + (zeroed ? 0.0f : r[i]);
         out[i] = v;
         if (!(__builtin_fabsf(v) < t)) { if (c < cap) { idx[c] = i; vals[c] = v; } ++c; }
     }
@@ -579,7 +615,7 @@ int64_t ac_add_select_segments(const int64_t* gs, const int64_t* lens, int64_t n
     for (int64_t s = 0; s < nseg; ++s) {
         const int64_t at = c < cap ? c : cap;
         const int64_t got = ac_add_select_abs_not_lt((const float*)(intptr_t)gs[s], r + off, out + off, lens[s], t,
-                                                     idx + at, vals + at, cap - at);
+                                                     idx + at, vals + at, cap - at, 0, 0);
         for (int64_t j = at; j < c + got && j < cap; ++j) idx[j] += off;
         c += got;
         off += lens[s];
@@ -791,7 +827,8 @@ typedef struct {
 __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, const float* r, float* xs,
                                                               float* out, int64_t n, float* mx, float* mn,
                                                               int64_t* best, int* nan, ac_cascade* cs,
-                                                              ac_sel* sel) {
+                                                              ac_sel* sel, const int64_t* zi, int64_t zm,
+                                                              int64_t* zj) {
     int64_t i = 0;
     const __m256 tv = _mm256_set1_ps(sel ? sel->t : 0.0f);
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -801,14 +838,20 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
     float sgn[64] __attribute__((aligned(32)));  /* the block's signed values, which a selection emits */
     const int stream = out != NULL && n >= AC_STREAM_MIN && ((uintptr_t)out & 31) == 0;
     const int sstream = xs != NULL && n >= AC_STREAM_MIN && ((uintptr_t)xs & 31) == 0;
+    int64_t j0 = *zj;
+    const int zeroing = r != NULL && zm > 0;
     for (; i + 64 <= n; i += 64) {
         __m256 bmx = _mm256_setzero_ps();
+        const uint64_t zero = zeroing ? ac_zero_bits(zi, zm, &j0, i) : 0;
         AC_AHEAD(x, i, 4);
         if (r) AC_AHEAD(r, i, 4);
         for (int q = 0; q < 8; ++q) {
             __m256 v = _mm256_loadu_ps(x + i + 8 * q);
             if (r) {  /* the compensation's sum, written before its magnitude is taken */
-                v = _mm256_add_ps(v, _mm256_loadu_ps(r + i + 8 * q));
+                __m256 rv = _mm256_loadu_ps(r + i + 8 * q);
+                if (zeroing)  /* a zeroed position's +0.0, without a branch on the block's bits */
+                    rv = _mm256_andnot_ps(lanes_of((unsigned)(zero >> (8 * q)) & 0xffu), rv);
+                v = _mm256_add_ps(v, rv);
                 if (sstream) _mm256_stream_ps(xs + i + 8 * q, v);
                 else _mm256_storeu_ps(xs + i + 8 * q, v);
             }
@@ -843,6 +886,7 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
     for (int q = 0; q < 8; ++q) *mn = lanes[q] < *mn ? lanes[q] : *mn;
     *nan = _mm256_movemask_ps(un) != 0;
     *mx = m;
+    *zj = j0;
     return i;
 }
 #endif
@@ -851,8 +895,8 @@ __attribute__((target("avx2"))) static int64_t abs_stats_avx2(const float* x, co
    ac_select_abs_gt / ac_select_abs_ge list, with the signed values there (a payload's values come
    from them, not from a gather over the tensor). */
 static int abs_stats_of(const float* x, const float* r, float* xs, float* out, int64_t n, float* stats,
-                        int64_t* amax, ac_sel* sel) {
-    int64_t i = 0, best = -1, am = -1;
+                        int64_t* amax, ac_sel* sel, const int64_t* zi, int64_t zm) {
+    int64_t i = 0, best = -1, am = -1, j = 0;
     float mx = -1.0f, mn = __builtin_inff();
     int nan = 0;
     ac_cascade cs;
@@ -860,9 +904,13 @@ static int abs_stats_of(const float* x, const float* r, float* xs, float* out, i
     const float* src = r ? xs : x;  /* where the values whose magnitudes count are, once written */
 #if defined(AC_AVX2)
     if (use_avx2()) {
-        i = abs_stats_avx2(x, r, xs, out, n, &mx, &mn, &best, &nan, n >= 8 ? &cs : 0, sel);
+        i = abs_stats_avx2(x, r, xs, out, n, &mx, &mn, &best, &nan, n >= 8 ? &cs : 0, sel, zi, zm, &j);
         if (nan) {
-            for (; r && i < n; ++i) xs[i] = x[i] + r[i];  /* the sum is whole whatever the statistics */
+            for (; r && i < n; ++i) {  /* the sum is whole whatever the statistics */
+                const int zeroed = j < zm && zi[j] == i;
+                j += zeroed;
+                xs[i] = x[i] + (zeroed ? 0.0f : r[i]);
+            }
             return -1;
         }
         if (best >= 0)
@@ -871,7 +919,12 @@ static int abs_stats_of(const float* x, const float* r, float* xs, float* out, i
 #endif
     for (; i < n; ++i) {
         float s = x[i];
-        if (r) { s = s + r[i]; xs[i] = s; }
+        if (r) {
+            const int zeroed = j < zm && zi[j] == i;
+            j += zeroed;
+            s = s + (zeroed ? 0.0f : r[i]);
+            xs[i] = s;
+        }
         const float v = __builtin_fabsf(s);
         if (out) out[i] = v;
         if (v != v) nan = 1;
@@ -899,17 +952,21 @@ static int abs_stats_of(const float* x, const float* r, float* xs, float* out, i
 int ac_abs_stats(const float* x, float* out, int64_t n, float* stats, int64_t* amax) {
     /* out NULL: the statistics alone, |x| formed again where the cascade needs it (a search that
        counts on x's magnitudes itself then never writes them) */
-    return abs_stats_of(x, 0, 0, out, n, stats, amax, 0);
+    return abs_stats_of(x, 0, 0, out, n, stats, amax, 0, 0, 0);
 }
 /* Error feedback's compensation with what RedSync's and MSTop-k's searches read first of its result:
    sum = g + r (torch.add's bits; sum may be g), the statistics of |sum| ac_abs_stats(sum, NULL) gives
    and (idx not NULL) the search's candidates, |sum| > t (strict) or >= t, with their signed sums, at
-   most cap written: three passes in one.
+   most cap written: three passes in one. zi (zm positions, strictly ascending, in [0, n): the caller
+   checks with ac_ascending_within): where r is read as +0.0, the zeroing of the coordinates the
+   previous step sent (error feedback's residual), done here instead of by ac_zero_at on the stored r
+   (each zeroed position there a write miss: ~0.2 memory floors of a sparsifier's step).
    Returns how many passed, or -1 on a NaN (sum is still written in full). */
 int64_t ac_add_abs_stats_select(const float* g, const float* r, float* sum, int64_t n, float* stats, int64_t* amax,
-                                float t, int strict, int64_t* idx, float* vals, int64_t cap) {
+                                float t, int strict, int64_t* idx, float* vals, int64_t cap, const int64_t* zi,
+                                int64_t zm) {
     ac_sel sel = {t, strict, idx, vals, cap, 0};
-    if (abs_stats_of(g, r, sum, 0, n, stats, amax, idx ? &sel : 0) != 0) return -1;  /* idx NULL: no selection */
+    if (abs_stats_of(g, r, sum, 0, n, stats, amax, idx ? &sel : 0, zi, zm) != 0) return -1;  /* idx NULL: no selection */
     return sel.c;
 }
 /* Gaussian-k's moments and its search's candidates in one read: *sumsq = the sum of the terms
@@ -1137,11 +1194,6 @@ AC_CLONES void ac_momentum_accumulate(const float* u, const float* g, const floa
    here instead of by ac_zero_at on the stored u and v (each zeroed position there a write miss:
    VGG-16, 2 x 1.4M of them, 34 ms of a 260 ms step on the Xeon). */
 #if defined(AC_AVX2)
-/* the lanes whose bit is set in the low 8 bits, as an all-ones mask */
-__attribute__((target("avx2"))) static inline __m256 lanes_of(unsigned bits) {
-    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), bit), bit));
-}
 __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
         const float* u, const float* g, const float* v, float* u_out, float* v_out, int64_t n, float m, float t,
         int64_t* idx, float* vals, int64_t cap, int64_t* count, const int stream, const int64_t* zi, int64_t zm,
@@ -1149,15 +1201,15 @@ __attribute__((target("avx2"))) static int64_t momentum_select_avx2(
     const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
     float blk[64] __attribute__((aligned(32)));  /* the block's signed v */
     int64_t c = *count, i = 0, j0 = *zj;
+    const int zeroing = zm > 0;
     for (; i + 64 <= n; i += 64) {
-        uint64_t mask = 0, zero = 0;
-        for (; j0 < zm && zi[j0] < i + 64; ++j0) zero |= (uint64_t)1 << (zi[j0] - i);
+        uint64_t mask = 0;
+        const uint64_t zero = zeroing ? ac_zero_bits(zi, zm, &j0, i) : 0;
         for (int q = 0; q < 8; ++q) {
             const int64_t o = i + 8 * q;
             __m256 uu = _mm256_loadu_ps(u + o), vv = _mm256_loadu_ps(v + o);
-            const unsigned z8 = (unsigned)(zero >> (8 * q)) & 0xffu;
-            if (z8) {
-                const __m256 zl = lanes_of(z8);
+            if (zeroing) {  /* without a branch on the block's bits (ac_zero_bits) */
+                const __m256 zl = lanes_of((unsigned)(zero >> (8 * q)) & 0xffu);
                 uu = _mm256_andnot_ps(zl, uu);
                 vv = _mm256_andnot_ps(zl, vv);
             }
@@ -2688,6 +2740,41 @@ void ac_sample_lines(const float* a, const float* b, int64_t lines, int64_t m, f
         const int64_t at = sample_line(j, lines, m) * 16;
         if (b != NULL) for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t] + b[at + t];
         else for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t];
+    }
+}
+/* ac_sample_lines of a + b with b read as +0.0 at the zm ascending positions zi (the residual's zeroing
+   left to error feedback's next pass, ac_add_abs_stats_select): the sample that pass's sum gives. */
+void ac_sample_lines_zeroed(const float* a, const float* b, int64_t lines, int64_t m, float* out, const int64_t* zi,
+                            int64_t zm) {
+    int64_t lo = 0;  /* the first zeroed position >= the line's start: the lines ascend, so it only moves on */
+    for (int64_t j = 0; j < m; ++j) {
+        if (j + SAMPLE_AHEAD < m) {
+            const int64_t ahead = sample_line(j + SAMPLE_AHEAD, lines, m) * 16;
+            __builtin_prefetch(a + ahead);
+            __builtin_prefetch(b + ahead);
+        }
+        const int64_t at = sample_line(j, lines, m) * 16;
+        /* past the positions before the line: galloping, then bisection (bisection alone, from scratch a
+           line, cost 3.4 ms a step of ResNet-50's Top-k in cache misses) */
+        if (lo < zm && zi[lo] < at) {
+            int64_t step = 1;
+            while (lo + step < zm && zi[lo + step] < at) step *= 2;
+            int64_t l = lo + step / 2 + 1, h = lo + step < zm ? lo + step : zm;
+            while (l < h) {
+                const int64_t mid = l + (h - l) / 2;
+                if (zi[mid] < at) l = mid + 1; else h = mid;
+            }
+            lo = l;
+        }
+        if (lo >= zm || zi[lo] >= at + 16) {  /* most lines hold no zeroed position */
+            for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t] + b[at + t];
+            continue;
+        }
+        for (int t = 0; t < 16; ++t) {
+            const int zeroed = lo < zm && zi[lo] == at + t;
+            lo += zeroed;
+            out[j * 16 + t] = a[at + t] + (zeroed ? 0.0f : b[at + t]);
+        }
     }
 }
 /* PowerSGD's P Q^T (n x r times r x m, qt = Q^T contiguous) as MKL's sgemm computes it on x86 with
@@ -4488,8 +4575,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sumsq_select_abs_gt.argtypes = [vp, i64, ctypes.c_double, ctypes.c_float, vp, vp, i64, vp, ctypes.c_int, vp]
     lib_.ac_abs_stats.argtypes = [vp, vp, i64, vp, vp]
     lib_.ac_add_abs_stats_select.restype = ctypes.c_int64
-    lib_.ac_add_abs_stats_select.argtypes = [vp, vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64]
-    lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64]
+    lib_.ac_add_abs_stats_select.argtypes = [vp, vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_int, vp, vp, i64,
+                                             vp, i64]
+    lib_.ac_add_select_abs_not_lt.argtypes = [vp, vp, vp, i64, ctypes.c_float, vp, vp, i64, vp, i64]
     lib_.ac_add_count_select_segments.restype = ctypes.c_int64
     lib_.ac_add_count_select_segments.argtypes = [vp, vp, i64, vp, vp, ctypes.c_float, ctypes.c_float, vp, vp, i64,
                                                   vp, vp]
@@ -4539,6 +4627,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_sparse_sample_lines.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, i64, i64, vp]
     lib_.ac_sample_lines.restype = None
     lib_.ac_sample_lines.argtypes = [vp, vp, i64, i64, vp]
+    lib_.ac_sample_lines_zeroed.restype = None
+    lib_.ac_sample_lines_zeroed.argtypes = [vp, vp, i64, i64, vp, vp, i64]
     lib_.ac_first_distinct.restype = ctypes.c_int64
     lib_.ac_first_distinct.argtypes = [vp, i64, i64, i64, vp, vp]
     lib_.ac_sign_residual.restype = None
@@ -4691,15 +4781,22 @@ def add_into(g: Tensor, r: Tensor, out: Tensor, subtract: bool = False) -> bool:
     return True
 
 
-def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 1.0) -> tuple[Tensor, Tensor]:
+def add_select(g: Tensor, r: Tensor, out: Tensor, thr: float, expected: float = 1.0,
+               zeroed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``torch.add(g, r, out=out)`` (bitwise) and, from the same pass, the positions :func:`select`
     of ``out`` in mode ``abs_not_lt`` finds, with the *signed* values there (``abs_not_lt`` would
-    give magnitudes): error feedback's compensation and Top-k's prefilter in one read."""
+    give magnitudes): error feedback's compensation and Top-k's prefilter in one read. ``zeroed``:
+    ascending int64 positions in ``[0, n)`` where ``r`` counts as +0.0 (as in :func:`add_abs_stats`;
+    ``out`` is then not ``r``)."""
     lib = library()
     assert lib is not None and usable(g) and usable(r) and usable(out) and g.numel() == r.numel() == out.numel()
     n = out.numel()
+    zp, zm = None, 0
+    if zeroed is not None:
+        assert _cpu_contiguous(zeroed, torch.int64) and zeroed.dim() == 1 and out.data_ptr() != r.data_ptr()
+        zp, zm = zeroed.data_ptr(), zeroed.numel()
     return _compacted(lambda i, v, cap: lib.ac_add_select_abs_not_lt(g.data_ptr(), r.data_ptr(), out.data_ptr(), n,
-                                                                     thr, i, v, cap), n, expected,
+                                                                     thr, i, v, cap, zp, zm), n, expected,
                       _signed_again(lib, "abs_not_lt", out, thr))
 
 
@@ -4941,26 +5038,31 @@ class AddStats(NamedTuple):
 
 
 def add_abs_stats(g: Tensor, r: Tensor, out: Tensor, thr: float | None = None, strict: bool = True,
-                  expected: float = 1.0) -> AddStats:
+                  expected: float = 1.0, zeroed: Tensor | None = None) -> AddStats:
     """``torch.add(g, r, out=out)`` (bitwise; ``out`` may be ``g`` when no ``thr``) and, from the same
     pass, :func:`abs_stats` of ``out`` (nothing else written) and, with a finite ``thr``, the
     positions of ``|out| > thr`` (``strict``) or ``>= thr`` as :func:`select` lists them in mode
     ``abs_gt`` / ``abs_ge``, with ``out``'s signed values there (not select's magnitudes, so that a
     payload takes its values from them): error feedback's compensation with the statistics and the
-    candidates RedSync's and MSTop-k's searches read first. Not ``done`` where this cannot run
-    (nothing written)."""
+    candidates RedSync's and MSTop-k's searches read first. ``zeroed``: ascending int64 positions in
+    ``[0, n)`` (the caller checks, :func:`ascending_within`) where ``r`` is read as +0.0, the
+    residual's zeroing of the last sent coordinates left to this pass (``out`` must then not be
+    ``r``). Not ``done`` where this cannot run (nothing written)."""
     lib = library()
     n = out.numel()
     select = thr is not None and math.isfinite(thr)
     if (lib is None or not (usable(g) and usable(r) and usable(out)) or not g.numel() == r.numel() == n >= 1
-            or (select and out.data_ptr() in (g.data_ptr(), r.data_ptr()))):  # a second try must not add twice
+            or (select and out.data_ptr() in (g.data_ptr(), r.data_ptr()))  # a second try must not add twice
+            or (zeroed is not None and (out.data_ptr() == r.data_ptr() or not _cpu_contiguous(zeroed, torch.int64)
+                                        or zeroed.dim() != 1))):
         return AddStats(False)
     stats, amax = _stats_buffers()
     passed = [0]
+    zp, zm = (zeroed.data_ptr(), zeroed.numel()) if zeroed is not None else (None, 0)
 
     def call(i: int, v: int, cap: int) -> int:
         passed[0] = int(lib.ac_add_abs_stats_select(g.data_ptr(), r.data_ptr(), out.data_ptr(), n, stats, amax,
-                                                    thr if select else 0.0, int(strict), i, v, cap))
+                                                    thr if select else 0.0, int(strict), i, v, cap, zp, zm))
         return max(passed[0], 0)
 
     cands = None
@@ -6039,15 +6141,22 @@ def owed_mm(g: Tensor, a: Tensor, p0: Tensor, q0: Tensor, out: Tensor, q: Tensor
     return prod
 
 
-def sample_lines(a: Tensor, b: Tensor | None, lines: int, m: int) -> Tensor | None:
+def sample_lines(a: Tensor, b: Tensor | None, lines: int, m: int, zeroed: Tensor | None = None) -> Tensor | None:
     """``m`` runs of 16 elements at lines :func:`~adacomp.compressors.sparse.sample_starts` of 1-D ``a`` (plus the same of ``b``,
-    added): :func:`adacomp.compressors.sparse.sample_lines` in one C call. None where torch runs."""
+    added): :func:`adacomp.compressors.sparse.sample_lines` in one C call. ``zeroed``: ascending int64
+    positions where ``b`` counts as +0.0 (see :func:`add_abs_stats`). None where torch runs."""
     lib = library()
     if lib is None or not usable(a) or (b is not None and (not usable(b) or b.numel() != a.numel())):
         return None
     if not (0 < m <= lines and lines * 16 <= a.numel()):
         return None
     out = torch.empty(m * 16, dtype=torch.float32)
+    if zeroed is not None:
+        if b is None or not _cpu_contiguous(zeroed, torch.int64):
+            return None
+        lib.ac_sample_lines_zeroed(a.data_ptr(), b.data_ptr(), lines, m, out.data_ptr(), zeroed.data_ptr(),
+                                   zeroed.numel())
+        return out
     lib.ac_sample_lines(a.data_ptr(), None if b is None else b.data_ptr(), lines, m, out.data_ptr())
     return out
 

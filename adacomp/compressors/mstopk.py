@@ -40,8 +40,14 @@ class MSTopkCompressor(SparseCompressor):
         """|g|'s statistics and the search's candidates read while error feedback writes g
         (:func:`compensate_with_stats`), the candidates' share widened for a tensor whose floor
         recently passed fewer than k (a search near k then counts below it: passes over the tensor)."""
+        return self.compensate_zeroed(g, r, out, name, None)
+
+    def defers_zeroing(self, tensor: Tensor) -> bool:
+        return True
+
+    def compensate_zeroed(self, g: Tensor, r: Tensor, out: Tensor, name: str, zeroed: Tensor | None) -> bool:
         share = self._widened(name, search_share(self._density, self.search_factor))
-        return compensate_with_stats(self, g, r, out, name, share=share)
+        return compensate_with_stats(self, g, r, out, name, share=share, zeroed=zeroed)
     search_strict = False  # its counts are of |g| >= thr
     # the closest count to k ends the search next to k: candidates at 1.5 k hold it with a margin for
     # the sampled floor's noise (3 k cost GPT-2-small's step ~8 % more: a wider compaction, longer counts)

@@ -43,6 +43,12 @@ class RedSyncCompressor(SparseCompressor):
     """
 
     compensate_into = compensate_with_stats  # |g|'s statistics read while error feedback writes g
+
+    def defers_zeroing(self, tensor: Tensor) -> bool:
+        return True
+
+    def compensate_zeroed(self, g: Tensor, r: Tensor, out: Tensor, name: str, zeroed: Tensor) -> bool:
+        return compensate_with_stats(self, g, r, out, name, zeroed=zeroed)
     search_strict = True  # its counts are of |g| > thr
     batch_counts = False  # one by one was faster on an H100 (SparseCompressor.batch_counts)
     # a threshold below the candidate floor is skipped once the kept set reaches 2k, and the search ends

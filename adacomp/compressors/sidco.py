@@ -203,10 +203,19 @@ class SIDCoCompressor(SparseCompressor):
         the later stages' compaction) reads those instead of the tensor where its threshold lies
         above that floor (a full pass otherwise, as without them: the same answers). The other fits
         read |g| whole (its variance, its logarithms): the caller adds."""
+        return self._compensate(g, r, out, name, None)
+
+    def _compensate(self, g: Tensor, r: Tensor, out: Tensor, name: str, zeroed: Tensor | None) -> bool:
         if self.distribution != "exponential":
             return False
         share = self._share(name)
-        return compensate_with_stats(self, g, r, out, name, compact=share is not None, share=share)
+        return compensate_with_stats(self, g, r, out, name, compact=share is not None, share=share, zeroed=zeroed)
+
+    def defers_zeroing(self, tensor: Tensor) -> bool:
+        return self.distribution == "exponential"
+
+    def compensate_zeroed(self, g: Tensor, r: Tensor, out: Tensor, name: str, zeroed: Tensor) -> bool:
+        return self._compensate(g, r, out, name, zeroed)
 
     def _share(self, name: str) -> float | None:
         """The share of tensor ``name`` the add keeps as candidates: 1.25 times what its first fit

@@ -137,11 +137,20 @@ class TopkCompressor(SparseCompressor):
         same. False (nothing written) where the prefilter would not run: the caller adds."""
         return self.compensate_segments([g], r, out, name)
 
-    def compensate_segments(self, gs: list[Tensor], r: Tensor, out: Tensor, name: str) -> bool:
+    def defers_zeroing(self, tensor: Tensor) -> bool:
+        flat = tensor.reshape(-1)
+        return prefilters(flat, k_for(flat.numel(), self._density))  # what compensate_segments needs
+
+    def compensate_zeroed(self, g: Tensor, r: Tensor, out: Tensor, name: str, zeroed: Tensor) -> bool:
+        return self.compensate_segments([g], r, out, name, zeroed)
+
+    def compensate_segments(self, gs: list[Tensor], r: Tensor, out: Tensor, name: str,
+                            zeroed: Tensor | None = None) -> bool:
         """:meth:`compensate_into` of ``g = torch.cat(gs)`` (a fusion bucket's gradients: gTop-k) read
         where the pieces lie, so the engine makes no flattened copy of the bucket (a read and a write
         of it): the same sample, floor, sums and candidates. False (nothing written) where it would
-        decline, or a C pass cannot run."""
+        decline, or a C pass cannot run. ``zeroed`` (one piece only): ascending positions where ``r``
+        counts as +0.0 (:meth:`compensate_zeroed`)."""
         flat, rf = out.reshape(-1), r.reshape(-1)
         n = flat.numel()
         k = k_for(n, self._density)
@@ -150,14 +159,16 @@ class TopkCompressor(SparseCompressor):
         expected = self._target(name, k, n)
         pieces = [g.reshape(-1) for g in gs]
         one = pieces[0] if len(pieces) == 1 and _native.usable(pieces[0]) and pieces[0].numel() == n else None
+        if zeroed is not None and (one is None or flat.data_ptr() == rf.data_ptr()):
+            return False
         # one tensor: the plain passes (no segment tables to build, ~5 us a call on 150-tensor models)
-        sample = sample_lines(one, plus=rf) if one is not None else sample_lines_pieces(pieces, rf)
+        sample = sample_lines(one, plus=rf, zeroed=zeroed) if one is not None else sample_lines_pieces(pieces, rf)
         if sample is None:
             return False
         floor = max(sampled_value(sample, expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
-        got = _native.add_select(one, rf, flat, floor, expected) if one is not None else \
+        got = _native.add_select(one, rf, flat, floor, expected, zeroed) if one is not None else \
             _native.add_select_segments(pieces, rf, flat, floor, expected)
         if got is None:
             return False
@@ -241,6 +252,11 @@ class GTopkCompressor(TopkCompressor):
 
     def __init__(self, density: float = 0.01):
         super().__init__(density)
+
+    def defers_zeroing(self, tensor: Tensor) -> bool:
+        # a bucket is compensated from its gradients where they lie (compensate_segments through
+        # ResidualMemory.compensate_with), which reads a written residual
+        return False
 
 
 RANDPERM_DENSITY = 0.5  # above this a full permutation is cheaper than drawing with rejection

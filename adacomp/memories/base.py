@@ -381,7 +381,7 @@ class ResidualMemory(Memory):
         if out is not None and out is tensor and getattr(compressor, "residual_in_place", False):
             # compensate() wrote into the spare buffer: the residual is made there in place, or
             # left to the next compensation's pass where the compressor can subtract it there
-            defer = getattr(compressor, "defer_residual", None)
+            defer = self._deferrable(compressor)
             token = defer(tensor, payload, ctx) if defer is not None else None
             if token is not None:
                 self._owed[name] = Owed(compressor, token)
@@ -397,6 +397,11 @@ class ResidualMemory(Memory):
         self._stored[name] = out
         if old is not None and old.shape == out.shape:
             self._spare[name] = old
+
+    def _deferrable(self, compressor: Any) -> Callable[[Tensor, list[Tensor], Any], Any] | None:
+        """The compressor's ``defer_residual``, where this memory's next compensation takes a residual
+        left owed (:meth:`compensate`)."""
+        return getattr(compressor, "defer_residual", None)
 
     def holds(self, name: str) -> bool:
         return name in self._stored or name in self._owed
