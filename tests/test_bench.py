@@ -322,8 +322,9 @@ def test_cost_passes_against_another_library(tmp_path):
     assert [r["pass"] for r in rows] == ["add_select", "chunk_scan", "row_candidates"]
     assert all(r["before_s"] > 0 and r["after_s"] > 0 and r["tensors"] == 10 for r in rows)
     assert "| add_select | split10 |" in out and "after / before" in out
-    wrong = "const __m256 V = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), _mm256_loadu_ps(r + i + 8 * q));"
-    assert src.count(wrong) == 1  # AC_SUM8: add_select's sums, made differences in the broken copy
+    wrong = ("rv = _mm256_andnot_ps(lanes_of((unsigned)(zero >> (8 * q)) & 0xffu), rv);\n"
+             "            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i + 8 * q), rv);")
+    assert src.count(wrong) == 1  # add_select_avx2's sums, made differences in the broken copy
     (tmp_path / "broken.py").write_text(src.replace(wrong, wrong.replace("_mm256_add_ps", "_mm256_sub_ps")))
     bad = subprocess.run([*BENCH, "cost", "passes", "--against", "broken.py", "--models", "split10", "--rounds", "1",
                           "--passes", "add_select"], cwd=tmp_path, capture_output=True, text=True)
