@@ -189,6 +189,9 @@ def _config(method: str) -> dict:
     if method == "sidco_stages":  # the stage count SIDCo settles on for normal values, from the first step
         base = arm_config("sidco")[0]
         return {**base, "compressor": {**base["compressor"], "stages": 3, "adaptive": False}}
+    if method in ("topk_deferred", "sidco_deferred"):  # past DEFER_ZEROING_MIN sent positions on the 131K layer
+        base = arm_config(method.split("_")[0])[0]  # (and on each FSDP rank's half of it)
+        return {**base, "compressor": {**base["compressor"], "density": 0.08}}
     return arm_config(method)[0]
 
 
@@ -247,10 +250,13 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
         # unwritten; DGC's masking and Chunk-Top-k's residual left to the next compensation's pass
         from adacomp.compressors.chunktopk import ChunkTopkCompressor
         from adacomp.compressors.dgc import DGCCompressor
+        from adacomp.compressors.sparse import SparseCompressor
         from adacomp.compressors.topk import TopkCompressor
-        must = {"alltoall": (TopkCompressor, "compensate_mean_into", lambda a, k: True),
+        must = {"topk_deferred": (SparseCompressor, "compensate_owed", lambda a, k: True),
+                "sidco_deferred": (SparseCompressor, "compensate_owed", lambda a, k: True),
+                **{"alltoall": (TopkCompressor, "compensate_mean_into", lambda a, k: True),
                 "dgc": (DGCCompressor, "accumulate_into", lambda a, k: k.get("zeroed") is not None),
-                "chunktopk": (ChunkTopkCompressor, "compensate_owed", lambda a, k: True)}.get(method)
+                "chunktopk": (ChunkTopkCompressor, "compensate_owed", lambda a, k: True)}}.get(method)
         if method == "chunktopk_dead":  # the C selection must answer for a tensor holding all-zero chunks
             from adacomp.compressors import _native
             select = _native.chunk_topk
@@ -377,6 +383,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     adacomp.shutdown()
     # the means went into the gradients; the fused passes named above ran
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
+                                                                   "topk_deferred", "sidco_deferred",
                                                                    "adtopk", "adtopk_dead", "adtopk_wide", "sidco",
                                                                    "sidco_stages"))
     picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync",
@@ -386,7 +393,8 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
 
 WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidco", "oktopk", "topk"]]
         + [("emulate-bucket", m) for m in ["mstopk", "gaussiank"]]
-        + [("native", m) for m in ["topk", "gaussiank", "efsignsgd", "redsync", "mstopk", "sidco", "sidco_stages",
+        + [("native", m) for m in ["topk", "topk_deferred", "sidco_deferred", "gaussiank", "efsignsgd", "redsync",
+                                   "mstopk", "sidco", "sidco_stages",
                                    "adtopk",
                                    "adtopk_1d", "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall",
                                    "alltoall_small", "gaussiank_capped", "artopk", "dgc", "chunktopk", "chunktopk_dead",
