@@ -336,18 +336,18 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 whole.append(int(got is not None))
                 return got
             _native.sample_take = sampled  # type: ignore[assignment]
-        if method == "sidco_stages":  # the later fits' shifted means read in C from the signed kept set
-            from adacomp.compressors import _native
-            shifted = _native.shifted_mean
+        if method == "sidco_stages":  # each later fit's count and shifted mean from one C read, keeping what
+            from adacomp.compressors import _native  # can pass the next threshold
+            tails = _native.tail_sum_keep
 
-            def fitted(x: torch.Tensor, t: float, absolute: bool = False) -> Any:
-                got = shifted(x, t, absolute)
-                whole.append(int(absolute and got is not None))
+            def fitted(*args: Any, **kw: Any) -> Any:
+                got = tails(*args, **kw)
+                whole.append(int(got is not None))
                 return got
-            _native.shifted_mean = fitted  # type: ignore[assignment]
+            _native.tail_sum_keep = fitted  # type: ignore[assignment]
             narrow = _native.pick_pairs32
 
-            def picked32(*args: Any) -> Any:  # the payload from the first stage's int32 positions
+            def picked32(*args: Any) -> Any:  # the payload from the last kept set's int32 positions
                 got = narrow(*args)
                 dests.append(int(got[0].numel() > 0))
                 return got

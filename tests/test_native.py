@@ -1245,25 +1245,33 @@ def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_threa
     assert _native.add_moments_select(same, torch.randn(100), same, 1.0) is None  # aliasing: the caller adds
 
 
+@pytest.mark.parametrize("miss", [False, True])
 @pytest.mark.parametrize("stages", [2, 3, 5])
-def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, monkeypatch: pytest.MonkeyPatch,
+def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, miss: bool, monkeypatch: pytest.MonkeyPatch,
                                                           one_thread: None) -> None:
-    """SIDCo-E's later stages fit the exceedances of the first threshold where its compaction kept
-    them (no copy, their positions as int32) and take their shifted mean from one C read (no shifted
-    copy), and the payload is picked from them with its positions widened: the payloads and
-    residuals under error feedback equal the torch path's bit for bit (normal, heavy-tailed, tied
-    and constant steps; the stage count fixed, so every step runs every stage)."""
+    """SIDCo-E's later stages each take their count and shifted mean from one C read of the set that
+    covers their threshold (the tensor, then what the last stage kept) and keep only what passes where
+    the next threshold lay last step; the payload is picked from the last kept set with its positions
+    widened: the payloads and residuals under error feedback equal the torch path's bit for bit
+    (normal, heavy-tailed, tied and constant steps; the stage count fixed, so every step runs every
+    stage). ``miss``: the hints put every floor above the next threshold, whose stage then reads the
+    tensor again (the same answers)."""
     from adacomp import memories
+    from adacomp.compressors.sidco import SIDCoCompressor
     g = torch.Generator().manual_seed(40 + stages)
     n = (1 << 17) + 5
-    grads = [torch.randn(n, generator=g), torch.randn(n, generator=g) ** 3, torch.randn(n, generator=g).round(),
-             torch.full((n,), 0.5), torch.randn(n, generator=g) * 1e-3]
+    grads = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 1.1, torch.randn(n, generator=g) ** 3,
+             torch.randn(n, generator=g).round(), torch.full((n,), 0.5), torch.randn(n, generator=g) * 1e-3]
     fits: list[int] = []
-    orig = _native.shifted_mean
-    monkeypatch.setattr(_native, "shifted_mean", lambda x, t, absolute=False: fits.append(1) or orig(x, t, absolute))
-    narrow: list[int] = []  # payloads picked from the first stage's int32 positions
+    orig = _native.tail_sum_keep
+    monkeypatch.setattr(_native, "tail_sum_keep", lambda *a, **k: fits.append(1) or orig(*a, **k))
+    narrow: list[int] = []  # payloads picked from a kept set's int32 positions
     pick32 = _native.pick_pairs32
     monkeypatch.setattr(_native, "pick_pairs32", lambda *a: narrow.append(1) or pick32(*a))
+    if miss:
+        floor = SIDCoCompressor._tail_floor
+        monkeypatch.setattr(SIDCoCompressor, "_tail_floor",
+                            lambda self, thr, *a: (lambda f: (f[0] + 100.0 * abs(thr) + 1.0, *f[1:]))(floor(self, thr, *a)))
 
     def run() -> list[torch.Tensor]:
         comp, mem = compressors.get("sidco", density=0.01, stages=stages, adaptive=False), memories.get("residual")
@@ -1275,13 +1283,45 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, monkeypat
             mem.update(t, "w", comp, payload, ctx)
         return out + [mem.residuals["w"].clone()]
     fast = run()
-    assert len(fits) >= len(grads) - 1 or _native.library() is None  # the C mean ran (the constant step
-    assert narrow or _native.library() is None  # may stop after one stage; at two stages the add's
-    # candidates (a tenth of the tensor) hold the first stage's set on some steps, which keeps int64 positions
+    assert len(fits) >= (stages - 1) * (len(grads) - 1) or _native.library() is None  # the one-read stages
+    assert bool(narrow) != miss or _native.library() is None  # ran (the constant step may stop after one)
     monkeypatch.setenv("ADACOMP_NATIVE", "0")
     slow = run()
     assert all(torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
                for a, b in zip(fast, slow))
+
+
+@pytest.mark.parametrize("where", ["tensor", "int32", "int64"])
+def test_tail_sum_keep_is_torchs_count_sum_and_selection(where: str, avx2_switch: str, one_thread: None) -> None:
+    """:func:`_native.tail_sum_keep`: the count of |a| > t, torch's float32 sum of the shifted
+    exceedances (their cascade, whose levels depend on the count: a wrong guess gives the same bits)
+    and the positions and signed values above the floor, over the tensor or kept candidates with
+    int32 / int64 positions; None where fewer than 8 pass or the floor lies below the threshold."""
+    g = torch.Generator().manual_seed(3)
+    for n in (40, 1000, 65_573, (1 << 20) + 3):
+        x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(3)
+        x[0] = -0.0
+        positions = None
+        src = x
+        if where != "tensor":
+            keep = torch.nonzero(x.abs() > 0.01).reshape(-1)
+            src = x[keep].contiguous()
+            positions = keep.to(torch.int32) if where == "int32" else keep
+        for t, f in ((0.01, 0.01), (0.1, 0.3), (0.0, 2.0), (0.2, 0.2000001)):
+            mask = src.abs() > t
+            count = int(mask.sum())
+            for expect in (0, count, 1 << 26):  # the cascade's levels guessed from none, the count, too many
+                got = _native.tail_sum_keep(src, t, f, positions, expect, 0.05)
+                if count < 8 or not _native.sums_like_torch():
+                    assert got is None
+                    continue
+                assert got is not None and got.passed == count
+                assert str(got.total) == str(float((src.abs()[mask] - t).sum()))
+                at = torch.nonzero(src.abs() > f).reshape(-1)
+                want = at if positions is None else positions.long()[at]
+                assert got.idx.dtype == torch.int32 and torch.equal(got.idx.long(), want)
+                assert torch.equal(bits(got.vals), bits(src[at]))
+    assert _native.tail_sum_keep(x, 0.5, 0.4) is None  # a floor below the threshold
 
 
 @pytest.mark.parametrize("name", ["gaussiank", "redsync", "mstopk", "sidco"])

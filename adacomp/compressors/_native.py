@@ -771,6 +771,136 @@ float ac_cascade_sum_shifted(const float* x, int64_t n, float t, int absmode) {
     for (int64_t i = done; i < n; ++i) buf[i - done] = (absmode ? __builtin_fabsf(x[i]) : x[i]) - t;
     return ac_cascade_finish(&c, buf, n);
 }
+/* SIDCo's later stage in one read of a set: the tensor itself (positions its indices) or kept candidates
+   (signed values a[], positions c32[] or c64[]). *count = how many |a| > t; *sum = torch's float32
+   (v - t).sum() over those v = |a| (one IEEE subtraction each, then the cascade above, fed row by row
+   as the exceedances stream past, none written: ac_cascade_sum_shifted's bits over the exceedances
+   in index order); and those with |a| > f (f >= t: where the next threshold is expected, not below)
+   compacted as int32 positions and signed values, at most cap written, all counted (the return).
+   The cascade's levels depend on the count, which is known only at the end: lp is the caller's guess
+   (ac_tail_levels of the count it expects); *lp_out = the count's own, and *sum is valid only where
+   the two agree (otherwise the caller calls again with it). Why: SIDCo-E's three stages wrote ~22 % of
+   the tensor as candidates, read them for the second fit, selected again for the third and read pairs
+   for the pick; this keeps only what the later thresholds can still pass. */
+static int ac_tail_levels(int64_t count) {
+    const int64_t rows = (count / 8) / 4;
+    int l = 0;
+    while (((int64_t)1 << l) < rows) ++l;
+    return l / 4 < 4 ? 4 : l / 4;
+}
+static inline int32_t ac_tail_at(const int32_t* c32, const int64_t* c64, int64_t i) {
+    return c32 ? c32[i] : c64 ? (int32_t)c64[i] : (int32_t)i;
+}
+typedef struct {
+    ac_cascade c;
+    float buf[48];
+    int pos;
+    int64_t count;
+} ac_tail;
+static inline void ac_tail_push(ac_tail* s, float v) {
+    s->buf[s->pos++] = v;
+    ++s->count;
+    if (s->pos == 32) { ac_cascade_row(&s->c, s->buf); s->pos = 0; }
+}
+#if defined(AC_AVX2)
+/* A chunk's shifted exceedances are packed into a local buffer first and its rows summed after (not
+   a row at a time as they pass: a vector load over slots written by several unaligned stores waits
+   for them), and both compactions pack all eight lanes of a block without branching per lane. */
+#define AC_TAIL_CHUNK 2048
+__attribute__((target("avx2"))) static int64_t ac_tail_avx2(ac_tail* s, const float* a, const int32_t* c32,
+                                                           const int64_t* c64, int64_t n, float t, float f,
+                                                           int32_t* idx, float* vals, int64_t cap, int64_t* kept) {
+    const __m256 tv = _mm256_set1_ps(t), fv = _mm256_set1_ps(f), sign = _mm256_set1_ps(-0.0f);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    float lb[AC_TAIL_CHUNK + 64] __attribute__((aligned(32)));
+    ac_cascade cs = s->c;
+    int64_t c = *kept, i = 0, pos = s->pos, count = s->count - s->pos;  /* count: the rows' elements */
+    for (int l = 0; l < pos; ++l) lb[l] = s->buf[l];
+    __m256 acc[4];
+    for (int k = 0; k < 4; ++k) acc[k] = _mm256_loadu_ps(cs.acc[0] + 8 * k);
+    while (i + 64 <= n) {
+        const int64_t end = i + AC_TAIL_CHUNK <= n ? i + AC_TAIL_CHUNK : n - n % 64;
+        for (; i < end; i += 64) {
+            uint64_t mf = 0;
+            AC_AHEAD(a, i, 4);
+            for (int q = 0; q < 8; ++q) {
+                const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(a + i + 8 * q));
+                const unsigned b = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GT_OQ));
+                mf |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, fv, _CMP_GT_OQ)) << (8 * q);
+                _mm256_storeu_ps(lb + pos, _mm256_permutevar8x32_ps(_mm256_sub_ps(v, tv), compact_perm(ac_compact_lanes, b)));
+                pos += __builtin_popcount(b);
+            }
+            if (!mf) continue;
+            if (c + 64 <= cap) {
+                for (int q = 0; q < 8; ++q) {
+                    const unsigned b = (unsigned)(mf >> (8 * q)) & 0xffu;
+                    const __m256i perm = compact_perm(ac_compact_lanes, b);
+                    __m256i at;
+                    if (c32) at = _mm256_loadu_si256((const __m256i*)(c32 + i + 8 * q));
+                    else if (c64) {
+                        const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(c64 + i + 8 * q)), even);
+                        const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(c64 + i + 8 * q + 4)), even);
+                        at = _mm256_permute2x128_si256(lo, hi, 0x20);
+                    } else at = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(i + 8 * q)), lane);
+                    _mm256_storeu_ps(vals + c, _mm256_permutevar8x32_ps(_mm256_loadu_ps(a + i + 8 * q), perm));
+                    _mm256_storeu_si256((__m256i*)(idx + c), _mm256_permutevar8x32_epi32(at, perm));
+                    c += __builtin_popcount(b);
+                }
+                continue;
+            }
+            while (mf) {
+                const int j = __builtin_ctzll(mf);
+                mf &= mf - 1;
+                if (c < cap) { idx[c] = ac_tail_at(c32, c64, i + j); vals[c] = a[i + j]; }
+                ++c;
+            }
+        }
+        const int64_t rows = pos / 32;
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_ps(acc[k], _mm256_load_ps(lb + 32 * r + 8 * k));
+            ++cs.row;
+            if (ac_cascade_closes(&cs, cs.row)) {
+                for (int k = 0; k < 4; ++k) _mm256_storeu_ps(cs.acc[0] + 8 * k, acc[k]);
+                ac_cascade_flush(&cs);
+                for (int k = 0; k < 4; ++k) acc[k] = _mm256_loadu_ps(cs.acc[0] + 8 * k);
+            }
+        }
+        count += 32 * rows;
+        pos -= 32 * rows;
+        if (rows)
+            for (int64_t l = 0; l < pos; ++l) lb[l] = lb[32 * rows + l];
+    }
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(cs.acc[0] + 8 * k, acc[k]);
+    for (int64_t l = 0; l < pos; ++l) s->buf[l] = lb[l];
+    s->c = cs;
+    s->pos = (int)pos;
+    s->count = count + pos;
+    *kept = c;
+    return i;
+}
+#endif
+int64_t ac_tail_sum_keep(const float* a, const int32_t* c32, const int64_t* c64, int64_t n, float t, int lp, float f,
+                         int32_t* idx, float* vals, int64_t cap, int64_t* count, float* sum, int* lp_out) {
+    ac_tail s;
+    __builtin_memset(&s.c.acc, 0, sizeof(s.c.acc));
+    s.c.row = 0;
+    s.c.lp = lp;
+    s.c.groups_end = INT64_MAX;  /* a streamed row count never passes the final one: every group closes */
+    s.pos = 0;
+    s.count = 0;
+    int64_t c = 0, i = 0;
+    AVX2_FIRST(i = ac_tail_avx2(&s, a, c32, c64, n, t, f, idx, vals, cap, &c))
+    for (; i < n; ++i) {
+        const float v = __builtin_fabsf(a[i]);
+        if (v > t) ac_tail_push(&s, v - t);
+        if (v > f) { if (c < cap) { idx[c] = ac_tail_at(c32, c64, i); vals[c] = a[i]; } ++c; }
+    }
+    s.c.rows = s.count / 32;
+    *count = s.count;
+    *lp_out = ac_tail_levels(s.count);
+    *sum = *lp_out == lp ? ac_cascade_finish(&s.c, s.buf, s.count) : 0.0f;
+    return c;
+}
 /* EF-SignSGD's scale and signs in one read: *sum = torch.abs(x).sum() (the cascade above; n >= 8)
    and packed = pack_bits(x >= 0, 1) (ac_pack_nonneg's bytes), no magnitudes written. */
 void ac_abs_sum_pack(const float* x, int64_t n, uint8_t* packed, float* sum) {
@@ -4563,6 +4693,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_cascade_sum.argtypes = [vp, i64, ctypes.c_int]
     lib_.ac_cascade_sum_shifted.restype = ctypes.c_float
     lib_.ac_cascade_sum_shifted.argtypes = [vp, i64, ctypes.c_float, ctypes.c_int]
+    lib_.ac_tail_sum_keep.restype = ctypes.c_int64
+    lib_.ac_tail_sum_keep.argtypes = [vp, vp, vp, i64, ctypes.c_float, ctypes.c_int, ctypes.c_float, vp, vp, i64, vp,
+                                      vp, vp]
     lib_.ac_abs_sum_pack.restype = None
     lib_.ac_add_cascade.restype = None
     lib_.ac_add_cascade.argtypes = [vp, vp, vp, i64, ctypes.c_int, vp, vp]
@@ -4767,6 +4900,64 @@ def pick_pairs32(vals: Tensor, idx: Tensor, thr: float, strict: bool, expected: 
     assert lib is not None and usable(vals) and _cpu_contiguous(idx, torch.int32) and idx.numel() == vals.numel()
     n, vp, ip = vals.numel(), vals.data_ptr(), idx.data_ptr()
     return _compacted(lambda i, v, cap: lib.ac_pick_pairs32(vp, ip, n, thr, int(strict), i, v, cap), n, expected)
+
+
+def tail_levels(count: int) -> int:
+    """The cascade's level width (``lp``) torch's one-thread float32 sum uses for ``count`` elements
+    (:c:func:`ac_cascade_init`'s, as ``ac_tail_levels`` computes it)."""
+    rows = count // 32
+    return max(4, (rows - 1).bit_length() // 4) if rows > 1 else 4
+
+
+class Tail(NamedTuple):
+    """What :func:`tail_sum_keep` found: how many passed the threshold and their shifted sum, and the
+    compacted set above the floor (int32 positions, signed values)."""
+    passed: int
+    total: float
+    idx: Tensor
+    vals: Tensor
+
+
+def tail_sum_keep(a: Tensor, thr: float, floor: float, positions: Tensor | None = None, expect: int = 0,
+                  expected: float = 1.0) -> Tail | None:
+    """SIDCo-E's later stage in one read of ``a`` (signed values; the tensor itself, or kept
+    candidates at ``positions``, int32 or int64): ``passed``, the count of ``|a| > thr`` and ``total`` =
+    ``float((a.abs()[a.abs() > thr] - thr).sum())`` bitwise (torch's float32 sum, none of it
+    written), and the positions (int32: ``a``'s own where ``positions`` is None) and signed values of
+    ``|a| > floor`` (``floor >= thr``: where the next threshold is expected). ``expect``: the count
+    the caller expects to pass ``thr`` (the cascade's levels depend on it; a wrong guess costs a
+    second pass, never another answer); ``expected``: the share of ``a`` passing ``floor``, about.
+    None where torch must answer (fewer than 8 pass ``thr``, other threads' sums, no C passes)."""
+    lib = library()
+    n = a.numel()
+    if (lib is None or not usable(a) or a.dim() != 1 or not sums_like_torch() or not floor >= thr
+            or not math.isfinite(thr) or not math.isfinite(floor)):
+        return None
+    c32 = c64 = None
+    if positions is None:
+        if n >= 1 << 31:
+            return None
+    elif _cpu_contiguous(positions, torch.int32) and positions.numel() == n:
+        c32 = positions.data_ptr()
+    elif _cpu_contiguous(positions, torch.int64) and positions.numel() == n and int(positions[-1:].sum()) < 1 << 31:
+        c64 = positions.data_ptr()  # ascending: the last is the largest
+    else:
+        return None
+    count, total, lp_out = ctypes.c_int64(0), ctypes.c_float(0.0), ctypes.c_int(0)
+    lp = [tail_levels(expect)]
+
+    def call(i: int, v: int, cap: int) -> int:
+        while True:
+            kept = int(lib.ac_tail_sum_keep(a.data_ptr(), c32, c64, n, thr, lp[0], floor, i, v, cap,
+                                            ctypes.byref(count), ctypes.byref(total), ctypes.byref(lp_out)))
+            if lp_out.value == lp[0]:
+                return kept
+            lp[0] = lp_out.value  # the count's own levels, known now
+
+    idx, vals = _compacted(call, n, expected, buffers=lambda cap: _compaction_buffers(cap, torch.int32))
+    if count.value < 8:
+        return None
+    return Tail(count.value, float(total.value), idx, vals)
 
 
 def add_into(g: Tensor, r: Tensor, out: Tensor, subtract: bool = False) -> bool:

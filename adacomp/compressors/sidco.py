@@ -46,6 +46,7 @@ from adacomp.compressors.sparse import (Magnitudes, SparseCompressor, ThresholdC
 _EPS = 1e-12
 STALE_WINDOWS = 10  # a stage count's measured error is forgotten after this many windows
 CANDIDATES_MAX = 0.15  # the largest share error feedback's add keeps as candidates for the fits
+TAIL_MARGIN = 0.8  # a later fit keeps what passes this share of the way to where the next threshold lay last step
 
 
 def _mean(x: Tensor, mean: float | None) -> float:
@@ -124,6 +125,9 @@ class SIDCoCompressor(SparseCompressor):
         # the next step's sizes (not state: a wrong guess costs a pass, never another answer; on
         # real gradients the one-stage fit's first window passes up to ~10x the density)
         self._fit_shares: dict[str, tuple[int, float, float]] = {}
+        # per tensor name: its last fit's stages, per later stage (shifted mean / first fit's mean,
+        # count passing, count kept), and the count passing its first threshold (hints, not state)
+        self._tails: dict[str, tuple[int, list[tuple[float, int, int]], int]] = {}
 
     def max_stages(self) -> int:
         """Upper bound on stages, ceil(log2(1 / density)) as in the authors' code."""
@@ -133,30 +137,61 @@ class SIDCoCompressor(SparseCompressor):
         super().set_density(density)
         for st in self._state.values():  # errors measured at the old target no longer apply
             st.update(sum=0.0, n=0, seen={}, stages=min(st["stages"], self.max_stages()))
+        self._tails.clear()
 
     def threshold(self, a: Tensor, stages: int, counter: ThresholdCounter | None = None,
-                  mean: float | None = None) -> float:
-        """``mean``: ``float(a.mean())`` when already known (the first stage's fit reads it)."""
+                  mean: float | None = None, name: str | None = None) -> float:
+        """``mean``: ``float(a.mean())`` when already known (the first stage's fit reads it).
+        ``name``: the tensor's, whose last fit's later stages (:attr:`_tails`) say where each next
+        threshold is expected, so SIDCo-E's later fits keep only what can pass it
+        (:meth:`ThresholdCounter.shifted_mean_keep`; a wrong guess costs a pass, never another answer)."""
         first, later = FITS[self.distribution]
         ratio = self._density ** (1.0 / stages)
         thr = first(a, ratio, mean)
-        if counter is not None and stages > 1:
+        m1 = mean if mean is not None else 0.0  # the first fit's mean (SIDCo-E's), which scales the hints
+        tails = counter is not None and later is exponential_quantile and counter.native and bool(counter.prefix)
+        if counter is not None and stages > 1 and not tails:
             # keep the first stage's exceedances (signed, where the counter reads |g| from g): the later
             # stages' thresholds and the final selection with its values are answered from them
             # instead of passes over the whole tensor and a gather of the payload's values
             counter.compact(thr, ratio, signed=True)
-        for _ in range(stages - 1):
+        last = self._tails.get(name) if name is not None else None
+        hints = last[1] if last is not None and last[0] == stages else []
+        seen: list[tuple[float, int, int]] = []
+        passed = -1  # how many passed the first threshold (-1: not counted)
+        for s in range(stages - 1):
             if counter is not None and later is exponential_quantile:  # the fit reads only their shifted mean
-                count, mean = counter.shifted_mean(thr, ratio)  # each stage passes about ``ratio`` of the last
+                got = None
+                if tails:
+                    got = counter.shifted_mean_keep(thr, *self._tail_floor(thr, a.numel(), ratio, m1, s, hints))
+                count, mean = got if got is not None else counter.shifted_mean(thr, ratio)
+                passed = count if s == 0 else passed
                 if count < 2:
                     break
+                kept = counter.vals.numel() if counter.vals is not None else 0
+                seen.append((mean / m1 if m1 > 0 else 0.0, count, kept))
                 thr = thr + exponential_quantile(a, ratio, mean)
                 continue
             tail = counter.values(thr) if counter is not None else a[a > thr]
+            passed = tail.numel() if s == 0 else passed
             if tail.numel() < 2:
                 break
             thr = thr + later(tail - thr, ratio)
+        if name is not None:
+            self._tails[name] = (stages, seen, passed)
         return thr
+
+    def _tail_floor(self, thr: float, n: int, ratio: float, m1: float, s: int,
+                    hints: list[tuple[float, int, int]]) -> tuple[float, int, float]:
+        """Later stage ``s``'s floor (where its threshold is expected: ``TAIL_MARGIN`` of the last
+        step's distance to it, as a multiple of the first fit's mean; ``thr`` itself without one),
+        the count expected to pass ``thr`` and the share of the tensor expected to pass the floor."""
+        if s < len(hints):
+            rho, count, kept = hints[s]
+            step = -math.log(ratio) * rho * m1
+            if step > 0.0 and math.isfinite(step):
+                return thr + TAIL_MARGIN * step, count, 1.25 * kept / n
+        return thr, int(n * ratio ** (s + 1)), 1.25 * ratio ** (s + 1)
 
     def _slope(self, seen: dict[int, list[float]], s: int) -> int:
         """+1 if more stages pass more elements here, -1 if fewer; from the nearest other stage count
@@ -251,13 +286,14 @@ class SIDCoCompressor(SparseCompressor):
                                            "window": 0, "seen": {}})
         stages = int(st["stages"])
         last = self._fit_shares.get(name, (0, 0.0, 0.0))[2]
-        thr = self.threshold(a, stages, counter, mag.mean())
+        thr = self.threshold(a, stages, counter, mag.mean(), name)
         share = max(self._density, 1.25 * last)  # a guess of its size: a short one costs a pass
         got = counter.pick(thr, share)
         idx, vals = got if got is not None else (counter.select(thr, share), None)
         n = flat.numel()
-        # the first fit's pass: the later stages' compaction (its kept set), else the selection itself
-        kept = counter.vals.numel() if stages > 1 and counter.vals is not None else idx.numel()
+        # the first fit's pass: what passed its threshold, else (one stage) the selection itself
+        passed = self._tails[name][2]
+        kept = passed if stages > 1 and passed >= 0 else idx.numel()
         self._fit_shares[name] = (stages, kept / n, idx.numel() / n)
         if self.adaptive:
             self._adapt(st, idx.numel(), k)

@@ -767,6 +767,33 @@ class ThresholdCounter:
         got = _native.shifted_mean(tail, thr)
         return tail.numel(), got if got is not None else float((tail - thr).mean())
 
+    def shifted_mean_keep(self, thr: float, floor: float, expect: int = 0,
+                          expected: float = 1.0) -> tuple[int, float] | None:
+        """:meth:`shifted_mean` at ``thr`` and :meth:`compact` at ``floor`` (``>= thr``) from one read
+        of the kept set where it covers ``thr`` (else of ``a``) and nothing written but what passes
+        ``floor``: the count passing ``thr`` and ``float((values(thr) - thr).mean())`` bitwise, then
+        only the elements ``floor`` passes are kept (signed). Why: SIDCo-E's later stages compacted
+        every exceedance of the first threshold (~22 % of the tensor at three stages), read them for
+        the second fit, selected again for the third and read pairs for its pick; where the next
+        threshold is expected (``floor``, from the last step) the kept set shrinks to what can still
+        pass. ``expect``: about how many pass ``thr`` (the sum's levels; a wrong guess costs a second
+        read); ``expected``: the share of ``a`` passing ``floor``, about. None (nothing read) where
+        the C pass does not serve: an absolute, strict counter without NaNs kept, at least 8 passing."""
+        if not (self.native and self.prefix and self.strict and not self.nan_kept):
+            return None
+        positions: Tensor | None = None
+        src, share = self.a, expected
+        if self.covers(thr) and self.vals is not None:
+            if not self.signed:
+                return None
+            src, share = self.vals, self._kept_share(expected)
+            positions = self._idx32 if self._idx32 is not None else self._idx
+        got = _native.tail_sum_keep(src, thr, floor, positions, expect, share)
+        if got is None:
+            return None
+        self.adopt(floor, got.idx, got.vals, signed=True)
+        return got.passed, _native.mean_from_sum(got.total, got.passed)
+
     def values(self, thr: float, expected: float = 1.0) -> Tensor:
         """The elements of ``a`` passing ``thr`` (magnitudes where ``absolute``), in index order: fresh,
         or, at the kept floor itself, the kept magnitudes (all of them pass it; not to be written).
