@@ -444,6 +444,37 @@ def test_cost_cell_calls_times_the_c_calls_of_the_timed_steps_alone(tmp_path):
     assert "its C calls" in shown.stdout and "floors" in shown.stdout and "ac_add_select_abs_not_lt" in shown.stdout
 
 
+def test_cost_cell_toggle_alternates_a_switch_over_the_timed_steps(tmp_path):
+    """``cell --toggle MODULE:NAME.ATTR``: the timed steps run with the switch on and off in turn
+    (restored after each), and the cell reports each way's median step and median step over the
+    floor timed beside it; a spec that names no boolean, or beside --calls, is refused."""
+    from adacomp.bench import cost_profile
+    from adacomp.compressors.sidco import SIDCoCompressor
+    toggle = cost_profile.Toggle("adacomp.compressors.sidco:SIDCoCompressor.one_read_stages")
+    seen: list[bool] = []
+    step = toggle.around(lambda: seen.append(SIDCoCompressor.one_read_stages))
+    for _ in range(5):
+        step()
+    assert seen == [True, False, True, False, True] and SIDCoCompressor.one_read_stages is True
+    got = toggle.report({"steps_s": [2.0, 4.0, 2.0, 6.0], "floors_s": [1.0, 1.0, 2.0, 2.0]})
+    assert (got["on_s"], got["off_s"], got["on_x_floor"], got["off_x_floor"]) == (2.0, 5.0, 1.5, 3.5)
+    with pytest.raises(SystemExit, match="not a boolean"):
+        cost_profile.Toggle("adacomp.compressors.sidco:SIDCoCompressor.stages_for")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "sidco", "--steps", "4",
+                          "--warmup", "12", "--sizes", "65536:262144", "--toggle",
+                          "adacomp.compressors.sidco:SIDCoCompressor.one_read_stages"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["toggle"].endswith("one_read_stages") and got["on_s"] > 0 and got["off_s"] > 0
+    assert got["on_x_floor"] > 0 and got["off_x_floor"] > 0 and got["bytes_ratio"] < 0.1  # it compressed
+    bad = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "sidco", "--calls", "--toggle",
+                          "adacomp.compressors.sidco:SIDCoCompressor.one_read_stages"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert bad.returncode != 0 and "--toggle" in bad.stderr
+
+
 def test_cost_cells_on_the_models_own_gradients(tmp_path):
     """``--grads model``: each cell's gradients come from the zoo model's backward passes, laid out
     as the cost shapes name them (GPT-2's linear weights transposed to the Conv1D layout), one set

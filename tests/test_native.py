@@ -1245,9 +1245,9 @@ def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_threa
     assert _native.add_moments_select(same, torch.randn(100), same, 1.0) is None  # aliasing: the caller adds
 
 
-@pytest.mark.parametrize("miss", [False, True])
+@pytest.mark.parametrize("way", ["one_read", "miss", "alternating"])
 @pytest.mark.parametrize("stages", [2, 3, 5])
-def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, miss: bool, monkeypatch: pytest.MonkeyPatch,
+def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, way: str, monkeypatch: pytest.MonkeyPatch,
                                                           one_thread: None) -> None:
     """SIDCo-E's later stages each take their count and shifted mean from one C read of the set that
     covers their threshold (the tensor, then what the last stage kept) and keep only what passes where
@@ -1255,7 +1255,8 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, miss: boo
     widened: the payloads and residuals under error feedback equal the torch path's bit for bit
     (normal, heavy-tailed, tied and constant steps; the stage count fixed, so every step runs every
     stage). ``miss``: the hints put every floor above the next threshold, whose stage then reads the
-    tensor again (the same answers)."""
+    tensor again (the same answers); ``alternating``: every other step keeps the first stage's
+    exceedances and reads them per stage (``one_read_stages`` off, as ``cell --toggle`` times it)."""
     from adacomp import memories
     from adacomp.compressors.sidco import SIDCoCompressor
     g = torch.Generator().manual_seed(40 + stages)
@@ -1268,6 +1269,7 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, miss: boo
     narrow: list[int] = []  # payloads picked from a kept set's int32 positions
     pick32 = _native.pick_pairs32
     monkeypatch.setattr(_native, "pick_pairs32", lambda *a: narrow.append(1) or pick32(*a))
+    miss = way == "miss"
     if miss:
         floor = SIDCoCompressor._tail_floor
         monkeypatch.setattr(SIDCoCompressor, "_tail_floor",
@@ -1276,14 +1278,16 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, miss: boo
     def run() -> list[torch.Tensor]:
         comp, mem = compressors.get("sidco", density=0.01, stages=stages, adaptive=False), memories.get("residual")
         out = []
-        for x in grads:
+        for i, x in enumerate(grads):
+            comp.one_read_stages = way != "alternating" or i % 2 == 0
             t = mem.compensate(x.clone(), "w", 2, compressor=comp)
             payload, ctx = comp.compress(t, "w")
             out += [t.clone(), *[p.clone() for p in payload]]
             mem.update(t, "w", comp, payload, ctx)
         return out + [mem.residuals["w"].clone()]
     fast = run()
-    assert len(fits) >= (stages - 1) * (len(grads) - 1) or _native.library() is None  # the one-read stages
+    one_read = len(grads) // 2 if way == "alternating" else len(grads)
+    assert len(fits) >= (stages - 1) * (one_read - 1) or _native.library() is None  # the one-read stages
     assert bool(narrow) != miss or _native.library() is None  # ran (the constant step may stop after one)
     monkeypatch.setenv("ADACOMP_NATIVE", "0")
     slow = run()

@@ -777,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--perf-control", help=argparse.SUPPRESS)  # CTL,ACK fifos of `profile`'s perf record
     c.add_argument("--calls", action="store_true",
                    help="also time each C call of the timed steps (cost_profile.CallClock): c_calls_s, c_calls")
+    c.add_argument("--toggle", metavar="MODULE:NAME.ATTR",
+                   help="alternate a boolean switch of the code over the timed steps (cost_profile.Toggle): "
+                        "on_s, off_s, on_x_floor, off_x_floor")
     r = sub.add_parser("run")
     r.add_argument("--json", required=True)
     r.add_argument("--models", default=",".join(MODELS))
@@ -822,8 +825,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.perf_control and args.calls:
             raise SystemExit("adacomp bench cost cell: --calls times the C calls itself; run it without perf")
-        around = cost_profile.sampled if args.perf_control else None
-        if around is not None:
+        if args.toggle and (args.calls or args.perf_control):
+            raise SystemExit("adacomp bench cost cell: --toggle times the steps alone; run it without --calls or perf")
+        toggle = cost_profile.Toggle(args.toggle) if args.toggle else None
+        around = cost_profile.sampled if args.perf_control else toggle.around if toggle is not None else None
+        if args.perf_control:
             cost_profile.connect(args.perf_control)
         clock = cost_profile.CallClock() if args.calls else None
         try:
@@ -834,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
                 clock.close()
         if clock is not None:
             got.update(clock.report())
+        if toggle is not None:
+            got.update(toggle.report(got))
         if args.method not in PEERS or got["rank"] == 0:
             print(json.dumps(got))
     else:

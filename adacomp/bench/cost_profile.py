@@ -138,6 +138,49 @@ class CallClock:
             setattr(self.lib, name, fn)
 
 
+class Toggle:
+    """``cell --toggle MODULE:NAME.ATTR``: the timed steps alternate a boolean switch of the code
+    (True on even steps, False on odd ones, restored after each), so both ways are timed in one
+    process over the same gradients and state, each beside its own floor pass. Why: on a machine
+    whose memory speed drifts by tens of percent within minutes, two cells of two checkouts
+    measured one after another compare the hours more than the code (cost_notes item 84); the
+    switch must leave every result the same (a speed path and its fallback)."""
+
+    def __init__(self, spec: str):
+        import importlib
+        module, _, path = spec.partition(":")
+        owner_name, _, self.attr = path.rpartition(".")
+        if not module or not self.attr:
+            raise SystemExit(f"--toggle: MODULE:NAME.ATTR or MODULE:ATTR, got {spec!r}")
+        owner: Any = importlib.import_module(module)
+        for part in filter(None, owner_name.split(".")):
+            owner = getattr(owner, part)
+        if not isinstance(getattr(owner, self.attr, None), bool):
+            raise SystemExit(f"--toggle {spec}: not a boolean attribute")
+        self.owner, self.spec, self.steps = owner, spec, 0
+
+    def around(self, step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            was = getattr(self.owner, self.attr)
+            setattr(self.owner, self.attr, self.steps % 2 == 0)
+            self.steps += 1
+            try:
+                step()
+            finally:
+                setattr(self.owner, self.attr, was)
+        return run
+
+    def report(self, got: dict[str, Any]) -> dict[str, Any]:
+        """Per way: the median step, and the median of each step over the floor timed after it."""
+        import statistics
+        out: dict[str, Any] = {"toggle": self.spec}
+        for parity, way in ((0, "on"), (1, "off")):
+            steps, floors = got["steps_s"][parity::2], got["floors_s"][parity::2]
+            out[f"{way}_s"] = statistics.median(steps)
+            out[f"{way}_x_floor"] = statistics.median(a / b for a, b in zip(steps, floors))
+        return out
+
+
 def shares(report: str) -> list[tuple[float, str]]:
     """(percent, name) of each row of ``perf report --stdio`` (sorted by one key), in its order."""
     return [(float(m.group(1)), m.group(2)) for m in map(_LINE.match, report.splitlines()) if m]

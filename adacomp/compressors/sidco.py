@@ -149,7 +149,8 @@ class SIDCoCompressor(SparseCompressor):
         ratio = self._density ** (1.0 / stages)
         thr = first(a, ratio, mean)
         m1 = mean if mean is not None else 0.0  # the first fit's mean (SIDCo-E's), which scales the hints
-        tails = counter is not None and later is exponential_quantile and counter.native and bool(counter.prefix)
+        tails = (self.one_read_stages and counter is not None and later is exponential_quantile and counter.native
+                 and bool(counter.prefix))
         if counter is not None and stages > 1 and not tails:
             # keep the first stage's exceedances (signed, where the counter reads |g| from g): the later
             # stages' thresholds and the final selection with its values are answered from them
@@ -177,8 +178,8 @@ class SIDCoCompressor(SparseCompressor):
             if tail.numel() < 2:
                 break
             thr = thr + later(tail - thr, ratio)
-        if name is not None:
-            self._tails[name] = (stages, seen, passed)
+        if name is not None:  # (the other way's kept sets say nothing of this one's: its hints stay)
+            self._tails[name] = (stages, seen, passed) if tails or last is None else (*last[:2], passed)
         return thr
 
     def _tail_floor(self, thr: float, n: int, ratio: float, m1: float, s: int,
@@ -229,6 +230,10 @@ class SIDCoCompressor(SparseCompressor):
         st["stages"] = nxt
 
     search_strict = True  # its counts are of |g| > thr
+    one_read_stages = True
+    """SIDCo-E's later stages each in one read (:meth:`ThresholdCounter.shifted_mean_keep`); False: the
+    first stage's exceedances kept and read per stage, the way without the C passes (the same answers;
+    ``adacomp bench cost cell --toggle`` times both)."""
 
     def compensate_into(self, g: Tensor, r: Tensor, out: Tensor, name: str) -> bool:
         """SIDCo-E's first fit reads only |g|'s mean: error feedback's add gives it (and max, argmax)
