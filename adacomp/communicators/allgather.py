@@ -143,7 +143,8 @@ def _mean_decompressed(e: Entry, payloads: list[list[Tensor]], ws: Workspace | N
 
 
 def _payload_view(gathered: Tensor, at: int, seg: Segment) -> Tensor:
-    return gathered[at + seg.offset:at + seg.offset + seg.nbytes].view(seg.dtype).reshape(seg.shape_for(seg.numel))
+    got = gathered[at + seg.offset:at + seg.offset + seg.nbytes].view(seg.dtype)
+    return got if len(seg.shape) == 1 else got.reshape(seg.shape_for(seg.numel))  # 1-D: the view is it
 
 
 def _sparse_batch(e: Entry, segs: list[list[Segment]], j: int) -> bool:

@@ -45,6 +45,7 @@ from adacomp.compressors.sparse import divide_touched
 from adacomp.compressors.topk import PREFILTER_MIN_NUMEL
 from adacomp.memories.base import Memory
 from adacomp.memories.parts import PartResidualMemory, bounds
+from adacomp.tensors import flat_of, flat_view
 
 
 @dataclass
@@ -151,7 +152,7 @@ class _Joined:
 
     def residual(self, tensor: Tensor, payload: Any, ctx: Any, out: Tensor) -> Tensor:
         """What error feedback keeps: each part's own residual, written into its span of ``out``."""
-        flat, dst = tensor.reshape(-1), out.view(-1)
+        flat, dst = flat_of(tensor), flat_view(out)
         for p, (lo, hi) in zip(self.parts, self.spans):
             if hi > lo:
                 self.comp.residual(flat[lo:hi], p.payload, p.ctx, dst[lo:hi])
@@ -200,7 +201,7 @@ class AlltoallCommunicator(Communicator):
 
     # --- stage 1: compress every part (may run on the offload worker: no collective here) -----
     def compress_one(self, e: Entry) -> None:
-        flat = e.tensor.reshape(-1)
+        flat = flat_of(e.tensor)
         pieces = self.pieces(e.name, flat.numel(), self._world)
         parts = [_compress(e.compressor, flat[lo:hi], key) for key, lo, hi in pieces]
         spans = [(lo, hi) for _, lo, hi in pieces]
@@ -332,8 +333,8 @@ class AlltoallCommunicator(Communicator):
         # tensor per step costs page faults on every multi-MB part
         key = f"{e.name}/agg{me}"
         if mean is None and copies and self._fuses(e, me):  # the mean added to the kept error unwritten
-            at = [c[1].reshape(-1) for c in copies]
-            values = [c[0].reshape(-1) for c in copies]
+            at = [flat_of(c[1]) for c in copies]
+            values = [flat_of(c[0]) for c in copies]
             comp = e.compressor
             into: Any = getattr(comp, "compensate_mean_into")
             summed = self.second.compensate_with(e.name, hi - lo, comp,

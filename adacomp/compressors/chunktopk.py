@@ -81,6 +81,7 @@ from adacomp.compressors import _native
 from adacomp.compressors._bitpack import pack_bits, packed_bytes, unpack_bits
 from adacomp.compressors.base import Compressor, Payload, register
 from adacomp.compressors.sparse import Workspace, check_density, k_for, nan_as_largest
+from adacomp.tensors import flat_of
 
 BITS = (1, 2, 4, 8, 32)
 CHUNK_MIN, CHUNK_MAX = 8, 65536
@@ -258,7 +259,7 @@ class ChunkTopkCompressor(Compressor):
 
     def _compensate(self, g: Tensor, r: Tensor, out: Tensor, name: str, owed: tuple[Tensor, Tensor] | None) -> bool:
         """:meth:`compensate_into`, with ``r`` read as ``r - value`` at the ``owed`` positions."""
-        flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
+        flat, gf, rf = flat_of(out), flat_of(g), flat_of(r)
         ctx = self.layout(out.shape, out.dtype, out.device)
         if (not ctx.full or not (_native.usable(flat) and _native.usable(gf) and _native.usable(rf))
                 or not gf.numel() == rf.numel() == ctx.numel or flat.data_ptr() in (gf.data_ptr(), rf.data_ptr())):
@@ -310,7 +311,7 @@ class ChunkTopkCompressor(Compressor):
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         ctx = self.layout(tensor.shape, tensor.dtype, tensor.device)
-        flat = tensor.reshape(-1)
+        flat = flat_of(tensor)
         kept = self._kept().take(name, flat)  # the full chunks' selection from the compensation's pass
         idx_parts: list[Tensor] = []
         val_parts: list[Tensor] = []

@@ -35,6 +35,7 @@ from adacomp.compressors.base import register
 from adacomp.compressors import _native
 from adacomp.compressors.sparse import (TINY, SparseCompressor, ThresholdCounter, k_for, largest_k, sample_lines,
                                         sampled_value, search_share)
+from adacomp.tensors import flat_of
 
 FUSED_MIN_NUMEL = 1 << 16  # below this the separate selection pass costs no more than the fused one's sampling
 HINT_SAMPLE = 1 << 12  # elements of the line sample that places the fused pass's floor
@@ -122,20 +123,20 @@ class DGCCompressor(SparseCompressor):
         ascending positions where ``u`` and ``v`` count as +0.0 (the memory's masking of the last
         sent coordinates, left to this pass). False (nothing written) where the fused pass cannot
         run: the memory runs its own."""
-        flat = v_out.reshape(-1)
+        flat = flat_of(v_out)
         n = flat.numel()
         density = self.current_density()
         if n < FUSED_MIN_NUMEL or k_for(n, density) >= n:
             return False
         expected = search_share(density)
-        uf, gf, vf = u.reshape(-1), g.reshape(-1), v.reshape(-1)
+        uf, gf, vf = flat_of(u), flat_of(g), flat_of(v)
         # the new v, about, at 256 lines of each input (the floor aims at 3x the density, so its
         # noise hardly matters; Top-k's 1024 lines cost more than the read this pass saves here)
         sample = sample_lines(vf, HINT_SAMPLE, plus=gf).add_(sample_lines(uf, HINT_SAMPLE), alpha=momentum)
         floor = max(sampled_value(sample, expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
-        got = _native.momentum_select(uf, gf, vf, u_out.reshape(-1), flat, momentum, floor, expected, zeroed)
+        got = _native.momentum_select(uf, gf, vf, flat_of(u_out), flat, momentum, floor, expected, zeroed)
         if got is None:
             return False
         self._kept().keep(name, flat, Candidates(floor, *got))

@@ -20,6 +20,7 @@ from adacomp import devices
 from adacomp.compressors import _native
 from adacomp.compressors.base import Compressor, Payload
 from adacomp.compressors.workspace import RECYCLE_MIN_NUMEL, Workspace
+from adacomp.tensors import flat_of, same_elements
 
 
 class SparseCtx(NamedTuple):
@@ -97,8 +98,11 @@ def divide_touched(acc: Tensor, indices: Tensor, divisor: int) -> Tensor:
 def sparse_residual(tensor: Tensor, indices: Tensor, out: Tensor) -> Tensor:
     """``tensor`` with the sent coordinates zeroed, into ``out``: bitwise ``tensor - scatter(values)``
     when the values are ``tensor``'s own at distinct ``indices`` (x - x = +0.0, x - 0.0 = x), in one
-    copy instead of a zero fill, a scatter and a subtraction."""
-    out.copy_(tensor)
+    copy instead of a zero fill, a scatter and a subtraction (none where ``out`` is ``tensor``'s own
+    elements, as error feedback's in-place residual hands them: torch would skip it too, after a
+    dispatch)."""
+    if not same_elements(out, tensor):
+        out.copy_(tensor)
     if not _native.zero_at(out, indices):
         out.view(-1).index_fill_(0, indices.to(device=out.device, dtype=torch.int64), 0)
     return out
@@ -428,7 +432,7 @@ def compensate_with_stats(comp: Any, g: Tensor, r: Tensor, out: Tensor, name: st
     positions where ``r`` counts as +0.0 (:meth:`SparseCompressor.compensate_owed`; the sampled floor,
     a speed hint, reads ``r`` as it lies). False (nothing written) where the C pass cannot run: the
     caller adds."""
-    flat, gf, rf = out.reshape(-1), g.reshape(-1), r.reshape(-1)
+    flat, gf, rf = flat_of(out), flat_of(g), flat_of(r)
     density = comp.density() or 1.0
     expected = search_share(density, comp.search_factor) if share is None else share
     floor = math.nan
@@ -894,7 +898,7 @@ class SparseCompressor(Compressor):
         return idx, vals if vals is not None else _native.take(flat, idx)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
-        flat = tensor.reshape(-1)
+        flat = flat_of(tensor)
         idx, vals = self.pick(flat, name)
         ctx = SparseCtx(tensor.shape, flat.numel(), tensor.dtype, tensor.device)
         return [vals, idx], ctx

@@ -29,6 +29,7 @@ from adacomp.compressors.sparse import (SAMPLE_LINE, SAMPLE_SIZE, TINY, SparseCo
                                         Workspace, check_density, k_for, largest_k, largest_k_values, sample_lines,
                                         sample_lines_pieces, sample_size, sample_value, sampled_value, scatter,
                                         sparse_residual)
+from adacomp.tensors import flat_of
 
 PREFILTER_MIN_NUMEL = 1 << 16  # below this a plain torch.topk is as fast as the prefilter
 GPU_PREFILTER_MIN_NUMEL = 1 << 25
@@ -151,13 +152,13 @@ class TopkCompressor(SparseCompressor):
         of it): the same sample, floor, sums and candidates. False (nothing written) where it would
         decline, or a C pass cannot run. ``zeroed`` (one piece only): ascending positions where ``r``
         counts as +0.0 (:meth:`compensate_zeroed`)."""
-        flat, rf = out.reshape(-1), r.reshape(-1)
+        flat, rf = flat_of(out), flat_of(r)
         n = flat.numel()
         k = k_for(n, self._density)
         if not (prefilters(flat, k) and _native.usable(r) and r.numel() == n):
             return False
         expected = self._target(name, k, n)
-        pieces = [g.reshape(-1) for g in gs]
+        pieces = [flat_of(g) for g in gs]
         one = pieces[0] if len(pieces) == 1 and _native.usable(pieces[0]) and pieces[0].numel() == n else None
         if zeroed is not None and (one is None or flat.data_ptr() == rf.data_ptr()):
             return False
@@ -189,20 +190,20 @@ class TopkCompressor(SparseCompressor):
         second stage) and is never written itself: ``out = mean + r`` and the prefilter's candidates
         in one pass, the floor from the same sample of ``mean + r``. False (nothing written) where
         :meth:`compensate_into` would decline or the C pass cannot run: the caller writes the mean."""
-        flat = out.reshape(-1)
+        flat, rf = flat_of(out), flat_of(r)
         n = flat.numel()
         k = k_for(n, self._density)
         if not (prefilters(flat, k) and _native.usable(r) and r.numel() == n and n > SAMPLE_SIZE):
             return False
         expected = self._target(name, k, n)
-        sample = _native.sparse_sample_lines(r.reshape(-1), idx, vals, divisor, n // SAMPLE_LINE,
+        sample = _native.sparse_sample_lines(rf, idx, vals, divisor, n // SAMPLE_LINE,
                                              sample_size(n) // SAMPLE_LINE)
         if sample is None:
             return False
         floor = max(sampled_value(sample, expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
-        got = _native.sparse_mean_add_select(r.reshape(-1), flat, idx, vals, divisor, floor, expected)
+        got = _native.sparse_mean_add_select(rf, flat, idx, vals, divisor, floor, expected)
         if got is None:
             return False
         self._passed(name, got[1].numel(), k)

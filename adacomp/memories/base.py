@@ -13,6 +13,7 @@ from torch import Tensor
 
 from adacomp.compressors import _native
 from adacomp.registry import Registry
+from adacomp.tensors import flat_of, flat_view
 
 registry: Registry["Memory"] = Registry("memory", "adacomp.memories")
 register = registry.register
@@ -47,7 +48,7 @@ def compensate_fused(compressor: Any, g: Tensor, r: Tensor, out: Tensor, name: s
         return bool(fused(g, r, out, key))
     if not pieces:
         return False
-    gf, rf, of = g.reshape(-1), r.reshape(-1), out.view(-1)
+    gf, rf, of = flat_of(g), flat_of(r), flat_view(out)
     took = [hi > lo and bool(fused(gf[lo:hi], rf[lo:hi], of[lo:hi], key)) for key, lo, hi in pieces]
     if not any(took):
         return False
