@@ -14,7 +14,7 @@ from tests.test_architecture import _is_type_checking, _modules, from_import_tar
 # lowest first: (layer, module prefixes); a module belongs to its longest matching prefix
 LAYERS: list[tuple[str, list[str]]] = [
     ("core", ["adacomp.errors", "adacomp.registry", "adacomp.units", "adacomp.netschedule", "adacomp.engine.metrics",
-              "adacomp.devices"]),
+              "adacomp.devices", "adacomp.tensors"]),
     ("backends", ["adacomp.backends"]),
     ("components", ["adacomp.compressors", "adacomp.memories", "adacomp.communicators", "adacomp.models",
                     "adacomp.datasets", "adacomp.netmodel"]),
