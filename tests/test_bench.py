@@ -444,6 +444,44 @@ def test_cost_cell_calls_times_the_c_calls_of_the_timed_steps_alone(tmp_path):
     assert "its C calls" in shown.stdout and "floors" in shown.stdout and "ac_add_select_abs_not_lt" in shown.stdout
 
 
+@pytest.mark.parametrize("method", ["topk", "alltoall"])
+def test_cost_cell_ops_counts_the_same_aten_ops_on_every_run(method, tmp_path):
+    """``cell --ops``: the aten ops each timed step dispatches, by op and by the package's calling
+    line, a count that two runs agree on to the op (what a change of the per-tensor glue can be
+    measured by on a noisy machine); the flat views of adacomp.tensors dispatch fewer, and --ops is
+    refused beside the timing modes."""
+    from adacomp.bench import cost_profile
+    from adacomp.bench.cost import cell
+    from adacomp.tensors import Dispatch
+
+    def counted(skip: bool) -> dict:
+        counter = cost_profile.OpCounter()
+        Dispatch.skip_no_ops = skip
+        try:
+            got = cell("resnet50", method, 2, sizes=(65536, 262144), around=counter.around, warmup=2)
+        finally:
+            Dispatch.skip_no_ops = True
+        assert got["bytes_ratio"] < 0.1  # it compressed
+        return counter.report()
+
+    first, again, off = counted(True), counted(True), counted(False)
+    assert first == again and first["aten_ops"] == sum(first["aten_ops_by"].values()) > 0
+    assert off["aten_ops"] > first["aten_ops"]
+    sites = first["aten_ops_at"]
+    assert 0 < len(sites) <= cost_profile.OpCounter.SITES
+    assert all(k.split()[0] in first["aten_ops_by"] and ".py:" in k and "bench/" not in k and "tensors.py" not in k
+               for k in sites)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", method, "--steps", "2",
+                          "--warmup", "2", "--sizes", "65536:262144", "--ops"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["aten_ops"] == first["aten_ops"]
+    bad = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", method, "--ops", "--calls"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert bad.returncode != 0 and "--ops" in bad.stderr
+
+
 def test_cost_cell_toggle_alternates_a_switch_over_the_timed_steps(tmp_path):
     """``cell --toggle MODULE:NAME.ATTR``: the timed steps run with the switch on and off in turn
     (restored after each), and the cell reports each way's median step and median step over the

@@ -780,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--toggle", metavar="MODULE:NAME.ATTR",
                    help="alternate a boolean switch of the code over the timed steps (cost_profile.Toggle): "
                         "on_s, off_s, on_x_floor, off_x_floor")
+    c.add_argument("--ops", action="store_true",
+                   help="count the aten ops each timed step dispatches, by op and by calling line "
+                        "(cost_profile.OpCounter; the steps' times then mean nothing): aten_ops, aten_ops_by, aten_ops_at")
     r = sub.add_parser("run")
     r.add_argument("--json", required=True)
     r.add_argument("--models", default=",".join(MODELS))
@@ -827,8 +830,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("adacomp bench cost cell: --calls times the C calls itself; run it without perf")
         if args.toggle and (args.calls or args.perf_control):
             raise SystemExit("adacomp bench cost cell: --toggle times the steps alone; run it without --calls or perf")
+        if args.ops and (args.calls or args.perf_control or args.toggle):
+            raise SystemExit("adacomp bench cost cell: --ops counts the steps' aten ops and slows them; "
+                             "run it without --calls, --toggle or perf")
         toggle = cost_profile.Toggle(args.toggle) if args.toggle else None
-        around = cost_profile.sampled if args.perf_control else toggle.around if toggle is not None else None
+        ops = cost_profile.OpCounter() if args.ops else None
+        around = (cost_profile.sampled if args.perf_control else toggle.around if toggle is not None
+                  else ops.around if ops is not None else None)
         if args.perf_control:
             cost_profile.connect(args.perf_control)
         clock = cost_profile.CallClock() if args.calls else None
@@ -842,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
             got.update(clock.report())
         if toggle is not None:
             got.update(toggle.report(got))
+        if ops is not None:
+            got.update(ops.report())
         if args.method not in PEERS or got["rank"] == 0:
             print(json.dumps(got))
     else:

@@ -20,6 +20,7 @@ same to the cell's JSON (``c_calls_s``: the C calls' seconds a step; ``c_calls``
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
@@ -136,6 +138,50 @@ class CallClock:
     def close(self) -> None:
         for name, fn in self._saved.items():
             setattr(self.lib, name, fn)
+
+
+class OpCounter:
+    """The aten ops each timed step dispatches (``cell --ops``), by op and by the package's line that
+    called it: a count, not a time, so it reads the same on every machine and run (the per-tensor
+    path's torch glue: ~1-1.5 us an op, cost_notes item 85). A ``TorchDispatchMode`` sees each op
+    once, as the dispatcher does, views included; it slows the steps, so their times mean nothing here."""
+
+    SITES = 12  # the call sites reported, the most frequent first
+
+    def __init__(self) -> None:
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.sites: collections.Counter[str] = collections.Counter()
+        self.steps = 0
+
+    def around(self, step: Callable[[], None]) -> Callable[[], None]:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                name = func.overloadpacket.__name__
+                counter.ops[name] += 1
+                for frame in reversed(traceback.extract_stack(limit=16)[:-1]):
+                    at = frame.filename.replace(os.sep, "/")
+                    if "/adacomp/" in at and "/adacomp/bench/" not in at and not at.endswith("/adacomp/tensors.py"):
+                        counter.sites[f"{name} {at.rsplit('/adacomp/', 1)[1]}:{frame.lineno}"] += 1
+                        break
+                return func(*args, **(kwargs or {}))
+
+        def run() -> None:
+            with Mode():
+                step()
+            counter.steps += 1
+        return run
+
+    def report(self) -> dict[str, Any]:
+        """What ``cell --ops`` adds to its JSON, each a mean over the timed steps: ``aten_ops`` (all),
+        ``aten_ops_by`` (per op, the most first) and ``aten_ops_at`` (per op and calling line of the
+        package, the :data:`SITES` most frequent)."""
+        n = max(1, self.steps)
+        return {"aten_ops": sum(self.ops.values()) / n,
+                "aten_ops_by": {k: v / n for k, v in self.ops.most_common()},
+                "aten_ops_at": {k: v / n for k, v in self.sites.most_common(self.SITES)}}
 
 
 class Toggle:
