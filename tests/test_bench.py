@@ -447,9 +447,9 @@ def test_cost_cell_calls_times_the_c_calls_of_the_timed_steps_alone(tmp_path):
 @pytest.mark.parametrize("method", ["topk", "alltoall"])
 def test_cost_cell_ops_counts_the_same_aten_ops_on_every_run(method, tmp_path):
     """``cell --ops``: the aten ops each timed step dispatches, by op and by the package's calling
-    line, a count that two runs agree on to the op (what a change of the per-tensor glue can be
-    measured by on a noisy machine); the flat views of adacomp.tensors dispatch fewer, and --ops is
-    refused beside the timing modes."""
+    line, and the Python calls, counts that two runs agree on exactly (what a change of the
+    per-tensor glue can be measured by on a noisy machine); the flat views of adacomp.tensors
+    dispatch fewer, and --ops is refused beside the timing modes."""
     from adacomp.bench import cost_profile
     from adacomp.bench.cost import cell
     from adacomp.tensors import Dispatch
@@ -466,6 +466,7 @@ def test_cost_cell_ops_counts_the_same_aten_ops_on_every_run(method, tmp_path):
 
     first, again, off = counted(True), counted(True), counted(False)
     assert first == again and first["aten_ops"] == sum(first["aten_ops_by"].values()) > 0
+    assert first["python_calls"] > first["aten_ops"] and first["builtin_calls"] > 0  # the odd step's calls
     assert off["aten_ops"] > first["aten_ops"]
     sites = first["aten_ops_at"]
     assert 0 < len(sites) <= cost_profile.OpCounter.SITES

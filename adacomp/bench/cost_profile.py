@@ -143,14 +143,16 @@ class CallClock:
 class OpCounter:
     """The aten ops each timed step dispatches (``cell --ops``), by op and by the package's line that
     called it: a count, not a time, so it reads the same on every machine and run (the per-tensor
-    path's torch glue: ~1-1.5 us an op, cost_notes item 85). A ``TorchDispatchMode`` sees each op
-    once, as the dispatcher does, views included; it slows the steps, so their times mean nothing here."""
+    path's torch glue: ~1-1.5 us an op, cost_notes item 85), and on alternate steps the Python calls
+    (``sys.setprofile``: the interpreter's share of that glue). A ``TorchDispatchMode`` sees each op
+    once, as the dispatcher does, views included; both slow the steps, so their times mean nothing here."""
 
     SITES = 12  # the call sites reported, the most frequent first
 
     def __init__(self) -> None:
         self.ops: collections.Counter[str] = collections.Counter()
         self.sites: collections.Counter[str] = collections.Counter()
+        self.python_calls = self.builtin_calls = 0  # the interpreter's, around the dispatches
         self.steps = 0
 
     def around(self, step: Callable[[], None]) -> Callable[[], None]:
@@ -168,18 +170,34 @@ class OpCounter:
                         break
                 return func(*args, **(kwargs or {}))
 
-        def run() -> None:
-            with Mode():
-                step()
+        def calls(frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                counter.python_calls += 1
+            elif event == "c_call":
+                counter.builtin_calls += 1
+
+        def run() -> None:  # even steps count the dispatches, odd ones the calls (the mode's own are many)
+            if counter.steps % 2 == 0:
+                with Mode():
+                    step()
+            else:
+                sys.setprofile(calls)
+                try:
+                    step()
+                finally:
+                    sys.setprofile(None)
             counter.steps += 1
         return run
 
     def report(self) -> dict[str, Any]:
-        """What ``cell --ops`` adds to its JSON, each a mean over the timed steps: ``aten_ops`` (all),
-        ``aten_ops_by`` (per op, the most first) and ``aten_ops_at`` (per op and calling line of the
-        package, the :data:`SITES` most frequent)."""
-        n = max(1, self.steps)
-        return {"aten_ops": sum(self.ops.values()) / n,
+        """What ``cell --ops`` adds to its JSON: ``aten_ops`` (all), ``aten_ops_by`` (per op, the most
+        first) and ``aten_ops_at`` (per op and calling line of the package, the :data:`SITES` most
+        frequent), each a mean over the even timed steps; ``python_calls`` (Python functions) and
+        ``builtin_calls`` (builtins and methods, ctypes' entry points among them), a mean over the odd
+        ones (none counted with fewer than two steps)."""
+        n, odd = max(1, (self.steps + 1) // 2), max(1, self.steps // 2)
+        return {"aten_ops": sum(self.ops.values()) / n, "python_calls": self.python_calls / odd,
+                "builtin_calls": self.builtin_calls / odd,
                 "aten_ops_by": {k: v / n for k, v in self.ops.most_common()},
                 "aten_ops_at": {k: v / n for k, v in self.sites.most_common(self.SITES)}}
 
