@@ -2693,31 +2693,39 @@ void ac_sparse_mean_many(int64_t m, float* const* outs, const int64_t* ns, int w
     }
 }
 #if defined(AC_AVX2)
-/* ac_sparse_mean_add_select's add, store and compaction of one block, 8 lanes at a time; returns how
-   many elements it did (the rest: the scalar loop). */
-__attribute__((target("avx2"))) static int64_t sm_add_select_avx2(const float* m, const float* r, float* out,
-                                                                 int64_t len, float t, int stream, int64_t at,
+/* ac_sparse_mean_add_select's scaling, add, store and compaction of one block, 64 elements a mask
+   (the values kept in an L1 copy: out may have been streamed past the caches), the block's mean
+   sums set back to +0 as they are read; returns how many elements it did (the rest: the scalar
+   loop). An untouched sum is +0, and +0 * inv = +0 / divisor = +0, so every lane is scaled and
+   cleared alike: the per-block loops over the touched positions (their exits mispredicted about once
+   a position) and a branch per 8-lane vector with a passing lane cost as much as the vector work
+   (cost_notes item 85). */
+__attribute__((target("avx2"))) static int64_t sm_add_select_avx2(float* m, const float* r, float* out,
+                                                                 int64_t len, float t, int pow2, float inv,
+                                                                 float divisor, int stream, int64_t at,
                                                                  int64_t* idx, float* vals, int64_t cap,
                                                                  int64_t* count) {
-    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
-    int64_t c = *count, j = 0;
-    for (; j + 8 <= len; j += 8) {
-        const __m256 v = _mm256_add_ps(_mm256_load_ps(m + j), _mm256_loadu_ps(r + j));
-        if (stream) _mm256_stream_ps(out + j, v); else _mm256_storeu_ps(out + j, v);
-        unsigned msk = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ));
-        if (msk) {  /* the values from a register copy: out may have been streamed past the caches */
-            float lane[8];
-            _mm256_storeu_ps(lane, v);
-            while (msk) {
-                const int e = __builtin_ctz(msk);
-                msk &= msk - 1;
-                if (c < cap) { idx[c] = at + j + e; vals[c] = lane[e]; }
-                ++c;
-            }
+    const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    const __m256 iv = _mm256_set1_ps(inv), dv = _mm256_set1_ps(divisor);
+    float blk[64] __attribute__((aligned(32)));
+    int64_t c = *count, e = 0;
+    for (; e + 64 <= len; e += 64) {
+        uint64_t mask = 0;
+        AC_AHEAD(r, e, 4);
+        for (int q = 0; q < 8; ++q) {
+            const int64_t o = e + 8 * q;
+            const __m256 s = _mm256_load_ps(m + o);
+            _mm256_store_ps(m + o, zero);
+            const __m256 v = _mm256_add_ps(pow2 ? _mm256_mul_ps(s, iv) : _mm256_div_ps(s, dv), _mm256_loadu_ps(r + o));
+            if (stream) _mm256_stream_ps(out + o, v); else _mm256_storeu_ps(out + o, v);
+            _mm256_store_ps(blk + 8 * q, v);
+            mask |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
+                    << (8 * q);
         }
+        AC_EMIT64P(mask, at + e, blk, 0, blk[j])
     }
     *count = c;
-    return j;
+    return e;
 }
 #endif
 /* The samples' lines (ac_sample_lines, ac_sparse_sample_lines) are prefetched this many lines ahead. */
@@ -2737,7 +2745,6 @@ int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int wor
     float inv;
     if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
     float m[SM_BLOCK] __attribute__((aligned(32)));
-    uint64_t touched[SM_BLOCK / 64];
     __builtin_memset(m, 0, sizeof m);
     int64_t c = 0;
     int stream = 0;
@@ -2746,41 +2753,26 @@ int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int wor
 #endif
     for (int64_t b0 = 0; b0 < n; b0 += SM_BLOCK) {
         const int64_t len = n - b0 < SM_BLOCK ? n - b0 : SM_BLOCK;
-        int any = 0;
-        for (int q = 0; q < world && !any; ++q) any = pos[q] < counts[q] && idx[q][pos[q]] < b0 + len;
-        if (any) {
-            __builtin_memset(touched, 0, sizeof touched);
-            for (int q = 0; q < world; ++q) {
-                const int64_t* x = idx[q];
-                const float* v = vals[q];
-                int64_t p = pos[q];
-                for (; p < counts[q] && x[p] < b0 + len; ++p) {
-                    const int64_t j = x[p] - b0;
-                    m[j] += v[p];
-                    touched[j >> 6] |= (uint64_t)1 << (j & 63);
-                }
-                pos[q] = p;
-            }
-            for (int w = 0; w < SM_BLOCK / 64; ++w)
-                for (uint64_t bits = touched[w]; bits; bits &= bits - 1) {
-                    const int j = (w << 6) + __builtin_ctzll(bits);
-                    m[j] = pow2 ? m[j] * inv : m[j] / divisor;
-                }
+        for (int q = 0; q < world; ++q) {  /* the ranks' sums in rank order from +0 */
+            const int64_t* x = idx[q];
+            const float* v = vals[q];
+            int64_t p = pos[q];
+            for (; p < counts[q] && x[p] < b0 + len; ++p) m[x[p] - b0] += v[p];
+            pos[q] = p;
         }
         const float* rb = r + b0;
         float* ob = out + b0;
         int64_t j = 0;
 #if defined(AC_AVX2)
-        if (use_avx2()) j = sm_add_select_avx2(m, rb, ob, len, t, stream, b0, cidx, cvals, cap, &c);
+        if (use_avx2()) j = sm_add_select_avx2(m, rb, ob, len, t, pow2, inv, divisor, stream, b0, cidx, cvals, cap, &c);
 #endif
-        for (; j < len; ++j) {
-            const float v = m[j] + rb[j];
+        for (; j < len; ++j) {  /* the sum scaled (+0 stays +0), added, and set back to +0 */
+            const float a = pow2 ? m[j] * inv : m[j] / divisor;
+            m[j] = 0.0f;
+            const float v = a + rb[j];
             ob[j] = v;
             if (!(__builtin_fabsf(v) < t)) { if (c < cap) { cidx[c] = b0 + j; cvals[c] = v; } ++c; }
         }
-        if (any)  /* the block's mean back to +0 for the next block */
-            for (int w = 0; w < SM_BLOCK / 64; ++w)
-                for (uint64_t bits = touched[w]; bits; bits &= bits - 1) m[(w << 6) + __builtin_ctzll(bits)] = 0.0f;
     }
 #if defined(AC_AVX2)
     if (stream) sm_fence();
