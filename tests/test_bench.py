@@ -317,9 +317,11 @@ def test_cost_passes_against_another_library(tmp_path):
     assert src.count("#define AC_AHEAD_BYTES 4096") == 1
     (tmp_path / "other.py").write_text(src.replace("#define AC_AHEAD_BYTES 4096", "#define AC_AHEAD_BYTES 1024"))
     out = _run([*BENCH, "cost", "passes", "--against", "other.py", "--models", "split10", "--rounds", "1",
-                "--passes", "add_select,chunk_scan,row_candidates", "--json", "p.json"], tmp_path).stdout
+                "--passes", "add_select,chunk_scan,row_candidates,sparse_mean,sparse_mean_add_select", "--json",
+                "p.json"], tmp_path).stdout
     rows = json.loads((tmp_path / "p.json").read_text())["rows"]
-    assert [r["pass"] for r in rows] == ["add_select", "chunk_scan", "row_candidates"]
+    assert [r["pass"] for r in rows] == ["add_select", "chunk_scan", "row_candidates", "sparse_mean",
+                                         "sparse_mean_add_select"]
     assert all(r["before_s"] > 0 and r["after_s"] > 0 and r["tensors"] == 10 for r in rows)
     assert "| add_select | split10 |" in out and "after / before" in out
     wrong = ("rv = _mm256_andnot_ps(lanes_of((unsigned)(zero >> (8 * q)) & 0xffu), rv);\n"

@@ -33,6 +33,7 @@ from adacomp.bench.cost_shapes import MODELS, model_shapes
 
 MIN_NUMEL = 1 << 16  # below this the passes are cached and the selections take other paths
 THRESHOLD = 2.7  # |x| of iid N(0, 1.25) sums above it: ~1.6 %, a Top-k prefilter's share
+SECOND_THRESHOLD = 1.2  # |r| of the residual r ~ N(0, 0.25) above it: ~1.6 %, the same share
 CHUNK, CHUNK_K = 4096, 82  # Chunk-Top-k's defaults (density 0.02)
 
 
@@ -121,6 +122,32 @@ def _momentum(a: Arrays) -> Any:
                                    0.9, 4.0, 0.02)
 
 
+def _payloads(a: Arrays) -> tuple[list[Tensor], list[Tensor]]:
+    """Two ranks' sparse payloads of a tensor (1 % each, ascending positions; seeded, made once): what
+    a world of two's mean reads."""
+    if "sm_idx0" not in a.extra:
+        gen = torch.Generator().manual_seed(3)
+        k = max(1, a.n // 100)
+        for rank in range(2):
+            a.extra[f"sm_idx{rank}"] = torch.randperm(a.n, generator=gen)[:k].sort().values
+            a.extra[f"sm_vals{rank}"] = torch.randn(k, generator=gen)
+    return [a.extra["sm_idx0"], a.extra["sm_idx1"]], [a.extra["sm_vals0"], a.extra["sm_vals1"]]
+
+
+def _sparse_mean(a: Arrays) -> bool:
+    """The ranks' dense mean (every sparsifier's aggregation; streamed from 2^16 elements)."""
+    from adacomp.compressors import _native
+    idx, vals = _payloads(a)
+    return _native.sparse_mean(a.out, idx, vals, 2)
+
+
+def _sparse_mean_add_select(a: Arrays) -> Any:
+    """alltoall's second stage: the ranks' mean added to the kept error unwritten, with the candidates."""
+    from adacomp.compressors import _native
+    idx, vals = _payloads(a)
+    return _native.sparse_mean_add_select(a.r, a.out, idx, vals, 2, SECOND_THRESHOLD, 0.02)
+
+
 def _row_stats(a: Arrays) -> Any:
     """ADTopk's per-row order statistics of its candidates (q = 1 % of a row; ~1.4 q + 2 candidates
     a row, the row's first magnitudes)."""
@@ -154,6 +181,8 @@ def _passes() -> dict[str, Callable[[Arrays], Any]]:
         "qsgd": _qsgd,
         "owed_mm": _owed_mm,
         "outer_fma_sub": _outer_sub,
+        "sparse_mean": _sparse_mean,
+        "sparse_mean_add_select": _sparse_mean_add_select,
     }
 
 
