@@ -485,6 +485,41 @@ def test_cost_cell_ops_counts_the_same_aten_ops_on_every_run(method, tmp_path):
     assert bad.returncode != 0 and "--ops" in bad.stderr
 
 
+def test_cost_cell_against_alternates_two_c_libraries_over_the_timed_steps(tmp_path):
+    """``cell --against REV|PATH``: the timed steps run this checkout's C library and another
+    version's in turn (here a copy whose prefetch distance differs: the same bits), the package's own
+    put back afterwards; each way's median step and step over floor are reported; a revision that does
+    not exist, or --against beside --calls or --toggle, is refused."""
+    from adacomp.bench import cost_profile
+    from adacomp.compressors import _native
+    src = (ROOT / "adacomp" / "compressors" / "_native.py").read_text()
+    assert src.count("#define AC_AHEAD_BYTES 4096") == 1
+    (tmp_path / "other.py").write_text(src.replace("#define AC_AHEAD_BYTES 4096", "#define AC_AHEAD_BYTES 1024"))
+    mine = _native.library()
+    against = cost_profile.Against(str(tmp_path / "other.py"))
+    seen: list[object] = []
+    step = against.around(lambda: seen.append(_native._lib))
+    for _ in range(3):
+        step()
+    assert seen == [mine, against.libs[1], mine] and against.libs[1] is not mine and _native._lib is mine
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "topk", "--steps", "4",
+                          "--warmup", "2", "--sizes", "65536:262144", "--against", "other.py"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["against"] == "other.py" and got["on_s"] > 0 and got["off_s"] > 0 and got["bytes_ratio"] < 0.1
+    for extra in (["--calls"], ["--toggle", "adacomp.compressors.sidco:SIDCoCompressor.one_read_stages"]):
+        bad = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "topk", "--against",
+                              "other.py", *extra], cwd=tmp_path, capture_output=True, text=True, env=env,
+                             timeout=HANG_GUARD_S)
+        assert bad.returncode != 0 and "--against" in bad.stderr
+    bad = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "topk", "--against",
+                          "no-such-revision"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=HANG_GUARD_S)
+    assert bad.returncode != 0 and "neither a file nor a revision" in bad.stderr
+
+
 def test_cost_cell_toggle_alternates_a_switch_over_the_timed_steps(tmp_path):
     """``cell --toggle MODULE:NAME.ATTR``: the timed steps run with the switch on and off in turn
     (restored after each), and the cell reports each way's median step and median step over the

@@ -780,6 +780,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--toggle", metavar="MODULE:NAME.ATTR",
                    help="alternate a boolean switch of the code over the timed steps (cost_profile.Toggle): "
                         "on_s, off_s, on_x_floor, off_x_floor")
+    c.add_argument("--against", metavar="REV",
+                   help="alternate this checkout's C library and one built from another version's _native.py "
+                        "(a git revision or a path) over the timed steps (cost_profile.Against): on_s, off_s, "
+                        "on_x_floor, off_x_floor, on = this checkout")
     c.add_argument("--ops", action="store_true",
                    help="count the aten ops each timed step dispatches, by op and by calling line "
                         "(cost_profile.OpCounter; the steps' times then mean nothing): aten_ops, aten_ops_by, aten_ops_at")
@@ -828,12 +832,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.perf_control and args.calls:
             raise SystemExit("adacomp bench cost cell: --calls times the C calls itself; run it without perf")
+        if args.toggle and args.against:
+            raise SystemExit("adacomp bench cost cell: --toggle and --against each alternate the steps; give one")
+        if args.against and (args.calls or args.perf_control):
+            raise SystemExit("adacomp bench cost cell: --against times the steps alone; run it without --calls or perf")
         if args.toggle and (args.calls or args.perf_control):
             raise SystemExit("adacomp bench cost cell: --toggle times the steps alone; run it without --calls or perf")
-        if args.ops and (args.calls or args.perf_control or args.toggle):
+        if args.ops and (args.calls or args.perf_control or args.toggle or args.against):
             raise SystemExit("adacomp bench cost cell: --ops counts the steps' aten ops and slows them; "
-                             "run it without --calls, --toggle or perf")
-        toggle = cost_profile.Toggle(args.toggle) if args.toggle else None
+                             "run it without --calls, --toggle, --against or perf")
+        toggle: cost_profile.Toggle | cost_profile.Against | None = (
+            cost_profile.Toggle(args.toggle) if args.toggle else
+            cost_profile.Against(args.against) if args.against else None)
         ops = cost_profile.OpCounter() if args.ops else None
         around = (cost_profile.sampled if args.perf_control else toggle.around if toggle is not None
                   else ops.around if ops is not None else None)

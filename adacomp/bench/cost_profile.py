@@ -235,14 +235,55 @@ class Toggle:
         return run
 
     def report(self, got: dict[str, Any]) -> dict[str, Any]:
-        """Per way: the median step, and the median of each step over the floor timed after it."""
-        import statistics
-        out: dict[str, Any] = {"toggle": self.spec}
-        for parity, way in ((0, "on"), (1, "off")):
-            steps, floors = got["steps_s"][parity::2], got["floors_s"][parity::2]
-            out[f"{way}_s"] = statistics.median(steps)
-            out[f"{way}_x_floor"] = statistics.median(a / b for a, b in zip(steps, floors))
-        return out
+        return {"toggle": self.spec, **alternated(got)}
+
+
+def alternated(got: dict[str, Any]) -> dict[str, Any]:
+    """Of a cell whose timed steps alternated two ways (even steps "on", odd ones "off"): per way, the
+    median step, and the median of each step over the floor timed after it."""
+    import statistics
+    out: dict[str, Any] = {}
+    for parity, way in ((0, "on"), (1, "off")):
+        steps, floors = got["steps_s"][parity::2], got["floors_s"][parity::2]
+        out[f"{way}_s"] = statistics.median(steps)
+        out[f"{way}_x_floor"] = statistics.median(a / b for a, b in zip(steps, floors))
+    return out
+
+
+class Against:
+    """``cell --against REV``: the timed steps alternate this checkout's C library (even steps, "on")
+    and one built from another version's ``_native.py`` (a git revision or a path; odd steps, "off"),
+    so a change of the C passes is timed in one process over the same gradients and state, each step
+    beside its own floor (:func:`alternated`). Both libraries must give the same bits, as every fast
+    path must (``adacomp bench cost passes`` checks each pass's)."""
+
+    def __init__(self, spec: str):
+        from adacomp.bench.cost_passes import against_library
+        from adacomp.compressors import _native
+        mine = _native.library()
+        if mine is None:
+            raise SystemExit(f"--against needs the package's C library: {_native.why_unavailable()}")
+        try:
+            self.libs = (mine, against_library(spec))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
+        self.spec, self.steps = spec, 0
+
+    def around(self, step: Callable[[], None]) -> Callable[[], None]:
+        from adacomp.compressors import _native
+
+        def run() -> None:
+            was = _native._lib
+            _native._lib = self.libs[self.steps % 2]
+            self.steps += 1
+            try:
+                step()
+            finally:
+                _native._lib = was
+        return run
+
+    def report(self, got: dict[str, Any]) -> dict[str, Any]:
+        return {"against": self.spec, **alternated(got)}
 
 
 def shares(report: str) -> list[tuple[float, str]]:
