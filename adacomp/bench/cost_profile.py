@@ -152,7 +152,7 @@ class OpCounter:
     def __init__(self) -> None:
         self.ops: collections.Counter[str] = collections.Counter()
         self.sites: collections.Counter[str] = collections.Counter()
-        self.python_calls = self.builtin_calls = 0  # the interpreter's, around the dispatches
+        self.python_calls = self.builtin_calls = 0  # the interpreter's, counted on the odd steps
         self.steps = 0
 
     def around(self, step: Callable[[], None]) -> Callable[[], None]:
