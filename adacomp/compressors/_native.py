@@ -4469,13 +4469,20 @@ int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* 
     int32_t left; uint64_t next; uint32_t s[MT_N];
     if (n < 1 || n > (int64_t)0xFFFFFFFFLL || mt_load(st, s, &left, &next)) return -1;
     uint32_t pos[SAMPLE_TAKE_CHUNK];
+    const uint64_t inv = ~(uint64_t)0 / (uint64_t)n + 1;  /* y % n by two multiplies (Lemire's fastmod, exact for
+                                                              32-bit y and n): a 64-bit division a draw cost more
+                                                              than drawing */
     for (int64_t i = 0; i < m; i += SAMPLE_TAKE_CHUNK) {
         const int c = m - i < SAMPLE_TAKE_CHUNK ? (int)(m - i) : SAMPLE_TAKE_CHUNK;
-        for (int k = 0; k < c; ++k) {
+        for (int k = 0; k < c;) {
             if (left == 1) { mt_twist(s); left = MT_N + 1; next = 0; }
-            const uint32_t y = mt_temper(s[next++]);
-            --left;
-            pos[k] = (uint32_t)((uint64_t)y % (uint64_t)n);
+            const int run = left - 1 < c - k ? left - 1 : c - k;
+            const uint32_t* src = s + next;
+            for (int j = 0; j < run; ++j)
+                pos[k + j] = (uint32_t)(((unsigned __int128)(inv * mt_temper(src[j])) * (uint64_t)n) >> 64);
+            k += run;
+            next += (uint64_t)run;
+            left -= run;
         }
         for (int k = 0; k < c && k < SAMPLE_TAKE_AHEAD; ++k) __builtin_prefetch(a + pos[k]);
         for (int k = 0; k < c; ++k) {
