@@ -431,6 +431,65 @@ def test_dgc_momentum_pass_compacts_the_candidates_of_its_selection(hint: str, m
     assert torch.equal(gen_a, gen_b)
 
 
+@pytest.mark.parametrize("values", ["normal", "scaled_rows", "mostly_zero", "ties", "nan"])
+def test_dgc_choice_in_one_call_is_the_chain_of_calls(values: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DGC's choice in one C call (``_native.dgc_choose``: the sampled threshold, the adaptation
+    loop, the pick from the momentum pass's candidates or from the tensor, the second top-k) gives
+    the payloads, velocities and generator state of the chain of calls it stands for, on tensors with
+    and without candidates, values that adapt the threshold (mostly zeros), cut ties and send more than
+    1.3 k (``ties``) or hold a NaN (where it declines and the chain answers); it answers most choices."""
+    from adacomp import memories
+    from adacomp.compressors import _native, dgc
+    if _native.library() is None:
+        pytest.skip(f"no C library here ({_native.why_unavailable()}): the one call needs it")
+    answered = []
+    one_call = _native.dgc_choose
+    monkeypatch.setattr(_native, "dgc_choose", lambda *a, **k: answered.append(one_call(*a, **k)) or answered[-1])
+
+    def grad(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        g = torch.randn(shape, generator=gen(seed))
+        if values == "scaled_rows":
+            g.view(-1)[: g.numel() // 3] *= 1000.0
+        elif values == "mostly_zero":
+            g.view(-1)[torch.rand(g.numel(), generator=gen(seed + 1)) < 0.995] = 0.0
+        elif values == "ties":
+            g = g.round()
+        elif values == "nan" and seed % 2:
+            g.view(-1)[seed % g.numel()] = float("nan")
+        return g
+    # the small ones below the momentum pass's compaction, their 200-value samples often adapting the threshold
+    shapes = [(1 << 17,), (3000,), (2500,), (4000,), (1200,), (300, 700)]
+    runs = []
+    for one in (True, False):
+        monkeypatch.setattr(dgc.NativeChoice, "on", one)
+        comp, mem = compressors.get("dgc", density=0.01, seed=3), memories.get("dgc")
+        out = []
+        for step in range(4):
+            for j, s in enumerate(shapes):
+                t = mem.compensate(grad(s, 10 * step + j), f"w{j}", 2, compressor=comp)
+                payload, ctx = comp.compress(t, f"w{j}")
+                out.append([p.clone() for p in payload])
+                mem.update(t, f"w{j}", comp, payload, ctx)
+            comp.on_step(step + 1)
+        runs.append((out, {n: v.clone() for n, v in mem.state_dict()["velocity"].items()},
+                     comp.state_dict()["generators"]["cpu"].clone()))
+    (out_a, vel_a, gen_a), (out_b, vel_b, gen_b) = runs
+
+    def same(x: torch.Tensor, y: torch.Tensor) -> None:  # bitwise, a NaN equal to itself
+        assert x.dtype == y.dtype
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    assert len(out_a) == len(out_b) and all(len(a) == len(b) for a, b in zip(out_a, out_b))
+    for a, b in zip(out_a, out_b):
+        for x, y in zip(a, b):
+            same(x, y)
+    assert vel_a.keys() == vel_b.keys()
+    for n in vel_a:
+        same(vel_a[n], vel_b[n])
+    assert torch.equal(gen_a, gen_b)
+    # mostly zeros: a threshold of 0 passes the whole tensor, past the call's buffers (the chain answers)
+    assert sum(a is not None for a in answered) >= (1 if values == "mostly_zero" else len(answered) // 2)
+
+
 @pytest.mark.parametrize("kind", ["topk", "gaussiank", "efsignsgd", "sidco"])
 def test_compensation_selects_span_by_span_for_a_communicator_of_parts(kind: str) -> None:
     """A communicator that compresses a tensor in parts (``alltoall``: ``Communicator.pieces``) lets

@@ -705,6 +705,10 @@ def test_payload_values_come_from_the_signed_candidates(name: str, monkeypatch, 
     # Gaussian-k's choice from the compensation's candidates in one C call picks from them too
     real_kept = _native.gauss_kept
     monkeypatch.setattr(_native, "gauss_kept", lambda *a: (lambda r: picked.append(r is not None) or r)(real_kept(*a)))
+    # and DGC's in one C call (``_native.dgc_choose``) from the momentum pass's candidates, when it has them
+    real_choice = _native.dgc_choose
+    monkeypatch.setattr(_native, "dgc_choose", lambda *a: (lambda r: picked.append(r is not None and a[4] is not None)
+                                                           or r)(real_choice(*a)))
     comp, mem = compressors.get(name, density=0.01), memories.get("dgc" if name == "dgc" else "residual")
     twin = compressors.get(name, density=0.01)  # selects on copies, without candidates (DGC: same draws)
     g = torch.Generator().manual_seed(5)

@@ -4465,7 +4465,7 @@ AC_CLONES int ac_mt_uniform(uint8_t* st, float* out, int64_t n) {
    tensor written. -1 (nothing drawn) on a range outside [1, 2^32) or a state it cannot read. */
 #define SAMPLE_TAKE_CHUNK 512
 #define SAMPLE_TAKE_AHEAD 48
-int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* out) {
+static int mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* out) {
     int32_t left; uint64_t next; uint32_t s[MT_N];
     if (n < 1 || n > (int64_t)0xFFFFFFFFLL || mt_load(st, s, &left, &next)) return -1;
     uint32_t pos[SAMPLE_TAKE_CHUNK];
@@ -4492,6 +4492,56 @@ int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* 
     }
     mt_store(st, s, left, next);
     return 0;
+}
+int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* out) {
+    return mt_sample_take(st, a, n, m, out);
+}
+/* DGC's choice (adacomp.compressors.dgc.DGCCompressor.choose) in one call, the same answers as its
+   chain of calls: the threshold is the ks-th largest |x| of m values of a drawn at torch.randint's
+   positions from the generator state st (advanced; NULL: m == n and a itself is the sample); the
+   chosen are the positions of |a| >= thr (thr as a float32, as ctypes passes it), from the momentum
+   pass's candidates (cidx, cvals signed, nc of them, kept at floor) where thr >= floor, else from a
+   pass over a; while fewer than lower * k passed (at most iters times) thr *= lower (in double, as
+   Python multiplies); more than upper * k: the k largest |x| among them (ac_pick_largest). The
+   positions and signed values into out (out_cap >= upper * k of room); returns how many. -1 where
+   the Python path must answer (nothing committed: a NaN, none passed, more than cap): the caller
+   keeps st unless this succeeds. sel: cap of scratch; keys: max(m, cap) of scratch. */
+int64_t ac_dgc_choose(const float* a, int64_t n, uint8_t* st, int64_t m, int64_t ks, const float* cvals,
+                      const int64_t* cidx, int64_t nc, double floor, int64_t k, double lower, double upper,
+                      int64_t iters, float* sample, uint32_t* keys, int64_t* sel_idx, float* sel_vals, int64_t cap,
+                      int64_t* out_idx, float* out_vals, int64_t out_cap) {
+    const float* smp = a;
+    if (st != NULL) {
+        if (mt_sample_take(st, a, n, m, sample) != 0) return -1;
+        smp = sample;
+    }
+    uint32_t kth;
+    int64_t ties;
+    if (ks < 1 || ks > m || radix_kth((const uint32_t*)smp, 1, 0x7fffffffu, m, ks, keys, &kth, &ties) != 0)
+        return -1;  /* a NaN in the sample */
+    float thr_f;
+    __builtin_memcpy(&thr_f, &kth, sizeof thr_f);
+    double thr = (double)thr_f;
+    int64_t c = 0;
+    for (int64_t it = 0;; ++it) {
+        const float t = (float)thr;
+        if (cvals != NULL && thr >= floor) {
+            c = ac_pick_pairs(cvals, cidx, nc, t, 0, sel_idx, sel_vals, cap);
+        } else {
+            c = ac_select_abs_ge_signed(a, n, t, sel_idx, sel_vals, cap);
+        }
+        if (c > cap) return -1;
+        if (it >= iters || (double)c >= lower * (double)k) break;
+        thr *= lower;
+    }
+    if ((double)c > upper * (double)k) {
+        if (ac_pick_largest(sel_vals, sel_idx, c, k, NULL, keys, out_idx, out_vals) != 0) return -1;
+        return k;
+    }
+    if (c == 0 || c > out_cap) return -1;  /* none passed: the Python path's argmax */
+    __builtin_memcpy(out_idx, sel_idx, (size_t)c * sizeof *out_idx);
+    __builtin_memcpy(out_vals, sel_vals, (size_t)c * sizeof *out_vals);
+    return c;
 }
 /* The l2 norm of one bucket in torch's order for a float32 norm over a contiguous last dimension
    whose length is a multiple of the vector width: `lanes` accumulators (element j adds its square,
@@ -4684,6 +4734,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_table_mean.restype = None
     lib_.ac_table_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, i64, vp]
     lib_.ac_mt_sample_take.restype = ctypes.c_int
+    lib_.ac_dgc_choose.restype = i64
+    lib_.ac_dgc_choose.argtypes = [vp, i64, vp, i64, i64, vp, vp, i64, ctypes.c_double, i64, ctypes.c_double,
+                                   ctypes.c_double, i64, vp, vp, vp, vp, i64, vp, vp, i64]
     lib_.ac_mt_sample_take.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
@@ -6661,6 +6714,51 @@ def sample_take(a: Tensor, m: int, gen: torch.Generator, checked: bool = False) 
         return None
     gen.set_state(st)
     return out
+
+
+def dgc_choose(a: Tensor, gen: torch.Generator | None, m: int, ks: int,
+               cands: tuple[float, Tensor, Tensor] | None, k: int, lower: float, upper: float,
+               iters: int) -> tuple[Tensor, Tensor] | None:
+    """DGC's choice over 1-D ``a`` in one C call (``ac_dgc_choose``): the positions (ascending, or
+    the k largest) and signed values :meth:`~adacomp.compressors.dgc.DGCCompressor.choose` finds
+    through :func:`sample_take`, :func:`rth_largest_strided`, the counter's picks and
+    :func:`pick_largest`, with ``gen`` left where they leave it. ``gen``: the sample's generator (m
+    of a's values drawn), None where the sample is ``a`` itself (``m == a.numel()``). ``cands``:
+    the momentum pass's ``(floor, positions, signed values)``. None (``gen`` untouched) where that
+    chain must run: why one call, ~60 Python calls and ~10 torch ops a tensor (ResNet-50: 76 a step)."""
+    n = a.numel()
+    if not (usable(a) and a.dim() == 1 and 1 <= ks <= m <= n and 1 <= k < n):
+        return None
+    st = None
+    if gen is not None:
+        if not (m < n < 1 << 32 and gen.device.type == "cpu" and _randint_checked()):
+            return None
+        st = gen.get_state()
+    elif m != n:
+        return None
+    floor, cp, vp, nc = 0.0, None, None, 0
+    if cands is not None:
+        floor, cidx, cvals = cands
+        if not (_cpu_contiguous(cidx, torch.int64) and usable(cvals) and cidx.numel() == cvals.numel()):
+            return None
+        cp, vp, nc = cidx.data_ptr(), cvals.data_ptr(), cvals.numel()
+    lib = library()
+    assert lib is not None
+    cap = min(n, max(nc, 4 * k + 4096))  # past it the chain's growing buffers answer (a rare threshold)
+    # the choice is at most upper * k (else the k largest): written once into tensors of that size;
+    # the candidates it goes through stay in this thread's scratch (nothing holds them after the call)
+    room = max(k, min(n, math.floor(upper * k)))
+    out_idx, out_vals = torch.empty(room, dtype=torch.int64), torch.empty(room, dtype=torch.float32)
+    c = lib.ac_dgc_choose(a.data_ptr(), n, None if st is None else st.data_ptr(), m, ks, vp, cp, nc, floor, k,
+                          lower, upper, iters, None if st is None else _reused("sample", m, torch.float32).data_ptr(),
+                          _keys(max(m, cap)).data_ptr(), _reused("choice_idx", cap, torch.int64).data_ptr(),
+                          _reused("choice_vals", cap, torch.float32).data_ptr(), cap, out_idx.data_ptr(),
+                          out_vals.data_ptr(), room)
+    if c < 0:
+        return None
+    if gen is not None and st is not None:
+        gen.set_state(st)
+    return (out_idx, out_vals) if c == room else (out_idx[:c], out_vals[:c])
 
 
 def uniform_(out: Tensor, gen: torch.Generator) -> bool:

@@ -53,6 +53,12 @@ class Candidates(NamedTuple):
 WARMUP_EPOCHS = 4  # DGC §3.3: sparsity 75% -> 99.9% over the first four epochs
 
 
+class NativeChoice:
+    """Switch of :meth:`DGCCompressor.choose`'s one C call (``_native.dgc_choose``); off, the chain
+    of calls it stands for runs (the same answers: tests and ``bench cost cell --toggle`` flip it)."""
+    on = True
+
+
 @register("dgc")
 class DGCCompressor(SparseCompressor):
     """Sampled threshold with a second exact selection; own ``torch.Generator`` per device.
@@ -142,11 +148,17 @@ class DGCCompressor(SparseCompressor):
         self._kept().keep(name, flat, Candidates(floor, *got))
         return True
 
+    def _sample_sizes(self, n: int, density: float) -> tuple[int, int]:
+        """How many elements the threshold samples (DGC §5: ``sample_ratio`` of them, at least enough
+        for two above it) and the rank of the threshold among them."""
+        samples = min(n, max(math.ceil(n * self.sample_ratio), math.ceil(2.0 / density)))
+        return samples, min(samples, max(1, math.ceil(samples * density)))
+
     def threshold(self, a: Tensor, density: float, absolute: bool = False) -> float:
         """The k_s-th largest magnitude of a uniform sample (k_s = ceil(samples * density)); ``a``
         holds magnitudes, or signed values when ``absolute``."""
         n = a.numel()
-        samples = min(n, max(math.ceil(n * self.sample_ratio), math.ceil(2.0 / density)))
+        samples, k_s = self._sample_sizes(n, density)
         if samples < n:
             gen = self._generator(a.device)
             # the same draws and values in one C call (no position tensor; the loads prefetched)
@@ -158,7 +170,6 @@ class DGCCompressor(SparseCompressor):
                 sample = _native.take_grouped(a, pick)
         else:
             sample = a
-        k_s = min(samples, max(1, math.ceil(samples * density)))
         if absolute and _native.usable(sample):  # one radix select in C: the same k_s-th largest |x|
             value = _native.rth_largest_strided(sample, 1, k_s, absolute=True)
             if value is not None:  # None on a NaN: torch's answer below
@@ -182,6 +193,14 @@ class DGCCompressor(SparseCompressor):
         # the C passes read |g| with the sign bit cleared (as torch.abs does), so the magnitudes are
         # never written; elsewhere |g| goes to a reused buffer (one pass, no page faults)
         absolute = _native.usable(flat)
+        if absolute and NativeChoice.on:  # the whole choice below in one C call, the same answers
+            samples, k_s = self._sample_sizes(flat.numel(), density)
+            got = _native.dgc_choose(flat, self._generator(flat.device) if samples < flat.numel() else None,
+                                     samples, k_s, (kept.floor, kept.idx, kept.vals) if isinstance(kept, Candidates)
+                                     else None, k, self.compress_lower_bound, self.compress_upper_bound,
+                                     self.max_adaptation_iters)
+            if got is not None:
+                return got
         a = flat if absolute else ws.magnitudes(flat)
         thr = self.threshold(a, density, absolute)
         counter = ThresholdCounter(a, strict=False, workspace=ws, absolute=absolute)
