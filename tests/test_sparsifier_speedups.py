@@ -436,7 +436,8 @@ def test_dgc_choice_in_one_call_is_the_chain_of_calls(values: str, monkeypatch: 
     """DGC's choice in one C call (``_native.dgc_choose``: the sampled threshold, the adaptation
     loop, the pick from the momentum pass's candidates or from the tensor, the second top-k) gives
     the payloads, velocities and generator state of the chain of calls it stands for, on tensors with
-    and without candidates, values that adapt the threshold (mostly zeros), cut ties and send more than
+    and without candidates, values that adapt the threshold (small tensors' 200-value samples), pass
+    far more than its first buffers hold (mostly zeros: a threshold of 0), cut ties and send more than
     1.3 k (``ties``) or hold a NaN (where it declines and the chain answers); it answers most choices."""
     from adacomp import memories
     from adacomp.compressors import _native, dgc
@@ -486,8 +487,7 @@ def test_dgc_choice_in_one_call_is_the_chain_of_calls(values: str, monkeypatch: 
     for n in vel_a:
         same(vel_a[n], vel_b[n])
     assert torch.equal(gen_a, gen_b)
-    # mostly zeros: a threshold of 0 passes the whole tensor, past the call's buffers (the chain answers)
-    assert sum(a is not None for a in answered) >= (1 if values == "mostly_zero" else len(answered) // 2)
+    assert sum(a is not None for a in answered) >= len(answered) // 2 > 0
 
 
 @pytest.mark.parametrize("kind", ["topk", "gaussiank", "efsignsgd", "sidco"])

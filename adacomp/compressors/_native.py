@@ -4502,14 +4502,13 @@ int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* 
    chosen are the positions of |a| >= thr (thr as a float32, as ctypes passes it), from the momentum
    pass's candidates (cidx, cvals signed, nc of them, kept at floor) where thr >= floor, else from a
    pass over a; while fewer than lower * k passed (at most iters times) thr *= lower (in double, as
-   Python multiplies); more than upper * k: the k largest |x| among them (ac_pick_largest). The
-   positions and signed values into out (out_cap >= upper * k of room); returns how many. -1 where
-   the Python path must answer (nothing committed: a NaN, none passed, more than cap): the caller
-   keeps st unless this succeeds. sel: cap of scratch; keys: max(m, cap) of scratch. */
+   Python multiplies). The positions and signed values into sel; returns how many (more than
+   upper * k: the caller picks the k largest |x| among them, ac_pick_largest). -1 where the Python
+   path must answer (a NaN, none passed), -2 - c where c passed a threshold, more than cap: the
+   caller keeps st unless this succeeds. keys: m of scratch. */
 int64_t ac_dgc_choose(const float* a, int64_t n, uint8_t* st, int64_t m, int64_t ks, const float* cvals,
-                      const int64_t* cidx, int64_t nc, double floor, int64_t k, double lower, double upper,
-                      int64_t iters, float* sample, uint32_t* keys, int64_t* sel_idx, float* sel_vals, int64_t cap,
-                      int64_t* out_idx, float* out_vals, int64_t out_cap) {
+                      const int64_t* cidx, int64_t nc, double floor, int64_t k, double lower, int64_t iters,
+                      float* sample, uint32_t* keys, int64_t* sel_idx, float* sel_vals, int64_t cap) {
     const float* smp = a;
     if (st != NULL) {
         if (mt_sample_take(st, a, n, m, sample) != 0) return -1;
@@ -4530,18 +4529,11 @@ int64_t ac_dgc_choose(const float* a, int64_t n, uint8_t* st, int64_t m, int64_t
         } else {
             c = ac_select_abs_ge_signed(a, n, t, sel_idx, sel_vals, cap);
         }
-        if (c > cap) return -1;
+        if (c > cap) return -2 - c;  /* the caller calls again with room for them */
         if (it >= iters || (double)c >= lower * (double)k) break;
         thr *= lower;
     }
-    if ((double)c > upper * (double)k) {
-        if (ac_pick_largest(sel_vals, sel_idx, c, k, NULL, keys, out_idx, out_vals) != 0) return -1;
-        return k;
-    }
-    if (c == 0 || c > out_cap) return -1;  /* none passed: the Python path's argmax */
-    __builtin_memcpy(out_idx, sel_idx, (size_t)c * sizeof *out_idx);
-    __builtin_memcpy(out_vals, sel_vals, (size_t)c * sizeof *out_vals);
-    return c;
+    return c > 0 ? c : -1;  /* none passed: the Python path's argmax */
 }
 /* The l2 norm of one bucket in torch's order for a float32 norm over a contiguous last dimension
    whose length is a multiple of the vector width: `lanes` accumulators (element j adds its square,
@@ -4735,8 +4727,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_table_mean.argtypes = [vp, vp, ctypes.c_int, i64, ctypes.c_int, i64, vp]
     lib_.ac_mt_sample_take.restype = ctypes.c_int
     lib_.ac_dgc_choose.restype = i64
-    lib_.ac_dgc_choose.argtypes = [vp, i64, vp, i64, i64, vp, vp, i64, ctypes.c_double, i64, ctypes.c_double,
-                                   ctypes.c_double, i64, vp, vp, vp, vp, i64, vp, vp, i64]
+    lib_.ac_dgc_choose.argtypes = [vp, i64, vp, i64, i64, vp, vp, i64, ctypes.c_double, i64, ctypes.c_double, i64,
+                                   vp, vp, vp, vp, i64]
     lib_.ac_mt_sample_take.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
@@ -6729,11 +6721,9 @@ def dgc_choose(a: Tensor, gen: torch.Generator | None, m: int, ks: int,
     n = a.numel()
     if not (usable(a) and a.dim() == 1 and 1 <= ks <= m <= n and 1 <= k < n):
         return None
-    st = None
     if gen is not None:
         if not (m < n < 1 << 32 and gen.device.type == "cpu" and _randint_checked()):
             return None
-        st = gen.get_state()
     elif m != n:
         return None
     floor, cp, vp, nc = 0.0, None, None, 0
@@ -6744,21 +6734,29 @@ def dgc_choose(a: Tensor, gen: torch.Generator | None, m: int, ks: int,
         cp, vp, nc = cidx.data_ptr(), cvals.data_ptr(), cvals.numel()
     lib = library()
     assert lib is not None
-    cap = min(n, max(nc, 4 * k + 4096))  # past it the chain's growing buffers answer (a rare threshold)
-    # the choice is at most upper * k (else the k largest): written once into tensors of that size;
-    # the candidates it goes through stay in this thread's scratch (nothing holds them after the call)
-    room = max(k, min(n, math.floor(upper * k)))
-    out_idx, out_vals = torch.empty(room, dtype=torch.int64), torch.empty(room, dtype=torch.float32)
-    c = lib.ac_dgc_choose(a.data_ptr(), n, None if st is None else st.data_ptr(), m, ks, vp, cp, nc, floor, k,
-                          lower, upper, iters, None if st is None else _reused("sample", m, torch.float32).data_ptr(),
-                          _keys(max(m, cap)).data_ptr(), _reused("choice_idx", cap, torch.int64).data_ptr(),
-                          _reused("choice_vals", cap, torch.float32).data_ptr(), cap, out_idx.data_ptr(),
-                          out_vals.data_ptr(), room)
+    # the chain's first guess of the picks' size (1.5 times what it expects, which the adaptation
+    # raises by 1 / lower), in the pool its picks use: views of it are the payload where they fill it
+    cap = min(n, int(1.5 * k / lower) + 1024)
+    for _ in range(2):  # again with room for the count where a threshold passed more than cap
+        st = gen.get_state() if gen is not None else None
+        idx, vals = _compaction_buffers(cap)
+        c = lib.ac_dgc_choose(a.data_ptr(), n, None if st is None else st.data_ptr(), m, ks, vp, cp, nc, floor, k,
+                              lower, iters, None if st is None else _reused("sample", m, torch.float32).data_ptr(),
+                              _keys(m).data_ptr(), idx.data_ptr(), vals.data_ptr(), cap)
+        if c > -2:
+            break
+        cap = -2 - c
     if c < 0:
         return None
+    if c > upper * k:  # the second, exact top-k among them (the pool's buffers are free again after it)
+        got = pick_largest(vals[:c], idx[:c], k, None)
+        if got is None:
+            return None
+    else:
+        got = _trimmed(idx, vals, c, cap)
     if gen is not None and st is not None:
         gen.set_state(st)
-    return (out_idx, out_vals) if c == room else (out_idx[:c], out_vals[:c])
+    return got
 
 
 def uniform_(out: Tensor, gen: torch.Generator) -> bool:
