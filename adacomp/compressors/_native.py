@@ -4498,7 +4498,8 @@ int ac_mt_sample_take(uint8_t* st, const float* a, int64_t n, int64_t m, float* 
 }
 /* DGC's choice (adacomp.compressors.dgc.DGCCompressor.choose) in one call, the same answers as its
    chain of calls: the threshold is the ks-th largest |x| of m values of a drawn at torch.randint's
-   positions from the generator state st (advanced; NULL: m == n and a itself is the sample); the
+   positions from the generator state st into `sample` (st advanced; st NULL with m < n: the sample
+   is there already; m == n: a itself is the sample); the
    chosen are the positions of |a| >= thr (thr as a float32, as ctypes passes it), from the momentum
    pass's candidates (cidx, cvals signed, nc of them, kept at floor) where thr >= floor, else from a
    pass over a; while fewer than lower * k passed (at most iters times) thr *= lower (in double, as
@@ -4510,8 +4511,8 @@ int64_t ac_dgc_choose(const float* a, int64_t n, uint8_t* st, int64_t m, int64_t
                       const int64_t* cidx, int64_t nc, double floor, int64_t k, double lower, int64_t iters,
                       float* sample, uint32_t* keys, int64_t* sel_idx, float* sel_vals, int64_t cap) {
     const float* smp = a;
-    if (st != NULL) {
-        if (mt_sample_take(st, a, n, m, sample) != 0) return -1;
+    if (m < n) {  /* st NULL: the sample was drawn into `sample` by a call that ran out of room */
+        if (st != NULL && mt_sample_take(st, a, n, m, sample) != 0) return -1;
         smp = sample;
     }
     uint32_t kth;
@@ -6734,18 +6735,20 @@ def dgc_choose(a: Tensor, gen: torch.Generator | None, m: int, ks: int,
         cp, vp, nc = cidx.data_ptr(), cvals.data_ptr(), cvals.numel()
     lib = library()
     assert lib is not None
-    # the chain's first guess of the picks' size (1.5 times what it expects, which the adaptation
-    # raises by 1 / lower), in the pool its picks use: views of it are the payload where they fill it
-    cap = min(n, int(1.5 * k / lower) + 1024)
-    for _ in range(2):  # again with room for the count where a threshold passed more than cap
-        st = gen.get_state() if gen is not None else None
+    # the chain's first guess of the picks' size (1.5 times the k it expects), in the pool its picks
+    # use: the payload is views of them where they fill it (no copy), as the chain's
+    cap = min(n, int(1.5 * k) + 1024)
+    st = gen.get_state() if gen is not None else None
+    sample = _reused("sample", m, torch.float32).data_ptr() if gen is not None else None
+    drawn = False
+    for _ in range(2):  # again with room for the count where a threshold passed more (the sample kept)
         idx, vals = _compaction_buffers(cap)
-        c = lib.ac_dgc_choose(a.data_ptr(), n, None if st is None else st.data_ptr(), m, ks, vp, cp, nc, floor, k,
-                              lower, iters, None if st is None else _reused("sample", m, torch.float32).data_ptr(),
-                              _keys(m).data_ptr(), idx.data_ptr(), vals.data_ptr(), cap)
+        c = lib.ac_dgc_choose(a.data_ptr(), n, None if st is None or drawn else st.data_ptr(), m, ks, vp, cp, nc,
+                              floor, k, lower, iters, sample, _keys(m).data_ptr(), idx.data_ptr(), vals.data_ptr(),
+                              cap)
         if c > -2:
             break
-        cap = -2 - c
+        drawn, cap = True, -2 - c
     if c < 0:
         return None
     if c > upper * k:  # the second, exact top-k among them (the pool's buffers are free again after it)
