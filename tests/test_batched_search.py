@@ -280,15 +280,15 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 dests.append(int(got is not None and shown))
                 return got
             _native.row_finish = answered  # type: ignore[assignment]
-        if method == "sidco":  # SIDCo's fit must read the candidates error feedback's add kept
+        if method == "sidco":  # SIDCo's one-call choice must read the candidates error feedback's add kept
             from adacomp.compressors import _native
-            from adacomp.compressors.sparse import ThresholdCounter
-            adopt = ThresholdCounter.adopt
+            choose = _native.sidco_choose
 
-            def adopted(self: Any, floor: float, *args: Any, **kw: Any) -> Any:
-                dests.append(int(kw.get("signed", False) and self.floor is None))  # the add's set, first
-                return adopt(self, floor, *args, **kw)
-            ThresholdCounter.adopt = adopted  # type: ignore[method-assign]
+            def adopted(a: torch.Tensor, cands: Any, *args: Any) -> Any:
+                got = choose(a, cands, *args)
+                dests.append(int(cands is not None and got is not None))
+                return got
+            _native.sidco_choose = adopted  # type: ignore[assignment]
         if method == "alltoall_small":  # a whole part picked from its sampled floor; no joined payload built
             from adacomp.communicators.alltoall import _Joined
             from adacomp.compressors import _native
@@ -336,22 +336,16 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
                 whole.append(int(got is not None))
                 return got
             _native.sample_take = sampled  # type: ignore[assignment]
-        if method == "sidco_stages":  # each later fit's count and shifted mean from one C read, keeping what
-            from adacomp.compressors import _native  # can pass the next threshold
-            tails = _native.tail_sum_keep
+        if method == "sidco_stages":  # both later fits (each one C read of what covers its threshold, keeping
+            from adacomp.compressors import _native  # what can pass the next) and the pick in one C call
+            chosen = _native.sidco_choose
 
-            def fitted(*args: Any, **kw: Any) -> Any:
-                got = tails(*args, **kw)
-                whole.append(int(got is not None))
+            def fitted(*args: Any) -> Any:
+                got = chosen(*args)
+                whole.append(int(got is not None and len(got.stages) == 2))
+                dests.append(int(got is not None and got.idx.numel() > 0))
                 return got
-            _native.tail_sum_keep = fitted  # type: ignore[assignment]
-            narrow = _native.pick_pairs32
-
-            def picked32(*args: Any) -> Any:  # the payload from the last kept set's int32 positions
-                got = narrow(*args)
-                dests.append(int(got[0].numel() > 0))
-                return got
-            _native.pick_pairs32 = picked32  # type: ignore[assignment]
+            _native.sidco_choose = fitted  # type: ignore[assignment]
         if method == "adtopk_1d":  # a one-row tensor (a bias) picked whole in one C call
             from adacomp.compressors import _native
             pick = _native.pick_largest
@@ -413,7 +407,7 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     and parts' picks from a sampled floor, with no joined alltoall payload built, Gaussian-k's
     capped whole-counted tensors ranked in C, its small tensors' correction loops run in one C call
     each, and SIDCo's three stages' later fits read from its
-    signed kept set, all required to have run; the compensation
+    signed kept set and its pick, in one C call, all required to have run; the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
     signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass, Chunk-Top-k's
     kept values and DGC's masking, both required to have run; bf16's casts

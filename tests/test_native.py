@@ -1245,10 +1245,11 @@ def test_compensation_with_moments_is_torchs_add_sum_std_and_selection(one_threa
     assert _native.add_moments_select(same, torch.randn(100), same, 1.0) is None  # aliasing: the caller adds
 
 
+@pytest.mark.parametrize("choice", ["one_call", "chain"])
 @pytest.mark.parametrize("way", ["one_read", "miss", "alternating"])
 @pytest.mark.parametrize("stages", [2, 3, 5])
-def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, way: str, monkeypatch: pytest.MonkeyPatch,
-                                                          one_thread: None) -> None:
+def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, way: str, choice: str,
+                                                          monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
     """SIDCo-E's later stages each take their count and shifted mean from one C read of the set that
     covers their threshold (the tensor, then what the last stage kept) and keep only what passes where
     the next threshold lay last step; the payload is picked from the last kept set with its positions
@@ -1256,9 +1257,16 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, way: str,
     (normal, heavy-tailed, tied and constant steps; the stage count fixed, so every step runs every
     stage). ``miss``: the hints put every floor above the next threshold, whose stage then reads the
     tensor again (the same answers); ``alternating``: every other step keeps the first stage's
-    exceedances and reads them per stage (``one_read_stages`` off, as ``cell --toggle`` times it)."""
+    exceedances and reads them per stage (``one_read_stages`` off, as ``cell --toggle`` times it).
+    ``one_call``: the stages and the pick in one C call (``_native.sidco_choose``); ``chain``: the
+    calls it stands for (``sidco.NativeChoice`` off)."""
     from adacomp import memories
+    from adacomp.compressors import sidco
     from adacomp.compressors.sidco import SIDCoCompressor
+    monkeypatch.setattr(sidco.NativeChoice, "on", choice == "one_call")
+    answered: list[_native.SIDCoChoice | None] = []
+    one_call = _native.sidco_choose
+    monkeypatch.setattr(_native, "sidco_choose", lambda *a: answered.append(one_call(*a)) or answered[-1])
     g = torch.Generator().manual_seed(40 + stages)
     n = (1 << 17) + 5
     grads = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 1.1, torch.randn(n, generator=g) ** 3,
@@ -1271,9 +1279,8 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, way: str,
     monkeypatch.setattr(_native, "pick_pairs32", lambda *a: narrow.append(1) or pick32(*a))
     miss = way == "miss"
     if miss:
-        floor = SIDCoCompressor._tail_floor
-        monkeypatch.setattr(SIDCoCompressor, "_tail_floor",
-                            lambda self, thr, *a: (lambda f: (f[0] + 100.0 * abs(thr) + 1.0, *f[1:]))(floor(self, thr, *a)))
+        hint = SIDCoCompressor._tail_hint
+        monkeypatch.setattr(SIDCoCompressor, "_tail_hint", lambda self, *a: (lambda f: (f[0] + 1e6, *f[1:]))(hint(self, *a)))
 
     def run() -> list[torch.Tensor]:
         comp, mem = compressors.get("sidco", density=0.01, stages=stages, adaptive=False), memories.get("residual")
@@ -1287,12 +1294,82 @@ def test_sidco_later_stages_give_the_torch_paths_payloads(stages: int, way: str,
         return out + [mem.residuals["w"].clone()]
     fast = run()
     one_read = len(grads) // 2 if way == "alternating" else len(grads)
-    assert len(fits) >= (stages - 1) * (one_read - 1) or _native.library() is None  # the one-read stages
-    assert bool(narrow) != miss or _native.library() is None  # ran (the constant step may stop after one)
+    if choice == "chain":
+        assert not answered
+        assert len(fits) >= (stages - 1) * (one_read - 1) or _native.library() is None  # the one-read stages
+        assert bool(narrow) != miss or _native.library() is None  # ran (the constant step may stop after one)
+    else:
+        got = [a for a in answered if a is not None]
+        assert len(got) >= one_read - 1 or _native.library() is None  # (the constant step may stop after one)
+        assert all(len(a.stages) == stages - 1 for a in got)
+        if miss:  # every floor above the next threshold: nothing kept, each later stage and the pick read the tensor
+            assert all(kept == 0 for a in got for _, _, kept in a.stages)
     monkeypatch.setenv("ADACOMP_NATIVE", "0")
     slow = run()
     assert all(torch.equal(bits(a) if a.is_floating_point() else a, bits(b) if b.is_floating_point() else b)
                for a, b in zip(fast, slow))
+
+
+def _sidco_stages_by_torch(a: torch.Tensor, thr: float, lr: float, margins: list[float]) -> tuple[float, list]:
+    """SIDCo-E's later stages written with torch alone: per stage the count of |a| > thr, torch's
+    float32 mean of the shifted exceedances and the count above the floor thr + margin; thr moved by
+    -mean * lr in double, as Python adds."""
+    mags, stages = a.abs(), []
+    for margin in margins:
+        over = mags[mags > thr]
+        mean = float((over - thr).mean())
+        stages.append((mean, over.numel(), int((mags > thr + margin).sum())))
+        thr = thr + -mean * lr
+    return thr, stages
+
+
+@pytest.mark.parametrize("case", ["plain", "levels", "candidates", "floors_miss", "short_room", "one_stage",
+                                  "one_stage_candidates", "declines"])
+def test_sidco_choose_is_torchs_stages_and_pick(case: str, avx2_switch: str, one_thread: None) -> None:
+    """:func:`_native.sidco_choose`: SIDCo-E's later fits and its pick in one C call give torch's
+    counts, float32 means (the cascade's levels guessed wrong: ``levels``, then read again), the
+    final threshold to the bit in double, and the positions and signed values of |a| above it,
+    whether a stage reads the tensor, error feedback's int64 candidates or the last stage's kept
+    set, whether the floors keep what the next threshold passes or miss it (then it reads the
+    tensor again), and when the first buffers are too small (a second call); it declines (None)
+    where fewer than 8 pass a later threshold."""
+    if _native.library() is None or not _native.sums_like_torch():
+        pytest.skip("no C library (or torch sums on several threads): nothing to compare")
+    g = torch.Generator().manual_seed(11)
+    n = 200_003
+    a = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(2)
+    a[5] = -0.0
+    later = 0 if case.startswith("one_stage") else 1 if case == "declines" else 2
+    ratio = 0.01 ** (1 / 3)
+    lr = math.log(ratio)
+    m1 = float(a.abs().mean())
+    thr0 = -m1 * lr
+    margins = [0.5 * -m1 * lr * 0.8] * later if case != "floors_miss" else [1e6] * later
+    if case == "declines":
+        a = torch.zeros(n)
+        a[:5] = 1.0
+        m1 = float(a.abs().mean())
+        thr0 = -m1 * lr
+    expects = [1 << 40] * later if case == "levels" else [int(n * ratio ** (s + 1)) for s in range(later)]
+    cands = None
+    if case in ("candidates", "one_stage_candidates"):
+        floor = 0.5 * thr0
+        at = torch.nonzero(a.abs() > floor).view(-1)
+        cands = (floor, at, a[at].clone())
+    share = 1e-6 if case == "short_room" else 1.25 * ratio
+    got = _native.sidco_choose(a, cands, thr0, lr, margins, expects, share, 1e-6 if case == "short_room" else 0.02)
+    if case == "declines":
+        assert got is None
+        return
+    assert got is not None
+    want_thr, want_stages = _sidco_stages_by_torch(a, thr0, lr, margins)
+    assert got.thr == want_thr and got.stages == want_stages
+    at = torch.nonzero(a.abs() > want_thr).view(-1)
+    assert torch.equal(got.idx, at) and torch.equal(bits(got.vals), bits(a[at]))
+    # the passes over the tensor: the first stage's (none where the candidates cover it), the later
+    # ones only where a floor missed, the pick's where nothing kept covers it
+    reads = {"candidates": 0, "floors_miss": later + 1, "one_stage": 1, "one_stage_candidates": 0}.get(case, 1)
+    assert got.reads == reads
 
 
 @pytest.mark.parametrize("where", ["tensor", "int32", "int64"])

@@ -554,18 +554,30 @@ def test_topk_compensation_and_prefilter_share_one_pass() -> None:
     assert "w" not in comp._kept()
 
 
-def test_sidco_fits_read_the_candidates_of_its_compensation(monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+@pytest.mark.parametrize("choice", ["one_call", "chain"])
+def test_sidco_fits_read_the_candidates_of_its_compensation(choice: str, monkeypatch: pytest.MonkeyPatch,
+                                                            one_thread: None) -> None:
     """SIDCo's add keeps the elements passing a sampled floor (a little more than its first fit
     passed last time), and the fit's pass (one stage: the selection; more: the second stage's count,
     shifted sum and compaction) reads those where its threshold lies above that floor: the compensated tensors,
     payloads and residuals are bitwise the plain add's and the fit's own passes', over stage changes
     both ways, a heavy-tailed step, a zero step and ties; and the fused run reads the tensor whole
-    on fewer steps."""
-    from adacomp.compressors import _native
+    on fewer steps. ``one_call``: the later stages and the pick in one C call, which says how many
+    of its passes read the tensor; ``chain``: the calls it stands for."""
+    from adacomp.compressors import _native, sidco
     if _native.library() is None:
         pytest.skip(f"no C library here ({_native.why_unavailable()}): the fused pass needs it")
     n = 1 << 18
     seen: list[str] = []  # "run" when a run starts (the fused one first), "full" per pass over the tensor
+    monkeypatch.setattr(sidco.NativeChoice, "on", choice == "one_call")
+    choose = _native.sidco_choose
+
+    def recorded_choice(a: torch.Tensor, *args: Any) -> Any:
+        got = choose(a, *args)
+        if got is not None and a.numel() == n:
+            seen.extend(["full"] * got.reads)
+        return got
+    monkeypatch.setattr(_native, "sidco_choose", recorded_choice)
     orig = _native.select
 
     def recorded(a: torch.Tensor, thr: float, mode: str, expected: float = 1.0):

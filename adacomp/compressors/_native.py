@@ -4536,6 +4536,82 @@ int64_t ac_dgc_choose(const float* a, int64_t n, uint8_t* st, int64_t m, int64_t
     }
     return c > 0 ? c : -1;  /* none passed: the Python path's argmax */
 }
+/* SIDCo-E's choice (adacomp.compressors.sidco.SIDCoCompressor.choose, exponential fits on the C
+   passes) in one call, the same answers as its chain of calls: stages - 1 later fits, each
+   ac_tail_sum_keep at thr (as a float32) with the floor thr + margin[s] (in double, as Python adds;
+   levels guessed from expect[s]) over the kept set where thr >= its floor (the error-feedback pass's
+   candidates cv / ci, nc of them kept at cfloor, nc < 0: none; then each stage's own set, int32
+   positions, written into k0 / k1 in turn), else over a; its mean is the float32 quotient of the sum
+   and the count (torch's mean from its sum) and thr += -mean * lr (lr = log of the per-stage
+   ratio). Then the positions and signed values of |x| > thr from the kept set where it covers thr,
+   else from a pass over a, into oi / ov. info: [0] the final thr, [1] / [2] the room a retry needs
+   in k0 / k1 and in oi / ov, [3] how many passes read a, then per later stage its mean, count and
+   kept count. Returns how many
+   were chosen; -1 where the Python path must answer (fewer than 8 passed a later threshold, a
+   threshold not finite), -2 where a set outgrew its room (info[1] / info[2] say how much). */
+int64_t ac_sidco_choose(const float* a, int64_t n, const float* cv, const int64_t* ci, int64_t nc, double cfloor,
+                        double thr, double lr, int64_t later, const double* margin, const int64_t* expect,
+                        int32_t* k0i, float* k0v, int32_t* k1i, float* k1v, int64_t kcap, int64_t* oi, float* ov,
+                        int64_t ocap, double* info) {
+    const float* kv = nc >= 0 ? cv : NULL;
+    const int32_t* k32 = NULL;
+    const int64_t* k64 = ci;
+    int64_t nk = nc;
+    double fl = cfloor;
+    info[1] = 0.0;
+    info[2] = 0.0;
+    info[3] = 0.0;
+    for (int64_t s = 0; s < later; ++s) {
+        const double f = thr + margin[s];
+        if (!(__builtin_isfinite(thr) && __builtin_isfinite(f) && f >= thr)) return -1;
+        const int cov = kv != NULL && thr >= fl;
+        const float* src = cov ? kv : a;
+        const int32_t* p32 = cov ? k32 : NULL;
+        const int64_t* p64 = cov ? k64 : NULL;
+        const int64_t ns = cov ? nk : n;
+        info[3] += cov ? 0.0 : 1.0;
+        int32_t* wi = (s & 1) ? k1i : k0i;
+        float* wv = (s & 1) ? k1v : k0v;
+        int64_t cnt = 0;
+        float sum = 0.0f;
+        int lp = ac_tail_levels(expect[s]), lp_out = 0;
+        int64_t kept = ac_tail_sum_keep(src, p32, p64, ns, (float)thr, lp, (float)f, wi, wv, kcap, &cnt, &sum, &lp_out);
+        if (lp_out != lp) {  /* the count's own levels, known now: the sum again (as the chain calls again) */
+            lp = lp_out;
+            kept = ac_tail_sum_keep(src, p32, p64, ns, (float)thr, lp, (float)f, wi, wv, kcap, &cnt, &sum, &lp_out);
+        }
+        if (cnt < 8) return -1;
+        if (kept > kcap) {
+            info[1] = (double)kept;
+            return -2;
+        }
+        const float mean = sum / (float)cnt;
+        info[4 + 3 * s] = (double)mean;
+        info[5 + 3 * s] = (double)cnt;
+        info[6 + 3 * s] = (double)kept;
+        thr = thr + -(double)mean * lr;
+        kv = wv;
+        k32 = wi;
+        k64 = NULL;
+        nk = kept;
+        fl = f;
+    }
+    if (!__builtin_isfinite(thr)) return -1;
+    const float t = (float)thr;
+    int64_t c;
+    if (kv != NULL && thr >= fl) {
+        c = k32 != NULL ? ac_pick_pairs32(kv, k32, nk, t, 1, oi, ov, ocap) : ac_pick_pairs(kv, k64, nk, t, 1, oi, ov, ocap);
+    } else {
+        c = ac_select_abs_gt_signed(a, n, t, oi, ov, ocap);
+        info[3] += 1.0;
+    }
+    if (c > ocap) {
+        info[2] = (double)c;
+        return -2;
+    }
+    info[0] = thr;
+    return c;
+}
 /* The l2 norm of one bucket in torch's order for a float32 norm over a contiguous last dimension
    whose length is a multiple of the vector width: `lanes` accumulators (element j adds its square,
    rounded, to lane j % lanes), then lane 0 + lane 1 + ... in turn, then the square root. The zero
@@ -4731,6 +4807,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_dgc_choose.argtypes = [vp, i64, vp, i64, i64, vp, vp, i64, ctypes.c_double, i64, ctypes.c_double, i64,
                                    vp, vp, vp, vp, i64]
     lib_.ac_mt_sample_take.argtypes = [vp, vp, i64, i64, vp]
+    lib_.ac_sidco_choose.restype = i64
+    lib_.ac_sidco_choose.argtypes = [vp, i64, vp, vp, i64, ctypes.c_double, ctypes.c_double, ctypes.c_double, i64,
+                                     vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_qsgd_compress.restype = ctypes.c_int
@@ -6707,6 +6786,64 @@ def sample_take(a: Tensor, m: int, gen: torch.Generator, checked: bool = False) 
         return None
     gen.set_state(st)
     return out
+
+
+class SIDCoChoice(NamedTuple):
+    """What :func:`sidco_choose` found: the payload's positions and signed values, the final
+    threshold, per later stage its shifted mean, how many passed its threshold and how many it kept
+    (the chain's hints for the next step), and how many passes read the whole tensor (the last try's)."""
+    idx: Tensor
+    vals: Tensor
+    thr: float
+    stages: list[tuple[float, int, int]]
+    reads: int
+
+
+def sidco_choose(a: Tensor, cands: tuple[float, Tensor, Tensor] | None, thr: float, lr: float,
+                 margins: list[float], expects: list[int], share: float, out_share: float) -> SIDCoChoice | None:
+    """SIDCo-E's choice over 1-D ``a`` in one C call (``ac_sidco_choose``): what
+    :meth:`~adacomp.compressors.sidco.SIDCoCompressor.choose` finds through one
+    :meth:`~adacomp.compressors.sparse.ThresholdCounter.shifted_mean_keep` per later stage
+    (:func:`tail_sum_keep`, :func:`mean_from_sum`) and the counter's pick. ``thr``: the first fit's
+    threshold; ``lr``: log of the per-stage ratio; per later stage the floor's distance above its
+    threshold (``margins``) and the count expected to pass it (``expects``, the sum's levels).
+    ``cands``: error feedback's ``(floor, positions, signed values)``. ``share`` / ``out_share``:
+    the kept sets' and the payload's expected shares of ``a``, their buffers' first size (a short
+    guess costs a second call, never another answer). None where the chain must answer: why one
+    call, ~70 Python calls and a dozen torch ops a tensor (ResNet-50: 76 a step)."""
+    n, later = a.numel(), len(margins)
+    if not (usable(a) and a.dim() == 1 and 1 <= n < 1 << 31 and len(expects) == later and sums_like_torch()):
+        return None
+    mean_from_sum(1.0, 3)  # torch's division checked once (the C divides as it does where they agree)
+    if not _div_agrees[0]:
+        return None
+    cfloor, cp, vp, nc = 0.0, None, None, -1
+    if cands is not None:
+        cfloor, cidx, cvals = cands
+        if not (_cpu_contiguous(cidx, torch.int64) and usable(cvals) and cidx.numel() == cvals.numel() >= 1):
+            return None  # (none kept: the chain's counts over an empty set)
+        cp, vp, nc = cidx.data_ptr(), cvals.data_ptr(), cvals.numel()
+    lib = library()
+    assert lib is not None
+    info = (ctypes.c_double * (4 + 3 * later))()
+    dm, de = (ctypes.c_double * max(1, later))(*margins), (ctypes.c_int64 * max(1, later))(*expects)
+    kcap = min(n, int(n * min(1.0, share) * 1.5) + 1024) if later else 0
+    ocap = min(n, int(n * min(1.0, out_share) * 1.5) + 1024)
+    for _ in range(later + 2):  # again with room for a set that outgrew its first guess
+        k0i, k0v = _compaction_buffers(kcap, torch.int32) if later else (a, a)
+        k1i, k1v = _compaction_buffers(kcap, torch.int32) if later > 1 else (a, a)
+        oi, ov = _compaction_buffers(ocap)
+        c = int(lib.ac_sidco_choose(a.data_ptr(), n, vp, cp, nc, cfloor, thr, lr, later, ctypes.addressof(dm),
+                                    ctypes.addressof(de), k0i.data_ptr(), k0v.data_ptr(), k1i.data_ptr(),
+                                    k1v.data_ptr(), kcap, oi.data_ptr(), ov.data_ptr(), ocap, ctypes.addressof(info)))
+        if c != -2:
+            break
+        kcap, ocap = max(kcap, int(info[1])), max(ocap, int(info[2]))
+    if c < 0:
+        return None
+    idx, vals = _trimmed(oi, ov, c, ocap)
+    return SIDCoChoice(idx, vals, info[0], [(info[4 + 3 * s], int(info[5 + 3 * s]), int(info[6 + 3 * s]))
+                                            for s in range(later)], int(info[3]))
 
 
 def dgc_choose(a: Tensor, gen: torch.Generator | None, m: int, ks: int,

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from adacomp.compressors import _native
 from adacomp.compressors.base import register
 from adacomp.compressors.sparse import (Magnitudes, SparseCompressor, ThresholdCounter, compensate_with_stats, k_for,
                                         search_share)
@@ -90,6 +91,12 @@ FITS: dict[str, tuple[Quantile, Quantile]] = {
     "gpareto": (gpareto_quantile, gpareto_quantile),
     "gamma": (gamma_quantile, gpareto_quantile),
 }
+
+
+class NativeChoice:
+    """Switch of :meth:`SIDCoCompressor.choose`'s one C call (``_native.sidco_choose``); off, the chain
+    of calls it stands for runs (the same answers: tests and ``bench cost cell --toggle`` flip it)."""
+    on = True
 
 
 @register("sidco")
@@ -164,7 +171,8 @@ class SIDCoCompressor(SparseCompressor):
             if counter is not None and later is exponential_quantile:  # the fit reads only their shifted mean
                 got = None
                 if tails:
-                    got = counter.shifted_mean_keep(thr, *self._tail_floor(thr, a.numel(), ratio, m1, s, hints))
+                    margin, expect, share = self._tail_hint(a.numel(), ratio, m1, s, hints)
+                    got = counter.shifted_mean_keep(thr, thr + margin, expect, share)
                 count, mean = got if got is not None else counter.shifted_mean(thr, ratio)
                 passed = count if s == 0 else passed
                 if count < 2:
@@ -182,17 +190,18 @@ class SIDCoCompressor(SparseCompressor):
             self._tails[name] = (stages, seen, passed) if tails or last is None else (*last[:2], passed)
         return thr
 
-    def _tail_floor(self, thr: float, n: int, ratio: float, m1: float, s: int,
-                    hints: list[tuple[float, int, int]]) -> tuple[float, int, float]:
-        """Later stage ``s``'s floor (where its threshold is expected: ``TAIL_MARGIN`` of the last
-        step's distance to it, as a multiple of the first fit's mean; ``thr`` itself without one),
-        the count expected to pass ``thr`` and the share of the tensor expected to pass the floor."""
+    def _tail_hint(self, n: int, ratio: float, m1: float, s: int,
+                   hints: list[tuple[float, int, int]]) -> tuple[float, int, float]:
+        """Later stage ``s``'s floor as its distance above the stage's threshold (``TAIL_MARGIN`` of
+        the last step's distance to the next threshold, as a multiple of the first fit's mean ``m1``;
+        0 without one), the count expected to pass the threshold and the share of the tensor
+        expected to pass the floor."""
         if s < len(hints):
             rho, count, kept = hints[s]
             step = -math.log(ratio) * rho * m1
             if step > 0.0 and math.isfinite(step):
-                return thr + TAIL_MARGIN * step, count, 1.25 * kept / n
-        return thr, int(n * ratio ** (s + 1)), 1.25 * ratio ** (s + 1)
+                return TAIL_MARGIN * step, count, 1.25 * kept / n
+        return 0.0, int(n * ratio ** (s + 1)), 1.25 * ratio ** (s + 1)
 
     def _slope(self, seen: dict[int, list[float]], s: int) -> int:
         """+1 if more stages pass more elements here, -1 if fewer; from the nearest other stage count
@@ -282,19 +291,24 @@ class SIDCoCompressor(SparseCompressor):
         # SIDCo-E reads the mean of |g| and then counts: on g itself with absolute answers where the C
         # passes serve (|g| not written); the other fits read |g| whole, written in a reused buffer
         mag = Magnitudes(flat, ws, write=self.distribution != "exponential", known=self._kept().take(name, flat))
-        a = mag.a if mag.a is not None else flat
-        counter = ThresholdCounter(a, True, ws, absolute=mag.a is None)  # scratch mask; stages' thresholds vary
-        cands = mag.candidates(strict=True)
-        if cands is not None:  # the add's candidates: a threshold above their floor reads them alone
-            counter.adopt(*cands, signed=True)
         st = self._state.setdefault(name, {"stages": min(self.stages, self.max_stages()), "sum": 0.0, "n": 0,
                                            "window": 0, "seen": {}})
         stages = int(st["stages"])
         last = self._fit_shares.get(name, (0, 0.0, 0.0))[2]
-        thr = self.threshold(a, stages, counter, mag.mean(), name)
         share = max(self._density, 1.25 * last)  # a guess of its size: a short one costs a pass
-        got = counter.pick(thr, share)
-        idx, vals = got if got is not None else (counter.select(thr, share), None)
+        got = self._one_call(flat, name, mag, stages, share)
+        vals: Tensor | None
+        if got is not None:
+            idx, vals = got.idx, got.vals
+        else:
+            a = mag.a if mag.a is not None else flat
+            counter = ThresholdCounter(a, True, ws, absolute=mag.a is None)  # scratch mask; stages' thresholds vary
+            cands = mag.candidates(strict=True)
+            if cands is not None:  # the add's candidates: a threshold above their floor reads them alone
+                counter.adopt(*cands, signed=True)
+            thr = self.threshold(a, stages, counter, mag.mean(), name)
+            picked = counter.pick(thr, share)
+            idx, vals = picked if picked is not None else (counter.select(thr, share), None)
         n = flat.numel()
         # the first fit's pass: what passed its threshold, else (one stage) the selection itself
         passed = self._tails[name][2]
@@ -303,6 +317,26 @@ class SIDCoCompressor(SparseCompressor):
         if self.adaptive:
             self._adapt(st, idx.numel(), k)
         return (idx, vals) if idx.numel() else (mag.argmax(), None)
+
+    def _one_call(self, flat: Tensor, name: str, mag: Magnitudes, stages: int,
+                  share: float) -> _native.SIDCoChoice | None:
+        """SIDCo-E's :meth:`threshold` and pick in one C call (:func:`_native.sidco_choose`), with its
+        hints for the next step kept as :meth:`threshold` keeps them; None where the chain runs
+        (:class:`NativeChoice` off, other fits, |g| written, a case the C leaves to it)."""
+        if not (NativeChoice.on and mag.a is None and self.one_read_stages and self.distribution == "exponential"):
+            return None
+        n, m1 = flat.numel(), mag.mean()
+        ratio = self._density ** (1.0 / stages)
+        last = self._tails.get(name)
+        hints = last[1] if last is not None and last[0] == stages else []
+        plan = [self._tail_hint(n, ratio, m1, s, hints) for s in range(stages - 1)]
+        got = _native.sidco_choose(flat, mag.candidates(strict=True), exponential_quantile(flat, ratio, m1),
+                                   math.log(ratio), [p[0] for p in plan], [p[1] for p in plan],
+                                   max((p[2] for p in plan), default=0.0), share)
+        if got is not None:
+            seen = [(mean / m1 if m1 > 0 else 0.0, count, kept) for mean, count, kept in got.stages]
+            self._tails[name] = (stages, seen, seen[0][1] if seen else -1)
+        return got
 
     def stages_for(self, name: str) -> int:
         """Current number of fitting stages of tensor ``name`` (``stages`` before its first call)."""
