@@ -1356,8 +1356,8 @@ def test_sidco_choose_is_torchs_stages_and_pick(case: str, avx2_switch: str, one
         floor = 0.5 * thr0
         at = torch.nonzero(a.abs() > floor).view(-1)
         cands = (floor, at, a[at].clone())
-    share = 1e-6 if case == "short_room" else 1.25 * ratio
-    got = _native.sidco_choose(a, cands, thr0, lr, margins, expects, share, 1e-6 if case == "short_room" else 0.02)
+    shares = [1e-6 if case == "short_room" else 1.25 * ratio ** (s + 1) for s in range(later)]
+    got = _native.sidco_choose(a, cands, thr0, lr, margins, expects, shares, 1e-6 if case == "short_room" else 0.02)
     if case == "declines":
         assert got is None
         return

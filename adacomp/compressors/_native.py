@@ -4541,26 +4541,24 @@ int64_t ac_dgc_choose(const float* a, int64_t n, uint8_t* st, int64_t m, int64_t
    ac_tail_sum_keep at thr (as a float32) with the floor thr + margin[s] (in double, as Python adds;
    levels guessed from expect[s]) over the kept set where thr >= its floor (the error-feedback pass's
    candidates cv / ci, nc of them kept at cfloor, nc < 0: none; then each stage's own set, int32
-   positions, written into k0 / k1 in turn), else over a; its mean is the float32 quotient of the sum
+   positions, written into k0 / k1 in turn, kcap0 / kcap1 of room), else over a; its mean is the float32 quotient of the sum
    and the count (torch's mean from its sum) and thr += -mean * lr (lr = log of the per-stage
    ratio). Then the positions and signed values of |x| > thr from the kept set where it covers thr,
-   else from a pass over a, into oi / ov. info: [0] the final thr, [1] / [2] the room a retry needs
-   in k0 / k1 and in oi / ov, [3] how many passes read a, then per later stage its mean, count and
+   else from a pass over a, into oi / ov. info: [0] the final thr, [1] / [2] / [3] the room a retry
+   needs in k0, k1 and oi / ov, [4] how many passes read a, then per later stage its mean, count and
    kept count. Returns how many
    were chosen; -1 where the Python path must answer (fewer than 8 passed a later threshold, a
-   threshold not finite), -2 where a set outgrew its room (info[1] / info[2] say how much). */
+   threshold not finite), -2 where a set outgrew its room (info[1-3] say how much). */
 int64_t ac_sidco_choose(const float* a, int64_t n, const float* cv, const int64_t* ci, int64_t nc, double cfloor,
                         double thr, double lr, int64_t later, const double* margin, const int64_t* expect,
-                        int32_t* k0i, float* k0v, int32_t* k1i, float* k1v, int64_t kcap, int64_t* oi, float* ov,
-                        int64_t ocap, double* info) {
+                        int32_t* k0i, float* k0v, int64_t kcap0, int32_t* k1i, float* k1v, int64_t kcap1,
+                        int64_t* oi, float* ov, int64_t ocap, double* info) {
     const float* kv = nc >= 0 ? cv : NULL;
     const int32_t* k32 = NULL;
     const int64_t* k64 = ci;
     int64_t nk = nc;
     double fl = cfloor;
-    info[1] = 0.0;
-    info[2] = 0.0;
-    info[3] = 0.0;
+    for (int q = 1; q < 5; ++q) info[q] = 0.0;
     for (int64_t s = 0; s < later; ++s) {
         const double f = thr + margin[s];
         if (!(__builtin_isfinite(thr) && __builtin_isfinite(f) && f >= thr)) return -1;
@@ -4569,9 +4567,10 @@ int64_t ac_sidco_choose(const float* a, int64_t n, const float* cv, const int64_
         const int32_t* p32 = cov ? k32 : NULL;
         const int64_t* p64 = cov ? k64 : NULL;
         const int64_t ns = cov ? nk : n;
-        info[3] += cov ? 0.0 : 1.0;
+        info[4] += cov ? 0.0 : 1.0;
         int32_t* wi = (s & 1) ? k1i : k0i;
         float* wv = (s & 1) ? k1v : k0v;
+        const int64_t kcap = (s & 1) ? kcap1 : kcap0;
         int64_t cnt = 0;
         float sum = 0.0f;
         int lp = ac_tail_levels(expect[s]), lp_out = 0;
@@ -4582,13 +4581,13 @@ int64_t ac_sidco_choose(const float* a, int64_t n, const float* cv, const int64_
         }
         if (cnt < 8) return -1;
         if (kept > kcap) {
-            info[1] = (double)kept;
+            info[1 + (s & 1)] = (double)kept;
             return -2;
         }
         const float mean = sum / (float)cnt;
-        info[4 + 3 * s] = (double)mean;
-        info[5 + 3 * s] = (double)cnt;
-        info[6 + 3 * s] = (double)kept;
+        info[5 + 3 * s] = (double)mean;
+        info[6 + 3 * s] = (double)cnt;
+        info[7 + 3 * s] = (double)kept;
         thr = thr + -(double)mean * lr;
         kv = wv;
         k32 = wi;
@@ -4603,10 +4602,10 @@ int64_t ac_sidco_choose(const float* a, int64_t n, const float* cv, const int64_
         c = k32 != NULL ? ac_pick_pairs32(kv, k32, nk, t, 1, oi, ov, ocap) : ac_pick_pairs(kv, k64, nk, t, 1, oi, ov, ocap);
     } else {
         c = ac_select_abs_gt_signed(a, n, t, oi, ov, ocap);
-        info[3] += 1.0;
+        info[4] += 1.0;
     }
     if (c > ocap) {
-        info[2] = (double)c;
+        info[3] = (double)c;
         return -2;
     }
     info[0] = thr;
@@ -4809,7 +4808,7 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_mt_sample_take.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_sidco_choose.restype = i64
     lib_.ac_sidco_choose.argtypes = [vp, i64, vp, vp, i64, ctypes.c_double, ctypes.c_double, ctypes.c_double, i64,
-                                     vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp]
+                                     vp, vp, vp, vp, i64, vp, vp, i64, vp, vp, i64, vp]
     lib_.ac_mt_uniform.restype = ctypes.c_int
     lib_.ac_mt_uniform.argtypes = [vp, vp, i64]
     lib_.ac_qsgd_compress.restype = ctypes.c_int
@@ -6800,19 +6799,20 @@ class SIDCoChoice(NamedTuple):
 
 
 def sidco_choose(a: Tensor, cands: tuple[float, Tensor, Tensor] | None, thr: float, lr: float,
-                 margins: list[float], expects: list[int], share: float, out_share: float) -> SIDCoChoice | None:
+                 margins: list[float], expects: list[int], shares: list[float], out_share: float) -> SIDCoChoice | None:
     """SIDCo-E's choice over 1-D ``a`` in one C call (``ac_sidco_choose``): what
     :meth:`~adacomp.compressors.sidco.SIDCoCompressor.choose` finds through one
     :meth:`~adacomp.compressors.sparse.ThresholdCounter.shifted_mean_keep` per later stage
     (:func:`tail_sum_keep`, :func:`mean_from_sum`) and the counter's pick. ``thr``: the first fit's
     threshold; ``lr``: log of the per-stage ratio; per later stage the floor's distance above its
-    threshold (``margins``) and the count expected to pass it (``expects``, the sum's levels).
-    ``cands``: error feedback's ``(floor, positions, signed values)``. ``share`` / ``out_share``:
-    the kept sets' and the payload's expected shares of ``a``, their buffers' first size (a short
-    guess costs a second call, never another answer). None where the chain must answer: why one
-    call, ~70 Python calls and a dozen torch ops a tensor (ResNet-50: 76 a step)."""
+    threshold (``margins``), the count expected to pass it (``expects``, the sum's levels) and the
+    share of ``a`` expected to pass the floor (``shares``). ``cands``: error feedback's ``(floor,
+    positions, signed values)``. ``shares`` / ``out_share`` (the payload's) size the buffers first
+    (the chain's guesses; a short one costs a second call, never another answer). None where the
+    chain must answer: why one call, ~50 Python calls and 4 torch ops a tensor fewer (ResNet-50: 76 a step)."""
     n, later = a.numel(), len(margins)
-    if not (usable(a) and a.dim() == 1 and 1 <= n < 1 << 31 and len(expects) == later and sums_like_torch()):
+    if not (usable(a) and a.dim() == 1 and 1 <= n < 1 << 31 and len(expects) == len(shares) == later
+            and sums_like_torch()):
         return None
     mean_from_sum(1.0, 3)  # torch's division checked once (the C divides as it does where they agree)
     if not _div_agrees[0]:
@@ -6825,25 +6825,29 @@ def sidco_choose(a: Tensor, cands: tuple[float, Tensor, Tensor] | None, thr: flo
         cp, vp, nc = cidx.data_ptr(), cvals.data_ptr(), cvals.numel()
     lib = library()
     assert lib is not None
-    info = (ctypes.c_double * (4 + 3 * later))()
+    info = (ctypes.c_double * (5 + 3 * later))()
     dm, de = (ctypes.c_double * max(1, later))(*margins), (ctypes.c_int64 * max(1, later))(*expects)
-    kcap = min(n, int(n * min(1.0, share) * 1.5) + 1024) if later else 0
-    ocap = min(n, int(n * min(1.0, out_share) * 1.5) + 1024)
+
+    def room(share: float) -> int:  # a compaction's first guess (_compacted's)
+        return min(n, int(n * min(1.0, share) * 1.5) + 1024)
+    # the even stages write k0, the odd ones k1 (each reads the other's)
+    caps = [max((room(x) for x in shares[p::2]), default=0) for p in (0, 1)] + [room(out_share)]
     for _ in range(later + 2):  # again with room for a set that outgrew its first guess
-        k0i, k0v = _compaction_buffers(kcap, torch.int32) if later else (a, a)
-        k1i, k1v = _compaction_buffers(kcap, torch.int32) if later > 1 else (a, a)
-        oi, ov = _compaction_buffers(ocap)
+        k0i, k0v = _compaction_buffers(caps[0], torch.int32) if caps[0] else (a, a)
+        k1i, k1v = _compaction_buffers(caps[1], torch.int32) if caps[1] else (a, a)
+        oi, ov = _compaction_buffers(caps[2])
         c = int(lib.ac_sidco_choose(a.data_ptr(), n, vp, cp, nc, cfloor, thr, lr, later, ctypes.addressof(dm),
-                                    ctypes.addressof(de), k0i.data_ptr(), k0v.data_ptr(), k1i.data_ptr(),
-                                    k1v.data_ptr(), kcap, oi.data_ptr(), ov.data_ptr(), ocap, ctypes.addressof(info)))
+                                    ctypes.addressof(de), k0i.data_ptr(), k0v.data_ptr(), caps[0], k1i.data_ptr(),
+                                    k1v.data_ptr(), caps[1], oi.data_ptr(), ov.data_ptr(), caps[2],
+                                    ctypes.addressof(info)))
         if c != -2:
             break
-        kcap, ocap = max(kcap, int(info[1])), max(ocap, int(info[2]))
+        caps = [max(cap, int(info[1 + q])) for q, cap in enumerate(caps)]
     if c < 0:
         return None
-    idx, vals = _trimmed(oi, ov, c, ocap)
-    return SIDCoChoice(idx, vals, info[0], [(info[4 + 3 * s], int(info[5 + 3 * s]), int(info[6 + 3 * s]))
-                                            for s in range(later)], int(info[3]))
+    idx, vals = _trimmed(oi, ov, c, caps[2])
+    return SIDCoChoice(idx, vals, info[0], [(info[5 + 3 * s], int(info[6 + 3 * s]), int(info[7 + 3 * s]))
+                                            for s in range(later)], int(info[4]))
 
 
 def dgc_choose(a: Tensor, gen: torch.Generator | None, m: int, ks: int,

@@ -332,7 +332,7 @@ class SIDCoCompressor(SparseCompressor):
         plan = [self._tail_hint(n, ratio, m1, s, hints) for s in range(stages - 1)]
         got = _native.sidco_choose(flat, mag.candidates(strict=True), exponential_quantile(flat, ratio, m1),
                                    math.log(ratio), [p[0] for p in plan], [p[1] for p in plan],
-                                   max((p[2] for p in plan), default=0.0), share)
+                                   [p[2] for p in plan], share)
         if got is not None:
             seen = [(mean / m1 if m1 > 0 else 0.0, count, kept) for mean, count, kept in got.stages]
             self._tails[name] = (stages, seen, seen[0][1] if seen else -1)
