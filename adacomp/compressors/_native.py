@@ -5562,6 +5562,11 @@ def _signed_again(lib: ctypes.CDLL, mode: str, out: Tensor, thr: float) -> Calla
     return lambda i, v, cap: int(f(ptr, n, thr, i, v, cap))
 
 
+def _first_room(n: int, expected: float) -> int:
+    """A compaction's first guess of its size: 1.5 times the ``expected`` share of ``n``, plus 1024."""
+    return min(n, int(n * min(1.0, expected) * 1.5) + 1024)
+
+
 def _compacted(call: Callable[[int, int, int], int], n: int, expected: float,
                again: Callable[[int, int, int], int] | None = None,
                buffers: Callable[[int], tuple[Tensor, Tensor]] = _compaction_buffers) -> tuple[Tensor, Tensor]:
@@ -5571,7 +5576,7 @@ def _compacted(call: Callable[[int, int, int], int], n: int, expected: float,
     its candidates: one read of that sum, not the fused pass again; on real gradients a sampled
     floor passed up to 14 times its target, cost_notes item 53). ``buffers(cap)``: the two outputs
     (this thread's pool by default)."""
-    cap = min(n, int(n * min(1.0, expected) * 1.5) + 1024)
+    cap = _first_room(n, expected)
     while True:
         # reused while nobody holds them (a search's candidates are dropped once its compressor has
         # picked): fresh multi-MB buffers here page-faulted on alternate steps (MSTop-k on VGG-16's fc6:
@@ -6827,11 +6832,8 @@ def sidco_choose(a: Tensor, cands: tuple[float, Tensor, Tensor] | None, thr: flo
     assert lib is not None
     info = (ctypes.c_double * (5 + 3 * later))()
     dm, de = (ctypes.c_double * max(1, later))(*margins), (ctypes.c_int64 * max(1, later))(*expects)
-
-    def room(share: float) -> int:  # a compaction's first guess (_compacted's)
-        return min(n, int(n * min(1.0, share) * 1.5) + 1024)
-    # the even stages write k0, the odd ones k1 (each reads the other's)
-    caps = [max((room(x) for x in shares[p::2]), default=0) for p in (0, 1)] + [room(out_share)]
+    # the even stages write k0, the odd ones k1 (each reads the other's); sized as the chain's first guesses
+    caps = [max((_first_room(n, x) for x in shares[p::2]), default=0) for p in (0, 1)] + [_first_room(n, out_share)]
     for _ in range(later + 2):  # again with room for a set that outgrew its first guess
         k0i, k0v = _compaction_buffers(caps[0], torch.int32) if caps[0] else (a, a)
         k1i, k1v = _compaction_buffers(caps[1], torch.int32) if caps[1] else (a, a)
