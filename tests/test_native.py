@@ -1580,25 +1580,28 @@ def test_owed_compensation_with_product_is_the_two_passes(n: int, m: int, r0: in
 
 
 def _habit_run(memory: Any, comp: Any, other: Any, comm_name: str, grads: list[list[torch.Tensor]],
-               junk: list[torch.Tensor], habit: str, pending: Any) -> tuple[list[torch.Tensor], int, set[int]]:
-    """Steps of compensate, exchange (the real communicator on one rank) and update over ``grads``,
-    with ``habit`` after step 2 (``rollback``: a junk round rolled back; ``state_dict``: a read of
-    every state tensor; ``rescale``) and ``other`` compressing step 3. Returns every compensated
-    tensor and output kept, then the memory's state dicts' tensors; the sum of ``pending()`` after
-    each step; the first tensor's compensated buffers from step 2 on."""
+               junk: list[torch.Tensor], habit: str, pending: Any,
+               backend: Any = None) -> tuple[list[torch.Tensor], int, set[int]]:
+    """Steps of compensate, exchange (the real communicator on one rank, or on ``backend``'s ranks)
+    and update over ``grads``, with ``habit`` after step 2 (``rollback``: a junk round rolled back;
+    ``state_dict``: a read of every state tensor; ``rescale``) and ``other`` compressing step 3.
+    Returns every compensated tensor and output kept, then the memory's state dicts' tensors; the
+    sum of ``pending()`` after each step; the first tensor's compensated buffers from step 2 on."""
     from adacomp.backends.base import LocalBackend
     from adacomp.communicators import get as get_communicator
     from adacomp.communicators.base import CommEnv, Entry
     from adacomp.engine.error_feedback import exchange
     from adacomp.engine.metrics import StepStats
-    comm, env = get_communicator(comm_name), CommEnv(LocalBackend(), StepStats())
+    comm, env = get_communicator(comm_name), CommEnv(backend or LocalBackend(), StepStats())
+    world = env.backend.size()
     seen: list[torch.Tensor] = []
     buffers: set[int] = set()
     count = 0
 
     def one(now: list[torch.Tensor], c: Any = comp, keep: bool = True) -> None:
         nonlocal count
-        entries = [Entry(f"w{i}", memory.compensate(grad.clone(), f"w{i}", compressor=c), c, memory)
+        entries = [Entry(f"w{i}", memory.compensate(grad.clone(), f"w{i}", world, compressor=c,
+                                                    pieces=comm.pieces(f"w{i}", grad.numel(), world)), c, memory)
                    for i, grad in enumerate(now)]
         if keep:
             seen.extend(e.tensor.clone() for e in entries)

@@ -176,15 +176,76 @@ class Memory:
                                       "loss scale; implement rescale()")
 
 
+class OwedSpans(NamedTuple):
+    """What a stand-in compressor's ``defer_residual`` returns for a tensor whose spans its
+    ``compressor`` compressed one by one (``alltoall``'s parts): that compressor's own token per
+    ``(lo, hi)`` span of the flat tensor (None for an empty span). The memory then owes the residual
+    to ``compressor``, span by span (:class:`Owed`)."""
+
+    compressor: Any
+    spans: tuple[tuple[int, int], ...]
+    tokens: tuple[Any, ...]
+
+
 @dataclass(frozen=True)
 class Owed:
     """A residual not yet written: what ``compressor.owed_residual(base, token)`` writes, of the base
     tensor :class:`ResidualMemory` stores under the same name (``Compressor.defer_residual``). The
     compressor adds it inside the next compensation's pass (``compensate_owed``); anything else
-    that reads the residual has it written first."""
+    that reads the residual has it written first. ``spans``: the residual is owed span by span of
+    the flat tensor, ``token`` holding the compressor's token of each (:class:`OwedSpans`)."""
 
     compressor: Any
     token: Any
+    spans: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def of(cls, compressor: Any, token: Any) -> "Owed":
+        """What ``compressor.defer_residual`` returned (``token``), owed to whom its next compensation
+        will hand: ``compressor``, or the compressor of the spans for an :class:`OwedSpans`."""
+        if isinstance(token, OwedSpans):
+            return cls(token.compressor, token.tokens, token.spans)
+        return cls(compressor, token)
+
+    def takes(self, compressor: Any, key: str | None, pieces: Pieces | None) -> bool:
+        """Whether :meth:`compensate` may run for a compensation by ``compressor`` of the tensor
+        compressed whole under ``key``, or in ``pieces``: the same compressor and the same spans."""
+        if self.compressor is not compressor:
+            return False
+        if self.spans is None:
+            return key is not None
+        return pieces is not None and tuple((lo, hi) for _, lo, hi in pieces) == self.spans
+
+    def write(self, base: Tensor, out: Tensor) -> Tensor:
+        """The residual into ``out`` (a tensor like ``base``, not ``base`` itself)."""
+        if self.spans is None:
+            return self.compressor.owed_residual(base, self.token, out)
+        bf, of = flat_of(base), flat_view(out)
+        for (lo, hi), token in zip(self.spans, self.token):
+            if hi > lo:
+                self.compressor.owed_residual(bf[lo:hi], token, of[lo:hi])
+        return out
+
+    def compensate(self, g: Tensor, base: Tensor, out: Tensor, key: str | None, pieces: Pieces | None) -> bool:
+        """``out = g + residual`` with the residual subtracted inside the compressor's compensation
+        pass (``compensate_owed``), whole or span by span (:meth:`takes` said it may); False, nothing
+        written, where the compressor declines everywhere. A span it declines among spans it takes
+        gets its residual written into ``out`` and ``g`` added there (the same values; the spans it
+        took keep their selections)."""
+        if self.spans is None:
+            assert key is not None  # takes() checked it
+            return bool(self.compressor.compensate_owed(g, base, self.token, out, key))
+        assert pieces is not None  # takes() checked it
+        gf, bf, of = flat_of(g), flat_of(base), flat_view(out)
+        took = [hi > lo and bool(self.compressor.compensate_owed(gf[lo:hi], bf[lo:hi], token, of[lo:hi], k))
+                for (k, lo, hi), token in zip(pieces, self.token)]
+        if not any(took):
+            return False
+        for (_, lo, hi), token, done in zip(pieces, self.token, took):
+            if not done and hi > lo:
+                self.compressor.owed_residual(bf[lo:hi], token, of[lo:hi])
+                torch.add(gf[lo:hi], of[lo:hi], out=of[lo:hi])
+        return True
 
 
 class Snapshot(NamedTuple):
@@ -301,7 +362,7 @@ class ResidualMemory(Memory):
         """Write the residual deferred for ``name`` (see :class:`Owed`) into a new tensor."""
         owed = self._owed.pop(name)
         base = self._stored[name]
-        self._stored[name] = owed.compressor.owed_residual(base, owed.token, torch.empty_like(base))
+        self._stored[name] = owed.write(base, torch.empty_like(base))
         return self._stored[name]
 
     def compensate(self, tensor: Tensor, name: str, world: int = 1, compressor: Any = None,
@@ -317,8 +378,7 @@ class ResidualMemory(Memory):
         in_place = getattr(compressor, "residual_in_place", False)
         owed = self._owed.get(name)
         key = whole_key(name, tensor.numel(), pieces)
-        if owed is not None and not (in_place and key is not None and self.beta == 1.0
-                                     and owed.compressor is compressor):
+        if owed is not None and not (in_place and self.beta == 1.0 and owed.takes(compressor, key, pieces)):
             r, owed = self._settle(name), None
         if in_place:
             # the same add as below, into the buffer update() will keep (see the class docstring);
@@ -328,8 +388,7 @@ class ResidualMemory(Memory):
             spare = kept if kept is not None and fits(kept, tensor) and kept is not r else torch.empty_like(tensor)
             self._spare[name] = spare
             if owed is not None:  # the residual's subtraction inside the compensation's pass
-                assert key is not None  # checked above
-                if owed.compressor.compensate_owed(tensor, r, owed.token, spare, key):
+                if owed.compensate(tensor, r, spare, key, pieces):
                     return spare
                 r = self._settle(name)
             if self.beta != 1.0:
@@ -385,7 +444,7 @@ class ResidualMemory(Memory):
             defer = self._deferrable(compressor)
             token = defer(tensor, payload, ctx) if defer is not None else None
             if token is not None:
-                self._owed[name] = Owed(compressor, token)
+                self._owed[name] = Owed.of(compressor, token)
             else:
                 compressor.residual(tensor, payload, ctx, out)
         else:
