@@ -780,6 +780,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--toggle", metavar="MODULE:NAME.ATTR",
                    help="alternate a boolean switch of the code over the timed steps (cost_profile.Toggle): "
                         "on_s, off_s, on_x_floor, off_x_floor")
+    c.add_argument("--cells", type=int, metavar="N",
+                   help="with --toggle: N pairs of whole cells in this process, the switch on then off, instead "
+                        "of alternating steps (a switch whose effect spans steps; cost_profile.Toggle.cells): "
+                        "on_s, off_s, on_p10_s, off_p10_s, on_x_floor, off_x_floor, on_cells_x_floor, off_cells_x_floor")
     c.add_argument("--against", metavar="REV",
                    help="alternate this checkout's C library and one built from another version's _native.py "
                         "(a git revision or a path) over the timed steps (cost_profile.Against): on_s, off_s, "
@@ -838,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("adacomp bench cost cell: --against times the steps alone; run it without --calls or perf")
         if args.toggle and (args.calls or args.perf_control):
             raise SystemExit("adacomp bench cost cell: --toggle times the steps alone; run it without --calls or perf")
+        if args.cells is not None and (not args.toggle or args.cells < 1):
+            raise SystemExit("adacomp bench cost cell: --cells N (N >= 1) alternates whole cells of a --toggle switch")
         if args.ops and (args.calls or args.perf_control or args.toggle or args.against):
             raise SystemExit("adacomp bench cost cell: --ops counts the steps' aten ops and slows them; "
                              "run it without --calls, --toggle, --against or perf")
@@ -850,6 +856,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.perf_control:
             cost_profile.connect(args.perf_control)
         clock = cost_profile.CallClock() if args.calls else None
+        if args.cells is not None:
+            assert isinstance(toggle, cost_profile.Toggle)
+            print(json.dumps(toggle.cells(args.cells, lambda: cell(args.model, args.method, args.steps, args.grads,
+                                                                   args.grads_file, args.sizes, None, args.warmup))))
+            return 0
         try:
             got = cell(args.model, args.method, args.steps, args.grads, args.grads_file, args.sizes,
                        clock.around if clock is not None else around, args.warmup)

@@ -238,6 +238,37 @@ class Toggle:
         return {"toggle": self.spec, **alternated(got)}
 
 
+    def cells(self, pairs: int, one: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``cell --toggle SPEC --cells N``: N pairs of whole cells ``one()`` in this process, the switch
+        on for the first of each pair and off for the second. Why: a switch whose effect spans steps
+        (a residual left to the next step's pass) cannot alternate step by step, where each step
+        would pay half of either way; whole cells, each with its own state and warm-up, can. Returns
+        the last cell's record with, per way, the median step (``on_s``), the median step over its
+        floor (``on_x_floor``), the tenth percentile of the steps (``on_p10_s``) and each cell's median
+        ratio (``on_cells_x_floor``)."""
+        import statistics
+        runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+        got: dict[str, Any] = {}
+        for _ in range(pairs):
+            for on in (True, False):
+                was = getattr(self.owner, self.attr)
+                setattr(self.owner, self.attr, on)
+                try:
+                    got = one()
+                finally:
+                    setattr(self.owner, self.attr, was)
+                runs[on].append(got)
+        out = {**got, "toggle": self.spec, "cells": pairs}
+        for on, way in ((True, "on"), (False, "off")):
+            steps = sorted(s for c in runs[on] for s in c["steps_s"])
+            out[f"{way}_s"] = statistics.median(steps)
+            out[f"{way}_p10_s"] = steps[len(steps) // 10]
+            out[f"{way}_x_floor"] = statistics.median(a / b for c in runs[on] for a, b in zip(c["steps_s"], c["floors_s"]))
+            out[f"{way}_cells_x_floor"] = [statistics.median(a / b for a, b in zip(c["steps_s"], c["floors_s"]))
+                                           for c in runs[on]]
+        return out
+
+
 def alternated(got: dict[str, Any]) -> dict[str, Any]:
     """Of a cell whose timed steps alternated two ways (even steps "on", odd ones "off"): per way, the
     median step, and the median of each step over the floor timed after it."""

@@ -30,7 +30,7 @@ Choices the paper leaves open, stated here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -113,6 +113,10 @@ class _Joined:
     """The parts of one tensor seen as one compression: what the route memory's update and the
     step's statistics expect (``decompress`` gives the whole tensor; sparse payloads use global indices)."""
 
+    defers: ClassVar[bool] = True
+    """Whether :meth:`defer_residual` may leave the parts' residuals owed (a speed path; results are
+    the same either way): the switch of ``adacomp bench cost cell --toggle ... --cells``."""
+
     def __init__(self, comp: Compressor, parts: list[_Part], spans: list[tuple[int, int]], like: Tensor):
         self.comp, self.parts, self.spans, self.like = comp, parts, spans, like
         self.name, self.sparse = comp.name, comp.sparse
@@ -164,7 +168,7 @@ class _Joined:
         under the same keys (``pieces``); None unless every non-empty part's is. Why: ResNet-50's
         alltoall wrote ~20 zeroings a step of 4K-12K scattered positions each, a write miss apiece."""
         defer = getattr(self.comp, "defer_residual", None)
-        if defer is None:
+        if defer is None or not _Joined.defers:
             return None
         flat = flat_of(tensor)
         tokens = []
