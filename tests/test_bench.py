@@ -554,27 +554,27 @@ def test_cost_cell_toggle_alternates_a_switch_over_the_timed_steps(tmp_path):
 def test_cost_cell_toggle_cells_alternates_whole_cells(tmp_path):
     """``cell --toggle SPEC --cells N``: N pairs of whole cells, the switch on in the first of each and
     off in the second (restored after each), each way's medians over its cells' steps; alltoall's
-    parts' residuals left owed then written (the switch ``_Joined.defers``) through the command; without
-    --toggle it is refused."""
+    residuals left owed then written (the switch ``ResidualMemory.defers``) through the command;
+    without --toggle it is refused."""
     from adacomp.bench import cost_profile
-    from adacomp.communicators.alltoall import _Joined
-    toggle = cost_profile.Toggle("adacomp.communicators.alltoall:_Joined.defers")
+    from adacomp.memories.base import ResidualMemory
+    toggle = cost_profile.Toggle("adacomp.memories.base:ResidualMemory.defers")
     seen: list[bool] = []
     cells = iter([{"steps_s": [2.0, 4.0], "floors_s": [1.0, 1.0]}, {"steps_s": [6.0, 8.0], "floors_s": [2.0, 2.0]},
                   {"steps_s": [2.0, 2.0], "floors_s": [1.0, 2.0]}, {"steps_s": [8.0, 8.0], "floors_s": [2.0, 4.0]}])
 
     def one() -> dict:
-        seen.append(_Joined.defers)
+        seen.append(ResidualMemory.defers)
         return next(cells)
     got = toggle.cells(2, one)
-    assert seen == [True, False, True, False] and _Joined.defers is True
+    assert seen == [True, False, True, False] and ResidualMemory.defers is True
     assert (got["on_s"], got["off_s"], got["on_p10_s"], got["off_p10_s"]) == (2.0, 8.0, 2.0, 6.0)
     assert got["on_cells_x_floor"] == [3.0, 1.5] and got["off_cells_x_floor"] == [3.5, 3.0]
     assert (got["on_x_floor"], got["off_x_floor"]) == (2.0, 3.5) and got["cells"] == 2
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = subprocess.run([*BENCH, "cost", "cell", "--model", "resnet50", "--method", "alltoall", "--steps", "2",
                           "--warmup", "2", "--sizes", "2000000:3000000", "--toggle",
-                          "adacomp.communicators.alltoall:_Joined.defers", "--cells", "1"],
+                          "adacomp.memories.base:ResidualMemory.defers", "--cells", "1"],
                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

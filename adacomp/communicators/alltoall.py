@@ -30,7 +30,7 @@ Choices the paper leaves open, stated here:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -113,10 +113,6 @@ class _Joined:
     """The parts of one tensor seen as one compression: what the route memory's update and the
     step's statistics expect (``decompress`` gives the whole tensor; sparse payloads use global indices)."""
 
-    defers: ClassVar[bool] = True
-    """Whether :meth:`defer_residual` may leave the parts' residuals owed (a speed path; results are
-    the same either way): the switch of ``adacomp bench cost cell --toggle ... --cells``."""
-
     def __init__(self, comp: Compressor, parts: list[_Part], spans: list[tuple[int, int]], like: Tensor):
         self.comp, self.parts, self.spans, self.like = comp, parts, spans, like
         self.name, self.sparse = comp.name, comp.sparse
@@ -168,7 +164,7 @@ class _Joined:
         under the same keys (``pieces``); None unless every non-empty part's is. Why: ResNet-50's
         alltoall wrote ~20 zeroings a step of 4K-12K scattered positions each, a write miss apiece."""
         defer = getattr(self.comp, "defer_residual", None)
-        if defer is None or not _Joined.defers:
+        if defer is None:
             return None
         flat = flat_of(tensor)
         tokens = []
@@ -358,8 +354,8 @@ class AlltoallCommunicator(Communicator):
             values = [flat_of(c[0]) for c in copies]
             comp = e.compressor
             into: Any = getattr(comp, "compensate_mean_into")
-            summed = self.second.compensate_with(e.name, hi - lo, comp,
-                                                 lambda r, out: bool(into(at, values, world, r, out, key)))
+            summed = self.second.compensate_with(
+                e.name, hi - lo, comp, lambda r, out, owed: bool(into(at, values, world, r, out, key, owed)))
             if summed is not None:
                 part = _compress(comp, summed, key)
                 e.also_charge(Charge(self.second, summed, e.name, comp, part.payload, part.ctx))

@@ -11,7 +11,7 @@ owner unchanged.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,14 +37,6 @@ class PartResidualMemory(ResidualMemory):
     memory registry: the ``alltoall`` communicator declares it (``Communicator.memories``)."""
 
     name = "parts"
-
-    def _deferrable(self, compressor: Any) -> Callable[[Tensor, list[Tensor], Any], Any] | None:
-        # the second stage compensates through compensate_with (the ranks' sparse mean added unwritten,
-        # TopkCompressor.compensate_mean_into), which reads a written residual: a sparsifier's zeroing
-        # left owed would cost that fused pass, more than the zeroing's write misses on a part
-        if getattr(compressor, "sparse", False):
-            return None
-        return super()._deferrable(compressor)
 
     def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
         parts = [s.get("residuals", {}) for s in states]
