@@ -354,8 +354,8 @@ class AlltoallCommunicator(Communicator):
             values = [flat_of(c[0]) for c in copies]
             comp = e.compressor
             into: Any = getattr(comp, "compensate_mean_into")
-            summed = self.second.compensate_with(
-                e.name, hi - lo, comp, lambda r, out, owed: bool(into(at, values, world, r, out, key, owed)))
+            summed = self.second.compensate_with(e.name, hi - lo, comp,
+                                                 lambda r, out: bool(into(at, values, world, r, out, key)))
             if summed is not None:
                 part = _compress(comp, summed, key)
                 e.also_charge(Charge(self.second, summed, e.name, comp, part.payload, part.ctx))

@@ -2712,24 +2712,19 @@ __attribute__((target("avx2"))) static int64_t sm_add_select_avx2(float* m, cons
                                                                  int64_t len, float t, int pow2, float inv,
                                                                  float divisor, int stream, int64_t at,
                                                                  int64_t* idx, float* vals, int64_t cap,
-                                                                 int64_t* count, const int64_t* zi, int64_t zm,
-                                                                 int64_t* zj) {
+                                                                 int64_t* count) {
     const __m256 tv = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
     const __m256 iv = _mm256_set1_ps(inv), dv = _mm256_set1_ps(divisor);
     float blk[64] __attribute__((aligned(32)));
-    int64_t c = *count, e = 0, j0 = *zj;
+    int64_t c = *count, e = 0;
     for (; e + 64 <= len; e += 64) {
         uint64_t mask = 0;
-        const uint64_t zbits = zm > 0 ? ac_zero_bits(zi, zm, &j0, at + e) : 0;
         AC_AHEAD(r, e, 4);
         for (int q = 0; q < 8; ++q) {
             const int64_t o = e + 8 * q;
             const __m256 s = _mm256_load_ps(m + o);
             _mm256_store_ps(m + o, zero);
-            __m256 rv = _mm256_loadu_ps(r + o);
-            if (zm > 0)  /* a zeroed position's +0.0 (ac_zero_bits) */
-                rv = _mm256_andnot_ps(lanes_of((unsigned)(zbits >> (8 * q)) & 0xffu), rv);
-            const __m256 v = _mm256_add_ps(pow2 ? _mm256_mul_ps(s, iv) : _mm256_div_ps(s, dv), rv);
+            const __m256 v = _mm256_add_ps(pow2 ? _mm256_mul_ps(s, iv) : _mm256_div_ps(s, dv), _mm256_loadu_ps(r + o));
             if (stream) _mm256_stream_ps(out + o, v); else _mm256_storeu_ps(out + o, v);
             _mm256_store_ps(blk + 8 * q, v);
             mask |= (uint64_t)(unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, v), tv, _CMP_NLT_UQ))
@@ -2738,28 +2733,11 @@ __attribute__((target("avx2"))) static int64_t sm_add_select_avx2(float* m, cons
         AC_EMIT64P(mask, at + e, blk, 0, blk[j])
     }
     *count = c;
-    *zj = j0;
     return e;
 }
 #endif
 /* The samples' lines (ac_sample_lines, ac_sparse_sample_lines) are prefetched this many lines ahead. */
 #define SAMPLE_AHEAD 24
-/* The first of the zm ascending zeroed positions zi from lo on that is >= at (the lines a sample reads
-   ascend, so it only moves on): galloping, then bisection (bisection alone, from scratch a line, cost
-   3.4 ms a step of ResNet-50's Top-k in cache misses). */
-static inline int64_t zeroed_from(const int64_t* zi, int64_t zm, int64_t lo, int64_t at) {
-    if (lo < zm && zi[lo] < at) {
-        int64_t step = 1;
-        while (lo + step < zm && zi[lo + step] < at) step *= 2;
-        int64_t l = lo + step / 2 + 1, h = lo + step < zm ? lo + step : zm;
-        while (l < h) {
-            const int64_t mid = l + (h - l) / 2;
-            if (zi[mid] < at) l = mid + 1; else h = mid;
-        }
-        lo = l;
-    }
-    return lo;
-}
 /* alltoall's second stage in one pass over its part: out = m + r, m the ranks' sparse mean exactly as
    ac_sparse_mean writes it (+0 where no rank has a value, else the rank-order sum from +0, times
    2^-e or divided by divisor) and the add as torch.add's, written whole (streamed from
@@ -2767,17 +2745,16 @@ static inline int64_t zeroed_from(const int64_t* zi, int64_t zm, int64_t lo, int
    ac_add_select_abs_not_lt gives of out (positions ascending, signed values, count returned). The
    mean is never written: one read of r and one write of out instead of the mean's write, then a read
    of it and of r and a write. -1 (nothing written) where a rank's positions do not ascend strictly
-   within [0, n). pos: world int64 of scratch. r counts as +0.0 at the zm ascending positions zi (the
-   last residual's zeroing left to this pass, as in ac_add_select_abs_not_lt; out is then not r). */
+   within [0, n). pos: world int64 of scratch. */
 int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int world, const int64_t* const* idx,
                                   const float* const* vals, const int64_t* counts, int64_t* pos, float divisor,
-                                  float t, int64_t* cidx, float* cvals, int64_t cap, const int64_t* zi, int64_t zm) {
+                                  float t, int64_t* cidx, float* cvals, int64_t cap) {
     int pow2;
     float inv;
     if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
     float m[SM_BLOCK] __attribute__((aligned(32)));
     __builtin_memset(m, 0, sizeof m);
-    int64_t c = 0, zj = 0;
+    int64_t c = 0;
     int stream = 0;
 #if defined(AC_AVX2)
     stream = n >= AC_SELECT_STREAM_MIN && ((uintptr_t)out & 31) == 0 && use_avx2();
@@ -2795,15 +2772,12 @@ int64_t ac_sparse_mean_add_select(const float* r, float* out, int64_t n, int wor
         float* ob = out + b0;
         int64_t j = 0;
 #if defined(AC_AVX2)
-        if (use_avx2())
-            j = sm_add_select_avx2(m, rb, ob, len, t, pow2, inv, divisor, stream, b0, cidx, cvals, cap, &c, zi, zm, &zj);
+        if (use_avx2()) j = sm_add_select_avx2(m, rb, ob, len, t, pow2, inv, divisor, stream, b0, cidx, cvals, cap, &c);
 #endif
         for (; j < len; ++j) {  /* the sum scaled (+0 stays +0), added, and set back to +0 */
             const float a = pow2 ? m[j] * inv : m[j] / divisor;
             m[j] = 0.0f;
-            const int zeroed = zj < zm && zi[zj] == b0 + j;
-            zj += zeroed;
-            const float v = a + (zeroed ? 0.0f : rb[j]);
+            const float v = a + rb[j];
             ob[j] = v;
             if (!(__builtin_fabsf(v) < t)) { if (c < cap) { cidx[c] = b0 + j; cvals[c] = v; } ++c; }
         }
@@ -2827,12 +2801,10 @@ static inline int64_t sample_line(int64_t j, int64_t lines, int64_t m) {
 /* The sample ac_sample_lines takes of a + r where a is the ranks' sparse mean as ac_sparse_mean writes
    it (see ac_sparse_mean_add_select): m runs of 16 floats at the lines sample_line gives, each position's
    mean from the payloads (walked once in order beside the ascending lines: a binary search per rank
-   and line cost 150 us a sample, 2.3x the dense sample). -1 as there. r counts as +0.0 at the zm
-   ascending positions zi, as there. */
+   and line cost 150 us a sample, 2.3x the dense sample). -1 as there. */
 int ac_sparse_sample_lines(const float* r, int64_t n, int world, const int64_t* const* idx,
                            const float* const* vals, const int64_t* counts, int64_t* pos, float divisor,
-                           int64_t lines, int64_t m, float* out, const int64_t* zi, int64_t zm) {
-    int64_t lo = 0;  /* as in ac_sample_lines_zeroed */
+                           int64_t lines, int64_t m, float* out) {
     int pow2;
     float inv;
     if (sm_prepare(n, world, idx, counts, pos, divisor, &pow2, &inv) != 0) return -1;
@@ -2851,12 +2823,9 @@ int ac_sparse_sample_lines(const float* r, int64_t n, int world, const int64_t* 
                 hit[x[p] - at] = 1;
             }
         }
-        lo = zeroed_from(zi, zm, lo, at);
         for (int e = 0; e < 16; ++e) {
             const float mean = hit[e] ? (pow2 ? a[e] * inv : a[e] / divisor) : 0.0f;
-            const int zeroed = lo < zm && zi[lo] == at + e;
-            lo += zeroed;
-            out[16 * j + e] = mean + (zeroed ? 0.0f : r[at + e]);
+            out[16 * j + e] = mean + r[at + e];
         }
     }
     return 0;
@@ -2915,7 +2884,18 @@ void ac_sample_lines_zeroed(const float* a, const float* b, int64_t lines, int64
             __builtin_prefetch(b + ahead);
         }
         const int64_t at = sample_line(j, lines, m) * 16;
-        lo = zeroed_from(zi, zm, lo, at);
+        /* past the positions before the line: galloping, then bisection (bisection alone, from scratch a
+           line, cost 3.4 ms a step of ResNet-50's Top-k in cache misses) */
+        if (lo < zm && zi[lo] < at) {
+            int64_t step = 1;
+            while (lo + step < zm && zi[lo + step] < at) step *= 2;
+            int64_t l = lo + step / 2 + 1, h = lo + step < zm ? lo + step : zm;
+            while (l < h) {
+                const int64_t mid = l + (h - l) / 2;
+                if (zi[mid] < at) l = mid + 1; else h = mid;
+            }
+            lo = l;
+        }
         if (lo >= zm || zi[lo] >= at + 16) {  /* most lines hold no zeroed position */
             for (int t = 0; t < 16; ++t) out[j * 16 + t] = a[at + t] + b[at + t];
             continue;
@@ -4906,9 +4886,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib_.ac_outer_fma.argtypes = [vp, vp, i64, i64, i64, vp]
     lib_.ac_sparse_mean_add_select.restype = ctypes.c_int64
     lib_.ac_sparse_mean_add_select.argtypes = [vp, vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, ctypes.c_float,
-                                               vp, vp, i64, vp, i64]
+                                               vp, vp, i64]
     lib_.ac_sparse_sample_lines.restype = ctypes.c_int
-    lib_.ac_sparse_sample_lines.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, i64, i64, vp, vp, i64]
+    lib_.ac_sparse_sample_lines.argtypes = [vp, i64, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, i64, i64, vp]
     lib_.ac_sample_lines.restype = None
     lib_.ac_sample_lines.argtypes = [vp, vp, i64, i64, vp]
     lib_.ac_sample_lines_zeroed.restype = None
@@ -6047,47 +6027,33 @@ def sparse_mean(out: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int
     return lib.ac_sparse_mean(out.data_ptr(), out.numel(), len(idx), iptr, vptr, counts, pos, float(divisor)) == 0
 
 
-def _zeroed_arg(zeroed: Tensor | None) -> tuple[int | None, int] | None:
-    """The pointer and count of ``zeroed`` (ascending int64 positions where a pass reads its
-    residual as +0.0) for the C passes; (None, 0) for none; None where they cannot read it."""
-    if zeroed is None:
-        return None, 0
-    if not (_cpu_contiguous(zeroed, torch.int64) and zeroed.dim() == 1):
-        return None
-    return zeroed.data_ptr(), zeroed.numel()
-
-
 def sparse_sample_lines(r: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int, lines: int,
-                        m: int, zeroed: Tensor | None = None) -> Tensor | None:
+                        m: int) -> Tensor | None:
     """:func:`sample_lines` of ``a + r`` where ``a`` is what :func:`sparse_mean` would write from the
     payloads (the same floats), without writing ``a``; None where the C pass cannot run (then nothing
-    was sampled). ``zeroed``: ascending int64 positions where ``r`` counts as +0.0 (as in
-    :func:`sample_lines`)."""
+    was sampled)."""
     lib = library()
     arrays = _sparse_arrays(idx, vals)
-    z = _zeroed_arg(zeroed)
-    if lib is None or arrays is None or z is None or not usable(r):
+    if lib is None or arrays is None or not usable(r):
         return None
     out = torch.empty(16 * m, dtype=torch.float32)
     iptr, vptr, counts, pos = arrays
     if lib.ac_sparse_sample_lines(r.data_ptr(), r.numel(), len(idx), iptr, vptr, counts, pos, float(divisor),
-                                  lines, m, out.data_ptr(), *z) != 0:
+                                  lines, m, out.data_ptr()) != 0:
         return None
     return out
 
 
 def sparse_mean_add_select(r: Tensor, out: Tensor, idx: list[Tensor], vals: list[Tensor], divisor: int, thr: float,
-                           expected: float = 1.0, zeroed: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+                           expected: float = 1.0) -> tuple[Tensor, Tensor] | None:
     """``out = a + r`` with ``a`` the ranks' mean :func:`sparse_mean` would write (never written
     itself) and, from the same pass, what :func:`add_select` would find in ``out``: the divisible
     scheme's second compensation from the received payloads in one pass. None (nothing written)
-    where it cannot run: a layout it does not take, positions not strictly ascending. ``zeroed``:
-    ascending int64 positions in ``[0, n)`` where ``r`` counts as +0.0 (as in :func:`add_select`)."""
+    where it cannot run: a layout it does not take, positions not strictly ascending."""
     lib = library()
     arrays = _sparse_arrays(idx, vals)
-    z = _zeroed_arg(zeroed)
     n = out.numel()
-    if lib is None or arrays is None or z is None or not (usable(r) and usable(out)) or r.numel() != n \
+    if lib is None or arrays is None or not (usable(r) and usable(out)) or r.numel() != n \
             or out.data_ptr() == r.data_ptr():
         return None
     iptr, vptr, counts, pos = arrays
@@ -6095,7 +6061,7 @@ def sparse_mean_add_select(r: Tensor, out: Tensor, idx: list[Tensor], vals: list
 
     def call(i: int, v: int, cap: int) -> int:
         got = int(lib.ac_sparse_mean_add_select(r.data_ptr(), out.data_ptr(), n, len(idx), iptr, vptr, counts, pos,
-                                                float(divisor), thr, i, v, cap, *z))
+                                                float(divisor), thr, i, v, cap))
         if got < 0:
             refused.append(True)
             return 0

@@ -184,14 +184,12 @@ class TopkCompressor(SparseCompressor):
         return self._widened(name, _expected(k, n))
 
     def compensate_mean_into(self, idx: list[Tensor], vals: list[Tensor], divisor: int, r: Tensor, out: Tensor,
-                             name: str, owed: Tensor | None = None) -> bool:
+                             name: str) -> bool:
         """:meth:`compensate_into` where the gradient is the ranks' sparse mean of ``vals`` at ``idx``
         (what :func:`~adacomp.compressors._native.sparse_mean` would write; the divisible scheme's
         second stage) and is never written itself: ``out = mean + r`` and the prefilter's candidates
-        in one pass, the floor from the same sample of ``mean + r``. ``owed``: the token of a residual
-        this compressor left owed (:meth:`defer_residual`: the positions where ``r`` counts as +0.0).
-        False (nothing written) where :meth:`compensate_into` would decline or the C pass cannot run:
-        the caller writes the mean."""
+        in one pass, the floor from the same sample of ``mean + r``. False (nothing written) where
+        :meth:`compensate_into` would decline or the C pass cannot run: the caller writes the mean."""
         flat, rf = flat_of(out), flat_of(r)
         n = flat.numel()
         k = k_for(n, self._density)
@@ -199,13 +197,13 @@ class TopkCompressor(SparseCompressor):
             return False
         expected = self._target(name, k, n)
         sample = _native.sparse_sample_lines(rf, idx, vals, divisor, n // SAMPLE_LINE,
-                                             sample_size(n) // SAMPLE_LINE, owed)
+                                             sample_size(n) // SAMPLE_LINE)
         if sample is None:
             return False
         floor = max(sampled_value(sample, expected, absolute=True), TINY)
         if not math.isfinite(floor):
             return False
-        got = _native.sparse_mean_add_select(rf, flat, idx, vals, divisor, floor, expected, owed)
+        got = _native.sparse_mean_add_select(rf, flat, idx, vals, divisor, floor, expected)
         if got is None:
             return False
         self._passed(name, got[1].numel(), k)

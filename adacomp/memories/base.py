@@ -336,8 +336,7 @@ class ResidualMemory(Memory):
     defers: ClassVar[bool] = True
     """Whether :meth:`update` may leave a residual owed to the next compensation's pass
     (``Compressor.defer_residual``): a speed path, the results are the same either way; the switch
-    of ``adacomp bench cost cell --toggle adacomp.memories.base:ResidualMemory.defers --cells N``
-    (``adacomp.memories.parts:PartResidualMemory.defers``: alltoall's second stage alone)."""
+    of ``adacomp bench cost cell --toggle adacomp.memories.base:ResidualMemory.defers --cells N``."""
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
         if not 0.0 <= beta <= 1.0:
@@ -420,31 +419,25 @@ class ResidualMemory(Memory):
         key = whole_key(name, numel, pieces)
         if fused is None or key is None:
             return None
-        # a residual left owed: the caller flattens and compensate() applies it
-        return self.compensate_with(name, numel, compressor,
-                                    lambda r, out, owed: owed is None and bool(fused(grads, r, out, key)))
+        return self.compensate_with(name, numel, compressor, lambda r, out: bool(fused(grads, r, out, key)))
 
     def compensate_with(self, name: str, numel: int, compressor: Any,
-                        write: Callable[[Tensor, Tensor, Any], bool]) -> Tensor | None:
-        """The compensated tensor of ``name`` written by ``write(r, out, owed)`` (``out = gradient +
-        r`` for a gradient the caller never materialises: the divisible scheme's second stage adds
-        the ranks' sparse mean straight from their payloads) into the buffer :meth:`update` keeps,
+                        write: Callable[[Tensor, Tensor], bool]) -> Tensor | None:
+        """The compensated tensor of ``name`` written by ``write(r, out)`` (``out = gradient + r``
+        for a gradient the caller never materialises: the divisible scheme's second stage adds the
+        ranks' sparse mean straight from their payloads) into the buffer :meth:`update` keeps,
         where :meth:`compensate` would add into that buffer: a stored residual of ``numel``
-        elements, ``beta = gamma = 1``, a compressor whose residual may overwrite its input.
-        ``owed``: where the residual is owed to ``compressor`` (whole), its token, ``r`` being the
-        base it stands on (``write`` applies it, as ``compensate_owed`` does); else None. None
-        where it would not, or ``write`` declined: the caller writes the gradient and calls
-        :meth:`compensate`."""
+        elements and no deferred one, ``beta = gamma = 1``, a compressor whose residual may
+        overwrite its input. None where it would not, or ``write`` declined: the caller writes the
+        gradient and calls :meth:`compensate`."""
         r = self._stored.get(name)
-        owed = self._owed.get(name)
-        if (r is None or r.numel() != numel or self.beta != 1.0 or self.gamma != 1.0
-                or not getattr(compressor, "residual_in_place", False)
-                or (owed is not None and not owed.takes(compressor, name, None))):
+        if (r is None or r.numel() != numel or name in self._owed or self.beta != 1.0 or self.gamma != 1.0
+                or not getattr(compressor, "residual_in_place", False)):
             return None
         kept = self._spare.get(name)
         spare = kept if kept is not None and fits(kept, r) and kept is not r else torch.empty_like(r)
         self._spare[name] = spare
-        return spare if write(r, spare, None if owed is None else owed.token) else None
+        return spare if write(r, spare) else None
 
     def update(self, tensor: Tensor, name: str, compressor: Any, payload: list[Tensor], ctx: Any) -> None:
         out = self._spare.pop(name, None)

@@ -11,7 +11,7 @@ owner unchanged.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -37,6 +37,15 @@ class PartResidualMemory(ResidualMemory):
     memory registry: the ``alltoall`` communicator declares it (``Communicator.memories``)."""
 
     name = "parts"
+
+    def _deferrable(self, compressor: Any) -> Callable[[Tensor, list[Tensor], Any], Any] | None:
+        # the second stage compensates through compensate_with (the ranks' sparse mean added unwritten,
+        # TopkCompressor.compensate_mean_into), which reads a written residual: a sparsifier's zeroing
+        # left owed costs that fused pass about what the zeroing's write misses cost (tried in cost_notes
+        # item 88: its passes reading r as +0.0 at the owed positions, no change a cell could see)
+        if getattr(compressor, "sparse", False):
+            return None
+        return super()._deferrable(compressor)
 
     def reshard(self, states: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
         parts = [s.get("residuals", {}) for s in states]
