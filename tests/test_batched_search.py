@@ -183,6 +183,9 @@ def _config(method: str) -> dict:
         return {**arm_config("adtopk")[0], "layers": []}
     if method == "alltoall_small":  # alltoall on a net with a 16K-element layer (see _train_both_ways)
         return arm_config("alltoall")[0]
+    if method == "alltoall_deferred":  # past DEFER_ZEROING_MIN sent positions in each 64K part of the 131K layer
+        base = arm_config("alltoall")[0]
+        return {**base, "compressor": {**base["compressor"], "density": 0.08}}
     if method == "gaussiank_capped":  # no corrections: the normal fit of a half-dead layer passes past the cap
         base = arm_config("gaussiank")[0]
         return {**base, "compressor": {**base["compressor"], "max_adjust": 0}}
@@ -253,6 +256,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
         from adacomp.compressors.sparse import SparseCompressor
         from adacomp.compressors.topk import TopkCompressor
         must = {"topk_deferred": (SparseCompressor, "compensate_owed", lambda a, k: True),
+                "alltoall_deferred": (SparseCompressor, "compensate_owed", lambda a, k: True),  # a part's
                 "sidco_deferred": (SparseCompressor, "compensate_owed", lambda a, k: True),
                 **{"alltoall": (TopkCompressor, "compensate_mean_into", lambda a, k: True),
                 "dgc": (DGCCompressor, "accumulate_into", lambda a, k: k.get("zeroed") is not None),
@@ -378,6 +382,7 @@ def _train_both_ways(method: str, front: str, switch: str) -> bool:
     # the means went into the gradients; the fused passes named above ran
     needs = switch == "dest" or (switch == "native" and method in ("alltoall", "dgc", "chunktopk", "chunktopk_dead",
                                                                    "topk_deferred", "sidco_deferred",
+                                                                   "alltoall_deferred",
                                                                    "adtopk", "adtopk_dead", "adtopk_wide", "sidco",
                                                                    "sidco_stages"))
     picks = switch == "native" and method in ("adtopk_1d", "alltoall_small", "gaussiank_capped", "chunktopk", "redsync",
@@ -391,7 +396,7 @@ WAYS = ([("emulate", m) for m in ["mstopk", "redsync", "gaussiank", "dgc", "sidc
                                    "mstopk", "sidco", "sidco_stages",
                                    "adtopk",
                                    "adtopk_1d", "adtopk_dead", "adtopk_wide", "powersgd", "acpsgd", "alltoall",
-                                   "alltoall_small", "gaussiank_capped", "artopk", "dgc", "chunktopk", "chunktopk_dead",
+                                   "alltoall_small", "alltoall_deferred", "gaussiank_capped", "artopk", "dgc", "chunktopk", "chunktopk_dead",
                                    "oktopk", "qsgd",
                                    "qsgd_counter", "bf16"]]
         + [("dest", m) for m in ["topk", "gaussiank", "adtopk", "alltoall", "chunktopk", "dgc"]])
@@ -410,7 +415,7 @@ def test_training_along_each_fast_path_is_bitwise(switch: str, method: str, fron
     signed kept set and its pick, in one C call, all required to have run; the compensation
     passes that read their sum included, and the residuals left to the next compensation: EF-SignSGD's
     signs, PowerSGD's and ACP-SGD's factors, PowerSGD's first product from that pass, Chunk-Top-k's
-    kept values and DGC's masking, both required to have run; bf16's casts
+    kept values, alltoall's parts' zeroing and DGC's masking, the last three required to have run; bf16's casts
     written straight into the allreduce's bucket buffer); and with every mean written into the
     gradient it averages (``Entry.dest``) as into an output of its own."""
     env = {"ADACOMP_NATIVE": "0"} if switch.startswith("emulate") else {}
