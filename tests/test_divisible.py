@@ -161,19 +161,24 @@ def test_alltoall_lossless_compressor_gives_exact_mean() -> None:
             assert torch.allclose(got[r][0][i], mean, atol=1e-6)
 
 
-def _deferred_parts_worker(habit: str) -> list:
+PARTS_DEFERRED = {"topk": {"density": 0.05}, "efsignsgd": {}, "chunktopk": {"density": 0.02}}
+"""method -> parameters, of the compressors whose residual alltoall's parts leave owed"""
+
+
+def _deferred_parts_worker(method: str, habit: str) -> list:
     import adacomp.backends
     from tests.test_native import _habit_run
     backend = adacomp.backends.create("torch")
     g = torch.Generator().manual_seed(31 + backend.rank())
-    # parts of 131K elements: 6554 sent positions each at 5 % (DEFER_ZEROING_MIN), an uneven split;
-    # the others' parts send fewer and write their residuals
+    # Top-k: parts of 131K elements send 6554 positions each at 5 % (DEFER_ZEROING_MIN), an uneven
+    # split; the others' parts send fewer and write their residuals. EF-SignSGD, Chunk-Top-k: every
+    # part defers
     shapes = [(1 << 18) + 3, (300, 256), 4000]
     grads = [[torch.randn(s, generator=g) * (1 + step) for s in shapes] for step in range(6)]
     junk = [torch.randn(s, generator=g) * 1e3 for s in shapes]
     out: list = []
     for defer in (True, False):
-        comp = compressors.get("topk", density=0.05)
+        comp = compressors.get(method, **PARTS_DEFERRED[method])
         other = compressors.get("randomk", density=0.1) if habit == "other_compressor" else comp
         if not defer:
             comp.defer_residual = lambda *args: None  # every part's residual written at every update
@@ -189,15 +194,17 @@ def _deferred_parts_worker(habit: str) -> list:
 
 @pytest.mark.parametrize("habit", ["none", "rollback", "state_dict", "rescale", "other_compressor",
                                    "one_part_declines"])
-def test_parts_residuals_left_to_the_next_compensation_are_the_written_ones(habit: str) -> None:
-    """Top-k through alltoall on two gloo ranks: each part's zeroing of its sent positions left to
-    the next compensation's pass, part by part under the parts' keys (``_Joined.defer_residual``),
+@pytest.mark.parametrize("method", sorted(PARTS_DEFERRED))
+def test_parts_residuals_left_to_the_next_compensation_are_the_written_ones(method: str, habit: str) -> None:
+    """Top-k, EF-SignSGD and Chunk-Top-k through alltoall on two gloo ranks: each part's residual
+    (Top-k's zeroing of its sent positions, EF-SignSGD's decoded signs, Chunk-Top-k's kept values) left
+    to the next compensation's pass, part by part under the parts' keys (``_Joined.defer_residual``),
     gives bitwise the compensated tensors, means and residuals of the same run with every part's
     residual written at each update, a habit in the middle included (a rolled-back round, a
     state_dict read, a loss-scale change, a step through another compressor), and where the pass
     declines one part and takes the other."""
     from tests.test_native import bits
-    for fast, owed, slow, owed_slow in run_workers(_deferred_parts_worker, 2, habit):
+    for fast, owed, slow, owed_slow in run_workers(_deferred_parts_worker, 2, method, habit):
         assert owed > 0 and owed_slow == 0 and len(fast) == len(slow)
         for a, b in zip(fast, slow):
             assert torch.equal(bits(a), bits(b))
