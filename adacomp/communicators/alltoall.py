@@ -160,9 +160,11 @@ class _Joined:
 
     def defer_residual(self, tensor: Tensor, payload: Any, ctx: Any) -> OwedSpans | None:
         """Every part's residual left to the next compensation (the compressor's ``defer_residual``
-        of each part: a sparsifier's zeroing of the sent positions), which compensates part by part
-        under the same keys (``pieces``); None unless every non-empty part's is. Why: ResNet-50's
-        alltoall wrote ~20 zeroings a step of 4K-12K scattered positions each, a write miss apiece."""
+        of each part: a sparsifier's zeroing of the sent positions, EF-SignSGD's decoded signs,
+        Chunk-Top-k's kept values), which compensates part by part under the same keys (``pieces``);
+        None unless every non-empty part's is. Why: Top-k's parts wrote their zeroings right after the
+        compensation streamed them out, a write miss a position (GPT-2-small's and VGG-16's cells
+        1-19 % faster without, cost_notes item 88)."""
         defer = getattr(self.comp, "defer_residual", None)
         if defer is None:
             return None
