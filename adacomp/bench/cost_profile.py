@@ -223,20 +223,24 @@ class Toggle:
             raise SystemExit(f"--toggle {spec}: not a boolean attribute")
         self.owner, self.spec, self.steps = owner, spec, 0
 
+    def _with(self, on: bool, run: Callable[[], Any]) -> Any:
+        """``run()`` with the switch set to ``on``, restored afterwards."""
+        was = getattr(self.owner, self.attr)
+        setattr(self.owner, self.attr, on)
+        try:
+            return run()
+        finally:
+            setattr(self.owner, self.attr, was)
+
     def around(self, step: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            was = getattr(self.owner, self.attr)
-            setattr(self.owner, self.attr, self.steps % 2 == 0)
+            on = self.steps % 2 == 0
             self.steps += 1
-            try:
-                step()
-            finally:
-                setattr(self.owner, self.attr, was)
+            self._with(on, step)
         return run
 
     def report(self, got: dict[str, Any]) -> dict[str, Any]:
         return {"toggle": self.spec, **alternated(got)}
-
 
     def cells(self, pairs: int, one: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``cell --toggle SPEC --cells N``: N pairs of whole cells ``one()`` in this process, the switch
@@ -246,38 +250,34 @@ class Toggle:
         the last cell's record with, per way, the median step (``on_s``), the median step over its
         floor (``on_x_floor``), the tenth percentile of the steps (``on_p10_s``) and each cell's median
         ratio (``on_cells_x_floor``)."""
-        import statistics
         runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
         got: dict[str, Any] = {}
         for _ in range(pairs):
             for on in (True, False):
-                was = getattr(self.owner, self.attr)
-                setattr(self.owner, self.attr, on)
-                try:
-                    got = one()
-                finally:
-                    setattr(self.owner, self.attr, was)
+                got = self._with(on, one)
                 runs[on].append(got)
         out = {**got, "toggle": self.spec, "cells": pairs}
         for on, way in ((True, "on"), (False, "off")):
-            steps = sorted(s for c in runs[on] for s in c["steps_s"])
-            out[f"{way}_s"] = statistics.median(steps)
-            out[f"{way}_p10_s"] = steps[len(steps) // 10]
-            out[f"{way}_x_floor"] = statistics.median(a / b for c in runs[on] for a, b in zip(c["steps_s"], c["floors_s"]))
-            out[f"{way}_cells_x_floor"] = [statistics.median(a / b for a, b in zip(c["steps_s"], c["floors_s"]))
-                                           for c in runs[on]]
+            steps = [s for c in runs[on] for s in c["steps_s"]]
+            out.update(_way(way, steps, [f for c in runs[on] for f in c["floors_s"]]))
+            out[f"{way}_p10_s"] = sorted(steps)[len(steps) // 10]
+            out[f"{way}_cells_x_floor"] = [_way(way, c["steps_s"], c["floors_s"])[f"{way}_x_floor"] for c in runs[on]]
         return out
+
+
+def _way(way: str, steps: list[float], floors: list[float]) -> dict[str, float]:
+    """One way's median step (``<way>_s``) and median step over the floor timed beside it (``<way>_x_floor``)."""
+    import statistics
+    return {f"{way}_s": statistics.median(steps),
+            f"{way}_x_floor": statistics.median(a / b for a, b in zip(steps, floors))}
 
 
 def alternated(got: dict[str, Any]) -> dict[str, Any]:
     """Of a cell whose timed steps alternated two ways (even steps "on", odd ones "off"): per way, the
     median step, and the median of each step over the floor timed after it."""
-    import statistics
     out: dict[str, Any] = {}
     for parity, way in ((0, "on"), (1, "off")):
-        steps, floors = got["steps_s"][parity::2], got["floors_s"][parity::2]
-        out[f"{way}_s"] = statistics.median(steps)
-        out[f"{way}_x_floor"] = statistics.median(a / b for a, b in zip(steps, floors))
+        out.update(_way(way, got["steps_s"][parity::2], got["floors_s"][parity::2]))
     return out
 
 
